@@ -1,0 +1,217 @@
+"""Decode a task's test set (or any file) with one of refdec's algorithms.
+
+    python decode.py --algo greedy --task mt-en-de                    # shipped model, real test set
+    python decode.py --algo beam --task mt-en-de --compare greedy --report r.json
+    echo "The file could not be opened." | python decode.py --algo greedy --task mt-en-de --input -
+
+Prints one output line per input line (stdout, or --output FILE) and a summary table (stderr when the
+outputs go to stdout). With --compare ALGO the second algorithm runs on the same inputs in the same
+process, interleaved, and the table adds speedup (its seconds / ours) and identical (fraction of
+outputs token-for-token equal). --compare greedy means greedy decoding of the model the algorithm
+reproduces. --report FILE writes every figure as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from refdec.data import TASKS
+    from refdec.decoding import ALGORITHMS
+    algos = "\n".join(f"  {a.name:10s} {a.summary}" for a in ALGORITHMS.values())
+    p = argparse.ArgumentParser(description=__doc__ + "\nalgorithms:\n" + algos,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algo", required=True, choices=sorted(ALGORITHMS), help="decoding algorithm")
+    p.add_argument("--task", required=True, choices=sorted(TASKS),
+                   help="task: picks the default test set, checkpoint and metrics (GEC tasks add F0.5)")
+    io = p.add_argument_group("input and output")
+    io.add_argument("--input", metavar="FILE|-", help="source sentences, one per line, UTF-8 ('-' = stdin; "
+                    "default: the task's test set with its references)")
+    io.add_argument("--output", metavar="FILE", help="write outputs here instead of stdout")
+    io.add_argument("--ref", metavar="FILE", action="append",
+                    help="reference file aligned with --input (repeat for several references)")
+    io.add_argument("--limit", type=int, metavar="N", help="decode only the first N lines")
+    io.add_argument("--report", metavar="FILE", help="write all figures as JSON")
+    io.add_argument("--trace", action="store_true", help="print how each sentence was decoded (stderr)")
+    io.add_argument("--quiet", action="store_true", help="no progress lines")
+    m = p.add_argument_group("models")
+    m.add_argument("--model", metavar="PATH", help="checkpoint whose output is produced "
+                   "(default: checkpoints/<task>/model.pt; tokenizer.json must sit beside it)")
+    m.add_argument("--drafter", metavar="PATH", help="drafter checkpoint, for algorithms that draft with a second model")
+    m.add_argument("--small", metavar="PATH", help="small-model checkpoint, for big-little decoding")
+    r = p.add_argument_group("running")
+    r.add_argument("--max-len", type=int, metavar="N", help="most output tokens per sentence, eos included "
+                   "(default: 2 x source tokens + 10, within the model's positions)")
+    r.add_argument("--batch-size", type=int, default=1, metavar="N", help="sentences per decoder call (default 1)")
+    r.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    r.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
+    r.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
+    r.add_argument("--compare", metavar="ALGO", choices=sorted(ALGORITHMS),
+                   help="also run ALGO on the same inputs, interleaved, and report speedup and identical rate")
+    r.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
+    k = p.add_argument_group("algorithm options")
+    k.add_argument("--beam-size", type=int, metavar="K", help="beams for beam search (default 5)")
+    k.add_argument("--length-penalty", type=float, metavar="A", help="beam score = log p / length^A (default 1.0)")
+    return p
+
+
+KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `decode.py ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:  # every failure is one line; REFDEC_DEBUG=1 shows the traceback
+        if os.environ.get("REFDEC_DEBUG"):
+            raise
+        from refdec.checkpoint import CheckpointError
+        from refdec.runner import UsageError
+        known = isinstance(e, (UsageError, CheckpointError))
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {msg}" if known else f"error: {type(e).__name__}: {msg} (REFDEC_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 2 if known else 1
+
+
+def run(args) -> int:
+    import torch
+
+    from refdec import runner
+    from refdec.checkpoint import load_model
+    from refdec.data import DATA_DIR, TASKS, read_lines
+    from refdec.decoding import ALGORITHMS
+    from refdec.runner import UsageError
+
+    algo = ALGORITHMS[args.algo]
+    other = ALGORITHMS[args.compare] if args.compare else None
+    # Options an algorithm does not read are refused, never silently ignored.
+    used = set(algo.knobs) | set(other.knobs if other else ())
+    for knob in KNOB_DEFAULTS:
+        if getattr(args, knob) is not None and knob not in used:
+            raise UsageError(f"--{knob.replace('_', '-')} is not used by --algo {args.algo}"
+                             + (f" or --compare {args.compare}" if other else ""))
+    roles = set(algo.roles) | set(other.roles if other else ())
+    for role in ("drafter", "small"):
+        if getattr(args, role) and role not in roles:
+            raise UsageError(f"--{role} is not used by --algo {args.algo}")
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 0) or (args.max_len is not None and args.max_len < 1):
+        raise UsageError("--batch-size and --max-len must be at least 1, --limit at least 0")
+    if args.ref and not args.input:
+        raise UsageError("--ref needs --input (the default test set brings its own references)")
+    knobs = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in KNOB_DEFAULTS.items()}
+    knobs["trace"] = args.trace
+    if knobs["beam_size"] < 1:
+        raise UsageError("--beam-size must be at least 1")
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but no CUDA device is available")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    # Input and references.
+    task_dir = DATA_DIR / args.task
+    if args.input:
+        lines = runner.read_text_lines(args.input)
+        refs = [runner.read_text_lines(r) for r in (args.ref or [])]
+        for path, r in zip(args.ref or [], refs):
+            if len(r) != len(lines):
+                raise UsageError(f"--ref {path} has {len(r)} lines but the input has {len(lines)}")
+    else:
+        if not (task_dir / "test.src.gz").exists():
+            raise UsageError(f"{task_dir}/test.src.gz not found; rebuild it with python data/build.py")
+        lines = read_lines(task_dir / "test.src.gz")
+        refs = [read_lines(task_dir / name) for name in ("test.tgt.gz", "test.tgt2.gz") if (task_dir / name).exists()]
+    if args.limit is not None:
+        lines, refs = lines[: args.limit], [r[: args.limit] for r in refs]
+
+    # Models.
+    model_path = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
+    if not args.model and not model_path.exists():
+        raise UsageError(f"no checkpoint at {model_path}; train one with: python train.py --preset {args.task}")
+    model, tokenizer, ckpt = load_model(model_path, task=args.task, device=args.device, dtype=dtype)
+    models = {"model": model}
+    max_positions = model.cfg.max_positions
+
+    ids = runner.source_ids(tokenizer, lines, max_positions)
+    runs = [runner.Run(algo, knobs)] + ([runner.Run(other, knobs)] if other else [])
+    runner.decode_lines(runs, models, ids, batch_size=args.batch_size, max_len=args.max_len,
+                        max_positions=max_positions, device=args.device, warmup=args.warmup,
+                        progress=not args.quiet)
+
+    kind = TASKS[args.task]
+    rows = []
+    for run in runs:
+        rows.append(runner.summary_row(run, runner.scores(kind, lines, runner.texts(tokenizer, run.outputs), refs)))
+    if other:
+        rows[1]["speedup"] = rows[1]["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else float("nan")
+        rows[1]["identical"] = runner.identical_rate(runs[0].outputs, runs[1].outputs)
+    table = runner.format_table(rows)
+    note = "speedup = compared algorithm's seconds / first row's seconds" if other else ""
+    hyps = runner.texts(tokenizer, runs[0].outputs)
+
+    if args.report:
+        first = rows[0]
+        report = {"algo": args.algo, "task": args.task, "n": len(lines), "decoded": first["n"],
+                  "seconds": first["seconds"], "tokens": first["tokens"], "ms_per_token": first["ms_per_token"],
+                  "verifier_calls": first["verifier_calls"], "drafter_calls": first["drafter_calls"],
+                  "mean_accepted": first["mean_accepted"], "hit_max_len": first["hit_max_len"],
+                  "bleu": first.get("bleu"), "chrf": first.get("chrf"),
+                  **{k: first[k] for k in ("gec_f05", "gec_precision", "gec_recall") if k in first},
+                  "options": {k: v for k, v in knobs.items() if k in algo.knobs},
+                  "model": str(model_path), "model_step": ckpt.get("step"), "input": args.input or f"{task_dir}/test.src.gz",
+                  "batch_size": args.batch_size, "max_len": args.max_len,
+                  "environment": runner.environment(torch.get_num_threads(), args.device, dtype)}
+        if other:
+            second = rows[1]
+            report["compare"] = {"algo": args.compare, "seconds": second["seconds"], "speedup": second["speedup"],
+                                 "identical": second["identical"], "bleu": second.get("bleu"), "chrf": second.get("chrf"),
+                                 "tokens": second["tokens"], "verifier_calls": second["verifier_calls"],
+                                 **{k: second[k] for k in ("gec_f05",) if k in second},
+                                 "options": {k: v for k, v in knobs.items() if k in other.knobs}}
+        runner.write_report(args.report, report)
+    # Outputs: exactly one line per input line.
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for h in hyps:
+            out.write(h + "\n")
+    finally:
+        if args.output:
+            out.close()
+    if args.trace:
+        for i, steps in enumerate(runs[0].traces):
+            if steps is not None:
+                print(algo_trace(args.algo, i, steps, tokenizer), file=sys.stderr)
+
+    print(table + ("\n" + note if note else ""), file=sys.stderr if not args.output else sys.stdout)
+    return 0
+
+
+def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
+    """How sentence `index` was decoded: greedy lists its one-by-one tokens, beam the best beam per step."""
+    if algo == "greedy":
+        toks = tokenizer.tokens(s["token"] for s in steps)
+        return f"[{index + 1}] {len(steps)} iterations, one token each: " + " ".join(toks)
+    if algo == "beam":
+        last = steps[-1] if steps else {"beams": [[]]}
+        return f"[{index + 1}] {len(steps)} steps; best live beam at the end: " + " ".join(tokenizer.tokens(last["beams"][0]))
+    return f"[{index + 1}] {steps}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""refdec: a from-scratch PyTorch reference implementation of lossless and speculative
+seq2seq decoding (greedy, beam, and the aggressive / blockwise / big-little decoders built on them).
+
+The pieces, bottom up:
+    config.py     frozen dataclasses for the model and for training presets
+    cache.py      KVCache, the one key/value cache every decoder uses
+    model.py      the encoder-decoder Transformer: encode / decode / forward
+    tokenizer.py  byte-level BPE with the special tokens pad, bos, eos, unk, mask
+    data.py       the shipped tasks (data/<task>/*.gz) and token-count batching
+    checkpoint.py atomic save, safe load (weights_only=True), averaging
+    training.py   the training loop behind train.py
+    decoding/     one decoder per file, all returning a DecodeResult
+    metrics.py    BLEU, chrF and an edit-level GEC F0.5
+    runner.py     what decode.py does: decode a file, compare, time, report
+"""
+
+__version__ = "0.1.0"

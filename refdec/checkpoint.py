@@ -1,0 +1,113 @@
+"""Checkpoints: written atomically, loaded safely, averaged.
+
+A checkpoint is a plain dict of tensors and primitives, so it loads with
+`torch.load(..., weights_only=True)`: a file from an untrusted source can never run code.
+
+    {"format": FORMAT, "task": str, "model_config": dict, "model": state_dict,
+     "tokenizer_sha256": str, "step": int, "meta": dict, ...training state in last.pt only}
+
+The tokenizer lives beside the checkpoint as tokenizer.json; its sha256 is recorded so a
+checkpoint paired with the wrong vocabulary is refused instead of decoding garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .model import Transformer
+from .tokenizer import Tokenizer
+
+FORMAT = "refdec-checkpoint-1"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, corrupt, or does not fit the task or tokenizer."""
+
+
+def save_atomic(obj: dict, path: str | Path) -> None:
+    """torch.save to a temporary file in the same folder, then rename: a kill never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} not found")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt file, foreign pickle, truncated download
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a refdec checkpoint (format {FORMAT})")
+    return ckpt
+
+
+def model_state(model: Transformer) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def make_checkpoint(model: Transformer, task: str, tokenizer: Tokenizer, step: int, meta: dict | None = None,
+                    half: bool = False) -> dict:
+    state = model_state(model)
+    if half:  # shipped files: half the size; loaded back as float32
+        state = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
+    return {"format": FORMAT, "task": task, "model_config": model.cfg.to_dict(), "model": state,
+            "tokenizer_sha256": tokenizer.sha256, "step": step, "meta": dict(meta or {})}
+
+
+def average_states(states: list[dict]) -> dict:
+    """Element-wise mean of several state dicts (checkpoint averaging, Vaswani et al. section 6.1)."""
+    if not states:
+        raise ValueError("nothing to average")
+    out = {}
+    for k in states[0]:
+        if states[0][k].is_floating_point():
+            out[k] = sum(s[k].double() for s in states).div(len(states)).to(states[0][k].dtype)
+        else:
+            out[k] = states[0][k].clone()
+    return out
+
+
+def load_model(path: str | Path, *, task: str | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None
+               ) -> tuple[Transformer, Tokenizer, dict]:
+    """Model (in eval mode) + its tokenizer (tokenizer.json beside the checkpoint unless given)."""
+    ckpt = load_checkpoint(path)
+    if task is not None and ckpt.get("task") != task:
+        raise CheckpointError(f"{path} was trained for task {ckpt.get('task')!r}, not {task!r}")
+    tok_path = Path(tokenizer_path) if tokenizer_path else Path(path).parent / "tokenizer.json"
+    if not tok_path.is_file():
+        raise CheckpointError(f"tokenizer {tok_path} not found (it is saved beside the checkpoint)")
+    try:
+        tokenizer = Tokenizer.load(tok_path)
+    except Exception as e:
+        raise CheckpointError(f"cannot load tokenizer {tok_path}: {str(e).splitlines()[0][:200]}") from None
+    if tokenizer.sha256 != ckpt.get("tokenizer_sha256"):
+        raise CheckpointError(f"{tok_path} is not the vocabulary {path} was trained with")
+    try:
+        cfg = ModelConfig.from_dict(ckpt["model_config"])
+        model = Transformer(cfg)
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in ckpt["model"].items()})
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: model weights do not fit its config: {str(e).splitlines()[0][:200]}") from None
+    if cfg.vocab_size != tokenizer.vocab_size:
+        raise CheckpointError(f"{path} has {cfg.vocab_size} embeddings but {tok_path} {tokenizer.vocab_size} tokens")
+    model.to(device=device, dtype=dtype).eval()
+    return model, tokenizer, ckpt

@@ -1,0 +1,110 @@
+"""Configuration as frozen dataclasses. A ModelConfig is saved inside every checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Special token ids, fixed by the order in which refdec.tokenizer registers them.
+PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<mask>")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of an encoder-decoder Transformer (Vaswani et al. 2017, figure 1)."""
+
+    vocab_size: int
+    d_model: int = 256
+    n_heads: int = 4
+    d_ff: int = 1024
+    enc_layers: int = 3
+    dec_layers: int = 3
+    dropout: float = 0.1
+    norm_first: bool = True  # pre-norm (True) or the paper's post-norm (False)
+    tie_embeddings: bool = True  # one matrix for source, target and output projection
+    max_positions: int = 256  # longest source or target the model accepts, bos/eos included
+    pad_id: int = PAD_ID
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.enc_layers < 1 or self.dec_layers < 1:
+            raise ValueError("enc_layers and dec_layers must be at least 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: the task, the model shape, and the optimisation schedule."""
+
+    task: str
+    out_dir: str
+    vocab_size: int = 8000
+    d_model: int = 256
+    n_heads: int = 4
+    d_ff: int = 1024
+    enc_layers: int = 3
+    dec_layers: int = 3
+    dropout: float = 0.1
+    norm_first: bool = True
+    max_positions: int = 256
+    max_train_len: int = 128  # training pairs with a longer side (in tokens) are skipped
+    batch_tokens: int = 4096  # source + target tokens per batch (per process)
+    lr: float = 7e-4
+    warmup_steps: int = 1000
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0
+    max_steps: int = 10000
+    time_limit_min: float = 0.0  # stop after this many minutes (0 = no limit)
+    eval_every: int = 500
+    eval_sentences: int = 300  # dev sentences decoded greedily for BLEU at each evaluation
+    keep_last: int = 5  # snapshots kept for averaging
+    seed: int = 1
+    train_limit: int = 0  # use only the first N training pairs (0 = all); for smoke runs
+    data_dir: str = ""  # folder holding <task>/*.gz ("" = the repo's data/)
+    threads: int = 0  # torch threads (0 = torch's default)
+    log_every: int = 50
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
+            enc_layers=self.enc_layers, dec_layers=self.dec_layers, dropout=self.dropout,
+            norm_first=self.norm_first, max_positions=self.max_positions,
+        )
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Presets: each trains on a 2-core CPU in about an hour (see README for measured times).
+PRESETS: dict[str, TrainConfig] = {
+    "mt-en-de": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de", time_limit_min=60),
+    "gec-uk": TrainConfig(task="gec-uk", out_dir="checkpoints/gec-uk", time_limit_min=60),
+    "gec-en": TrainConfig(task="gec-en", out_dir="checkpoints/gec-en", time_limit_min=60),
+    # Seconds, not minutes: the smoke preset the tests and the torchrun check use.
+    "tiny": TrainConfig(
+        task="mt-en-de", out_dir="checkpoints/tiny", vocab_size=600, d_model=32, n_heads=2,
+        d_ff=64, enc_layers=1, dec_layers=1, max_positions=128, batch_tokens=600, warmup_steps=10,
+        max_steps=20, eval_every=10, eval_sentences=8, keep_last=2, log_every=5,
+    ),
+}

@@ -1,0 +1,110 @@
+"""The shipped tasks and how text becomes batches.
+
+Each task lives in data/<task>/ as gzip text, one sentence per line, aligned across files:
+    {train,dev,test}.src.gz   source sentences
+    {train,dev,test}.tgt.gz   target sentences (first reference)
+    {dev,test}.tgt2.gz        a second reference where the corpus has one (gec-uk)
+    {train,dev,test}.doc.gz   the document each line comes from (splits never share a document)
+data/build_*.py rebuild them from the original packages; data/README.md lists sources and licences.
+
+Token layout used everywhere: the source is `ids + [eos]`; the decoder input is `[bos] + ids` and
+its training target is `ids + [eos]`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import BOS_ID, EOS_ID, PAD_ID
+
+REPO = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO / "data"
+TASKS = {"mt-en-de": "mt", "gec-uk": "gec", "gec-en": "gec"}
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """A text file (gzip if it ends in .gz) as a list of lines without their line endings."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+        return f.read().split("\n")[:-1] if path.stat().st_size else []
+
+
+@dataclass
+class Split:
+    src: list[str]
+    refs: list[list[str]]  # reference streams, each aligned with src (refs[0] is the training target)
+    docs: list[str]
+
+    @property
+    def tgt(self) -> list[str]:
+        return self.refs[0]
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def load_split(task: str, split: str, data_dir: str | Path = DATA_DIR) -> Split:
+    d = Path(data_dir) / task
+    if not d.is_dir():
+        raise ValueError(f"unknown task {task!r}: no folder {d} (shipped tasks: {', '.join(TASKS)})")
+    if not (d / f"{split}.src.gz").exists():
+        raise FileNotFoundError(f"{d}/{split}.src.gz not found; rebuild with python data/build.py {task}")
+    src = read_lines(d / f"{split}.src.gz")
+    refs = [read_lines(d / f"{split}.tgt.gz")]
+    if (d / f"{split}.tgt2.gz").exists():
+        refs.append(read_lines(d / f"{split}.tgt2.gz"))
+    docs_path = d / f"{split}.doc.gz"
+    docs = read_lines(docs_path) if docs_path.exists() else [""] * len(src)
+    for name, lines in [("tgt", refs[0]), ("doc", docs)] + [(f"tgt{i + 1}", r) for i, r in enumerate(refs[1:], 1)]:
+        if len(lines) != len(src):
+            raise ValueError(f"{d}/{split}: {len(src)} source lines but {len(lines)} {name} lines")
+    return Split(src, refs, docs)
+
+
+def pad_batch(seqs: list[list[int]], pad: int = PAD_ID) -> torch.Tensor:
+    """Right-pad token lists into a (B, T) LongTensor."""
+    T = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), max(T, 1)), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def source_tensor(src_ids: list[list[int]]) -> torch.Tensor:
+    """(B, S) encoder input: each source followed by eos, right-padded."""
+    return pad_batch([s + [EOS_ID] for s in src_ids])
+
+
+def training_tensors(src_ids: list[list[int]], tgt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Encoder input (B, S), decoder input [bos]+y (B, T) and decoder target y+[eos] (B, T)."""
+    return (source_tensor(src_ids), pad_batch([[BOS_ID] + t for t in tgt_ids]),
+            pad_batch([t + [EOS_ID] for t in tgt_ids]))
+
+
+def token_batches(lengths: list[tuple[int, int]], batch_tokens: int, seed: int | None) -> list[list[int]]:
+    """Group example indices into batches of at most `batch_tokens` padded source + target tokens.
+
+    Examples are sorted by length so padding stays small; the batch order is shuffled with `seed`
+    (None keeps length order, for evaluation).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i][1], lengths[i][0], i))
+    batches, cur, max_s, max_t = [], [], 0, 0
+    for i in order:
+        s, t = lengths[i][0] + 1, lengths[i][1] + 1  # eos / bos
+        ns, nt = max(max_s, s), max(max_t, t)
+        if cur and (ns + nt) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, ns, nt = [], s, t
+        cur.append(i)
+        max_s, max_t = ns, nt
+    if cur:
+        batches.append(cur)
+    if seed is not None:
+        random.Random(seed).shuffle(batches)
+    return batches

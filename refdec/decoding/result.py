@@ -1,0 +1,60 @@
+"""The one return type of every decoder: tokens, a stats record and, on request, a step trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeStats:
+    """Counts a decoder fills in. Wall time is measured by the caller, not here.
+
+    verifier_calls  decoder calls of the model whose output is produced (greedy: one per step)
+    drafter_calls   calls of a separate drafter / small model (0 for greedy and beam)
+    accepted        tokens committed by each verifier call, per sentence row (greedy: all 1)
+    fallbacks, rollbacks  big-little decoding's counters
+    """
+
+    sentences: int = 0
+    tokens: int = 0  # output tokens, eos included where produced
+    verifier_calls: int = 0
+    drafter_calls: int = 0
+    encoder_calls: int = 0
+    accepted: list[int] = field(default_factory=list)
+    fallbacks: int = 0
+    rollbacks: int = 0
+    hit_max_len: int = 0  # sentences stopped by max_len before eos
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    def merge(self, other: "DecodeStats") -> None:
+        for name in ("sentences", "tokens", "verifier_calls", "drafter_calls", "encoder_calls",
+                     "fallbacks", "rollbacks", "hit_max_len"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accepted.extend(other.accepted)
+
+    def to_dict(self) -> dict:
+        return {"sentences": self.sentences, "tokens": self.tokens, "verifier_calls": self.verifier_calls,
+                "drafter_calls": self.drafter_calls, "encoder_calls": self.encoder_calls,
+                "mean_accepted": self.mean_accepted, "fallbacks": self.fallbacks,
+                "rollbacks": self.rollbacks, "hit_max_len": self.hit_max_len}
+
+
+@dataclass
+class DecodeResult:
+    """tokens[b]: the output of source row b as a 1-D LongTensor, without bos and without the final
+    eos (which the decoder stops at). trace: per-iteration records when the caller asked for one."""
+
+    tokens: list[torch.Tensor]
+    stats: DecodeStats
+    trace: list[list[dict]] | None = None  # trace[b] = the steps of row b
+
+
+def check_eval(model: torch.nn.Module) -> None:
+    """Decoders refuse a model in training mode: dropout would make every output random."""
+    if model.training:
+        raise ValueError("decoding needs model.eval(): dropout is active in training mode")

@@ -1,0 +1,275 @@
+"""An encoder-decoder Transformer written out by hand (Vaswani et al. 2017, "Attention Is All You
+Need", figure 1), with an explicit KV cache for incremental decoding.
+
+Three entry points, one return type each:
+
+    encode(src)                      -> Memory   encoder states + cross-attention K/V, once per source
+    decode(tgt_new, memory, cache)   -> logits   (B, q, V) for q >= 1 new target tokens; appends
+                                                 them to the cache (greedy: q = 1, verification: q = k)
+    forward(src, tgt)                -> logits   (B, T, V), training, no cache: the uncached reference
+                                                 that the cached path is tested against
+
+`decode_hidden` / `project` split `decode` into the decoder stack and the vocabulary projection
+for decoders that add heads on top of the last hidden state (blockwise parallel decoding).
+Shape letters: B batch, S source length, T target length, q new positions, L cached positions,
+H heads, Dh head dim, D d_model, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig
+
+
+def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
+    """The fixed position encodings of section 3.5: (n, d), sin on even, cos on odd dims."""
+    pos = torch.arange(n, dtype=torch.float64)[:, None]
+    inv = torch.exp(torch.arange(0, d, 2, dtype=torch.float64) * (-math.log(10000.0) / d))
+    pe = torch.zeros(n, d, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(pos * inv)
+    pe[:, 1::2] = torch.cos(pos * inv)
+    return pe
+
+
+@dataclass
+class Memory:
+    """What the decoder needs from one encoder pass.
+
+    states:   (B, S, D) encoder output
+    src_pad:  (B, S) True where the source is padding
+    cross_kv: per decoder layer, the cross-attention keys and values, each (B, H, S, Dh)
+    """
+
+    states: torch.Tensor
+    src_pad: torch.Tensor
+    cross_kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def batch(self) -> int:
+        return self.states.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "Memory":
+        """The memory of batch rows `rows` (repeats allowed: beam search expands each source)."""
+        return Memory(
+            self.states.index_select(0, rows),
+            self.src_pad.index_select(0, rows),
+            [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cross_kv],
+        )
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention (section 3.2.1).
+
+    q (B, H, q, Dh), k and v (B, H, L, Dh); blocked broadcasts to (B, H, q, L), True = may not attend.
+    Returns (B, H, q, Dh).
+    """
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, q, L)
+    if blocked is not None:
+        scores = scores.masked_fill(blocked, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def causal_block(q_len: int, offset: int, device: torch.device) -> torch.Tensor:
+    """(q, offset + q) mask, True = blocked: new query i (at position offset + i) sees keys 0..offset+i."""
+    rows = torch.arange(q_len, device=device)[:, None] + offset
+    cols = torch.arange(offset + q_len, device=device)[None, :]
+    return cols > rows
+
+
+class MultiHeadAttention(nn.Module):
+    """Section 3.2.2; self-attention when `kv_input` is the query input, cross-attention otherwise."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.h, self.dh = n_heads, d_model // n_heads
+        self.wq = nn.Linear(d_model, d_model)
+        self.wk = nn.Linear(d_model, d_model)
+        self.wv = nn.Linear(d_model, d_model)
+        self.wo = nn.Linear(d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.h, self.dh).transpose(1, 2)  # (B, H, T, Dh)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.split(self.wk(x)), self.split(self.wv(x))  # each (B, H, T, Dh)
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+        """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
+        B, q_len, D = x.shape
+        out = attention(self.split(self.wq(x)), k, v, blocked)  # (B, H, q, Dh)
+        if self.training:
+            out = self.drop(out)
+        return self.wo(out.transpose(1, 2).reshape(B, q_len, D))
+
+
+class FeedForward(nn.Module):
+    """Section 3.3: two linear maps with a ReLU between."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.drop(F.relu(self.w1(x))))
+
+
+class Sublayer(nn.Module):
+    """Residual + layer norm around a sublayer, pre-norm (x + f(norm(x))) or post-norm (norm(x + f(x)))."""
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.norm, self.drop, self.norm_first = nn.LayerNorm(d_model), nn.Dropout(dropout), norm_first
+
+    def forward(self, x: torch.Tensor, f) -> torch.Tensor:
+        if self.norm_first:
+            return x + self.drop(f(self.norm(x)))
+        return self.norm(x + self.drop(f(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.sub1 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.sub2 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+
+    def forward(self, x: torch.Tensor, pad_block: torch.Tensor) -> torch.Tensor:
+        def self_attn(h):
+            k, v = self.attn.project_kv(h)
+            return self.attn.attend(h, k, v, pad_block)
+        return self.sub2(self.sub1(x, self_attn), self.ff)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.sub1 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.sub2 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.sub3 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+
+    def forward(self, x: torch.Tensor, cross_kv: tuple[torch.Tensor, torch.Tensor], src_block: torch.Tensor,
+                self_kv, self_block: torch.Tensor) -> torch.Tensor:
+        """x (B, q, D). `self_kv(h)` returns the self-attention keys/values for the new states h:
+        from the cache (incremental) or from h alone (training)."""
+        def self_attn(h):
+            k, v = self_kv(h)
+            return self.self_attn.attend(h, k, v, self_block)
+
+        def cross_attn(h):
+            return self.cross_attn.attend(h, cross_kv[0], cross_kv[1], src_block)
+
+        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; see the module docstring for the entry points."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, V = cfg.d_model, cfg.vocab_size
+        self.tgt_embed = nn.Embedding(V, D, padding_idx=cfg.pad_id)
+        self.src_embed = self.tgt_embed if cfg.tie_embeddings else nn.Embedding(V, D, padding_idx=cfg.pad_id)
+        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, D).float(), persistent=False)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
+        # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
+        self.enc_norm = nn.LayerNorm(D) if cfg.norm_first else nn.Identity()
+        self.dec_norm = nn.LayerNorm(D) if cfg.norm_first else nn.Identity()
+        self.out_proj = None if cfg.tie_embeddings else nn.Linear(D, V, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        nn.init.normal_(self.tgt_embed.weight, std=self.cfg.d_model ** -0.5)
+        with torch.no_grad():
+            self.tgt_embed.weight[self.cfg.pad_id].zero_()
+
+    def _apply(self, fn, recurse=True):
+        # Keep the sinusoid table in the parameters' dtype (float64 tests need float64 positions).
+        out = super()._apply(fn, recurse)
+        p = next(self.parameters(), None)
+        if p is not None and self.positions.dtype != p.dtype:
+            self.positions = sinusoidal_positions(self.cfg.max_positions, self.cfg.d_model).to(p.device, p.dtype)
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _embed(self, table: nn.Embedding, tokens: torch.Tensor, offset: int) -> torch.Tensor:
+        T = tokens.shape[1]
+        if offset + T > self.cfg.max_positions:
+            raise ValueError(f"sequence of {offset + T} positions exceeds max_positions={self.cfg.max_positions}")
+        x = table(tokens) * math.sqrt(self.cfg.d_model) + self.positions[offset:offset + T]
+        return self.drop(x) if self.training else x
+
+    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
+        p = self.tgt_embed.weight
+        return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
+                       device=p.device, dtype=p.dtype)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, q, D) final decoder states -> (B, q, V) logits."""
+        if self.out_proj is None:
+            return hidden @ self.tgt_embed.weight.t()
+        return self.out_proj(hidden)
+
+    # -- entry points -----------------------------------------------------------------------------
+    def encode(self, src: torch.Tensor) -> Memory:
+        """src (B, S) token ids, right-padded with pad_id -> Memory."""
+        src_pad = src.eq(self.cfg.pad_id)  # (B, S)
+        pad_block = src_pad[:, None, None, :]  # (B, 1, 1, S): keys that are padding
+        x = self._embed(self.src_embed, src, 0)
+        for layer in self.encoder:
+            x = layer(x, pad_block)
+        x = self.enc_norm(x)
+        cross_kv = [layer.cross_attn.project_kv(x) for layer in self.decoder]
+        return Memory(x, src_pad, cross_kv)
+
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
+        """tgt_new (B, q) tokens at positions [cache.length, cache.length + q) -> final states (B, q, D).
+
+        Appends the q positions to `cache` (truncate it to undo)."""
+        offset, q_len = cache.length, tgt_new.shape[1]
+        x = self._embed(self.tgt_embed, tgt_new, offset)
+        self_block = causal_block(q_len, offset, x.device)  # (q, L + q)
+        src_block = memory.src_pad[:, None, None, :]
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, memory.cross_kv[i], src_block,
+                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block)
+        cache.advance(q_len)
+        return self.dec_norm(x)
+
+    def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
+        """tgt_new (B, q) -> logits (B, q, V): row i predicts the token after tgt_new[:, i]."""
+        return self.project(self.decode_hidden(tgt_new, memory, cache))
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing without a cache: src (B, S), tgt (B, T) starting with bos -> logits (B, T, V)."""
+        memory = self.encode(src)
+        x = self._embed(self.tgt_embed, tgt, 0)
+        self_block = causal_block(tgt.shape[1], 0, x.device)
+        src_block = memory.src_pad[:, None, None, :]
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)
+        return self.project(self.dec_norm(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

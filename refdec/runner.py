@@ -1,0 +1,196 @@
+"""What decode.py does: read input, decode it with one algorithm (and, with --compare, a second one
+interleaved in the same process), time both, score the outputs, print a table, write a JSON report.
+
+Timing covers encoding and decoding of each batch (time.perf_counter around the decoder call), after
+a warm-up on the first sentences that is not counted. With --compare the two algorithms alternate
+batch by batch, and which goes first alternates too, so drift in machine speed hits both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import data as data_mod
+from .decoding import ALGORITHMS, Algorithm, DecodeStats
+from .metrics import corpus_bleu, corpus_chrf, gec_scores
+from .tokenizer import Tokenizer
+
+
+class UsageError(Exception):
+    """Bad input or options: decode.py prints the message on one line and exits non-zero."""
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def read_text_lines(path: str) -> list[str]:
+    """Lines of a UTF-8 file, or of stdin for '-'. Invalid UTF-8 is an error naming the line."""
+    try:
+        raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    if path.endswith(".gz"):
+        import gzip
+        raw = gzip.decompress(raw)
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    out = []
+    for i, line in enumerate(lines, 1):
+        try:
+            out.append(line.rstrip(b"\r").decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{path}: line {i} is not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
+    return out
+
+
+@dataclass
+class Run:
+    """One algorithm's outputs and accumulated figures over the whole input."""
+
+    algo: Algorithm
+    knobs: dict
+    outputs: list[torch.Tensor | None] = field(default_factory=list)
+    seconds: float = 0.0
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    traces: list = field(default_factory=list)
+
+
+def source_ids(tokenizer: Tokenizer, lines: list[str], max_positions: int) -> list[list[int] | None]:
+    """Token ids per line; None for an empty line (its output is empty). Overlong lines are cut
+    to what the model accepts, with a warning: the line still gets an output."""
+    out = []
+    limit = max_positions - 1  # room for the eos that ends every source
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            out.append(None)
+            continue
+        ids = tokenizer.encode(line)
+        if len(ids) > limit:
+            warn(f"input line {i} has {len(ids)} tokens, more than the model's {limit}; decoding its first {limit}")
+            ids = ids[:limit]
+        out.append(ids)
+    return out
+
+
+def max_len_for(batch: list[list[int]], max_len: int | None, max_positions: int) -> int:
+    """Output budget in tokens (eos included): --max-len if given, else 2 x source + 10, within the
+    model's positions."""
+    budget = max_len if max_len is not None else 2 * max(len(s) for s in batch) + 10
+    return max(1, min(budget, max_positions - 1))
+
+
+def run_batch(run: Run, models: dict, batch: list[list[int]], max_len: int, device) -> tuple[list, float, DecodeStats, list | None]:
+    src = data_mod.source_tensor(batch).to(device)
+    t0 = time.perf_counter()
+    res = run.algo.run(models, src, max_len, run.knobs)
+    if src.is_cuda:
+        torch.cuda.synchronize()
+    return [t.cpu() for t in res.tokens], time.perf_counter() - t0, res.stats, res.trace
+
+
+def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, batch_size: int,
+                 max_len: int | None, max_positions: int, device, warmup: int = 2, progress: bool = True) -> None:
+    """Fill each run's outputs, seconds and stats; runs alternate batch by batch (interleaved timing)."""
+    todo = [i for i, s in enumerate(ids) if s is not None]
+    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
+    for run in runs:
+        run.outputs = [None] * len(ids)
+        run.traces = [None] * len(ids)
+    for b in batches[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
+        for run in runs:
+            run_batch(run, models, [ids[i] for i in b], max_len_for([ids[i] for i in b], max_len, max_positions), device)
+    t_start, last_print, done = time.time(), time.time(), 0
+    for n, b in enumerate(batches):
+        rows = [ids[i] for i in b]
+        budget = max_len_for(rows, max_len, max_positions)
+        order = runs if n % 2 == 0 else runs[::-1]
+        for run in order:
+            try:
+                toks, secs, stats, trace = run_batch(run, models, rows, budget, device)
+            except (RuntimeError, ValueError) as e:  # one bad batch must not lose the others
+                warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}: "
+                     f"{str(e).splitlines()[0][:200]}; writing empty output line(s) in their place")
+                continue
+            run.seconds += secs
+            run.stats.merge(stats)
+            for j, i in enumerate(b):
+                run.outputs[i] = toks[j]
+                if trace is not None:
+                    run.traces[i] = trace[j]
+        done += len(b)
+        now = time.time()
+        if progress and now - last_print > 5 and n < len(batches) - 1:  # a line every 5 s on long work
+            rate = done / (now - t_start)
+            print(f"  {done}/{len(todo)} sentences, {rate:.1f}/s, ETA {(len(todo) - done) / rate:.0f}s",
+                  file=sys.stderr, flush=True)
+            last_print = now
+
+
+def texts(tokenizer: Tokenizer, outputs: list) -> list[str]:
+    """Detokenised outputs, one line each: an empty or failed line stays an empty line, and a newline
+    the model might emit is written as a space, so N inputs always give N output lines."""
+    out = []
+    for t in outputs:
+        s = "" if t is None else tokenizer.decode(t.tolist())
+        out.append(s.replace("\r", " ").replace("\n", " "))
+    return out
+
+
+def scores(task_kind: str, sources: list[str], hyps: list[str], refs: list[list[str]] | None) -> dict:
+    if not refs:
+        return {}
+    out = {"bleu": corpus_bleu(hyps, refs), "chrf": corpus_chrf(hyps, refs)}
+    if task_kind == "gec":
+        per_sentence = [list(r) for r in zip(*refs)]
+        g = gec_scores(sources, hyps, per_sentence)
+        out.update(gec_precision=g["precision"], gec_recall=g["recall"], gec_f05=g["f05"])
+    return out
+
+
+def identical_rate(a: list, b: list) -> float:
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return sum(torch.equal(x, y) for x, y in pairs) / len(pairs) if pairs else 1.0
+
+
+def summary_row(run: Run, metrics: dict) -> dict:
+    st = run.stats
+    return {"algo": run.algo.name, "n": st.sentences, "seconds": run.seconds, "tokens": st.tokens,
+            "ms_per_token": 1000 * run.seconds / max(st.tokens, 1), "verifier_calls": st.verifier_calls,
+            "drafter_calls": st.drafter_calls, "mean_accepted": st.mean_accepted,
+            "hit_max_len": st.hit_max_len, **metrics}
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [("algo", "algo", "{}"), ("n", "sent", "{}"), ("seconds", "seconds", "{:.2f}"),
+            ("ms_per_token", "ms/tok", "{:.2f}"), ("tokens", "tokens", "{}"), ("verifier_calls", "verif.calls", "{}"),
+            ("drafter_calls", "draft.calls", "{}"), ("mean_accepted", "acc/call", "{:.2f}"),
+            ("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"), ("gec_f05", "F0.5", "{:.4f}"),
+            ("speedup", "speedup", "{:.2f}x"), ("identical", "identical", "{:.4f}")]
+    cols = [c for c in cols if any(c[0] in r for r in rows)]
+    cells = [[c[1] for c in cols]] + [[c[2].format(r[c[0]]) if c[0] in r else "" for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def environment(threads: int, device, dtype) -> dict:
+    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "threads": threads, "device": str(device), "dtype": str(dtype).replace("torch.", "")}
+
+
+def write_report(path: str, report: dict) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+__all__ = ["ALGORITHMS", "Run", "UsageError", "decode_lines", "format_table", "identical_rate", "read_text_lines",
+           "scores", "source_ids", "summary_row", "texts", "warn", "write_report", "environment"]

@@ -1,0 +1,90 @@
+"""Byte-level BPE (Sennrich et al. 2016; GPT-2's byte-level variant) trained with the `tokenizers`
+library, one joint source/target vocabulary per task, saved as tokenizer.json beside a checkpoint.
+
+Byte-level means every string is representable: other scripts, emoji and control characters become
+byte tokens instead of <unk>, so decode(encode(text)) == text for any text. <unk> keeps its id for
+models and data that need one. Ids 0-4 are the special tokens pad, bos, eos, unk, mask (mask is the
+placeholder of the non-autoregressive drafter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from .config import BOS_ID, EOS_ID, MASK_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
+
+
+class Tokenizer:
+    """Text <-> token ids. `encode` adds no bos/eos: the decoders add what they need, and never
+    produces ids 0-4, whatever the text (a literal "<s>" in the input is just text)."""
+
+    pad_id, bos_id, eos_id, unk_id, mask_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID
+
+    def __init__(self, tok: HFTokenizer, json_text: str):
+        self._tok = tok
+        self.json_text = json_text
+        for i, name in enumerate(SPECIAL_TOKENS):
+            if tok.token_to_id(name) != i:
+                raise ValueError(f"tokenizer does not have {name} at id {i}: not a refdec tokenizer")
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
+        tok = HFTokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        # The specials stay in the BPE vocabulary (ids 0-4) but are not "added tokens": added tokens
+        # are matched in raw text, so an input that literally contains "<mask>" or "</s>" would turn
+        # into a control token. Without them, such text is ordinary bytes like any other.
+        spec = json.loads(tok.to_str())
+        spec["added_tokens"] = []
+        text = json.dumps(spec, ensure_ascii=False)
+        return cls(HFTokenizer.from_str(text), text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        text = Path(path).read_text(encoding="utf-8")
+        return cls(HFTokenizer.from_str(text), text)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.json_text, encoding="utf-8")
+
+    @property
+    def sha256(self) -> str:
+        """Identifies the vocabulary; checkpoints record it so a mismatched pair is refused."""
+        return hashlib.sha256(self.json_text.encode("utf-8")).hexdigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Token ids -> text; special tokens (bos, eos, pad, mask) are dropped."""
+        return self._tok.decode([int(i) for i in ids if int(i) > MASK_ID], skip_special_tokens=True)
+
+    def tokens(self, ids: Iterable[int]) -> list[str]:
+        """Readable pieces for traces (byte-level symbols, e.g. 'Ġ' marks a leading space)."""
+        return [self._tok.id_to_token(int(i)) for i in ids]
+
+
+def iter_training_text(pairs: Iterator[tuple[str, str]]) -> Iterator[str]:
+    """Both sides of every pair: the vocabulary is joint (IAD copies source tokens as the draft)."""
+    for src, tgt in pairs:
+        yield src
+        yield tgt

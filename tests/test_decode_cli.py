@@ -1,0 +1,121 @@
+"""decode.py's contract: N lines in, N lines out, one-line errors, a complete JSON report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import run_py
+
+DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet"]
+
+
+def decode(ckpt, *args, stdin=None):
+    return run_py(*DECODE, "--model", str(ckpt / "model.pt"), *args, stdin=stdin)
+
+
+def one_line_error(r) -> str:
+    err = r.stderr.decode().strip()
+    assert r.returncode != 0
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err
+    return err
+
+
+def test_every_input_line_gets_an_output_line(trained_tiny, tmp_path):
+    """Guards against lost or shifted lines: empty lines, whitespace-only lines, an overlong line
+    (warning, still decoded) and ordinary lines give exactly one output line each, in order."""
+    lines = ["The file is open.", "", "   ", "word " * 400, "Click OK.", ""]
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    r = decode(trained_tiny, "--algo", "greedy", "--input", str(inp), "--max-len", "5")
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode("utf-8").split("\n")
+    assert out[-1] == "" and len(out) - 1 == len(lines)
+    assert out[1] == "" and out[2] == "" and out[5] == ""
+    assert "warning: input line 4" in r.stderr.decode()
+
+
+def test_stdin_and_output_file(trained_tiny, tmp_path):
+    """Guards against --input - and --output being parsed but not honoured."""
+    out = tmp_path / "out.txt"
+    r = decode(trained_tiny, "--algo", "greedy", "--input", "-", "--output", str(out), "--max-len", "4",
+               stdin="One.\nTwo.\n".encode())
+    assert r.returncode == 0, r.stderr.decode()
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 2
+    assert b"greedy" in r.stdout  # the table goes to stdout when outputs go to a file
+
+
+def test_report_and_compare(trained_tiny, tmp_path):
+    """Guards against the report missing the keys the benchmarks read, and against --compare
+    greedy not reproducing beam(1)."""
+    rep = tmp_path / "r.json"
+    r = decode(trained_tiny, "--algo", "beam", "--beam-size", "1", "--limit", "6", "--compare", "greedy",
+               "--report", str(rep), "--max-len", "12")
+    assert r.returncode == 0, r.stderr.decode()
+    report = json.loads(rep.read_text())
+    for key in ("algo", "task", "n", "seconds", "tokens", "verifier_calls", "drafter_calls", "mean_accepted",
+                "bleu", "chrf"):
+        assert key in report, key
+    assert report["n"] == 6 and report["algo"] == "beam"
+    assert set(report["compare"]) >= {"algo", "seconds", "speedup", "identical", "bleu"}
+    assert report["compare"]["identical"] == 1.0
+    assert len(r.stdout.decode().splitlines()) == 6
+
+
+def test_gec_report_has_f05(tmp_path, trained_tiny):
+    """Guards against GEC tasks missing the edit-level F0.5."""
+    from refdec.runner import scores
+    s = scores("gec", ["a b c"], ["a x c"], [["a x c"]])
+    assert s["gec_f05"] == 1.0 and "bleu" in s
+
+
+def test_trace_prints_per_sentence(trained_tiny):
+    """Guards against --trace being accepted but printing nothing."""
+    r = decode(trained_tiny, "--algo", "greedy", "--limit", "2", "--trace", "--max-len", "6")
+    assert r.returncode == 0
+    assert "[1]" in r.stderr.decode() and "[2]" in r.stderr.decode()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--algo", "nope"], "invalid choice"),
+    (["--algo", "greedy", "--beam-size", "3"], "not used by"),
+    (["--algo", "greedy", "--drafter", "x.pt"], "not used by"),
+    (["--algo", "greedy", "--batch-size", "0"], "at least 1"),
+    (["--algo", "greedy", "--ref", "x.txt"], "needs --input"),
+])
+def test_invalid_options(trained_tiny, args, needle):
+    """Guards against flags that are silently ignored or crash."""
+    r = decode(trained_tiny, *args)
+    err = r.stderr.decode()
+    assert r.returncode != 0 and needle in err and "Traceback" not in err, err
+
+
+def test_non_utf8_input_is_a_one_line_error(trained_tiny, tmp_path):
+    """Guards against a UnicodeDecodeError traceback on Latin-1 input."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("ok\nK\xf6ln\n".encode("latin-1"))
+    assert "line 2 is not valid UTF-8" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--input", str(bad)))
+
+
+def test_checkpoint_problems_are_one_line_errors(trained_tiny, tmp_path):
+    """Guards against tracebacks for a missing checkpoint, a wrong task, or a swapped tokenizer."""
+    assert "not found" in one_line_error(run_py(*DECODE, "--algo", "greedy", "--model", str(tmp_path / "none.pt")))
+    r = run_py("decode.py", "--algo", "greedy", "--task", "gec-uk", "--model", str(trained_tiny / "model.pt"))
+    assert "trained for task" in one_line_error(r)
+    other = tmp_path / "swapped"
+    shutil.copytree(trained_tiny, other)
+    from refdec.tokenizer import Tokenizer
+    Tokenizer.train(["completely different text"] * 10, 300).save(other / "tokenizer.json")
+    assert "not the vocabulary" in one_line_error(decode(other, "--algo", "greedy", "--limit", "1"))
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(trained_tiny, corrupt)
+    (corrupt / "model.pt").write_bytes((trained_tiny / "model.pt").read_bytes()[:1000])
+    assert "cannot load" in one_line_error(decode(corrupt, "--algo", "greedy", "--limit", "1"))
+
+
+def test_help_explains():
+    """Guards against a --help that does not say what the algorithms are."""
+    r = run_py("decode.py", "--help")
+    assert r.returncode == 0 and b"--compare" in r.stdout and b"beam search" in r.stdout

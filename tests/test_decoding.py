@@ -1,0 +1,109 @@
+"""Greedy and beam search: the baselines every other decoder is measured against."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import random_src, tiny_model
+from refdec.config import BOS_ID, EOS_ID
+from refdec.decoding import beam_search, greedy
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> str:
+    n = min(len(a), len(b))
+    pos = next((i for i in range(n) if a[i] != b[i]), n)
+    return f"first divergence at position {pos}: {a[pos:pos + 3].tolist()} vs {b[pos:pos + 3].tolist()}"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_beam_of_one_is_greedy(seed):
+    """Guards against beam search's bookkeeping (eos handling, reordering) changing the argmax path."""
+    vocab = 12 if seed % 2 else 40
+    m = tiny_model(seed, vocab=vocab, norm_first=seed % 3 != 0)
+    src = random_src(seed, 5, vocab)
+    g = greedy(m, src, max_len=25)
+    b = beam_search(m, src, max_len=25, beam_size=1, length_penalty=1.0)
+    for x, y in zip(g.tokens, b.tokens):
+        assert torch.equal(x, y), first_divergence(x, y)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_greedy_equals_one_at_a_time(seed):
+    """Guards against padding leaking into attention and against dropping finished rows wrongly."""
+    vocab = 12 if seed % 2 else 40
+    m = tiny_model(seed, vocab=vocab)
+    src = random_src(seed, 7, vocab, min_len=1, max_len=12)
+    batched = greedy(m, src, max_len=20)
+    for b in range(7):
+        alone = greedy(m, src[b:b + 1, : int(src[b].ne(0).sum())], max_len=20)
+        assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(batched.tokens[b], alone.tokens[0])
+
+
+def exhaustive(model, src_row: torch.Tensor, max_len: int, alpha: float) -> tuple[float, list[int]]:
+    """Best normalised score over every output: eos-terminated ones up to max_len, and the ones
+    cut at max_len without eos (beam search treats those as finished too)."""
+    V = model.cfg.vocab_size
+    with torch.inference_mode():
+        mem = model.encode(src_row[None])
+
+        def logp(prefix):
+            return torch.log_softmax(model(src_row[None], torch.tensor([[BOS_ID] + prefix]))[0, -1], -1)
+
+        best = (float("-inf"), [])
+        non_eos = [v for v in range(V) if v != EOS_ID]
+        for n in range(max_len):  # n tokens then eos (total n + 1), or n = max_len tokens without eos
+            for prefix in itertools.product(non_eos, repeat=n):
+                prefix = list(prefix)
+                s = sum(logp(prefix[:i])[prefix[i]].item() for i in range(n))
+                end = s + logp(prefix)[EOS_ID].item()
+                best = max(best, (end / (n + 1) ** alpha, prefix + [EOS_ID]))
+        for prefix in itertools.product(non_eos, repeat=max_len):
+            prefix = list(prefix)
+            s = sum(logp(prefix[:i])[prefix[i]].item() for i in range(max_len))
+            best = max(best, (s / max_len ** alpha, prefix))
+        del mem
+    return best
+
+
+@pytest.mark.parametrize("seed,alpha", [(0, 1.0), (1, 0.0), (2, 0.6), (3, 1.0), (4, 2.0)])
+def test_beam_with_wide_beam_is_exhaustive_search(seed, alpha):
+    """Guards against beam search's pruning or stopping rule missing the best hypothesis when the
+    beam is wide enough to hold every prefix (vocabulary of 6, outputs of at most 3 tokens)."""
+    m = tiny_model(seed, vocab=6, d_model=16, layers=(1, 1))
+    src = random_src(seed, 1, 6, min_len=2, max_len=4)[0]
+    score, best = exhaustive(m, src, 3, alpha)
+    res = beam_search(m, src[None], max_len=3, beam_size=6 ** 3, length_penalty=alpha)
+    expect = best[:-1] if best and best[-1] == EOS_ID else best
+    assert res.tokens[0].tolist() == expect, (score, best)
+
+
+def test_decoders_refuse_training_mode():
+    """Guards against decoding with dropout on, which makes outputs random and breaks every equality."""
+    m = tiny_model(0).train()
+    with pytest.raises(ValueError, match="eval"):
+        greedy(m, random_src(0, 1, 40), max_len=5)
+    with pytest.raises(ValueError, match="eval"):
+        beam_search(m, random_src(0, 1, 40), max_len=5)
+
+
+def test_greedy_stats_and_trace():
+    """Guards against the stats record drifting from what was decoded (the benchmarks divide by it)."""
+    m = tiny_model(1, vocab=12)
+    src = random_src(1, 1, 12)
+    res = greedy(m, src, max_len=30, trace=True)
+    n = len(res.tokens[0]) + (0 if res.stats.hit_max_len else 1)  # eos counts as a decoded token
+    assert res.stats.verifier_calls == n == res.stats.tokens == len(res.trace[0])
+    assert res.stats.mean_accepted == 1.0 and res.stats.drafter_calls == 0
+    assert [s["token"] for s in res.trace[0]][: len(res.tokens[0])] == res.tokens[0].tolist()
+
+
+def test_max_len_is_respected():
+    """Guards against off-by-one in the output budget (max_len counts eos)."""
+    m = tiny_model(0, vocab=40)
+    src = random_src(0, 3, 40)
+    for max_len in (1, 2, 7):
+        for res in (greedy(m, src, max_len=max_len), beam_search(m, src, max_len=max_len, beam_size=3)):
+            assert all(len(t) <= max_len for t in res.tokens)

@@ -1,0 +1,138 @@
+"""The model's cached path against its uncached reference, and the KVCache's verbs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_src, tiny_model
+from refdec.cache import KVCache
+from refdec.config import BOS_ID, EOS_ID
+
+
+def uncached_greedy(model, src_row: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Greedy by re-running model.forward over the whole prefix each step: slow, obviously right."""
+    tgt = torch.tensor([[BOS_ID]])
+    out = []
+    for _ in range(max_len):
+        tok = model(src_row[None], tgt)[0, -1].argmax().item()
+        out.append(tok)
+        if tok == EOS_ID:
+            return torch.tensor(out[:-1])
+        tgt = torch.cat([tgt, torch.tensor([[tok]])], 1)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_logits_equal_uncached(seed, norm_first):
+    """Guards against a wrong causal offset, position offset or cache write in incremental decoding:
+    feeding the target 1 token at a time, or in chunks of several, gives forward()'s logits."""
+    m = tiny_model(seed, norm_first=norm_first)
+    src = random_src(seed, 3, 40)
+    g = torch.Generator().manual_seed(seed)
+    tgt = torch.cat([torch.full((3, 1), BOS_ID), torch.randint(5, 40, (3, 11), generator=g)], 1)
+    with torch.inference_mode():
+        full = m(src, tgt)
+        mem = m.encode(src)
+        for chunks in ([1] * 12, [3, 1, 5, 3], [12], [2, 10]):
+            cache = m.new_cache(3, capacity=2)  # small on purpose: growth must keep contents
+            pieces, at = [], 0
+            for c in chunks:
+                pieces.append(m.decode(tgt[:, at:at + c], mem, cache))
+                at += c
+            inc = torch.cat(pieces, 1)
+            assert cache.length == 12
+            assert (inc - full).abs().max().item() < 1e-10, chunks
+
+
+def test_truncate_then_redecode_gives_same_logits():
+    """Guards against stale keys after truncate: rejected draft positions must vanish completely."""
+    m = tiny_model(3)
+    src = random_src(3, 1, 40)
+    with torch.inference_mode():
+        mem = m.encode(src)
+        cache = m.new_cache(1)
+        m.decode(torch.tensor([[BOS_ID, 7, 8]]), mem, cache)
+        m.decode(torch.tensor([[30, 31, 32, 33]]), mem, cache)  # a draft that gets rejected
+        cache.truncate(3)
+        again = m.decode(torch.tensor([[9, 10]]), mem, cache)
+        ref = m(src, torch.tensor([[BOS_ID, 7, 8, 9, 10]]))[:, 3:]
+    assert (again - ref).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cached_greedy_tokens_equal_uncached(seed):
+    """Guards against any drift between the KV-cache greedy loop and the naive recomputation."""
+    from refdec.decoding import greedy
+    m = tiny_model(seed, vocab=12)
+    src = random_src(seed, 4, 12)
+    res = greedy(m, src, max_len=20)
+    with torch.inference_mode():
+        for b in range(4):
+            assert torch.equal(res.tokens[b], uncached_greedy(m, src[b][src[b] != 0], 20))
+
+
+def test_cache_verbs():
+    """Guards against the cache's bookkeeping: lengths, bounds, row selection, independent clones."""
+    c = KVCache(n_layers=2, batch=3, n_heads=2, head_dim=4, capacity=2, dtype=torch.float64)
+    k = torch.arange(3 * 2 * 3 * 4, dtype=torch.float64).view(3, 2, 3, 4)
+    for layer in range(2):
+        K, V = c.append(layer, k, -k)
+        assert K.shape == (3, 2, 3, 4) and torch.equal(K, k) and torch.equal(V, -k)
+    assert c.length == 0  # nothing counts before advance
+    c.advance(3)
+    assert c.length == 3 and c.capacity >= 3
+    with pytest.raises(ValueError):
+        c.truncate(4)
+    d = c.clone()
+    c.truncate(1)
+    assert c.length == 1 and d.length == 3
+    K, _ = d.append(0, k[:, :, :1], k[:, :, :1])
+    assert torch.equal(K[:, :, :3], k)  # clone kept its own storage
+    rows = torch.tensor([2, 0, 0])
+    d.select(rows)
+    assert d.batch == 3 and torch.equal(d.k[0, :, :, :3], k[rows])
+    with pytest.raises(RuntimeError):
+        KVCache(1, 1, 1, 1, capacity=1).advance(2)
+
+
+def test_memory_select_matches_separate_encoding():
+    """Guards against beam search reading another sentence's source after Memory.select."""
+    m = tiny_model(5)
+    src = random_src(5, 3, 40)
+    with torch.inference_mode():
+        mem = m.encode(src).select(torch.tensor([2, 2, 0]))
+        alone = m.encode(src[2:3])
+        S = alone.states.shape[1]
+        assert (mem.states[0, :S] - alone.states[0]).abs().max() < 1e-12
+        assert torch.equal(mem.src_pad[0], mem.src_pad[1])
+
+
+def test_float32_and_positions_dtype():
+    """Guards against the sinusoid table staying float32 in a float64 model (and vice versa)."""
+    m = tiny_model(0)
+    assert m.positions.dtype == torch.float64
+    m32 = m.float()
+    assert m32.positions.dtype == torch.float32
+    with torch.inference_mode():
+        out = m32.decode(torch.tensor([[BOS_ID]]), m32.encode(random_src(0, 1, 40)), m32.new_cache(1))
+    assert out.dtype == torch.float32
+
+
+def test_too_long_sequence_is_refused():
+    """Guards against silently indexing past the position table."""
+    m = tiny_model(0, max_positions=8)
+    with pytest.raises(ValueError, match="max_positions"):
+        m.encode(torch.full((1, 9), 6))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_matches_cpu():
+    """Guards against device mix-ups (masks or caches created on the CPU)."""
+    from refdec.decoding import greedy
+    m = tiny_model(1, vocab=12)
+    src = random_src(1, 3, 12)
+    cpu = greedy(m, src, max_len=15)
+    gpu = greedy(m.cuda(), src.cuda(), max_len=15)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu.tokens, gpu.tokens))

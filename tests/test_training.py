@@ -1,0 +1,122 @@
+"""Training loop pieces, checkpoints (atomic, safe, averaged, resumable) and the torchrun path."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_py, tiny_model
+from refdec.checkpoint import CheckpointError, average_states, load_checkpoint, load_model, save_atomic
+from refdec.training import inverse_sqrt
+
+TINY = ["train.py", "--preset", "tiny", "--train-limit", "800", "--threads", "1"]
+
+
+def test_inverse_sqrt_schedule():
+    """Guards against a schedule that never warms up or never decays."""
+    assert inverse_sqrt(50, 100) == pytest.approx(0.5)
+    assert inverse_sqrt(100, 100) == pytest.approx(1.0)
+    assert inverse_sqrt(400, 100) == pytest.approx(0.5)
+
+
+def test_save_atomic_keeps_old_file_when_interrupted(tmp_path, monkeypatch):
+    """Guards against a kill during saving leaving a truncated checkpoint behind."""
+    path = tmp_path / "last.pt"
+    save_atomic({"format": "refdec-checkpoint-1", "x": torch.ones(2)}, path)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(KeyboardInterrupt):
+        save_atomic({"format": "refdec-checkpoint-1", "x": torch.zeros(2)}, path)
+    assert torch.equal(load_checkpoint(path)["x"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary file left
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/refdec_pwned",))
+
+
+def test_untrusted_pickle_is_refused_not_run(tmp_path):
+    """Guards against torch.load running code from a malicious checkpoint (weights_only=True)."""
+    path = tmp_path / "evil.pt"
+    Path("/tmp/refdec_pwned").unlink(missing_ok=True)
+    with open(path, "wb") as f:
+        pickle.dump({"format": "refdec-checkpoint-1", "model": Evil()}, f)
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)
+    assert not Path("/tmp/refdec_pwned").exists()
+
+
+def test_corrupt_and_missing_checkpoints(tmp_path):
+    """Guards against tracebacks on truncated or absent files."""
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(CheckpointError, match="cannot load"):
+        load_checkpoint(bad)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "nothing.pt")
+
+
+def test_average_states():
+    """Guards against averaging that weights snapshots unequally or changes integer buffers."""
+    a, b = tiny_model(0).state_dict(), tiny_model(1).state_dict()
+    avg = average_states([a, b])
+    k = "tgt_embed.weight"
+    assert torch.allclose(avg[k], (a[k] + b[k]) / 2)
+
+
+def _weights(path: Path) -> dict:
+    return load_checkpoint(path)["model"]
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Guards against resume losing optimizer state, data position or RNG state: 8 steps straight
+    equal 4 steps, an interruption, and 4 more after --resume."""
+    straight, split = tmp_path / "a", tmp_path / "b"
+    r = run_py(*TINY, "--out-dir", str(straight), "--max-steps", "8", "--eval-every", "4")
+    assert r.returncode == 0, r.stderr.decode()
+    r = run_py(*TINY, "--out-dir", str(split), "--max-steps", "4", "--eval-every", "4")
+    assert r.returncode == 0, r.stderr.decode()
+    r = run_py(*TINY, "--out-dir", str(split), "--max-steps", "8", "--eval-every", "4", "--resume")
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"resumed from" in r.stderr
+    wa, wb = _weights(straight / "last.pt"), _weights(split / "last.pt")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the run also wrote what decode.py needs, and the averaged snapshot
+    for name in ("model.pt", "best.pt", "average.pt", "tokenizer.json", "log.jsonl"):
+        assert (split / name).exists(), name
+    model, tok, ck = load_model(split / "model.pt", task="mt-en-de")
+    assert not model.training and ck["step"] == 8
+
+
+def test_seeded_runs_are_reproducible(tmp_path):
+    """Guards against hidden nondeterminism (unseeded init, shuffling, dropout)."""
+    for name in ("x", "y"):
+        r = run_py(*TINY, "--out-dir", str(tmp_path / name), "--max-steps", "5", "--eval-every", "5")
+        assert r.returncode == 0, r.stderr.decode()
+    wx, wy = _weights(tmp_path / "x" / "last.pt"), _weights(tmp_path / "y" / "last.pt")
+    assert all(torch.equal(wx[k], wy[k]) for k in wx)
+
+
+def test_torchrun_two_processes(tmp_path):
+    """Guards against the data-parallel path rotting: 2 CPU processes (gloo) train a few steps."""
+    out = tmp_path / "ddp"
+    r = run_py("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", *TINY,
+               "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", timeout=600)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert b"2 process(es)" in r.stderr
+    assert (out / "model.pt").exists()
+
+
+def test_bad_preset_value_is_one_line_error():
+    """Guards against a traceback for an impossible model shape."""
+    r = run_py("train.py", "--preset", "tiny", "--d-model", "30", "--n-heads", "4")
+    assert r.returncode == 2
+    assert r.stderr.decode().strip().startswith("error:") and "Traceback" not in r.stderr.decode()
