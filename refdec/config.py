@@ -98,7 +98,8 @@ class TrainConfig:
 
 # Presets: each trains on a 2-core CPU in about an hour (see README for measured times).
 PRESETS: dict[str, TrainConfig] = {
-    "mt-en-de": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de", time_limit_min=60),
+    "mt-en-de": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de", time_limit_min=60, lr=1e-3,
+                            warmup_steps=800, eval_every=400),
     "gec-uk": TrainConfig(task="gec-uk", out_dir="checkpoints/gec-uk", time_limit_min=60),
     "gec-en": TrainConfig(task="gec-en", out_dir="checkpoints/gec-en", time_limit_min=60),
     # Seconds, not minutes: the smoke preset the tests and the torchrun check use.

@@ -54,7 +54,7 @@ def load_split(task: str, split: str, data_dir: str | Path = DATA_DIR) -> Split:
     if not d.is_dir():
         raise ValueError(f"unknown task {task!r}: no folder {d} (shipped tasks: {', '.join(TASKS)})")
     if not (d / f"{split}.src.gz").exists():
-        raise FileNotFoundError(f"{d}/{split}.src.gz not found; rebuild with python data/build.py {task}")
+        raise FileNotFoundError(f"{d}/{split}.src.gz not found; rebuild with: python data/build.py {task}")
     src = read_lines(d / f"{split}.src.gz")
     refs = [read_lines(d / f"{split}.tgt.gz")]
     if (d / f"{split}.tgt2.gz").exists():

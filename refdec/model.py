@@ -55,6 +55,14 @@ class Memory:
     def batch(self) -> int:
         return self.states.shape[0]
 
+    @property
+    def src_block(self) -> torch.Tensor | None:
+        """(B, 1, 1, S) cross-attention mask, or None when no row has padding (batch 1): the
+        masked_fill it saves is a no-op then, so the logits are the same either way."""
+        if not hasattr(self, "_src_block"):
+            self._src_block = self.src_pad[:, None, None, :] if bool(self.src_pad.any()) else None
+        return self._src_block
+
     def select(self, rows: torch.Tensor) -> "Memory":
         """The memory of batch rows `rows` (repeats allowed: beam search expands each source)."""
         return Memory(
@@ -235,7 +243,7 @@ class Transformer(nn.Module):
     def encode(self, src: torch.Tensor) -> Memory:
         """src (B, S) token ids, right-padded with pad_id -> Memory."""
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
-        pad_block = src_pad[:, None, None, :]  # (B, 1, 1, S): keys that are padding
+        pad_block = src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S) keys that are padding
         x = self._embed(self.src_embed, src, 0)
         for layer in self.encoder:
             x = layer(x, pad_block)
@@ -249,8 +257,9 @@ class Transformer(nn.Module):
         Appends the q positions to `cache` (truncate it to undo)."""
         offset, q_len = cache.length, tgt_new.shape[1]
         x = self._embed(self.tgt_embed, tgt_new, offset)
-        self_block = causal_block(q_len, offset, x.device)  # (q, L + q)
-        src_block = memory.src_pad[:, None, None, :]
+        # One new query sees every cached key: no mask needed (the greedy step stays lean).
+        self_block = causal_block(q_len, offset, x.device) if q_len > 1 else None  # (q, L + q)
+        src_block = memory.src_block
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory.cross_kv[i], src_block,
                       lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block)
@@ -266,7 +275,7 @@ class Transformer(nn.Module):
         memory = self.encode(src)
         x = self._embed(self.tgt_embed, tgt, 0)
         self_block = causal_block(tgt.shape[1], 0, x.device)
-        src_block = memory.src_pad[:, None, None, :]
+        src_block = memory.src_block
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)
         return self.project(self.dec_norm(x))
