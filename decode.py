@@ -185,7 +185,9 @@ def run(args) -> int:
                                  **{k: second[k] for k in ("gec_f05",) if k in second},
                                  "options": {k: v for k, v in knobs.items() if k in other.knobs}}
         runner.write_report(args.report, report)
-    # Outputs: exactly one line per input line.
+    # Outputs: exactly one line per input line, UTF-8 whatever the locale.
+    if not args.output:
+        sys.stdout.reconfigure(encoding="utf-8")
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:
         for h in hyps:

@@ -59,15 +59,23 @@ def load_checkpoint(path: str | Path) -> dict:
     return ckpt
 
 
-def model_state(model: Transformer) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def model_state(model: Transformer, half: bool = False) -> dict:
+    """A detached copy of the weights (float16 if `half`). Tied weights stay one tensor under
+    several names, so the shared embedding is stored once."""
+    copies: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in copies:
+            c = t.detach().clone()
+            copies[t.data_ptr()] = c.half() if half and c.is_floating_point() else c
+        state[name] = copies[t.data_ptr()]
+    return state
 
 
 def make_checkpoint(model: Transformer, task: str, tokenizer: Tokenizer, step: int, meta: dict | None = None,
                     half: bool = False) -> dict:
-    state = model_state(model)
-    if half:  # shipped files: half the size; loaded back as float32
-        state = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
+    """half=True for shipped files: half the size, loaded back in the dtype the caller asks for."""
+    state = model_state(model, half)
     return {"format": FORMAT, "task": task, "model_config": model.cfg.to_dict(), "model": state,
             "tokenizer_sha256": tokenizer.sha256, "step": step, "meta": dict(meta or {})}
 
