@@ -1,0 +1,106 @@
+"""What one decoder call costs as a function of how many new tokens it appends.
+
+    python -m refdec.stepcost --task mt-en-de              # the shipped model, 2 threads
+    python -m refdec.stepcost --task mt-en-de --report cost.json
+
+For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
+--src source tokens (the setting of ../shared/cpu-physics.md), interleaving the q values round by
+round, and prints the median cost and cost(q) / cost(1): the price of verifying a draft of q tokens
+in one call, which decides what every speculative decoder can gain on this machine. It also times
+the one-row vocabulary projection both ways (strided W.t() against the contiguous copy that
+Transformer.project uses for the greedy step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, load_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
+    """Median seconds of one decode call appending q tokens to a cache holding `prefix` tokens."""
+    cache = model.new_cache(1, capacity=prefix + q)
+    model.decode(torch.full((1, prefix), 7), memory, cache)
+    new = torch.full((1, q), 9)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model.decode(new, memory, cache)
+        times.append(time.perf_counter() - t0)
+        cache.truncate(prefix)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="mt-en-de", help="task whose shipped checkpoint to load (default mt-en-de)")
+    p.add_argument("--model", help="checkpoint path (default: checkpoints/<task>/model.pt)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--src", type=int, default=30, help="source tokens (default 30)")
+    p.add_argument("--prefix", type=int, default=30, help="tokens already in the cache (default 30)")
+    p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
+    p.add_argument("--report", help="write the figures as JSON")
+    args = p.parse_args(argv)
+    try:
+        qs = [int(x) for x in args.q.split(",")]
+        if min(qs) < 1 or args.rounds < 1 or args.threads < 1:
+            raise ValueError
+    except ValueError:
+        print("error: --q takes positive integers separated by commas; --rounds and --threads at least 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    path = args.model or REPO / "checkpoints" / args.task / "model.pt"
+    try:
+        model, _, _ = load_model(path, task=args.task)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.src + args.prefix + max(qs) > model.cfg.max_positions:
+        print(f"error: --src/--prefix/--q exceed the model's {model.cfg.max_positions} positions", file=sys.stderr)
+        return 2
+    samples: dict[int, list[float]] = {q: [] for q in qs}
+    W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
+    W_t = W.t().contiguous()
+    proj = {"strided W.t()": [], "contiguous copy": []}
+    with torch.inference_mode():
+        memory = model.encode(torch.full((1, args.src), 11))
+        h = torch.randn(1, 1, model.cfg.d_model)
+        for q in qs:  # warm-up
+            time_decode(model, memory, args.prefix, q, 3)
+        for _ in range(args.rounds):
+            for q in qs:
+                samples[q].append(time_decode(model, memory, args.prefix, q, 5))
+            for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    h @ w
+                proj[name].append((time.perf_counter() - t0) / 10)
+    base = statistics.median(samples[qs[0]])
+    rows = [{"q": q, "ms": 1000 * statistics.median(samples[q]), "ratio": statistics.median(samples[q]) / base} for q in qs]
+    print(f"decoder call appending q tokens to a cache of {args.prefix}, source of {args.src}, "
+          f"{args.threads} threads, {path}")
+    print("    q   ms/call   cost(q)/cost(q=%d)" % qs[0])
+    for r in rows:
+        print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}")
+    pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
+    print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
+    if args.report:
+        Path(args.report).write_text(json.dumps({"model": str(path), "threads": args.threads, "src": args.src,
+                                                 "prefix": args.prefix, "calls": rows, "projection_ms": pm,
+                                                 "torch": torch.__version__}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
