@@ -107,8 +107,10 @@ def run(args) -> int:
     for role in ("drafter", "small"):
         if getattr(args, role) and role not in roles:
             raise UsageError(f"--{role} is not used by --algo {args.algo}")
-    if args.batch_size < 1 or (args.limit is not None and args.limit < 0) or (args.max_len is not None and args.max_len < 1):
-        raise UsageError("--batch-size and --max-len must be at least 1, --limit at least 0")
+    if args.batch_size < 1 or (args.max_len is not None and args.max_len < 1):
+        raise UsageError("--batch-size and --max-len must be at least 1")
+    if (args.limit is not None and args.limit < 0) or args.warmup < 0:
+        raise UsageError("--limit and --warmup must be at least 0")
     if args.ref and not args.input:
         raise UsageError("--ref needs --input (the default test set brings its own references)")
     knobs = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in KNOB_DEFAULTS.items()}
@@ -166,24 +168,12 @@ def run(args) -> int:
     hyps = runner.texts(tokenizer, runs[0].outputs)
 
     if args.report:
-        first = rows[0]
-        report = {"algo": args.algo, "task": args.task, "n": len(lines), "decoded": first["n"],
-                  "seconds": first["seconds"], "tokens": first["tokens"], "ms_per_token": first["ms_per_token"],
-                  "verifier_calls": first["verifier_calls"], "drafter_calls": first["drafter_calls"],
-                  "mean_accepted": first["mean_accepted"], "hit_max_len": first["hit_max_len"],
-                  "bleu": first.get("bleu"), "chrf": first.get("chrf"),
-                  **{k: first[k] for k in ("gec_f05", "gec_precision", "gec_recall") if k in first},
-                  "options": {k: v for k, v in knobs.items() if k in algo.knobs},
-                  "model": str(model_path), "model_step": ckpt.get("step"), "input": args.input or f"{task_dir}/test.src.gz",
-                  "batch_size": args.batch_size, "max_len": args.max_len,
-                  "environment": runner.environment(torch.get_num_threads(), args.device, dtype)}
-        if other:
-            second = rows[1]
-            report["compare"] = {"algo": args.compare, "seconds": second["seconds"], "speedup": second["speedup"],
-                                 "identical": second["identical"], "bleu": second.get("bleu"), "chrf": second.get("chrf"),
-                                 "tokens": second["tokens"], "verifier_calls": second["verifier_calls"],
-                                 **{k: second[k] for k in ("gec_f05",) if k in second},
-                                 "options": {k: v for k, v in knobs.items() if k in other.knobs}}
+        report = runner.build_report(
+            args.task, rows, [r.knobs for r in runs], [r.algo for r in runs], n_lines=len(lines),
+            extra={"model": str(model_path), "model_step": ckpt.get("step"),
+                   "input": args.input or f"{task_dir}/test.src.gz", "batch_size": args.batch_size,
+                   "max_len": args.max_len,
+                   "environment": runner.environment(torch.get_num_threads(), args.device, dtype)})
         runner.write_report(args.report, report)
     # Outputs: exactly one line per input line, UTF-8 whatever the locale.
     if not args.output:

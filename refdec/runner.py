@@ -188,9 +188,28 @@ def environment(threads: int, device, dtype) -> dict:
             "threads": threads, "device": str(device), "dtype": str(dtype).replace("torch.", "")}
 
 
+def build_report(task: str, rows: list[dict], knobs: list[dict], algos: list[Algorithm], *, n_lines: int,
+                 extra: dict) -> dict:
+    """The JSON report: the first run's figures at the top level, the --compare run under "compare"."""
+    first = rows[0]
+    keys = ("seconds", "tokens", "ms_per_token", "verifier_calls", "drafter_calls", "mean_accepted", "hit_max_len")
+    report = {"algo": algos[0].name, "task": task, "n": n_lines, "decoded": first["n"],
+              **{k: first[k] for k in keys}, "bleu": first.get("bleu"), "chrf": first.get("chrf"),
+              **{k: first[k] for k in ("gec_f05", "gec_precision", "gec_recall") if k in first},
+              "options": {k: v for k, v in knobs[0].items() if k in algos[0].knobs}, **extra}
+    if len(rows) > 1:
+        second = rows[1]
+        report["compare"] = {"algo": algos[1].name, "seconds": second["seconds"], "speedup": second["speedup"],
+                             "identical": second["identical"], "bleu": second.get("bleu"), "chrf": second.get("chrf"),
+                             "tokens": second["tokens"], "verifier_calls": second["verifier_calls"],
+                             **{k: second[k] for k in ("gec_f05",) if k in second},
+                             "options": {k: v for k, v in knobs[1].items() if k in algos[1].knobs}}
+    return report
+
+
 def write_report(path: str, report: dict) -> None:
     Path(path).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 __all__ = ["ALGORITHMS", "Run", "UsageError", "decode_lines", "format_table", "identical_rate", "read_text_lines",
-           "scores", "source_ids", "summary_row", "texts", "warn", "write_report", "environment"]
+           "scores", "source_ids", "summary_row", "texts", "warn", "build_report", "write_report", "environment"]

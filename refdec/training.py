@@ -214,11 +214,11 @@ class Trainer:
         m.train()
         limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else float("inf")
         t_last, tok_count, loss_sum, loss_n = time.time(), 0, 0.0, 0
-        while self.step < cfg.max_steps and self.elapsed < limit_s:
+        while self.step < cfg.max_steps and not self._out_of_time(limit_s):
             batches = data_mod.token_batches(self.lengths, cfg.batch_tokens, seed=cfg.seed * 1000 + self.epoch)
             mine = batches[self.rank::self.world]
             n_steps = len(batches) // self.world  # every rank must run the same number of steps
-            while self.batch_in_epoch < n_steps and self.step < cfg.max_steps and self.elapsed < limit_s:
+            while self.batch_in_epoch < n_steps and self.step < cfg.max_steps and not self._out_of_time(limit_s):
                 idx = mine[self.batch_in_epoch]
                 src, tgt_in, tgt_out = (x.to(self.device) for x in data_mod.training_tensors(
                     [self.src_ids[i] for i in idx], [self.tgt_ids[i] for i in idx]))
@@ -256,6 +256,16 @@ class Trainer:
         if self.world > 1:
             dist.destroy_process_group()
         return results
+
+    def _out_of_time(self, limit_s: float) -> bool:
+        """Rank 0's clock decides for everyone: ranks that stopped on their own clocks at different
+        steps would leave the others waiting forever in the gradient all-reduce."""
+        over = self.elapsed >= limit_s
+        if self.world > 1 and limit_s != float("inf"):
+            flag = torch.tensor([float(over)], device=self.device)
+            dist.broadcast(flag, src=0)
+            over = bool(flag.item())
+        return over
 
     def _window(self, now: float) -> float:
         start = getattr(self, "_window_start", None) or self._t0

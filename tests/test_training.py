@@ -106,10 +106,15 @@ def test_seeded_runs_are_reproducible(tmp_path):
 
 
 def test_torchrun_two_processes(tmp_path):
-    """Guards against the data-parallel path rotting: 2 CPU processes (gloo) train a few steps."""
+    """Guards against the data-parallel path rotting: 2 CPU processes (gloo) train a few steps,
+    with a time limit so that the ranks' shared stopping decision is exercised too."""
+    import socket
+    with socket.socket() as sock:  # a free port, so a parallel run cannot collide
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     out = tmp_path / "ddp"
-    r = run_py("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", *TINY,
-               "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", timeout=600)
+    r = run_py("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, *TINY,
+               "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--time-limit-min", "30", timeout=600)
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     assert b"2 process(es)" in r.stderr
     assert (out / "model.pt").exists()
