@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--small", metavar="PATH", help="small-model checkpoint, for big-little decoding")
     r = p.add_argument_group("running")
     r.add_argument("--max-len", type=int, metavar="N", help="most output tokens per sentence, eos included "
-                   "(default: 2 x source tokens + 10, within the model's positions)")
+                   "(default: 2 x the longest source of the batch + 10, within the model's positions)")
     r.add_argument("--batch-size", type=int, default=1, metavar="N", help="sentences per decoder call (default 1)")
     r.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     r.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
