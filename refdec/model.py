@@ -237,9 +237,9 @@ class Transformer(nn.Module):
         """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
         if hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu" and not torch.is_grad_enabled():
-            # One row (the greedy step): on CPU, MKL's routine for (1, D) @ (D, V) is ~15% faster per
-            # step with a contiguous transposed copy than with the strided view W.t() (measured:
-            # 2.33 vs 2.75 ms for the mt-en-de model; ../shared/cpu-physics.md). Same products and sums.
+            # One row (the greedy step): on CPU, MKL's routine for (1, D) @ (D, V) is faster with a
+            # contiguous transposed copy than with the strided view W.t() (`python -m refdec.stepcost`
+            # prints both; ../shared/cpu-physics.md). Same products and sums.
             return hidden @ self._vocab_t(W)
         return hidden @ W.t()
 
