@@ -9,6 +9,16 @@ outputs go to stdout). With --compare ALGO the second algorithm runs on the same
 process, interleaved, and the table adds speedup (its seconds / ours) and identical (fraction of
 outputs token-for-token equal). --compare greedy means greedy decoding of the model the algorithm
 reproduces. --report FILE writes every figure as JSON.
+
+--compare takes several algorithms, and each may name its own checkpoint (same tokenizer):
+
+    python decode.py --algo iad --task gec-uk --model checkpoints/gec-uk-9x3/model.pt \
+        --compare greedy,beam@checkpoints/gec-uk-6x6/model.pt,iad@checkpoints/gec-uk-6x6/model.pt
+
+Then a matrix gives every row's speedup over every other. A lossless algorithm run beside greedy of
+the same checkpoint also gets: the lines where it differs from greedy, each with the first divergent
+position and the model's top-1/top-2 logit margin there (a near-tie, or a bug), and, with batch size
+1, its speedup over greedy by edit ratio of the output (how much of the input the output keeps).
 """
 
 from __future__ import annotations
@@ -52,16 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     r.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
     r.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
-    r.add_argument("--compare", metavar="ALGO", choices=sorted(ALGORITHMS),
-                   help="also run ALGO on the same inputs, interleaved, and report speedup and identical rate")
+    r.add_argument("--compare", metavar="ALGO[@CKPT],...",
+                   help="also run these algorithms on the same inputs, interleaved, and report speedups and "
+                   "identical rates; ALGO@CKPT runs ALGO on another checkpoint with the same tokenizer")
     r.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     k = p.add_argument_group("algorithm options")
     k.add_argument("--beam-size", type=int, metavar="K", help="beams for beam search (default 5)")
     k.add_argument("--length-penalty", type=float, metavar="A", help="beam score = log p / length^A (default 1.0)")
+    k.add_argument("--match", choices=MATCH_POLICIES, help="iad: which source position to draft from. unique "
+                   "(default, the paper's): shortest output suffix that occurs once in the source; leftmost: "
+                   "as unique, but a repeated n-gram drafts from its leftmost occurrence; longest: longest "
+                   "suffix that occurs, leftmost occurrence (prompt-lookup's rule)")
+    k.add_argument("--max-suffix", type=int, metavar="N", help="iad: longest output suffix matched, in tokens "
+                   "(default 0 = no limit)")
+    k.add_argument("--max-draft", type=int, metavar="N", help="iad: most tokens drafted per verifier call, "
+                   "the papers' L_max (default 0 = up to the end of the source)")
     return p
 
 
-KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0}
+MATCH_POLICIES = ("unique", "leftmost", "longest")  # refdec.decoding.iad's, listed here to keep --help import-light
+KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0, "match": "unique", "max_suffix": 0, "max_draft": 0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,14 +116,15 @@ def run(args) -> int:
     from refdec.runner import UsageError
 
     algo = ALGORITHMS[args.algo]
-    other = ALGORITHMS[args.compare] if args.compare else None
+    compares = parse_compare(args.compare) if args.compare else []
+    others = [ALGORITHMS[name] for name, _ in compares]
     # Options an algorithm does not read are refused, never silently ignored.
-    used = set(algo.knobs) | set(other.knobs if other else ())
+    used = set(algo.knobs).union(*(o.knobs for o in others))
     for knob in KNOB_DEFAULTS:
         if getattr(args, knob) is not None and knob not in used:
             raise UsageError(f"--{knob.replace('_', '-')} is not used by --algo {args.algo}"
-                             + (f" or --compare {args.compare}" if other else ""))
-    roles = set(algo.roles) | set(other.roles if other else ())
+                             + (f" or --compare {args.compare}" if others else ""))
+    roles = set(algo.roles).union(*(o.roles for o in others))
     for role in ("drafter", "small"):
         if getattr(args, role) and role not in roles:
             raise UsageError(f"--{role} is not used by --algo {args.algo}")
@@ -117,6 +138,8 @@ def run(args) -> int:
     knobs["trace"] = args.trace
     if knobs["beam_size"] < 1:
         raise UsageError("--beam-size must be at least 1")
+    if knobs["max_suffix"] < 0 or knobs["max_draft"] < 0:
+        raise UsageError("--max-suffix and --max-draft must be at least 0 (0 = no limit)")
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
@@ -148,10 +171,22 @@ def run(args) -> int:
         raise UsageError(f"no checkpoint at {model_path}; train one with: python train.py --preset {args.task}")
     model, tokenizer, ckpt = load_model(model_path, task=args.task, device=args.device, dtype=dtype)
     models = {"model": model}
-    max_positions = model.cfg.max_positions
+    loaded = {model_path.resolve(): model}
+    for _, path in compares:  # other checkpoints for --compare ALGO@CKPT, each loaded once
+        if path is not None and Path(path).resolve() not in loaded:
+            m2, tok2, _ = load_model(path, task=args.task, device=args.device, dtype=dtype)
+            if tok2.sha256 != tokenizer.sha256:
+                raise UsageError(f"{path} has a different tokenizer from {model_path}; compared runs must share one")
+            loaded[Path(path).resolve()] = m2
+    max_positions = min(m.cfg.max_positions for m in loaded.values())
 
     ids = runner.source_ids(tokenizer, lines, max_positions)
-    runs = [runner.Run(algo, knobs)] + ([runner.Run(other, knobs)] if other else [])
+    several_models = len(loaded) > 1
+    runs = [runner.Run(algo, knobs, label=label(args.algo, model_path, several_models))]
+    for (name, path), other in zip(compares, others):
+        ckpt_path = Path(path) if path else model_path
+        runs.append(runner.Run(other, knobs, models={"model": loaded[ckpt_path.resolve()]},
+                               label=label(name, ckpt_path, several_models)))
     runner.decode_lines(runs, models, ids, batch_size=args.batch_size, max_len=args.max_len,
                         max_positions=max_positions, device=args.device, warmup=args.warmup,
                         progress=not args.quiet)
@@ -160,11 +195,40 @@ def run(args) -> int:
     rows = []
     for run in runs:
         rows.append(runner.summary_row(run, runner.scores(kind, lines, runner.texts(tokenizer, run.outputs), refs)))
-    if other:
-        rows[1]["speedup"] = rows[1]["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else float("nan")
-        rows[1]["identical"] = runner.identical_rate(runs[0].outputs, runs[1].outputs)
+    for row, run in zip(rows[1:], runs[1:]):
+        row["speedup"] = row["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else float("nan")
+        row["identical"] = runner.identical_rate(runs[0].outputs, run.outputs)
     table = runner.format_table(rows)
-    note = "speedup = compared algorithm's seconds / first row's seconds" if other else ""
+    notes = []
+    if others:
+        notes.append("speedup = that row's seconds / first row's seconds; identical = share of outputs "
+                     "token-for-token equal to the first row's")
+    matrix = None
+    if len(runs) > 2:
+        matrix, text = runner.speedup_matrix(rows)
+        notes.append(text)
+    # A lossless algorithm beside greedy of the same model: list every difference with its margin,
+    # and (batch size 1) its speedup by edit ratio.
+    checks = []
+    for fast in runs:
+        base = next((r for r in runs if r.algo.name == "greedy"
+                     and r.models_of(models)["model"] is fast.models_of(models)["model"]), None)
+        if base is None or fast is base or not fast.algo.lossless:
+            continue
+        mdl = fast.models_of(models)["model"]
+        div = runner.divergences(mdl, ids, base.outputs, fast.outputs, args.device)
+        check = {"algo": fast.name, "greedy": base.name,
+                 "identical": runner.identical_rate(base.outputs, fast.outputs), "divergences": div}
+        notes.append(f"{fast.name} vs {base.name}: {check['identical']:.4f} identical, {len(div)} line(s) differ"
+                     + "".join(f"\n  line {d['line']}: first divergence at token {d['position']} "
+                               f"(greedy {tokenizer.tokens([d['greedy_token']])[0]!r}, "
+                               f"{fast.name} {tokenizer.tokens([d['other_token']])[0]!r}); top-1/top-2 logit "
+                               f"margin {d['margin_top1_top2']:.3g}" for d in div))
+        if args.batch_size == 1:
+            buckets, text = runner.edit_buckets(lines, runner.texts(tokenizer, base.outputs), fast, base)
+            check["edit_buckets"] = buckets
+            notes.append(text)
+        checks.append(check)
     hyps = runner.texts(tokenizer, runs[0].outputs)
 
     if args.report:
@@ -172,7 +236,7 @@ def run(args) -> int:
             args.task, rows, [r.knobs for r in runs], [r.algo for r in runs], n_lines=len(lines),
             extra={"model": str(model_path), "model_step": ckpt.get("step"),
                    "input": args.input or f"{task_dir}/test.src.gz", "batch_size": args.batch_size,
-                   "max_len": args.max_len,
+                   "max_len": args.max_len, "runs": rows, "speedup_matrix": matrix, "lossless_checks": checks,
                    "environment": runner.environment(torch.get_num_threads(), args.device, dtype)})
         runner.write_report(args.report, report)
     # Outputs: exactly one line per input line, UTF-8 whatever the locale.
@@ -190,8 +254,28 @@ def run(args) -> int:
             if steps is not None:
                 print(algo_trace(args.algo, i, steps, tokenizer), file=sys.stderr)
 
-    print(table + ("\n" + note if note else ""), file=sys.stderr if not args.output else sys.stdout)
+    print("\n\n".join([table] + notes), file=sys.stderr if not args.output else sys.stdout)
     return 0
+
+
+def parse_compare(spec: str) -> list[tuple[str, str | None]]:
+    """"greedy,beam@ckpt.pt" -> [("greedy", None), ("beam", "ckpt.pt")]."""
+    from refdec.decoding import ALGORITHMS
+    from refdec.runner import UsageError
+    out = []
+    for item in spec.split(","):
+        name, _, path = item.strip().partition("@")
+        if name not in ALGORITHMS:
+            raise UsageError(f"--compare: unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
+        if path and not Path(path).exists():
+            raise UsageError(f"--compare: no checkpoint at {path}")
+        out.append((name, path or None))
+    return out
+
+
+def label(algo: str, path: Path, with_model: bool) -> str:
+    """Row name: the algorithm, plus the checkpoint's folder when the runs use several checkpoints."""
+    return f"{algo}@{path.parent.name}" if with_model else algo
 
 
 def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
@@ -202,6 +286,23 @@ def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
     if algo == "beam":
         last = steps[-1] if steps else {"beams": [[]]}
         return f"[{index + 1}] {len(steps)} steps; best live beam at the end: " + " ".join(tokenizer.tokens(last["beams"][0]))
+    if algo == "iad":
+        # Like table 2 of the SAD paper: one line per iteration (one verifier call); a copied span
+        # that the model accepted in parallel is in brackets, the token the model chose itself
+        # (at the bifurcation, or in a plain greedy step) follows it.
+        n_tok = sum(len(s["tokens"]) for s in steps)
+        lines = [f"[{index + 1}] {len(steps)} iterations for {n_tok} tokens"]
+        def text(ids):  # readable text of a span; eos shown as </s>
+            cut = ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids
+            return tokenizer.decode(cut) + (" </s>" if len(cut) < len(ids) else "")
+
+        for it, s in enumerate(steps, 1):
+            acc = s["accepted"]
+            how = (f"{s['drafted']} drafted from source token {s['match']}, {acc} accepted"
+                   if s["drafted"] else "nothing to draft: a greedy step")
+            body = (f"[{text(s['tokens'][:acc])}] " if acc else "") + text(s["tokens"][acc:])
+            lines.append(f"  {it:3d}  {body}    ({how})")
+        return "\n".join(lines)
     return f"[{index + 1}] {steps}"
 
 

@@ -58,10 +58,21 @@ class Run:
 
     algo: Algorithm
     knobs: dict
+    models: dict | None = None  # role -> model for this run (None: decode_lines' models)
+    label: str = ""  # name in tables ("" = the algorithm's name)
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     seconds: float = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
     traces: list = field(default_factory=list)
+    times: list[float | None] = field(default_factory=list)  # per line: seconds of its batch / batch size
+    calls: list[int | None] = field(default_factory=list)  # per line: verifier calls of its batch
+
+    @property
+    def name(self) -> str:
+        return self.label or self.algo.name
+
+    def models_of(self, default: dict) -> dict:
+        return self.models or default
 
 
 def source_ids(tokenizer: Tokenizer, lines: list[str], max_positions: int) -> list[list[int] | None]:
@@ -91,7 +102,7 @@ def max_len_for(batch: list[list[int]], max_len: int | None, max_positions: int)
 def run_batch(run: Run, models: dict, batch: list[list[int]], max_len: int, device) -> tuple[list, float, DecodeStats, list | None]:
     src = data_mod.source_tensor(batch).to(device)
     t0 = time.perf_counter()
-    res = run.algo.run(models, src, max_len, run.knobs)
+    res = run.algo.run(run.models or models, src, max_len, run.knobs)
     if src.is_cuda:
         torch.cuda.synchronize()
     return [t.cpu() for t in res.tokens], time.perf_counter() - t0, res.stats, res.trace
@@ -105,6 +116,8 @@ def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, 
     for run in runs:
         run.outputs = [None] * len(ids)
         run.traces = [None] * len(ids)
+        run.times = [None] * len(ids)
+        run.calls = [None] * len(ids)
     for b in batches[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
         for run in runs:
             run_batch(run, models, [ids[i] for i in b], max_len_for([ids[i] for i in b], max_len, max_positions), device)
@@ -124,6 +137,8 @@ def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, 
             run.stats.merge(stats)
             for j, i in enumerate(b):
                 run.outputs[i] = toks[j]
+                run.times[i] = secs / len(b)
+                run.calls[i] = stats.verifier_calls
                 if trace is not None:
                     run.traces[i] = trace[j]
         done += len(b)
@@ -163,15 +178,16 @@ def identical_rate(a: list, b: list) -> float:
 
 def summary_row(run: Run, metrics: dict) -> dict:
     st = run.stats
-    return {"algo": run.algo.name, "n": st.sentences, "seconds": run.seconds, "tokens": st.tokens,
+    return {"algo": run.name, "n": st.sentences, "seconds": run.seconds, "tokens": st.tokens,
             "ms_per_token": 1000 * run.seconds / max(st.tokens, 1), "verifier_calls": st.verifier_calls,
-            "drafter_calls": st.drafter_calls, "mean_accepted": st.mean_accepted,
+            "calls_per_sentence": st.verifier_calls / max(st.sentences, 1), "drafter_calls": st.drafter_calls, "mean_accepted": st.mean_accepted,
             "hit_max_len": st.hit_max_len, **metrics}
 
 
 def format_table(rows: list[dict]) -> str:
     cols = [("algo", "algo", "{}"), ("n", "sent", "{}"), ("seconds", "seconds", "{:.2f}"),
             ("ms_per_token", "ms/tok", "{:.2f}"), ("tokens", "tokens", "{}"), ("verifier_calls", "verif.calls", "{}"),
+            ("calls_per_sentence", "calls/sent", "{:.2f}"),
             ("drafter_calls", "draft.calls", "{}"), ("mean_accepted", "acc/call", "{:.2f}"),
             ("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"), ("gec_f05", "F0.5", "{:.4f}"),
             ("speedup", "speedup", "{:.2f}x"), ("identical", "identical", "{:.4f}")]
@@ -181,6 +197,68 @@ def format_table(rows: list[dict]) -> str:
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def speedup_matrix(rows: list[dict]) -> tuple[list[list[float]], str]:
+    """m[i][j] = seconds of row j / seconds of row i: how many times faster row i ran than row j
+    (all rows timed in one process, interleaved). Returns the matrix and its printed form."""
+    names = [r["algo"] for r in rows]
+    m = [[(c["seconds"] / r["seconds"]) if r["seconds"] else float("nan") for c in rows] for r in rows]
+    cells = [["speedup of row over column"] + names] + [[n] + [f"{v:.2f}x" for v in line] for n, line in zip(names, m)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return m, "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
+
+
+@torch.inference_mode()
+def divergences(model, ids: list[list[int] | None], greedy_out: list, other_out: list, device) -> list[dict]:
+    """Every line where `other_out` differs from `greedy_out` (greedy decoding of `model`): the first
+    divergent position, the two tokens there, and the model's top-1 minus top-2 logit at that position,
+    recomputed the way greedy computes it (one token per call over the greedy prefix). A margin near
+    zero is a numerical near-tie between two kernels' roundings, not a decoding error."""
+    eos = model.cfg.eos_id
+    out = []
+    for i, (src, g, o) in enumerate(zip(ids, greedy_out, other_out)):
+        if src is None or g is None or o is None or torch.equal(g, o):
+            continue
+        g_l, o_l = g.tolist() + [eos], o.tolist() + [eos]
+        pos = next(p for p in range(min(len(g_l), len(o_l))) if g_l[p] != o_l[p])
+        memory = model.encode(data_mod.source_tensor([src]).to(device))
+        cache = model.new_cache(1, capacity=pos + 2)
+        prefix = [model.cfg.bos_id] + g_l[:pos]
+        for t in prefix:
+            logits = model.decode(torch.tensor([[t]], device=device), memory, cache)[0, -1]
+        top = logits.float().topk(2)
+        out.append({"line": i + 1, "position": pos, "greedy_token": g_l[pos], "other_token": o_l[pos],
+                    "margin_top1_top2": float(top.values[0] - top.values[1]),
+                    "gap_greedy_vs_other": float(logits[g_l[pos]] - logits[o_l[pos]])})
+    return out
+
+
+EDIT_BUCKETS = ((0.0, 0.0), (0.0, 0.1), (0.1, 0.2), (0.2, 0.4), (0.4, float("inf")))
+
+
+def edit_buckets(sources: list[str], hyps: list[str], fast: "Run", base: "Run") -> tuple[list[dict], str]:
+    """Per-sentence speedup of `fast` over `base` grouped by the edit ratio of the output (word edit
+    distance between input and output over input length): how the gain depends on how much of the
+    input survives. Needs per-sentence times (batch size 1)."""
+    from .metrics import edit_ratio
+    rows = []
+    for lo, hi in EDIT_BUCKETS:
+        idx = [i for i, (s, h) in enumerate(zip(sources, hyps))
+               if fast.times[i] and base.times[i]
+               and ((lo == hi == edit_ratio(s, h)) if lo == hi else lo < edit_ratio(s, h) <= hi)]
+        if not idx:
+            continue
+        per = sorted(base.times[i] / fast.times[i] for i in idx)
+        rows.append({"edit_ratio": "0" if lo == hi else (f"({lo:g}, {hi:g}]" if hi != float("inf") else f"> {lo:g}"),
+                     "sentences": len(idx), "calls_per_sentence": sum(fast.calls[i] for i in idx) / len(idx),
+                     "speedup": sum(base.times[i] for i in idx) / sum(fast.times[i] for i in idx),
+                     "median_sentence_speedup": per[len(per) // 2]})
+    head = ("edit ratio", "sentences", f"{fast.name} calls/sent", f"speedup over {base.name}", "median per sentence")
+    cells = [list(head)] + [[r["edit_ratio"], str(r["sentences"]), f"{r['calls_per_sentence']:.2f}",
+                              f"{r['speedup']:.2f}x", f"{r['median_sentence_speedup']:.2f}x"] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    return rows, "\n".join("  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells)
 
 
 def environment(threads: int, device, dtype) -> dict:

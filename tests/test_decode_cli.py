@@ -78,8 +78,59 @@ def test_trace_prints_per_sentence(trained_tiny):
     assert "[1]" in r.stderr.decode() and "[2]" in r.stderr.decode()
 
 
+def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
+    """Guards the comparison machinery the IAD benchmark reads: several --compare runs, one on another
+    checkpoint, the speedup matrix, the lossless check against greedy of the same model (with its
+    divergence list) and the edit-ratio buckets."""
+    other = tmp_path / "other"
+    shutil.copytree(trained_tiny, other)
+    rep = tmp_path / "r.json"
+    r = decode(trained_tiny, "--algo", "iad", "--compare", f"greedy,beam@{other / 'model.pt'}", "--limit", "6",
+               "--max-len", "12", "--dtype", "float64", "--report", str(rep), "--max-draft", "4")
+    assert r.returncode == 0, r.stderr.decode()
+    report = json.loads(rep.read_text())
+    assert [row["algo"] for row in report["runs"]] == ["iad@" + trained_tiny.name, "greedy@" + trained_tiny.name,
+                                                       "beam@other"]
+    assert len(report["speedup_matrix"]) == 3 and report["options"]["max_draft"] == 4
+    (check,) = report["lossless_checks"]
+    assert check["identical"] == 1.0 and check["divergences"] == []
+    assert sum(b["sentences"] for b in check["edit_buckets"]) == 6
+    err = r.stderr.decode()
+    assert "speedup of row over column" in err and "0 line(s) differ" in err and "edit ratio" in err
+    assert len(r.stdout.decode().splitlines()) == 6
+
+
+def test_divergences_name_position_and_margin():
+    """Guards the float32 audit: a differing line is reported with its first divergent position and
+    the model's top-1/top-2 margin there, computed along the greedy prefix."""
+    import torch
+
+    from conftest import tiny_model
+    from refdec.decoding import greedy
+    from refdec.runner import divergences
+    m = tiny_model(1, vocab=40)
+    src = [[7, 8, 9]]
+    g = greedy(m, torch.tensor([[7, 8, 9, 2]]), max_len=8).tokens
+    wrong = [g[0].clone()]
+    wrong[0][3] = (wrong[0][3] + 1) % 40
+    (d,) = divergences(m, src, g, wrong, "cpu")
+    assert d["line"] == 1 and d["position"] == 3 and d["greedy_token"] == g[0][3].item()
+    assert d["margin_top1_top2"] >= 0 and d["gap_greedy_vs_other"] > 0
+    assert divergences(m, src, g, g, "cpu") == []
+
+
+def test_iad_trace_shows_iterations(trained_tiny):
+    r = decode(trained_tiny, "--algo", "iad", "--limit", "2", "--trace", "--max-len", "6")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "[1]" in r.stderr.decode() and "iterations for" in r.stderr.decode()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--algo", "nope"], "invalid choice"),
+    (["--algo", "greedy", "--match", "longest"], "not used by"),
+    (["--algo", "iad", "--max-draft", "-1"], "at least 0"),
+    (["--algo", "iad", "--compare", "greedy,nope"], "unknown algorithm"),
+    (["--algo", "iad", "--compare", "beam@missing.pt"], "no checkpoint"),
     (["--algo", "greedy", "--beam-size", "3"], "not used by"),
     (["--algo", "greedy", "--drafter", "x.pt"], "not used by"),
     (["--algo", "greedy", "--batch-size", "0"], "at least 1"),
@@ -113,6 +164,9 @@ def test_checkpoint_problems_are_one_line_errors(trained_tiny, tmp_path):
     shutil.copytree(trained_tiny, corrupt)
     (corrupt / "model.pt").write_bytes((trained_tiny / "model.pt").read_bytes()[:1000])
     assert "cannot load" in one_line_error(decode(corrupt, "--algo", "greedy", "--limit", "1"))
+    shipped = "checkpoints/mt-en-de/model.pt"  # a real checkpoint with another tokenizer
+    assert "different tokenizer" in one_line_error(
+        decode(trained_tiny, "--algo", "iad", "--compare", f"greedy@{shipped}", "--limit", "1"))
 
 
 def test_help_explains():

@@ -16,7 +16,9 @@ import torch
 
 from .beam import beam_search
 from .greedy import greedy
+from .iad import MATCH_POLICIES, find_match, iad
 from .result import DecodeResult, DecodeStats, check_eval
+from .verify import Verified, verify
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,13 @@ ALGORITHMS: dict[str, Algorithm] = {
             models["model"], src, max_len=max_len, beam_size=kn["beam_size"], length_penalty=kn["length_penalty"],
             trace=kn.get("trace", False)),
         "beam search with a length penalty", knobs=("beam_size", "length_penalty"), lossless=False),
+    "iad": Algorithm(
+        "iad", lambda models, src, max_len, kn: iad(
+            models["model"], src, max_len=max_len, match=kn["match"], max_suffix=kn["max_suffix"],
+            max_draft=kn["max_draft"], trace=kn.get("trace", False)),
+        "input-guided aggressive decoding: draft a copy of the input, verify it in one call (GEC; "
+        "SAD = iad on a deep-encoder/shallow-decoder model)", knobs=("match", "max_suffix", "max_draft")),
 }
 
-__all__ = ["ALGORITHMS", "Algorithm", "DecodeResult", "DecodeStats", "beam_search", "check_eval", "greedy"]
+__all__ = ["ALGORITHMS", "Algorithm", "DecodeResult", "DecodeStats", "MATCH_POLICIES", "Verified", "beam_search",
+           "check_eval", "find_match", "greedy", "iad", "verify"]

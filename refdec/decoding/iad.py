@@ -1,0 +1,123 @@
+"""Input-guided aggressive decoding (IAD; Sun et al. 2021, "Instantaneous Grammatical Error Correction
+with Shallow Aggressive Decoding"; Ge et al. 2022, section 3.1, Algorithm 1).
+
+In rewriting tasks (grammatical error correction) the output is mostly a copy of the input. IAD
+drafts the input itself and lets the model verify the draft in one parallel decoder call:
+
+    Input: model, x = (bos, x_1 .. x_n, pad), o = (o_0) = (bos)
+    j <- 0
+    while o_j != eos and j < max_len:
+        if a suffix o_(j-q .. j), q >= 0, is a unique substring of x, ending at x_i:
+            draft x_(i+1) ..  (up to the pad; at most max_draft tokens)
+            verify it in one decoder call; the bifurcation j + k is the first position where the
+            model's argmax differs from the draft; append o~_(j+1 .. j+k) (the verified tokens,
+            the model's own token at the bifurcation included); j <- j + k
+        else:
+            one ordinary greedy step; j <- j + 1
+
+Every verified token is the model's argmax given the tokens before it, so the output is
+token-for-token the greedy output (refdec.decoding.verify has the argument). refdec's sources end
+in eos, so x here is (bos, x_1 .. x_n, eos, pad): a sentence the model copies verbatim is accepted
+with its eos in a single call. The pad sentinel guarantees a bifurcation in the paper, a drafted
+position the model never agrees with; refdec's verification step always returns the model's token
+after the last drafted one, which is that guarantee, so the sentinel only marks where drafts end
+and is never fed to the decoder. A step with nothing to draft is a verification of an empty draft:
+one greedy step. Rejected positions leave the KV cache by `truncate`, never by recomputation.
+
+Which suffix, and which occurrence of it, is a policy (`match`):
+
+    unique    the paper's: the shortest suffix (at most max_suffix tokens) that occurs exactly
+              once in x; when every suffix up to that length is ambiguous or absent, a greedy step
+    leftmost  as unique, but where unique gives up on an ambiguous suffix (a repeated n-gram), take
+              the leftmost occurrence of the longest ambiguous suffix instead of a greedy step
+    longest   the longest suffix (at most max_suffix tokens) that occurs in x, at its leftmost
+              occurrence: the rule of prompt-lookup decoding, which scans from the longest n-gram
+              down and takes the first match (HF's version matches the output's own n-grams, not
+              the source's)
+
+SAD, the shallow form, is this same algorithm run on a model with a deep encoder and a shallow
+decoder (9+3 instead of 6+6): every decoder call gets cheaper, the encoder runs once per sentence.
+
+Batches: rows are encoded together, then decoded one after another, each with its own cache
+(acceptance lengths differ per row; a batched verifier would need per-row cache lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import Transformer
+from .result import DecodeResult, DecodeStats, check_eval
+from .verify import verify
+
+MATCH_POLICIES = ("unique", "leftmost", "longest")
+
+
+def find_match(x: list[int], out: list[int], policy: str = "unique", max_suffix: int = 0) -> int | None:
+    """The index i in x after which to draft (x[i] aligns with out[-1]), or None for a greedy step.
+
+    x: the source as (bos, x_1 .. x_n, eos, pad); out: the output so far, starting with bos.
+    max_suffix: longest suffix of `out` tried, in tokens (0 = no limit)."""
+    if policy not in MATCH_POLICIES:
+        raise ValueError(f"unknown match policy {policy!r}; choose one of {', '.join(MATCH_POLICIES)}")
+    limit = len(out) if max_suffix <= 0 else min(max_suffix, len(out))
+    occ = [i for i, t in enumerate(x) if t == out[-1]]  # ends of the 1-token suffix's occurrences
+    q, found = 1, None
+    while occ:
+        if policy == "longest":
+            found = occ[0]  # leftmost occurrence of the longest suffix seen so far
+        elif len(occ) == 1:
+            return occ[0]  # unique (and leftmost, which agrees while the match is unique)
+        elif policy == "leftmost":
+            found = occ[0]
+        if q == limit:
+            break
+        q += 1
+        tok = out[-q]
+        occ = [i for i in occ if i - q + 1 >= 0 and x[i - q + 1] == tok]
+    return found
+
+
+@torch.inference_mode()
+def iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "unique", max_suffix: int = 0,
+        max_draft: int = 0, trace: bool = False) -> DecodeResult:
+    """src (B, S) right-padded source ids (each ending in eos) -> the greedy output of each row.
+
+    max_draft: most tokens drafted per call (the papers' L_max; 0 = up to the end of the source)."""
+    check_eval(model)
+    if match not in MATCH_POLICIES:
+        raise ValueError(f"unknown match policy {match!r}; choose one of {', '.join(MATCH_POLICIES)}")
+    cfg = model.cfg
+    B = src.shape[0]
+    memory = model.encode(src)
+    stats = DecodeStats(sentences=B, encoder_calls=1)
+    tokens, traces = [], ([] if trace else None)
+    for b in range(B):
+        mem = memory if B == 1 else memory.select(torch.tensor([b], device=src.device))
+        row = src[b]
+        x = [cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id]
+        end = len(x) - 1  # drafts stop before the pad sentinel
+        cache = model.new_cache(1, capacity=max_len + 1)
+        out: list[int] = []  # output tokens after bos
+        last, steps = cfg.bos_id, []
+        while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
+            i = find_match(x, [cfg.bos_id] + out, match, max_suffix)
+            draft = x[i + 1: end] if i is not None else []
+            if max_draft > 0:
+                draft = draft[:max_draft]
+            v = verify(model, mem, cache, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id)
+            out += v.tokens
+            last = v.tokens[-1]
+            stats.verifier_calls += 1
+            stats.accepted.append(len(v.tokens))
+            if trace:
+                steps.append({"match": i, "drafted": len(draft), "accepted": v.accepted, "tokens": v.tokens})
+        stats.tokens += len(out)
+        if out and out[-1] == cfg.eos_id:
+            out = out[:-1]
+        else:
+            stats.hit_max_len += 1
+        tokens.append(torch.tensor(out, dtype=torch.long, device=src.device))
+        if trace:
+            traces.append(steps)
+    return DecodeResult(tokens, stats, traces)
