@@ -46,11 +46,14 @@ class Verified:
                eos and at the budget)
     accepted:  how many drafted tokens passed (n above, before the cuts)
     logits:    (m + 1, V) the verifier's logits at positions last, d_1 .. d_m
+    hidden:    (m + 1, D) its final decoder states there (heads on top of the decoder, as in
+               blockwise parallel decoding, read the row of the bifurcation)
     """
 
     tokens: list[int]
     accepted: int
     logits: torch.Tensor
+    hidden: torch.Tensor
 
 
 def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft: list[int], *,
@@ -64,7 +67,8 @@ def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft:
     draft = draft[: budget - 1]  # drafted tokens past the budget could never be committed
     base = cache.length
     inp = torch.tensor([[last] + draft], dtype=torch.long, device=memory.states.device)
-    logits = model.decode(inp, memory, cache)[0]  # (m + 1, V)
+    hidden = model.decode_hidden(inp, memory, cache)  # (1, m + 1, D)
+    logits = model.project(hidden)[0]  # (m + 1, V)
     pred = logits.argmax(dim=-1).tolist()  # pred[i] = p_i
     if draft:
         d = torch.tensor(draft, dtype=torch.long, device=logits.device)
@@ -77,5 +81,5 @@ def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft:
         tokens = tokens[: tokens.index(eos_id) + 1]
     tokens = tokens[:budget]
     cache.truncate(base + len(tokens))  # keep last, d_1 .. d_(c-1): the committed output minus its new last token
-    return Verified(tokens, n, logits)
+    return Verified(tokens, n, logits, hidden[0])
 
