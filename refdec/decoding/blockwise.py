@@ -1,0 +1,113 @@
+"""Blockwise parallel decoding (Stern, Shazeer, Uszkoreit 2018, sections 3-5) with the combined
+scoring and proposal model (section 4, figure 2): one model call per iteration.
+
+    predict   y^_(j+i) = argmax p_i(. | y^_<=j, x),  i = 1 .. k      (proposal heads, refdec.proposal)
+    verify    the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^
+    accept    extend the output by y^_(j+1) .. y^_(j+k^)
+
+Merged (section 4): the call that verifies the k - 1 proposed tokens also runs the heads at every
+position, so the heads at the row where verification stopped already hold the next block's
+proposals. Per iteration, one decoder call over [last] + proposals (refdec.decoding.verify, shared
+with IAD, GAD and BiLD) commits the accepted proposals and p_1's own token after them, then the
+heads at that row propose the next k - 1 tokens:
+
+    call 1:  [bos]                 -> y_1 (p_1) and proposals for y_2 .. y_k (heads)
+    call 2:  [y_1, y_2 .. y_k]     -> accepted prefix + p_1's token; proposals from that row
+    ...
+
+With every proposal right, an output of m tokens takes m/k + 1 calls instead of m.
+
+Exact mode (rule "exact") accepts a proposal only when it is p_1's argmax: the output is greedy
+decoding of p_1, which with refdec's identity p_1 (refdec.proposal) is the base model's greedy
+output. Approximate inference (section 5), each lossy:
+
+    top-k      accept a proposal within p_1's top `top_k` tokens (5.1)
+    distance   accept a proposal whose numeric value is within `epsilon` of p_1's argmax, for
+               tokens that are numbers (`values[id]`, NaN for other tokens; others must match) (5.2)
+    min_block  accept the first min_block - 1 proposals unconditionally, so every call adds at least
+               min_block tokens (5.3); combines with either rule
+
+Batches: rows are encoded together and decoded one after another (acceptance differs per row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import Transformer
+from ..proposal import ProposalHeads
+from .result import DecodeResult, DecodeStats, check_eval
+from .verify import verify
+
+RULES = ("exact", "top-k", "distance")
+
+
+def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | None = None, epsilon: float = 0.0,
+                min_block: int = 1):
+    """The test a proposed token must pass against p_1's logits (None = exact: the argmax)."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; choose one of {', '.join(RULES)}")
+    if rule == "top-k" and top_k < 1:
+        raise ValueError("top-k selection needs top_k >= 1")
+    if rule == "distance" and values is None:
+        raise ValueError("distance-based selection needs the numeric value of every token")
+    if min_block < 1:
+        raise ValueError("min_block must be at least 1")
+    if rule == "exact" and min_block == 1:
+        return None
+
+    def accept(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+        best = logits.argmax(dim=-1)
+        if rule == "top-k":
+            ok = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices.eq(draft[:, None]).any(dim=-1)
+        elif rule == "distance":
+            v = values.to(logits.device)
+            ok = best.eq(draft) | (v[draft] - v[best]).abs().le(epsilon)  # NaN (not a number) compares False
+        else:
+            ok = best.eq(draft)
+        if min_block > 1:
+            ok[: min_block - 1] = True
+        return ok
+
+    return accept
+
+
+@torch.inference_mode()
+def blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, max_len: int, rule: str = "exact",
+              top_k: int = 2, values: torch.Tensor | None = None, epsilon: float = 0.0, min_block: int = 1,
+              trace: bool = False) -> DecodeResult:
+    """src (B, S) right-padded source ids (each ending in eos) -> one output per row (greedy of p_1
+    in exact mode). heads.k is the block size k."""
+    check_eval(model)
+    check_eval(heads)
+    accept = accept_rule(rule, top_k=top_k, values=values, epsilon=epsilon, min_block=min_block)
+    cfg = model.cfg
+    B = src.shape[0]
+    memory = model.encode(src)
+    stats = DecodeStats(sentences=B, encoder_calls=1)
+    tokens, traces = [], ([] if trace else None)
+    for b in range(B):
+        mem = memory if B == 1 else memory.select(torch.tensor([b], device=src.device))
+        cache = model.new_cache(1, capacity=max_len + heads.k + 1)
+        out: list[int] = []
+        last, proposal, steps = cfg.bos_id, [], []
+        while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
+            v = verify(model, mem, cache, last, proposal, budget=max_len - len(out), eos_id=cfg.eos_id, accept=accept)
+            out += v.tokens
+            last = v.tokens[-1]
+            stats.verifier_calls += 1
+            stats.accepted.append(len(v.tokens))
+            if trace:
+                steps.append({"proposed": proposal, "accepted": v.accepted, "tokens": v.tokens})
+            # Predict, merged into this call: heads 2..k at the row that produced `last`.
+            row = v.hidden[v.accepted]  # (D,)
+            proposal = model.project(heads(row[None, None])[:, :, 1:].reshape(1, heads.k - 1, -1))[0].argmax(-1).tolist()
+        stats.tokens += len(out)
+        if out and out[-1] == cfg.eos_id:
+            out = out[:-1]
+        else:
+            stats.hit_max_len += 1
+        tokens.append(torch.tensor(out, dtype=torch.long, device=src.device))
+        if trace:
+            traces.append(steps)
+    return DecodeResult(tokens, stats, traces)

@@ -1,0 +1,44 @@
+"""The proposal layer of blockwise parallel decoding (Stern, Shazeer, Uszkoreit 2018, section 6 and
+figure 3): the combined scoring and proposal model.
+
+    h = the decoder's final state at one position                      (D)
+    f(h) = W2 relu(W1 h + b1) + b2                                      hidden (k-1) x d_ff, output (k-1) x D
+    out_1 = h                 (p_1: the base model itself)
+    out_i = h + f(h)[i-1]     (p_2 .. p_k: a residual from the input to each output)
+    p_i = softmax(out_i @ E^T), the model's own vocabulary projection E applied to every output
+
+The paper passes every output, out_1 included, through the learned layer, so its BLEU with frozen
+base parameters varies slightly with k (its footnote 1). refdec takes the identity for p_1, which
+the footnote offers: with the base frozen, p_1 is the base model exactly and blockwise decoding in
+exact mode reproduces the base model's greedy output, whatever the heads learned. The layer's
+hidden and output widths therefore count k - 1 heads, not k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ProposalHeads(nn.Module):
+    """k - 1 proposal heads over a Transformer's final decoder states."""
+
+    def __init__(self, d_model: int, d_ff: int, k: int):
+        super().__init__()
+        if k < 2:
+            raise ValueError(f"blockwise decoding needs k >= 2 (got k={k}): head 1 is the base model")
+        self.k, self.d_model, self.d_ff = k, d_model, d_ff
+        self.w1 = nn.Linear(d_model, (k - 1) * d_ff)
+        self.w2 = nn.Linear((k - 1) * d_ff, (k - 1) * d_model)
+        nn.init.zeros_(self.w2.weight)  # start every head as a copy of p_1; training moves them apart
+        nn.init.zeros_(self.w2.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h (..., D) -> (..., k, D): out_1 = h, out_i = h + f(h)_i."""
+        lead = h.shape[:-1]
+        f = self.w2(F.relu(self.w1(h))).view(*lead, self.k - 1, self.d_model)
+        return torch.cat([h.unsqueeze(-2), h.unsqueeze(-2) + f], dim=-2)
+
+    def config(self) -> dict:
+        return {"d_model": self.d_model, "d_ff": self.d_ff, "k": self.k}

@@ -1,0 +1,120 @@
+"""Blockwise parallel decoding with the combined scoring and proposal model: exact mode == greedy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import copy_model, random_src, tiny_model
+from refdec.decoding import greedy
+from refdec.decoding.blockwise import accept_rule, blockwise
+from refdec.proposal import ProposalHeads
+from test_decoding import first_divergence
+
+
+def random_heads(model, k: int, seed: int) -> ProposalHeads:
+    torch.manual_seed(seed)
+    h = ProposalHeads(model.cfg.d_model, 16, k)
+    with torch.no_grad():
+        h.w2.weight.normal_(0, 0.5)
+        h.w2.bias.normal_(0, 0.5)
+    return h.double().eval()
+
+
+def constant_model(token: int = 7) -> torch.nn.Module:
+    """A model whose final decoder state is a constant vector (the last norm's scale is 0), so its
+    greedy output is `token` at every position: proposals can be made exactly right or wrong."""
+    m = tiny_model(0, vocab=12)
+    with torch.no_grad():
+        m.dec_norm.weight.zero_()
+        m.dec_norm.bias.copy_(3 * m.out_proj.weight[token])
+    assert m.project(m.dec_norm.bias[None, None])[0, 0].argmax().item() == token
+    return m
+
+
+def steering_heads(model, k: int, right: bool) -> ProposalHeads:
+    """Heads whose outputs are fixed vectors: p_1's own state (always right for constant_model) or
+    its negation (never right)."""
+    h = ProposalHeads(model.cfg.d_model, 8, k).double()
+    beta = model.dec_norm.bias.detach()
+    with torch.no_grad():
+        h.w2.bias.copy_((torch.zeros_like(beta) if right else -2 * beta).repeat(k - 1))
+    return h.eval()
+
+
+def assert_same_as_greedy(model, heads, src, max_len, **kw):
+    g = greedy(model, src, max_len=max_len)
+    r = blockwise(model, heads, src, max_len=max_len, **kw)
+    assert r.stats.hit_max_len == g.stats.hit_max_len
+    for b, (x, y) in enumerate(zip(g.tokens, r.tokens)):
+        assert torch.equal(x, y), f"row {b}: {first_divergence(x, y)}"
+    return r
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("k", [2, 3, 5, 8])
+def test_exact_blockwise_equals_greedy_with_random_heads(seed, k):
+    vocab = 12 if seed % 2 else 40
+    m = tiny_model(seed, vocab=vocab, norm_first=seed % 3 != 0)
+    assert_same_as_greedy(m, random_heads(m, k, seed), random_src(seed, 4, vocab), 25)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_exact_blockwise_equals_greedy_on_a_copying_model(seed, k):
+    """Outputs that end in eos inside a block, with proposals sometimes right."""
+    m = copy_model()
+    for max_len in (3, 30):
+        assert_same_as_greedy(m, random_heads(m, k, seed), random_src(seed, 5, 16, max_len=12), max_len)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 7])
+@pytest.mark.parametrize("max_len", [1, 2, 9, 20])
+def test_perfect_proposals_take_m_over_k_plus_one_calls(k, max_len):
+    m = constant_model()
+    src = random_src(0, 1, 12)
+    r = assert_same_as_greedy(m, steering_heads(m, k, right=True), src, max_len)
+    assert r.tokens[0].tolist() == [7] * max_len
+    assert r.stats.verifier_calls == 1 + math.ceil((max_len - 1) / k)  # call 1 has nothing to verify
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_wrong_proposals_take_one_call_per_token(k):
+    m = constant_model()
+    r = assert_same_as_greedy(m, steering_heads(m, k, right=False), random_src(0, 1, 12), 12)
+    assert r.stats.verifier_calls == 12 and r.stats.accepted == [1] * 12
+
+
+def test_top_k_and_min_block_are_lossy_but_run():
+    m = constant_model()
+    wrong = steering_heads(m, 4, right=False)
+    r = blockwise(m, wrong, random_src(0, 1, 12), max_len=12, min_block=3)
+    assert r.stats.verifier_calls < 12  # forced acceptance: at least 3 tokens per call after the first
+    assert r.tokens[0].tolist() != [7] * 12  # and the wrong proposals are in the output
+    top = blockwise(m, wrong, random_src(0, 1, 12), max_len=12, rule="top-k", top_k=12)
+    assert top.stats.verifier_calls == 1 + math.ceil(11 / 4)  # top-12 of 12 tokens accepts anything
+
+
+def test_distance_rule_accepts_near_numbers_only():
+    values = torch.full((12,), float("nan"))
+    values[5:9] = torch.tensor([1.0, 2.0, 3.0, 10.0])  # ids 5..8 are the numbers 1, 2, 3, 10
+    rule = accept_rule("distance", values=values, epsilon=1.0)
+    logits = torch.zeros(4, 12)
+    logits[:, 6] = 1.0  # p_1's argmax is id 6 (= 2) everywhere
+    ok = rule(logits, torch.tensor([6, 7, 8, 9]))  # same, 3 (near), 10 (far), a non-number
+    assert ok.tolist() == [True, True, False, False]
+    with pytest.raises(ValueError):
+        accept_rule("distance")
+    with pytest.raises(ValueError):
+        accept_rule("fuzzy")
+
+
+def test_heads_start_as_copies_of_p1_and_need_k_of_two():
+    h = ProposalHeads(8, 4, 3)
+    x = torch.randn(2, 5, 8)
+    out = h(x)
+    assert out.shape == (2, 5, 3, 8) and torch.equal(out[:, :, 0], x) and torch.equal(out[:, :, 2], x)
+    with pytest.raises(ValueError):
+        ProposalHeads(8, 4, 1)
