@@ -36,7 +36,7 @@ import torch
 
 from ..model import Transformer
 from ..proposal import ProposalHeads
-from .result import DecodeResult, DecodeStats, check_eval
+from .result import DecodeResult, DecodeStats, check_eval, finish_row
 from .verify import verify
 
 RULES = ("exact", "top-k", "distance")
@@ -102,12 +102,7 @@ def blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, ma
             # Predict, merged into this call: heads 2..k at the row that produced `last`.
             row = v.hidden[v.accepted]  # (D,)
             proposal = model.project(heads(row[None, None])[:, :, 1:].reshape(1, heads.k - 1, -1))[0].argmax(-1).tolist()
-        stats.tokens += len(out)
-        if out and out[-1] == cfg.eos_id:
-            out = out[:-1]
-        else:
-            stats.hit_max_len += 1
-        tokens.append(torch.tensor(out, dtype=torch.long, device=src.device))
+        tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
         if trace:
             traces.append(steps)
     return DecodeResult(tokens, stats, traces)

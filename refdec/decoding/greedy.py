@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .result import DecodeResult, DecodeStats, check_eval
+from .result import DecodeResult, DecodeStats, check_eval, finish_row
 
 
 @torch.inference_mode()
@@ -54,12 +54,4 @@ def greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace: bool =
 
 
 def _result(out: list[list[int]], eos_id: int, stats: DecodeStats, steps, device) -> DecodeResult:
-    tokens = []
-    for seq in out:
-        stats.tokens += len(seq)
-        if seq and seq[-1] == eos_id:
-            seq = seq[:-1]
-        else:
-            stats.hit_max_len += 1
-        tokens.append(torch.tensor(seq, dtype=torch.long, device=device))
-    return DecodeResult(tokens, stats, steps)
+    return DecodeResult([finish_row(seq, eos_id, stats, device) for seq in out], stats, steps)

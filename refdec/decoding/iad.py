@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .result import DecodeResult, DecodeStats, check_eval
+from .result import DecodeResult, DecodeStats, check_eval, finish_row
 from .verify import verify
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")
@@ -112,12 +112,7 @@ def iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "un
             stats.accepted.append(len(v.tokens))
             if trace:
                 steps.append({"match": i, "drafted": len(draft), "accepted": v.accepted, "tokens": v.tokens})
-        stats.tokens += len(out)
-        if out and out[-1] == cfg.eos_id:
-            out = out[:-1]
-        else:
-            stats.hit_max_len += 1
-        tokens.append(torch.tensor(out, dtype=torch.long, device=src.device))
+        tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
         if trace:
             traces.append(steps)
     return DecodeResult(tokens, stats, traces)

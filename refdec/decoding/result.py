@@ -58,3 +58,14 @@ def check_eval(model: torch.nn.Module) -> None:
     """Decoders refuse a model in training mode: dropout would make every output random."""
     if model.training:
         raise ValueError("decoding needs model.eval(): dropout is active in training mode")
+
+
+def finish_row(out: list[int], eos_id: int, stats: DecodeStats, device) -> torch.Tensor:
+    """Count a finished row's tokens in `stats` and return it as a tensor without its final eos
+    (a row without eos stopped at max_len)."""
+    stats.tokens += len(out)
+    if out and out[-1] == eos_id:
+        out = out[:-1]
+    else:
+        stats.hit_max_len += 1
+    return torch.tensor(out, dtype=torch.long, device=device)
