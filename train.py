@@ -30,6 +30,10 @@ HELP = {
     "keep_last": "snapshots kept and averaged at the end", "seed": "random seed (runs are reproducible)",
     "train_limit": "use only the first N training pairs (0 = all)", "data_dir": "data folder (default: the repo's data/)",
     "threads": "torch threads (0 = default)", "log_every": "progress line every N updates",
+    "init_from": "start from this checkpoint: its shape, weights and tokenizer",
+    "proposal_k": "train k-1 blockwise proposal heads on top of the model (0 = none)",
+    "proposal_d_ff": "hidden width per proposal head (0 = the model's d_ff)",
+    "freeze_base": "with --proposal-k: train only the heads", "head_loss": "with --proposal-k: random (one head per batch) or mean",
 }
 
 

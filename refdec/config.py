@@ -81,6 +81,20 @@ class TrainConfig:
     data_dir: str = ""  # folder holding <task>/*.gz ("" = the repo's data/)
     threads: int = 0  # torch threads (0 = torch's default)
     log_every: int = 50
+    # Starting point and proposal heads (blockwise parallel decoding, Stern et al. 2018, section 6).
+    init_from: str = ""  # checkpoint whose shape, weights and tokenizer start the run ("" = from scratch)
+    proposal_k: int = 0  # train k - 1 proposal heads on top of the model (0 = a plain model)
+    proposal_d_ff: int = 0  # the heads' hidden width per head (0 = d_ff of the model)
+    freeze_base: bool = False  # with proposal_k: train only the heads, the base model stays as it is
+    head_loss: str = "random"  # with proposal_k: "random" (one head per batch, the paper's) or "mean"
+
+    def __post_init__(self) -> None:
+        if self.head_loss not in ("random", "mean"):
+            raise ValueError(f"head_loss must be random or mean, not {self.head_loss!r}")
+        if self.proposal_k == 1 or self.proposal_k < 0:
+            raise ValueError("proposal_k must be 0 (no heads) or at least 2")
+        if self.freeze_base and not self.proposal_k:
+            raise ValueError("freeze_base needs proposal_k: a frozen model without heads has nothing to train")
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         return ModelConfig(

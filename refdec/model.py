@@ -283,13 +283,17 @@ class Transformer(nn.Module):
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """Teacher forcing without a cache: src (B, S), tgt (B, T) starting with bos -> logits (B, T, V)."""
+        return self.project(self.forward_hidden(src, tgt))
+
+    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """forward() before the vocabulary projection: final decoder states (B, T, D)."""
         memory = self.encode(src)
         x = self._embed(self.tgt_embed, tgt, 0)
         self_block = causal_block(tgt.shape[1], 0, x.device)
         src_block = memory.src_block
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)
-        return self.project(self.dec_norm(x))
+        return self.dec_norm(x)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

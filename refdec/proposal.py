@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import PAD_ID
+
 
 class ProposalHeads(nn.Module):
     """k - 1 proposal heads over a Transformer's final decoder states."""
@@ -42,3 +44,37 @@ class ProposalHeads(nn.Module):
 
     def config(self) -> dict:
         return {"d_model": self.d_model, "d_ff": self.d_ff, "k": self.k}
+
+
+def head_targets(tgt_out: torch.Tensor, i: int) -> torch.Tensor:
+    """Targets of head i (1-based) for teacher-forced positions: position t predicts tgt_out[t + i - 1],
+    the token i steps ahead; the last i - 1 positions have none (pad, ignored by the loss)."""
+    if i == 1:
+        return tgt_out
+    pad = tgt_out.new_full((tgt_out.shape[0], i - 1), PAD_ID)
+    return torch.cat([tgt_out[:, i - 1:], pad], dim=1)
+
+
+def head_logits(model, heads: ProposalHeads, hidden: torch.Tensor, i: int) -> torch.Tensor:
+    """(B, T, D) final decoder states -> (B, T, V) logits of head i (1-based) through the model's projection."""
+    if i == 1:
+        return model.project(hidden)
+    lead = hidden.shape[:-1]
+    f = heads.w2(F.relu(heads.w1(hidden))).view(*lead, heads.k - 1, heads.d_model)[..., i - 2, :]
+    return model.project(hidden + f)
+
+
+def proposal_state(heads: ProposalHeads, half: bool = False) -> dict:
+    """What a checkpoint stores of the heads: their shape and weights."""
+    state = {k: (v.detach().clone().half() if half else v.detach().clone()) for k, v in heads.state_dict().items()}
+    return {"config": heads.config(), "state": state}
+
+
+def load_proposal(ckpt: dict, device="cpu", dtype=torch.float32) -> ProposalHeads | None:
+    """The heads stored in a checkpoint (eval mode), or None for a plain model."""
+    entry = ckpt.get("proposal")
+    if entry is None:
+        return None
+    heads = ProposalHeads(**entry["config"])
+    heads.load_state_dict({k: v.float() for k, v in entry["state"].items()})
+    return heads.to(device=device, dtype=dtype).eval()

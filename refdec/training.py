@@ -14,6 +14,12 @@ Files in out_dir:
     average.pt       their average
     model.pt         the file decode.py loads: the better of best/average on dev loss, float16
     log.jsonl        one JSON record per evaluation
+
+With `proposal_k` the run trains the proposal heads of blockwise parallel decoding (refdec.proposal)
+on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
+on one randomly drawn head's loss per batch (the paper's unbiased estimate) or the mean over heads.
+The checkpoints then carry the heads beside the model, and validation decodes blockwise (exact
+mode) to report the mean accepted block size.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,10 +40,12 @@ import torch.nn.functional as F
 
 from . import data as data_mod
 from .checkpoint import average_states, load_checkpoint, make_checkpoint, model_state, save_atomic
-from .config import TrainConfig
+from .config import ModelConfig, TrainConfig
+from .decoding.blockwise import blockwise
 from .decoding.greedy import greedy
 from .metrics import corpus_bleu
 from .model import Transformer
+from .proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from .tokenizer import Tokenizer, iter_training_text
 
 
@@ -49,6 +59,31 @@ def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id
     """Label-smoothed cross-entropy (Szegedy et al. 2016), mean over non-pad target tokens."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                            ignore_index=pad_id, label_smoothing=eps)
+
+
+class Objective(torch.nn.Module):
+    """The training loss as one module (what DistributedDataParallel wraps): the model's label-smoothed
+    cross-entropy, or, with proposal heads, that of one random head or the mean over heads."""
+
+    def __init__(self, model: Transformer, heads: ProposalHeads | None, cfg: TrainConfig):
+        super().__init__()
+        self.model, self.heads, self.cfg = model, heads, cfg
+        # Head 1 is the base model itself: trained only when the base is not frozen.
+        self.trained_heads = [] if heads is None else list(range(2 if cfg.freeze_base else 1, heads.k + 1))
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        eps, pad = self.cfg.label_smoothing, self.model.cfg.pad_id
+        if self.heads is None:
+            return smoothed_loss(self.model(src, tgt_in), tgt_out, eps, pad)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
+            hidden = self.model.forward_hidden(src, tgt_in)
+        if self.cfg.head_loss == "random":  # drawn from torch's generator, whose state last.pt keeps
+            chosen = [self.trained_heads[int(torch.randint(len(self.trained_heads), ()))]]
+        else:
+            chosen = self.trained_heads
+        losses = [smoothed_loss(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i), eps, pad)
+                  for i in chosen]
+        return sum(losses) / len(losses)
 
 
 class Trainer:
@@ -87,13 +122,21 @@ class Trainer:
         if cfg.train_limit:
             pairs = pairs[: cfg.train_limit]
         tok_path = self.out / "tokenizer.json"
+        base = load_checkpoint(cfg.init_from) if cfg.init_from else None
+        if base is not None and base.get("task") != cfg.task:
+            raise ValueError(f"--init-from {cfg.init_from} was trained for {base.get('task')}, not {cfg.task}")
         if self._is_main() and not tok_path.exists():
             self.out.mkdir(parents=True, exist_ok=True)
-            t0 = time.time()
-            Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size).save(tok_path)
-            self.log(f"tokenizer: {cfg.vocab_size} BPE tokens trained in {time.time() - t0:.0f}s -> {tok_path}")
+            if base is not None:  # the starting model brings its vocabulary
+                shutil.copyfile(Path(cfg.init_from).parent / "tokenizer.json", tok_path)
+            else:
+                t0 = time.time()
+                Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size).save(tok_path)
+                self.log(f"tokenizer: {cfg.vocab_size} BPE tokens trained in {time.time() - t0:.0f}s -> {tok_path}")
         self._barrier()
         self.tok = Tokenizer.load(tok_path)
+        if base is not None and base.get("tokenizer_sha256") != self.tok.sha256:
+            raise ValueError(f"{tok_path} is not the vocabulary of --init-from {cfg.init_from}")
         src_ids = self.tok.encode_batch([s for s, _ in pairs])
         tgt_ids = self.tok.encode_batch([t for _, t in pairs])
         limit = min(cfg.max_train_len, cfg.max_positions - 1)
@@ -107,22 +150,43 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.model = Transformer(cfg.model_config(self.tok.vocab_size)).to(self.device)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
+        if base is not None:  # its shape, with this run's dropout
+            mcfg = replace(ModelConfig.from_dict(base["model_config"]), dropout=cfg.dropout)
+            self.model = Transformer(mcfg)
+            self.model.load_state_dict({k: v.float() for k, v in base["model"].items()})
+            self.model.to(self.device)
+        else:
+            self.model = Transformer(cfg.model_config(self.tok.vocab_size)).to(self.device)
+        self.heads = None
+        if cfg.proposal_k:
+            mc = self.model.cfg
+            self.heads = ProposalHeads(mc.d_model, cfg.proposal_d_ff or mc.d_ff, cfg.proposal_k).to(self.device)
+            if cfg.freeze_base:
+                self.model.requires_grad_(False)
+        self.objective = Objective(self.model, self.heads, cfg)
+        params = [p for p in self.objective.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
         self.step, self.epoch, self.batch_in_epoch, self.elapsed = 0, 0, 0, 0.0
         self.best_loss = float("inf")
         self.snapshots: list[str] = []
         if self.resume and (self.out / "last.pt").exists():
             self._load_last()
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model)
-        self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, {cfg.enc_layers}+{cfg.dec_layers} "
-                 f"layers, d_model {cfg.d_model}; {self.world} process(es) on {self.device}")
+        # Head 1 (the base) is skipped in some batches when drawn at random: those weights get no gradient.
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective, find_unused_parameters=self.heads is not None)
+                    if self.world > 1 else self.objective)
+        mc = self.model.cfg
+        self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, {mc.enc_layers}+{mc.dec_layers} "
+                 f"layers, d_model {mc.d_model}; {self.world} process(es) on {self.device}"
+                 + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
+                    f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss" if self.heads else ""))
 
     def _load_last(self) -> None:
         ck = load_checkpoint(self.out / "last.pt")
         if ck.get("tokenizer_sha256") != self.tok.sha256:
             raise SystemExit(f"error: {self.out}/last.pt does not match {self.out}/tokenizer.json")
         self.model.load_state_dict(ck["model"])
+        if self.heads is not None:
+            self.heads.load_state_dict(ck["proposal"]["state"])
         st = ck["train_state"]
         self.opt.load_state_dict(st["optimizer"])
         self.step, self.epoch, self.batch_in_epoch = st["step"], st["epoch"], st["batch_in_epoch"]
@@ -134,35 +198,55 @@ class Trainer:
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Teacher-forced dev loss (no smoothing) over the dev set, greedy BLEU on its first sentences."""
-        m = self.model
-        m.eval()
-        limit = min(self.cfg.max_train_len, self.cfg.max_positions - 1)
+        """Teacher-forced dev loss (no smoothing) over the dev set, and BLEU of greedy decoding of its
+        first sentences. With proposal heads: dev_loss is the mean over the trained heads, and the
+        sentences are decoded blockwise (exact mode: the same output as greedy) for the mean
+        accepted block size."""
+        m, heads = self.model, self.heads
+        self.objective.eval()
+        limit = min(self.cfg.max_train_len, m.cfg.max_positions - 1)
         src = [s[:limit] for s in self.tok.encode_batch(self.dev.src)]
         tgt = [t[:limit] for t in self.tok.encode_batch(self.dev.tgt)]
-        total, count = 0.0, 0
+        which = self.objective.trained_heads or [1]
+        total, count = [0.0] * len(which), [0] * len(which)
         for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None):
             s, ti, to = (x.to(self.device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
-            logits = m(s, ti)
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), to.reshape(-1),
-                                     ignore_index=self.tok.pad_id, reduction="sum").item()
-            count += to.ne(self.tok.pad_id).sum().item()
+            hidden = m.forward_hidden(s, ti)
+            for j, i in enumerate(which):
+                target = head_targets(to, i)
+                logits = head_logits(m, heads, hidden, i)
+                total[j] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                            ignore_index=self.tok.pad_id, reduction="sum").item()
+                count[j] += target.ne(self.tok.pad_id).sum().item()
         n = min(self.cfg.eval_sentences, len(src))
-        hyps = []
+        hyps, calls, produced = [], 0, 0
         for i in range(0, n, 32):
             rows = src[i:min(i + 32, n)]
-            res = greedy(m, data_mod.source_tensor(rows).to(self.device),
-                         max_len=min(self.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10))
+            x = data_mod.source_tensor(rows).to(self.device)
+            max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
+            res = greedy(m, x, max_len=max_len) if heads is None else blockwise(m, heads, x, max_len=max_len)
             hyps += [self.tok.decode(t.tolist()) for t in res.tokens]
-        m.train()
-        return {"dev_loss": total / max(count, 1), "dev_bleu": corpus_bleu(hyps, self.dev.tgt[:n])}
+            calls, produced = calls + res.stats.verifier_calls, produced + res.stats.tokens
+        self.objective.train()
+        out = {"dev_loss": sum(t / max(c, 1) for t, c in zip(total, count)) / len(which),
+               "dev_bleu": corpus_bleu(hyps, self.dev.tgt[:n])}
+        if heads is not None:
+            out["dev_loss_per_head"] = {str(i): t / max(c, 1) for i, t, c in zip(which, total, count)}
+            out["dev_mean_accepted"] = produced / max(calls, 1)
+        return out
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _meta(self, extra: dict | None = None) -> dict:
         return {"train_config": self.cfg.to_dict(), "minutes": round(self.elapsed / 60, 2), **(extra or {})}
 
+    def _ckpt(self, meta: dict, half: bool = False) -> dict:
+        ck = make_checkpoint(self.model, self.cfg.task, self.tok, self.step, meta, half=half)
+        if self.heads is not None:
+            ck["proposal"] = proposal_state(self.heads, half)
+        return ck
+
     def _save_last(self) -> None:
-        ck = make_checkpoint(self.model, self.cfg.task, self.tok, self.step, self._meta())
+        ck = self._ckpt(self._meta())
         ck["train_state"] = {"optimizer": self.opt.state_dict(), "step": self.step, "epoch": self.epoch,
                              "batch_in_epoch": self.batch_in_epoch, "elapsed": self.elapsed,
                              "best_loss": self.best_loss, "snapshots": self.snapshots, "rng": torch.get_rng_state()}
@@ -171,26 +255,28 @@ class Trainer:
     def _checkpoint(self, scores: dict) -> None:
         meta = self._meta(scores)
         snap = self.out / "snapshots" / f"step{self.step:07d}.pt"
-        save_atomic(make_checkpoint(self.model, self.cfg.task, self.tok, self.step, meta), snap)
+        save_atomic(self._ckpt(meta), snap)
         self.snapshots.append(str(snap))
         while len(self.snapshots) > self.cfg.keep_last:
             Path(self.snapshots.pop(0)).unlink(missing_ok=True)
         if scores["dev_loss"] < self.best_loss:
             self.best_loss = scores["dev_loss"]
-            save_atomic(make_checkpoint(self.model, self.cfg.task, self.tok, self.step, meta), self.out / "best.pt")
+            save_atomic(self._ckpt(meta), self.out / "best.pt")
         self._save_last()
         with open(self.out / "log.jsonl", "a") as f:
             f.write(json.dumps({"step": self.step, "minutes": round(self.elapsed / 60, 2), **scores}) + "\n")
 
     def finish(self) -> dict:
         """Average the kept snapshots, evaluate best and average, write model.pt (float16) from the better."""
-        states = [load_checkpoint(p)["model"] for p in self.snapshots if Path(p).exists()]
+        snaps = [load_checkpoint(p) for p in self.snapshots if Path(p).exists()]
+        states = [ck["model"] for ck in snaps]
         results = {}
         if states:
             self.model.load_state_dict(average_states(states))
+            if self.heads is not None:
+                self.heads.load_state_dict(average_states([ck["proposal"]["state"] for ck in snaps]))
             avg = self.evaluate()
-            save_atomic(make_checkpoint(self.model, self.cfg.task, self.tok, self.step,
-                                        self._meta({**avg, "averaged": len(states)})), self.out / "average.pt")
+            save_atomic(self._ckpt(self._meta({**avg, "averaged": len(states)})), self.out / "average.pt")
             results["average"] = avg
             self.log(f"average of {len(states)} snapshots: dev loss {avg['dev_loss']:.4f} BLEU {avg['dev_bleu']:.2f}")
         best_path = self.out / "best.pt"
@@ -202,16 +288,17 @@ class Trainer:
         if src_file.exists():
             ck = load_checkpoint(src_file)
             self.model.load_state_dict(ck["model"])
-            final = make_checkpoint(self.model, self.cfg.task, self.tok, self.step,
-                                    {**ck["meta"], "picked": pick}, half=True)
+            if self.heads is not None:
+                self.heads.load_state_dict({k: v.float() for k, v in ck["proposal"]["state"].items()})
+            final = self._ckpt({**ck["meta"], "picked": pick}, half=True)
             save_atomic(final, self.out / "model.pt")
             self.log(f"model.pt <- {pick}.pt (float16)")
         return results
 
     # -- the loop ----------------------------------------------------------------------------------
     def train(self) -> dict:
-        cfg, m = self.cfg, self.model
-        m.train()
+        cfg = self.cfg
+        self.objective.train()
         limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else float("inf")
         t_last, tok_count, loss_sum, loss_n = time.time(), 0, 0.0, 0
         while self.step < cfg.max_steps and not self._out_of_time(limit_s):
@@ -225,10 +312,10 @@ class Trainer:
                 lr = cfg.lr * inverse_sqrt(self.step + 1, cfg.warmup_steps)
                 for g in self.opt.param_groups:
                     g["lr"] = lr
-                loss = smoothed_loss(self.ddp(src, tgt_in), tgt_out, cfg.label_smoothing, self.tok.pad_id)
+                loss = self.ddp(src, tgt_in, tgt_out)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.clip_norm)
+                torch.nn.utils.clip_grad_norm_(self.objective.parameters(), cfg.clip_norm)
                 self.opt.step()
                 self.step += 1
                 self.batch_in_epoch += 1
@@ -275,7 +362,8 @@ class Trainer:
         if self._is_main():
             scores = self.evaluate()
             self.log(f"eval step {self.step}: dev loss {scores['dev_loss']:.4f} | dev BLEU {scores['dev_bleu']:.2f} "
-                     f"(greedy, {min(self.cfg.eval_sentences, len(self.dev))} sentences)")
+                     f"(greedy, {min(self.cfg.eval_sentences, len(self.dev))} sentences)"
+                     + (f" | mean accepted block {scores['dev_mean_accepted']:.2f}" if "dev_mean_accepted" in scores else ""))
             self._checkpoint(scores)
         self._barrier()
 

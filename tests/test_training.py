@@ -125,3 +125,40 @@ def test_bad_preset_value_is_one_line_error():
     r = run_py("train.py", "--preset", "tiny", "--d-model", "30", "--n-heads", "4")
     assert r.returncode == 2
     assert r.stderr.decode().strip().startswith("error:") and "Traceback" not in r.stderr.decode()
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
+    """Guards the blockwise training regimes: frozen base (the model's weights stay bit-identical,
+    only the heads learn) and joint fine-tuning (the base moves too); the checkpoint carries the
+    heads, and exact blockwise decoding of it is greedy decoding of p_1 (float64)."""
+    from refdec.data import load_split, source_tensor
+    from refdec.decoding import greedy
+    from refdec.decoding.blockwise import blockwise
+    from refdec.proposal import load_proposal
+    out = tmp_path / "heads"
+    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "6", "--eval-every", "3", "--init-from",
+               str(trained_tiny / "model.pt"), "--proposal-k", "3", "--freeze-base", str(freeze).lower(),
+               "--head-loss", "random" if freeze else "mean")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "mean accepted block" in r.stderr.decode()
+    base, ck = load_checkpoint(trained_tiny / "model.pt"), load_checkpoint(out / "model.pt")
+    same = all(torch.equal(base["model"][k], ck["model"][k]) for k in base["model"])
+    assert same == freeze
+    model, tok, ck = load_model(out / "model.pt", dtype=torch.float64)
+    heads = load_proposal(ck, dtype=torch.float64)
+    assert heads is not None and heads.k == 3
+    for line in load_split("mt-en-de", "dev").src[:3]:
+        x = source_tensor([tok.encode(line)])
+        assert torch.equal(greedy(model, x, max_len=12).tokens[0], blockwise(model, heads, x, max_len=12).tokens[0])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--proposal-k", "1"], "proposal_k"),
+    (["--freeze-base", "true"], "freeze_base needs proposal_k"),
+    (["--proposal-k", "3", "--head-loss", "max"], "head_loss"),
+])
+def test_bad_proposal_options_are_one_line_errors(args, needle):
+    r = run_py(*TINY, "--out-dir", "/nonexistent", *args)
+    err = r.stderr.decode()
+    assert r.returncode != 0 and needle in err and "Traceback" not in err, err
