@@ -18,8 +18,11 @@ draft passed, the verifier's next token for free. Positions after the bifurcatio
 cache with `truncate`; they are never recomputed.
 
 Lossy variants change only the test a drafted token must pass (GAD++'s top-beta / tau rule, BiLD's
-rollback distance): `accept(logits, draft) -> bool mask` replaces equality; the committed token at
-the bifurcation is always the verifier's argmax.
+rollback distance): `accept(logits, draft) -> bool mask` replaces equality. Samplers change how the
+token at the bifurcation is drawn (BiLD's nucleus sampling, speculative sampling's residual
+distribution): `choose(logits_row, n, rejected) -> token` replaces the argmax, where `rejected` says
+whether draft token n was refused (False when the whole draft passed and the token is the free one).
+With neither, the step is exactly greedy.
 
 Two cuts keep the step equal to greedy at the boundaries: the committed tokens stop at the first
 eos, and at `budget` tokens (what is left of max_len).
@@ -36,6 +39,7 @@ from ..cache import KVCache
 from ..model import Memory, Transformer
 
 AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ChooseRule = Callable[[torch.Tensor, int, bool], int]
 
 
 @dataclass
@@ -57,7 +61,8 @@ class Verified:
 
 
 def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft: list[int], *,
-           budget: int, eos_id: int, accept: AcceptRule | None = None) -> Verified:
+           budget: int, eos_id: int, accept: AcceptRule | None = None,
+           choose: ChooseRule | None = None) -> Verified:
     """One decoder call over [last] + draft for a single sentence (batch row 0 of memory and cache).
 
     On return the cache holds the committed output except its new last token (tokens[-1]), ready
@@ -69,17 +74,40 @@ def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft:
     inp = torch.tensor([[last] + draft], dtype=torch.long, device=memory.states.device)
     hidden = model.decode_hidden(inp, memory, cache)  # (1, m + 1, D)
     logits = model.project(hidden)[0]  # (m + 1, V)
-    pred = logits.argmax(dim=-1).tolist()  # pred[i] = p_i
     if draft:
         d = torch.tensor(draft, dtype=torch.long, device=logits.device)
         ok = (d.eq(logits[:-1].argmax(dim=-1)) if accept is None else accept(logits[:-1], d)).tolist()
     else:
         ok = []
     n = next((i for i, good in enumerate(ok) if not good), len(ok))
-    tokens = draft[:n] + [pred[n]]
+    tokens = draft[:n] + [int(logits[n].argmax()) if choose is None else choose(logits[n], n, n < len(draft))]
     if eos_id in tokens:
         tokens = tokens[: tokens.index(eos_id) + 1]
     tokens = tokens[:budget]
     cache.truncate(base + len(tokens))  # keep last, d_1 .. d_(c-1): the committed output minus its new last token
     return Verified(tokens, n, logits, hidden[0])
 
+
+
+def catch_up(model: Transformer, memory: Memory, cache: KVCache, sequence: list[int]) -> torch.Tensor:
+    """Feed the tokens of `sequence` (bos + output so far) that `cache` does not hold yet, in one
+    decoder call, and return the next-token logits (V,). A drafting model (BiLD's small model,
+    speculative sampling's drafter) keeps its own cache in step with the committed output this way:
+    after a verification it is truncated to what stayed valid and catches up with the rest. When the
+    cache already holds the whole sequence (a rollback that replaced a token by the same token), its
+    last position is fed again: the logits after it are needed, and a cache keeps states, not logits."""
+    if cache.length >= len(sequence):
+        cache.truncate(len(sequence) - 1)
+    todo = sequence[cache.length:]
+    inp = torch.tensor([todo], dtype=torch.long, device=memory.states.device)
+    return model.decode(inp, memory, cache)[0, -1]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
