@@ -34,6 +34,10 @@ HELP = {
     "proposal_k": "train k-1 blockwise proposal heads on top of the model (0 = none)",
     "proposal_d_ff": "hidden width per proposal head (0 = the model's d_ff)",
     "freeze_base": "with --proposal-k: train only the heads", "head_loss": "with --proposal-k: random (one head per batch) or mean",
+    "drafter_k": "train a GAD block drafter filling k masks (0 = an autoregressive model)",
+    "drafter_layout": "drafter self-attention: causal (prefix cached across iterations) or bidirectional (the paper's)",
+    "glancing_start": "drafter: glancing ratio at step 0", "glancing_end": "drafter: glancing ratio after the decay",
+    "glancing_decay_steps": "drafter: updates over which the glancing ratio decays linearly",
 }
 
 

@@ -87,6 +87,12 @@ class TrainConfig:
     proposal_d_ff: int = 0  # the heads' hidden width per head (0 = d_ff of the model)
     freeze_base: bool = False  # with proposal_k: train only the heads, the base model stays as it is
     head_loss: str = "random"  # with proposal_k: "random" (one head per batch, the paper's) or "mean"
+    # Non-autoregressive block drafter (GAD, Ge et al. 2022, section 3.2; refdec.drafter).
+    drafter_k: int = 0  # train a drafter that fills k masks after a random prefix (0 = an AR model)
+    drafter_layout: str = "causal"  # "causal" prefix (cacheable) or the paper's "bidirectional"
+    glancing_start: float = 0.5  # glancing ratio at step 0 (GLAT)
+    glancing_end: float = 0.3  # ... decayed linearly to this
+    glancing_decay_steps: int = 3000
 
     def __post_init__(self) -> None:
         if self.head_loss not in ("random", "mean"):
@@ -95,6 +101,10 @@ class TrainConfig:
             raise ValueError("proposal_k must be 0 (no heads) or at least 2")
         if self.freeze_base and not self.proposal_k:
             raise ValueError("freeze_base needs proposal_k: a frozen model without heads has nothing to train")
+        if self.drafter_k < 0 or (self.drafter_k and self.proposal_k):
+            raise ValueError("drafter_k must be 0 or positive, and a drafter cannot also train proposal heads")
+        if self.drafter_layout not in ("causal", "bidirectional"):
+            raise ValueError(f"drafter_layout must be causal or bidirectional, not {self.drafter_layout!r}")
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         return ModelConfig(

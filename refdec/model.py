@@ -262,14 +262,20 @@ class Transformer(nn.Module):
         cross_kv = [layer.cross_attn.project_kv(x) for layer in self.decoder]
         return Memory(x, src_pad, cross_kv)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
+                      open_from: int | None = None) -> torch.Tensor:
         """tgt_new (B, q) tokens at positions [cache.length, cache.length + q) -> final states (B, q, D).
 
-        Appends the q positions to `cache` (truncate it to undo)."""
+        Appends the q positions to `cache` (truncate it to undo). Causal by default; with `open_from`
+        = j, new positions j .. q-1 see every new position, each other included (a block of mask
+        tokens that a non-autoregressive drafter fills in at once), while positions before j stay
+        causal."""
         offset, q_len = cache.length, tgt_new.shape[1]
         x = self._embed(self.tgt_embed, tgt_new, offset)
         # One new query sees every cached key: no mask needed (the greedy step stays lean).
         self_block = causal_block(q_len, offset, x.device) if q_len > 1 else None  # (q, L + q)
+        if open_from is not None and self_block is not None:
+            self_block[open_from:] = False
         src_block = memory.src_block
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory.cross_kv[i], src_block,
@@ -285,11 +291,13 @@ class Transformer(nn.Module):
         """Teacher forcing without a cache: src (B, S), tgt (B, T) starting with bos -> logits (B, T, V)."""
         return self.project(self.forward_hidden(src, tgt))
 
-    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        """forward() before the vocabulary projection: final decoder states (B, T, D)."""
+    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None) -> torch.Tensor:
+        """forward() before the vocabulary projection: final decoder states (B, T, D). `self_block`
+        (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's training)."""
         memory = self.encode(src)
         x = self._embed(self.tgt_embed, tgt, 0)
-        self_block = causal_block(tgt.shape[1], 0, x.device)
+        if self_block is None:
+            self_block = causal_block(tgt.shape[1], 0, x.device)
         src_block = memory.src_block
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)

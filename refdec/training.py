@@ -45,6 +45,7 @@ from .decoding.blockwise import blockwise
 from .decoding.greedy import greedy
 from .metrics import corpus_bleu
 from .model import Transformer
+from .drafter import block_batch, glance, glancing_ratio
 from .proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from .tokenizer import Tokenizer, iter_training_text
 
@@ -68,11 +69,14 @@ class Objective(torch.nn.Module):
     def __init__(self, model: Transformer, heads: ProposalHeads | None, cfg: TrainConfig):
         super().__init__()
         self.model, self.heads, self.cfg = model, heads, cfg
+        self.step = 0  # set by the trainer: the glancing ratio decays with it
         # Head 1 is the base model itself: trained only when the base is not frozen.
         self.trained_heads = [] if heads is None else list(range(2 if cfg.freeze_base else 1, heads.k + 1))
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         eps, pad = self.cfg.label_smoothing, self.model.cfg.pad_id
+        if self.cfg.drafter_k:
+            return self.drafter_loss(src, tgt_out)
         if self.heads is None:
             return smoothed_loss(self.model(src, tgt_in), tgt_out, eps, pad)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
@@ -84,6 +88,24 @@ class Objective(torch.nn.Module):
         losses = [smoothed_loss(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i), eps, pad)
                   for i in chosen]
         return sum(losses) / len(losses)
+
+
+    def drafter_batch(self, tgt_out: torch.Tensor, generator: torch.Generator | None = None):
+        """Block inputs for every row: a random prefix length p in 0 .. len(y), then k masks."""
+        pad = self.model.cfg.pad_id
+        ys = [row[row.ne(pad)].tolist()[:-1] for row in tgt_out.cpu()]  # drop the eos
+        ps = [int(torch.randint(len(y) + 1, (), generator=generator)) for y in ys]
+        return (t.to(tgt_out.device) for t in block_batch(ys, self.cfg.drafter_k, ps, self.cfg.drafter_layout))
+
+    def drafter_loss(self, src: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        """L_NAR with glancing: predict the block, reveal gold tokens where it was wrong, learn the rest."""
+        inp, gold, block = self.drafter_batch(tgt_out)
+        with torch.no_grad():
+            pred = self.model.project(self.model.forward_hidden(src, inp, block))
+        ratio = glancing_ratio(self.step, self.cfg.glancing_start, self.cfg.glancing_end, self.cfg.glancing_decay_steps)
+        inp, target = glance(inp, gold, pred.argmax(dim=-1), ratio)
+        logits = self.model.project(self.model.forward_hidden(src, inp, block))
+        return smoothed_loss(logits, target, self.cfg.label_smoothing, self.model.cfg.pad_id)
 
 
 class Trainer:
@@ -202,6 +224,8 @@ class Trainer:
         first sentences. With proposal heads: dev_loss is the mean over the trained heads, and the
         sentences are decoded blockwise (exact mode: the same output as greedy) for the mean
         accepted block size."""
+        if self.cfg.drafter_k:
+            return self.evaluate_drafter()
         m, heads = self.model, self.heads
         self.objective.eval()
         limit = min(self.cfg.max_train_len, m.cfg.max_positions - 1)
@@ -235,6 +259,28 @@ class Trainer:
             out["dev_mean_accepted"] = produced / max(calls, 1)
         return out
 
+    @torch.no_grad()
+    def evaluate_drafter(self) -> dict:
+        """The drafter's dev loss and top-1 accuracy on the block, at prefix lengths drawn from a fixed
+        seed (the same blocks at every evaluation), without glancing."""
+        self.objective.eval()
+        limit = min(self.cfg.max_train_len, self.model.cfg.max_positions - 1)
+        src = [s[:limit] for s in self.tok.encode_batch(self.dev.src)]
+        tgt = [t[:limit] for t in self.tok.encode_batch(self.dev.tgt)]
+        gen = torch.Generator().manual_seed(1234)
+        loss = correct = count = 0.0
+        for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None):
+            s, _, to = (x.to(self.device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
+            inp, gold, block = self.objective.drafter_batch(to, gen)
+            logits = self.model.project(self.model.forward_hidden(s, inp, block))
+            loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), gold.reshape(-1),
+                                    ignore_index=self.tok.pad_id, reduction="sum").item()
+            on = gold.ne(self.tok.pad_id)
+            correct += (logits.argmax(-1).eq(gold) & on).sum().item()
+            count += on.sum().item()
+        self.objective.train()
+        return {"dev_loss": loss / max(count, 1), "dev_block_accuracy": correct / max(count, 1)}
+
     # -- checkpoints -------------------------------------------------------------------------------
     def _meta(self, extra: dict | None = None) -> dict:
         return {"train_config": self.cfg.to_dict(), "minutes": round(self.elapsed / 60, 2), **(extra or {})}
@@ -243,6 +289,8 @@ class Trainer:
         ck = make_checkpoint(self.model, self.cfg.task, self.tok, self.step, meta, half=half)
         if self.heads is not None:
             ck["proposal"] = proposal_state(self.heads, half)
+        if self.cfg.drafter_k:
+            ck["drafter"] = {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout}
         return ck
 
     def _save_last(self) -> None:
@@ -278,11 +326,12 @@ class Trainer:
             avg = self.evaluate()
             save_atomic(self._ckpt(self._meta({**avg, "averaged": len(states)})), self.out / "average.pt")
             results["average"] = avg
-            self.log(f"average of {len(states)} snapshots: dev loss {avg['dev_loss']:.4f} BLEU {avg['dev_bleu']:.2f}")
+            self.log(f"average of {len(states)} snapshots: " + format_scores(avg))
         best_path = self.out / "best.pt"
         if best_path.exists():
             best = load_checkpoint(best_path)
-            results["best"] = {"dev_loss": self.best_loss, "dev_bleu": best["meta"].get("dev_bleu"), "step": best["step"]}
+            results["best"] = {"dev_loss": self.best_loss, **{k: best["meta"][k] for k in ("dev_bleu", "dev_block_accuracy")
+                                                               if k in best["meta"]}, "step": best["step"]}
         pick = "average" if "average" in results and results["average"]["dev_loss"] <= self.best_loss else "best"
         src_file = self.out / f"{pick}.pt"
         if src_file.exists():
@@ -312,6 +361,7 @@ class Trainer:
                 lr = cfg.lr * inverse_sqrt(self.step + 1, cfg.warmup_steps)
                 for g in self.opt.param_groups:
                     g["lr"] = lr
+                self.objective.step = self.step
                 loss = self.ddp(src, tgt_in, tgt_out)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -361,9 +411,8 @@ class Trainer:
     def _eval_and_save(self) -> None:
         if self._is_main():
             scores = self.evaluate()
-            self.log(f"eval step {self.step}: dev loss {scores['dev_loss']:.4f} | dev BLEU {scores['dev_bleu']:.2f} "
-                     f"(greedy, {min(self.cfg.eval_sentences, len(self.dev))} sentences)"
-                     + (f" | mean accepted block {scores['dev_mean_accepted']:.2f}" if "dev_mean_accepted" in scores else ""))
+            self.log(f"eval step {self.step}: " + format_scores(scores)
+                     + ("" if self.cfg.drafter_k else f" (greedy BLEU on {min(self.cfg.eval_sentences, len(self.dev))} sentences)"))
             self._checkpoint(scores)
         self._barrier()
 
@@ -372,6 +421,12 @@ class Trainer:
         self.prepare()
         self._t0 = time.time()
         return self.train()
+
+
+def format_scores(scores: dict) -> str:
+    names = {"dev_loss": "dev loss", "dev_bleu": "dev BLEU", "dev_mean_accepted": "mean accepted block",
+             "dev_block_accuracy": "block accuracy"}
+    return " | ".join(f"{names[k]} {scores[k]:.4f}" for k in names if k in scores)
 
 
 def log_to_stderr(msg: str) -> None:

@@ -162,3 +162,16 @@ def test_bad_proposal_options_are_one_line_errors(args, needle):
     r = run_py(*TINY, "--out-dir", "/nonexistent", *args)
     err = r.stderr.decode()
     assert r.returncode != 0 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("layout", ["causal", "bidirectional"])
+def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
+    """Guards the drafter's training path (random prefix, k masks, glancing) and its checkpoint mark."""
+    out = tmp_path / "drafter"
+    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--init-from",
+               str(trained_tiny / "model.pt"), "--drafter-k", "4", "--drafter-layout", layout)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "block accuracy" in r.stderr.decode()
+    ck = load_checkpoint(out / "model.pt")
+    assert ck["drafter"] == {"k": 4, "layout": layout}
+    assert ck["meta"]["train_config"]["init_from"].endswith("model.pt")

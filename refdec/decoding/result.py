@@ -26,6 +26,7 @@ class DecodeStats:
     fallbacks: int = 0
     rollbacks: int = 0
     hit_max_len: int = 0  # sentences stopped by max_len before eos
+    module_seconds: dict = field(default_factory=dict)  # time per part (GAD: encoders, drafter, verifier)
 
     @property
     def mean_accepted(self) -> float:
@@ -36,12 +37,15 @@ class DecodeStats:
                      "fallbacks", "rollbacks", "hit_max_len"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted.extend(other.accepted)
+        for k, v in other.module_seconds.items():
+            self.module_seconds[k] = self.module_seconds.get(k, 0.0) + v
 
     def to_dict(self) -> dict:
         return {"sentences": self.sentences, "tokens": self.tokens, "verifier_calls": self.verifier_calls,
                 "drafter_calls": self.drafter_calls, "encoder_calls": self.encoder_calls,
                 "mean_accepted": self.mean_accepted, "fallbacks": self.fallbacks,
-                "rollbacks": self.rollbacks, "hit_max_len": self.hit_max_len}
+                "rollbacks": self.rollbacks, "hit_max_len": self.hit_max_len,
+                **({"module_seconds": dict(self.module_seconds)} if self.module_seconds else {})}
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""Generalized aggressive decoding (GAD, GAD++; Ge et al. 2022, section 3.2): a non-autoregressive
+drafter proposes a block, the autoregressive verifier checks it in one call.
+
+    repeat until eos or max_len:
+        draft    o~_(j+1 .. j+k) = argmax of the drafter at k mask positions after o_<=j   (Eq. 1)
+        verify   o^_(j+i) = argmax P_AR(. | o_<=j, o~_(j+1 .. j+i-1))                    (Eq. 7)
+                 c = the first i with o~_(j+i) != o^_(j+i) (the bifurcation)
+        accept   o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)); j <- j + c
+
+Every accepted token is the verifier's argmax, so GAD's output is the verifier's greedy output.
+GAD++ (Eq. 8-9) relaxes the test: a drafted token passes when it is among the verifier's top_beta
+tokens and its log-probability is within tau of the top-1's. top_beta=1, tau=0 is GAD.
+
+The drafter (refdec.drafter) runs in one of two layouts: the paper's bidirectional one recomputes
+the whole prefix every iteration; the causal-prefix one keeps the prefix's keys and values in its
+own cache and feeds only the newly accepted tokens plus the k masks. The verifier's cache is
+truncated at the bifurcation by the shared verification step (refdec.decoding.verify).
+
+Stats: drafter and verifier calls, tokens per verifier call, and the time per part
+(module_seconds: verifier encoder, drafter encoder, drafter decoder, verifier decoder; the caller's
+total minus these is "other"), like the paper's table 15.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..drafter import LAYOUTS, draft_block
+from ..model import Transformer
+from .bild import check_pair
+from .result import DecodeResult, DecodeStats, finish_row
+from .verify import verify
+
+
+def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
+    """Eq. 8-9: accept d if d is in the verifier's top_beta and log P(d) >= log P(top-1) - tau."""
+    if top_beta < 1 or tau < 0:
+        raise ValueError("top_beta must be at least 1 and tau at least 0")
+
+    def accept(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        in_top = logp.topk(min(top_beta, logp.shape[-1]), dim=-1).indices.eq(draft[:, None]).any(dim=-1)
+        close = logp.gather(-1, draft[:, None])[:, 0] >= logp.max(dim=-1).values - tau
+        return in_top & close
+
+    return accept
+
+
+@torch.inference_mode()
+def gad(verifier: Transformer, drafter: Transformer, src: torch.Tensor, *, max_len: int, k: int, layout: str = "causal",
+        top_beta: int = 1, tau: float = 0.0, exact: bool | None = None, trace: bool = False) -> DecodeResult:
+    """src (B, S) right-padded source ids (each ending in eos) -> one output per row.
+
+    exact: verify by argmax equality (GAD); default: when top_beta == 1 and tau == 0."""
+    check_pair(verifier, drafter)
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown drafter layout {layout!r}")
+    if k < 1:
+        raise ValueError("the block size k must be at least 1")
+    accept = None if (exact if exact is not None else (top_beta == 1 and tau == 0)) else gadpp_rule(top_beta, tau)
+    cfg = verifier.cfg
+    B = src.shape[0]
+    stats = DecodeStats(sentences=B, encoder_calls=2)
+    secs = {"verifier encoder": 0.0, "drafter encoder": 0.0, "drafter decoder": 0.0, "verifier decoder": 0.0}
+    t0 = time.perf_counter()
+    mem_v = verifier.encode(src)
+    t1 = time.perf_counter()
+    mem_d = drafter.encode(src)
+    secs["verifier encoder"] += t1 - t0
+    secs["drafter encoder"] += time.perf_counter() - t1
+    tokens, traces = [], ([] if trace else None)
+    for b in range(B):
+        rows = torch.tensor([b], device=src.device)
+        mv, md = (mem_v, mem_d) if B == 1 else (mem_v.select(rows), mem_d.select(rows))
+        cache_v = verifier.new_cache(1, capacity=max_len + 1)
+        cache_d = drafter.new_cache(1, capacity=max_len + k + 1) if layout == "causal" else None
+        out: list[int] = []
+        last, steps = cfg.bos_id, []
+        while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
+            seq = [cfg.bos_id] + out
+            kk = min(k, drafter.cfg.max_positions - len(seq))  # the drafter's positions end somewhere
+            t0 = time.perf_counter()
+            draft = draft_block(drafter, md, cache_d, seq, kk, layout) if kk > 0 else []
+            t1 = time.perf_counter()
+            v = verify(verifier, mv, cache_v, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id, accept=accept)
+            secs["drafter decoder"] += t1 - t0
+            secs["verifier decoder"] += time.perf_counter() - t1
+            stats.drafter_calls += 1
+            stats.verifier_calls += 1
+            stats.accepted.append(len(v.tokens))
+            if trace:
+                steps.append({"draft": draft, "accepted": v.accepted, "tokens": v.tokens})
+            out += v.tokens
+            last = v.tokens[-1]
+        tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
+        if trace:
+            traces.append(steps)
+    stats.module_seconds = secs
+    return DecodeResult(tokens, stats, traces)

@@ -1,0 +1,110 @@
+"""The non-autoregressive block drafter of generalized aggressive decoding (GAD; Ge et al. 2022,
+section 3.2): an encoder-decoder whose decoder input is the verified prefix followed by k mask
+tokens, and which fills in all k masks at once.
+
+    input     bos  o_1 .. o_j  <mask> x k
+    predicts                   o~_(j+1) .. o~_(j+k)      argmax at each mask position, in parallel
+
+It is a refdec Transformer; what makes it a drafter is the self-attention mask and the training
+objective (the paper's L_NAR: a random prefix length p per sentence, cross-entropy on the k mask
+positions only). The mask token is its own id (MASK_ID), never unk. Two attention layouts:
+
+    bidirectional   the paper's: every position sees every position. The prefix's states depend on
+                    the masks, so each iteration recomputes the whole prefix (its table 15 names
+                    this the part to improve).
+    causal          prefix positions attend causally, as in an autoregressive decoder, so their keys
+                    and values are cached across iterations; the mask positions see the prefix and
+                    each other. Each iteration feeds only the newly verified tokens and the masks.
+
+Glancing training (GLAT, Qian et al. 2021), restricted to the block: a first pass without gradient
+predicts the block; with N of its tokens wrong, ceil(ratio * N) gold tokens are revealed at random
+mask positions; the loss is taken on the positions still masked. The ratio decays linearly over
+training (`glancing_ratio`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .cache import KVCache
+from .config import BOS_ID, EOS_ID, MASK_ID, PAD_ID
+from .model import Memory, Transformer
+
+LAYOUTS = ("causal", "bidirectional")
+
+
+def block_batch(targets: list[list[int]], k: int, prefix_lens: list[int], layout: str):
+    """Drafter training inputs for sentences with target ids `targets` (without bos/eos).
+
+    Row r is bos + y[:p] + k masks, to predict (y + [eos])[p : p + k] at the masks (pad where the
+    sentence has ended: no loss there). Returns (inp (B, T), gold (B, T) with PAD off the block,
+    self_block (B, 1, T, T) True = blocked)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown drafter layout {layout!r}; choose {' or '.join(LAYOUTS)}")
+    B = len(targets)
+    T = max(1 + p + k for p in prefix_lens)
+    inp = torch.full((B, T), PAD_ID, dtype=torch.long)
+    gold = torch.full((B, T), PAD_ID, dtype=torch.long)
+    blocked = torch.ones(B, T, T, dtype=torch.bool)
+    for r, (y, p) in enumerate(zip(targets, prefix_lens)):
+        n = 1 + p + k
+        inp[r, :n] = torch.tensor([BOS_ID] + y[:p] + [MASK_ID] * k)
+        block = (y + [EOS_ID])[p:p + k]
+        gold[r, 1 + p:1 + p + len(block)] = torch.tensor(block, dtype=torch.long)
+        if layout == "bidirectional":
+            blocked[r, :n, :n] = False
+        else:
+            i = torch.arange(n)
+            blocked[r, :n, :n] = i[None, :] > i[:, None]  # causal prefix
+            blocked[r, 1 + p:n, :n] = False  # the masks see everything
+        blocked[r, n:, 0] = False  # padding rows: attend to something (their output is ignored)
+    return inp, gold, blocked[:, None]
+
+
+def glance(inp: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, ratio: float,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reveal ceil(ratio x wrong) gold tokens per row at random block positions.
+
+    Returns (new input, loss targets): revealed positions carry the gold token in the input and PAD
+    (no loss) in the targets."""
+    inp, target = inp.clone(), gold.clone()
+    in_block = gold.ne(PAD_ID)
+    wrong = (pred.ne(gold) & in_block).sum(dim=1)
+    for r in range(inp.shape[0]):
+        n = math.ceil(ratio * int(wrong[r]))
+        if n == 0:
+            continue
+        pos = in_block[r].nonzero().squeeze(1)
+        pick = pos[torch.randperm(len(pos), generator=generator)[:n]]
+        inp[r, pick] = gold[r, pick]
+        target[r, pick] = PAD_ID
+    return inp, target
+
+
+def glancing_ratio(step: int, start: float, end: float, decay_steps: int) -> float:
+    """Linear decay from `start` to `end` over `decay_steps` updates, then constant."""
+    if decay_steps <= 0:
+        return end
+    return start + (end - start) * min(step / decay_steps, 1.0)
+
+
+def draft_block(drafter: Transformer, memory: Memory, cache: KVCache | None, sequence: list[int], k: int,
+                layout: str) -> list[int]:
+    """The drafter's k tokens after `sequence` (bos + verified output), argmax at each mask.
+
+    causal: `cache` holds a prefix of `sequence`; the missing tokens and the masks go in one call,
+    and the cache is cut back to the whole sequence afterwards (the masks never stay in it).
+    bidirectional: `cache` is ignored; the whole sequence and the masks are recomputed."""
+    device = memory.states.device
+    if layout == "causal":
+        todo = sequence[cache.length:]
+        hidden = drafter.decode_hidden(torch.tensor([todo + [MASK_ID] * k], device=device), memory, cache,
+                                       open_from=len(todo))
+        cache.truncate(len(sequence))
+    else:
+        fresh = drafter.new_cache(1, capacity=len(sequence) + k)
+        hidden = drafter.decode_hidden(torch.tensor([sequence + [MASK_ID] * k], device=device), memory, fresh,
+                                       open_from=0)
+    return drafter.project(hidden[:, -k:])[0].argmax(dim=-1).tolist()
