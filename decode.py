@@ -77,11 +77,35 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0 = no limit)")
     k.add_argument("--max-draft", type=int, metavar="N", help="iad: most tokens drafted per verifier call, "
                    "the papers' L_max (default 0 = up to the end of the source)")
+    k.add_argument("--top-beta", type=int, metavar="B", help="gad: GAD++ accepts a drafted token within the "
+                   "verifier's top B (default 1: GAD, lossless)")
+    k.add_argument("--tau", type=float, metavar="T", help="gad: ... and within T of the top-1 log-probability (default 0)")
+    k.add_argument("--block-rule", choices=["exact", "top-k", "distance"], help="blockwise: exact (default, "
+                   "lossless), top-k (a proposal within p_1's top --top-k), distance (numbers within --epsilon)")
+    k.add_argument("--top-k", type=int, metavar="K", help="blockwise --block-rule top-k: K (default 2)")
+    k.add_argument("--epsilon", type=float, metavar="E", help="blockwise --block-rule distance: E (default 0)")
+    k.add_argument("--min-block", type=int, metavar="L", help="blockwise: accept at least L tokens per call "
+                   "(default 1; more is lossy)")
+    k.add_argument("--fallback-threshold", type=float, metavar="P", help="bild: the small model writes while its "
+                   "max probability is at least P (default 0.5)")
+    k.add_argument("--rollback-threshold", type=float, metavar="D", help="bild: roll back at the first small-model "
+                   "token with -log p_large above D (default 2.0)")
+    k.add_argument("--max-window", type=int, metavar="N", help="bild: the small model writes at most N tokens "
+                   "between large-model calls (default 10)")
+    k.add_argument("--gamma", type=int, metavar="N", help="speculative: tokens drafted per large-model call (default 4)")
+    k.add_argument("--sample", action="store_const", const=True, help="bild, speculative: sample instead of argmax")
+    k.add_argument("--top-p", type=float, metavar="P", help="bild, speculative: nucleus sampling mass "
+                   "(default 0.9; speculative sampling then follows the large model's nucleus distribution)")
+    k.add_argument("--temperature", type=float, metavar="T", help="speculative: sampling temperature (default 1)")
+    k.add_argument("--seed", type=int, metavar="N", help="bild, speculative: sampling seed (default 0)")
     return p
 
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")  # refdec.decoding.iad's, listed here to keep --help import-light
-KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0, "match": "unique", "max_suffix": 0, "max_draft": 0}
+KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0, "match": "unique", "max_suffix": 0, "max_draft": 0,
+                 "top_beta": 1, "tau": 0.0, "block_rule": "exact", "top_k": 2, "epsilon": 0.0, "min_block": 1,
+                 "fallback_threshold": 0.5, "rollback_threshold": 2.0, "max_window": 10, "gamma": 4,
+                 "sample": False, "top_p": 0.9, "temperature": 1.0, "seed": 0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +136,7 @@ def run(args) -> int:
     from refdec import runner
     from refdec.checkpoint import load_model
     from refdec.data import DATA_DIR, TASKS, read_lines
+    from refdec.proposal import load_proposal
     from refdec.decoding import ALGORITHMS
     from refdec.runner import UsageError
 
@@ -140,6 +165,12 @@ def run(args) -> int:
         raise UsageError("--beam-size must be at least 1")
     if knobs["max_suffix"] < 0 or knobs["max_draft"] < 0:
         raise UsageError("--max-suffix and --max-draft must be at least 0 (0 = no limit)")
+    if min(knobs["top_beta"], knobs["top_k"], knobs["min_block"], knobs["max_window"], knobs["gamma"]) < 1:
+        raise UsageError("--top-beta, --top-k, --min-block, --max-window and --gamma must be at least 1")
+    if knobs["tau"] < 0 or knobs["epsilon"] < 0 or knobs["temperature"] <= 0:
+        raise UsageError("--tau and --epsilon must be at least 0, --temperature above 0")
+    if not 0 < knobs["top_p"] <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
@@ -165,27 +196,52 @@ def run(args) -> int:
     if args.limit is not None:
         lines, refs = lines[: args.limit], [r[: args.limit] for r in refs]
 
-    # Models.
-    model_path = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
+    # Models: the one whose output is produced ("model"), then the second models some algorithms use.
+    model_path = Path(args.model) if args.model else REPO / "checkpoints" / algo.model_dir.format(task=args.task) / "model.pt"
     if not args.model and not model_path.exists():
-        raise UsageError(f"no checkpoint at {model_path}; train one with: python train.py --preset {args.task}")
+        raise UsageError(f"no checkpoint at {model_path}; train one (README, 'Training') or pass --model")
     model, tokenizer, ckpt = load_model(model_path, task=args.task, device=args.device, dtype=dtype)
-    models = {"model": model}
-    loaded = {model_path.resolve(): model}
+    loaded = {model_path.resolve(): (model, ckpt)}
     for _, path in compares:  # other checkpoints for --compare ALGO@CKPT, each loaded once
         if path is not None and Path(path).resolve() not in loaded:
-            m2, tok2, _ = load_model(path, task=args.task, device=args.device, dtype=dtype)
+            m2, tok2, ck2 = load_model(path, task=args.task, device=args.device, dtype=dtype)
             if tok2.sha256 != tokenizer.sha256:
                 raise UsageError(f"{path} has a different tokenizer from {model_path}; compared runs must share one")
-            loaded[Path(path).resolve()] = m2
-    max_positions = min(m.cfg.max_positions for m in loaded.values())
+            loaded[Path(path).resolve()] = (m2, ck2)
+    shared = {}
+    for role, default_dir in (("drafter", "{task}-drafter"), ("small", "{task}-small-aligned")):
+        if role in roles:
+            path = Path(getattr(args, role) or REPO / "checkpoints" / default_dir.format(task=args.task) / "model.pt")
+            if not path.exists():
+                raise UsageError(f"no {role} checkpoint at {path}; pass --{role} or train one (README, 'Training')")
+            m2, tok2, ck2 = load_model(path, task=args.task, device=args.device, dtype=dtype)
+            if tok2.sha256 != tokenizer.sha256:
+                raise UsageError(f"--{role} {path} does not share the tokenizer of {model_path}")
+            shared[role] = m2
+            if role == "drafter":
+                if "drafter" not in ck2:
+                    raise UsageError(f"{path} is not a block drafter (train one with train.py --drafter-k)")
+                shared["drafter_spec"] = ck2["drafter"]
+    max_positions = min(m.cfg.max_positions for m, _ in loaded.values())
+
+    def models_for(path: Path, for_algo) -> dict:
+        m, ck = loaded[path.resolve()]
+        out = {"model": m, **shared}
+        if for_algo.name == "blockwise":
+            heads = load_proposal(ck, device=args.device, dtype=dtype)
+            if heads is None:
+                raise UsageError(f"{path} has no proposal heads; train them with train.py --proposal-k (README)")
+            out["heads"] = heads
+            out["number_values"] = number_values(tokenizer).to(args.device)
+        return out
 
     ids = runner.source_ids(tokenizer, lines, max_positions)
     several_models = len(loaded) > 1
-    runs = [runner.Run(algo, knobs, label=label(args.algo, model_path, several_models))]
+    models = models_for(model_path, algo)
+    runs = [runner.Run(algo, knobs, models=models, label=label(args.algo, model_path, several_models))]
     for (name, path), other in zip(compares, others):
         ckpt_path = Path(path) if path else model_path
-        runs.append(runner.Run(other, knobs, models={"model": loaded[ckpt_path.resolve()]},
+        runs.append(runner.Run(other, knobs, models=models_for(ckpt_path, other),
                                label=label(name, ckpt_path, several_models)))
     runner.decode_lines(runs, models, ids, batch_size=args.batch_size, max_len=args.max_len,
                         max_positions=max_positions, device=args.device, warmup=args.warmup,
@@ -213,7 +269,7 @@ def run(args) -> int:
     for fast in runs:
         base = next((r for r in runs if r.algo.name == "greedy"
                      and r.models_of(models)["model"] is fast.models_of(models)["model"]), None)
-        if base is None or fast is base or not fast.algo.lossless:
+        if base is None or fast is base or not fast.algo.is_lossless(fast.knobs):
             continue
         mdl = fast.models_of(models)["model"]
         div = runner.divergences(mdl, ids, base.outputs, fast.outputs, args.device)
@@ -256,6 +312,20 @@ def run(args) -> int:
 
     print("\n\n".join([table] + notes), file=sys.stderr if not args.output else sys.stdout)
     return 0
+
+
+def number_values(tokenizer):
+    """For blockwise distance-based selection: each token's numeric value (NaN if it is not a number)."""
+    import torch
+    vals = torch.full((tokenizer.vocab_size,), float("nan"))
+    for i in range(tokenizer.vocab_size):
+        text = tokenizer.decode([i]).strip()
+        if text and text.replace(".", "", 1).replace(",", "", 1).lstrip("-").isdigit():
+            try:
+                vals[i] = float(text.replace(",", ""))
+            except ValueError:
+                pass
+    return vals
 
 
 def parse_compare(spec: str) -> list[tuple[str, str | None]]:
@@ -303,6 +373,32 @@ def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
             body = (f"[{text(s['tokens'][:acc])}] " if acc else "") + text(s["tokens"][acc:])
             lines.append(f"  {it:3d}  {body}    ({how})")
         return "\n".join(lines)
+    def text(ids):  # readable text of a span; eos shown as </s>
+        ids = list(ids)
+        cut = ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids
+        return tokenizer.decode(cut) + (" </s>" if len(cut) < len(ids) else "")
+
+    if algo == "gad":  # like table 17 of the GAD paper: D = the drafter's block, V = what verification kept
+        lines = [f"[{index + 1}] {len(steps)} iterations"]
+        for it, s in enumerate(steps, 1):
+            lines.append(f"  {it:3d} D: {text(s['draft'])}")
+            lines.append(f"      V: [{text(s['tokens'][:s['accepted']])}] {text(s['tokens'][s['accepted']:])}"
+                         f"    ({s['accepted']} of {len(s['draft'])} drafted tokens accepted)")
+        return "\n".join(lines)
+    if algo == "blockwise":  # like section 7.4: the tokens each step added; [ ] = accepted proposals
+        return f"[{index + 1}] {len(steps)} steps: " + " | ".join(
+            (f"[{text(s['tokens'][:s['accepted']])}]" if s["accepted"] else "") + text(s["tokens"][s["accepted"]:])
+            for s in steps)
+    if algo in ("bild", "speculative"):  # like figure 9 of the BiLD paper: who wrote each token
+        parts = []
+        for s in steps:
+            if s["kept"]:
+                parts.append("S(" + text(s["small"][:s["kept"]]) + ")")
+            if s.get("rollback"):
+                parts.append(f"rollback x{len(s['small']) - s['kept']}")
+            if s["large"] is not None:
+                parts.append("L(" + text([s["large"]]) + ")")
+        return f"[{index + 1}] " + " ".join(parts) + "   (S = small model, L = large model)"
     return f"[{index + 1}] {steps}"
 
 

@@ -100,6 +100,39 @@ def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
     assert len(r.stdout.decode().splitlines()) == 6
 
 
+@pytest.mark.parametrize("algo,extra", [
+    ("gad", ["--drafter", "{drafter}"]),
+    ("blockwise", ["--model", "{heads}"]),
+    ("bild", ["--small", "{tiny}", "--fallback-threshold", "2"]),
+    ("speculative", ["--small", "{tiny}", "--gamma", "3"]),
+])
+def test_second_model_algorithms_reproduce_greedy(trained_tiny, tiny_extras, tmp_path, algo, extra):
+    """Guards decode.py's wiring of the drafter, the proposal heads and the small model: in their
+    lossless settings (BiLD: falling back at every step) the outputs are greedy's, in float64."""
+    paths = {"drafter": tiny_extras["drafter"], "heads": tiny_extras["heads"], "tiny": trained_tiny / "model.pt"}
+    extra = [e.format(**paths) for e in extra]
+    rep = tmp_path / "r.json"
+    args = ["--algo", algo, "--compare", "greedy", "--limit", "4", "--max-len", "10", "--dtype", "float64",
+            "--report", str(rep), "--trace"]
+    r = run_py(*DECODE, *(["--model", str(trained_tiny / "model.pt")] if "--model" not in extra else []), *args, *extra)
+    assert r.returncode == 0, r.stderr.decode()
+    report = json.loads(rep.read_text())
+    assert report["compare"]["identical"] == 1.0
+    assert "[1]" in r.stderr.decode()
+
+
+def test_second_models_are_checked(trained_tiny, tiny_extras):
+    r = decode(trained_tiny, "--algo", "blockwise", "--limit", "1")
+    assert "no proposal heads" in one_line_error(r)
+    r = decode(trained_tiny, "--algo", "gad", "--drafter", str(trained_tiny / "model.pt"), "--limit", "1")
+    assert "not a block drafter" in one_line_error(r)
+    r = decode(trained_tiny, "--algo", "bild", "--small", str(trained_tiny / "model.pt"), "--limit", "2",
+               "--sample", "--seed", "3", "--trace")
+    assert r.returncode == 0 and "S = small model" in r.stderr.decode()
+    r = decode(trained_tiny, "--algo", "gad", "--limit", "1")
+    assert "no drafter checkpoint" in one_line_error(r)
+
+
 def test_divergences_name_position_and_margin():
     """Guards the float32 audit: a differing line is reported with its first divergent position and
     the model's top-1/top-2 margin there, computed along the greedy prefix."""
@@ -131,6 +164,9 @@ def test_iad_trace_shows_iterations(trained_tiny):
     (["--algo", "iad", "--max-draft", "-1"], "at least 0"),
     (["--algo", "iad", "--compare", "greedy,nope"], "unknown algorithm"),
     (["--algo", "iad", "--compare", "beam@missing.pt"], "no checkpoint"),
+    (["--algo", "bild", "--small", "x.pt", "--gamma", "2"], "not used by"),
+    (["--algo", "speculative", "--small", "x.pt", "--temperature", "0"], "above 0"),
+    (["--algo", "iad", "--drafter", "x.pt"], "not used by"),
     (["--algo", "greedy", "--beam-size", "3"], "not used by"),
     (["--algo", "greedy", "--drafter", "x.pt"], "not used by"),
     (["--algo", "greedy", "--batch-size", "0"], "at least 1"),

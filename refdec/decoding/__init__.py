@@ -15,7 +15,11 @@ from typing import Callable
 import torch
 
 from .beam import beam_search
+from .bild import bild
+from .blockwise import blockwise
+from .gad import gad
 from .greedy import greedy
+from .speculative import speculative
 from .iad import MATCH_POLICIES, find_match, iad
 from .result import DecodeResult, DecodeStats, check_eval
 from .verify import Verified, verify
@@ -28,7 +32,12 @@ class Algorithm:
     summary: str
     roles: tuple[str, ...] = ("model",)  # checkpoints it needs; "model" is the one it reproduces
     knobs: tuple[str, ...] = ()  # decode.py options it reads
-    lossless: bool = True  # output identical to greedy decoding of the "model" role
+    lossless: bool = True  # output identical to greedy decoding of the "model" role (at default knobs)
+    model_dir: str = "{task}"  # checkpoints/<model_dir>/model.pt is its default "model"
+    lossless_if: Callable[[dict], bool] | None = None  # knob settings that keep it lossless (None: always)
+
+    def is_lossless(self, knobs: dict) -> bool:
+        return self.lossless and (self.lossless_if is None or self.lossless_if(knobs))
 
 
 ALGORITHMS: dict[str, Algorithm] = {
@@ -46,7 +55,37 @@ ALGORITHMS: dict[str, Algorithm] = {
             max_draft=kn["max_draft"], trace=kn.get("trace", False)),
         "input-guided aggressive decoding: draft a copy of the input, verify it in one call (GEC; "
         "SAD = iad on a deep-encoder/shallow-decoder model)", knobs=("match", "max_suffix", "max_draft")),
+    "gad": Algorithm(
+        "gad", lambda models, src, max_len, kn: gad(
+            models["model"], models["drafter"], src, max_len=max_len, k=models["drafter_spec"]["k"],
+            layout=models["drafter_spec"]["layout"], top_beta=kn["top_beta"], tau=kn["tau"], trace=kn.get("trace", False)),
+        "generalized aggressive decoding: a non-autoregressive drafter proposes a block, the model verifies "
+        "it (GAD++ with --top-beta/--tau)", roles=("model", "drafter"), knobs=("top_beta", "tau"),
+        lossless_if=lambda kn: kn["top_beta"] == 1 and kn["tau"] == 0),
+    "blockwise": Algorithm(
+        "blockwise", lambda models, src, max_len, kn: blockwise(
+            models["model"], models["heads"], src, max_len=max_len, rule=kn["block_rule"], top_k=kn["top_k"],
+            values=models["number_values"], epsilon=kn["epsilon"], min_block=kn["min_block"],
+            trace=kn.get("trace", False)),
+        "blockwise parallel decoding: proposal heads on the model guess k tokens, one call verifies them "
+        "and proposes the next block", knobs=("block_rule", "top_k", "epsilon", "min_block"), model_dir="{task}-blockwise",
+        lossless_if=lambda kn: kn["block_rule"] == "exact" and kn["min_block"] == 1),
+    "bild": Algorithm(
+        "bild", lambda models, src, max_len, kn: bild(
+            models["model"], models["small"], src, max_len=max_len, fallback_threshold=kn["fallback_threshold"],
+            rollback_threshold=kn["rollback_threshold"], max_window=kn["max_window"], sample=kn["sample"],
+            top_p=kn["top_p"], seed=kn["seed"], trace=kn.get("trace", False)),
+        "big-little decoder: a small model writes while confident; the large model falls back and rolls back",
+        roles=("model", "small"), knobs=("fallback_threshold", "rollback_threshold", "max_window", "sample", "top_p",
+                                         "seed"), lossless=False),
+    "speculative": Algorithm(
+        "speculative", lambda models, src, max_len, kn: speculative(
+            models["model"], models["small"], src, max_len=max_len, gamma=kn["gamma"], sample=kn["sample"],
+            temperature=kn["temperature"], top_p=kn["top_p"], seed=kn["seed"], trace=kn.get("trace", False)),
+        "speculative sampling: the small model drafts gamma tokens, rejection sampling against the large model "
+        "(greedy without --sample)", roles=("model", "small"), knobs=("gamma", "sample", "temperature", "top_p", "seed"),
+        lossless_if=lambda kn: not kn["sample"]),
 }
 
 __all__ = ["ALGORITHMS", "Algorithm", "DecodeResult", "DecodeStats", "MATCH_POLICIES", "Verified", "beam_search",
-           "check_eval", "find_match", "greedy", "iad", "verify"]
+           "bild", "blockwise", "check_eval", "find_match", "gad", "greedy", "iad", "speculative", "verify"]
