@@ -349,7 +349,13 @@ def label(algo: str, path: Path, with_model: bool) -> str:
 
 
 def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
-    """How sentence `index` was decoded: greedy lists its one-by-one tokens, beam the best beam per step."""
+    """How sentence `index` was decoded: greedy lists its one-by-one tokens, beam the best beam per step,
+    the draft-then-verify decoders what was drafted and what was kept, iteration by iteration."""
+    def text(ids):  # readable text of a span; eos shown as </s>
+        ids = list(ids)
+        cut = ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids
+        return tokenizer.decode(cut) + (" </s>" if len(cut) < len(ids) else "")
+
     if algo == "greedy":
         toks = tokenizer.tokens(s["token"] for s in steps)
         return f"[{index + 1}] {len(steps)} iterations, one token each: " + " ".join(toks)
@@ -362,10 +368,6 @@ def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
         # (at the bifurcation, or in a plain greedy step) follows it.
         n_tok = sum(len(s["tokens"]) for s in steps)
         lines = [f"[{index + 1}] {len(steps)} iterations for {n_tok} tokens"]
-        def text(ids):  # readable text of a span; eos shown as </s>
-            cut = ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids
-            return tokenizer.decode(cut) + (" </s>" if len(cut) < len(ids) else "")
-
         for it, s in enumerate(steps, 1):
             acc = s["accepted"]
             how = (f"{s['drafted']} drafted from source token {s['match']}, {acc} accepted"
@@ -373,11 +375,6 @@ def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
             body = (f"[{text(s['tokens'][:acc])}] " if acc else "") + text(s["tokens"][acc:])
             lines.append(f"  {it:3d}  {body}    ({how})")
         return "\n".join(lines)
-    def text(ids):  # readable text of a span; eos shown as </s>
-        ids = list(ids)
-        cut = ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids
-        return tokenizer.decode(cut) + (" </s>" if len(cut) < len(ids) else "")
-
     if algo == "gad":  # like table 17 of the GAD paper: D = the drafter's block, V = what verification kept
         lines = [f"[{index + 1}] {len(steps)} iterations"]
         for it, s in enumerate(steps, 1):
