@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", metavar="PATH", help="checkpoint whose output is produced "
                    "(default: checkpoints/<task>/model.pt; tokenizer.json must sit beside it)")
     m.add_argument("--drafter", metavar="PATH", help="drafter checkpoint, for algorithms that draft with a second model")
-    m.add_argument("--small", metavar="PATH", help="small-model checkpoint, for big-little decoding")
+    m.add_argument("--small", metavar="PATH", help="small-model checkpoint, for big-little decoding and speculative "
+                   "sampling (default: checkpoints/<task>-small-aligned/model.pt); 'early-exit' uses the first "
+                   "layers of --model, trained with train.py --early-exit")
     r = p.add_argument_group("running")
     r.add_argument("--max-len", type=int, metavar="N", help="most output tokens per sentence, eos included "
                    "(default: 2 x the longest source of the batch + 10, within the model's positions)")
@@ -136,6 +138,7 @@ def run(args) -> int:
     from refdec import runner
     from refdec.checkpoint import load_model
     from refdec.data import DATA_DIR, TASKS, read_lines
+    from refdec.model import EarlyExit
     from refdec.proposal import load_proposal
     from refdec.decoding import ALGORITHMS
     from refdec.runner import UsageError
@@ -210,6 +213,11 @@ def run(args) -> int:
             loaded[Path(path).resolve()] = (m2, ck2)
     shared = {}
     for role, default_dir in (("drafter", "{task}-drafter"), ("small", "{task}-small-aligned")):
+        if role == "small" and role in roles and args.small == "early-exit":  # BiLD section 4.4
+            if "early_exit" not in ckpt:
+                raise UsageError(f"{model_path} has no early exit; train one with train.py --early-exit N")
+            shared["small"] = EarlyExit(model, ckpt["early_exit"])
+            continue
         if role in roles:
             path = Path(getattr(args, role) or REPO / "checkpoints" / default_dir.format(task=args.task) / "model.pt")
             if not path.exists():

@@ -38,6 +38,7 @@ HELP = {
     "drafter_layout": "drafter self-attention: causal (prefix cached across iterations) or bidirectional (the paper's)",
     "glancing_start": "drafter: glancing ratio at step 0", "glancing_end": "drafter: glancing ratio after the decay",
     "glancing_decay_steps": "drafter: updates over which the glancing ratio decays linearly",
+    "early_exit": "also train the first N decoder layers as an early exit (BiLD's small model; 0 = no)",
 }
 
 

@@ -93,6 +93,9 @@ class TrainConfig:
     glancing_start: float = 0.5  # glancing ratio at step 0 (GLAT)
     glancing_end: float = 0.3  # ... decayed linearly to this
     glancing_decay_steps: int = 3000
+    # BiLD's early-exit small model (Kim et al. 2023, section 4.4): the first n decoder layers share
+    # the prediction head and the loss is the average of the early and the full model's.
+    early_exit: int = 0
 
     def __post_init__(self) -> None:
         if self.head_loss not in ("random", "mean"):
@@ -103,6 +106,8 @@ class TrainConfig:
             raise ValueError("freeze_base needs proposal_k: a frozen model without heads has nothing to train")
         if self.drafter_k < 0 or (self.drafter_k and self.proposal_k):
             raise ValueError("drafter_k must be 0 or positive, and a drafter cannot also train proposal heads")
+        if self.early_exit < 0 or (self.early_exit and (self.drafter_k or self.proposal_k)):
+            raise ValueError("early_exit must be 0 or positive, and cannot be combined with a drafter or heads")
         if self.drafter_layout not in ("causal", "bidirectional"):
             raise ValueError(f"drafter_layout must be causal or bidirectional, not {self.drafter_layout!r}")
 

@@ -263,13 +263,14 @@ class Transformer(nn.Module):
         return Memory(x, src_pad, cross_kv)
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
-                      open_from: int | None = None) -> torch.Tensor:
+                      open_from: int | None = None, layers: int | None = None) -> torch.Tensor:
         """tgt_new (B, q) tokens at positions [cache.length, cache.length + q) -> final states (B, q, D).
 
         Appends the q positions to `cache` (truncate it to undo). Causal by default; with `open_from`
         = j, new positions j .. q-1 see every new position, each other included (a block of mask
         tokens that a non-autoregressive drafter fills in at once), while positions before j stay
-        causal."""
+        causal. `layers` = n runs only the first n decoder layers (an early exit; `cache` then has n
+        layers), followed by the same final norm."""
         offset, q_len = cache.length, tgt_new.shape[1]
         x = self._embed(self.tgt_embed, tgt_new, offset)
         # One new query sees every cached key: no mask needed (the greedy step stays lean).
@@ -277,7 +278,7 @@ class Transformer(nn.Module):
         if open_from is not None and self_block is not None:
             self_block[open_from:] = False
         src_block = memory.src_block
-        for i, layer in enumerate(self.decoder):
+        for i, layer in enumerate(self.decoder[:layers]):
             x = layer(x, memory.cross_kv[i], src_block,
                       lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block)
         cache.advance(q_len)
@@ -291,17 +292,53 @@ class Transformer(nn.Module):
         """Teacher forcing without a cache: src (B, S), tgt (B, T) starting with bos -> logits (B, T, V)."""
         return self.project(self.forward_hidden(src, tgt))
 
-    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
+                       early_exit: int | None = None):
         """forward() before the vocabulary projection: final decoder states (B, T, D). `self_block`
-        (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's training)."""
+        (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's training).
+        With early_exit = n, also the states after the first n layers through the same final norm:
+        returns (final, early)."""
         memory = self.encode(src)
         x = self._embed(self.tgt_embed, tgt, 0)
         if self_block is None:
             self_block = causal_block(tgt.shape[1], 0, x.device)
         src_block = memory.src_block
+        early = None
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)
-        return self.dec_norm(x)
+            if early_exit is not None and i + 1 == early_exit:
+                early = self.dec_norm(x)
+        return self.dec_norm(x) if early_exit is None else (self.dec_norm(x), early)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class EarlyExit(nn.Module):
+    """The first `layers` decoder layers of a Transformer with its final norm and prediction head:
+    BiLD's early-exit small model (Kim et al. 2023, section 4.4). It shares every weight, and the
+    encoder output, with the full model, and keeps its own KV cache of `layers` layers; decoders
+    that take a small model take this as one."""
+
+    def __init__(self, base: Transformer, layers: int):
+        super().__init__()
+        if not 1 <= layers < base.cfg.dec_layers:
+            raise ValueError(f"an early exit needs 1 <= layers < {base.cfg.dec_layers}, got {layers}")
+        self.base, self.layers, self.cfg = base, layers, base.cfg
+        self.train(base.training)  # in step with the model it belongs to (eval for decoding)
+
+    def encode(self, src: torch.Tensor) -> Memory:
+        return self.base.encode(src)
+
+    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
+        p = self.base.tgt_embed.weight
+        return KVCache(self.layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype)
+
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None) -> torch.Tensor:
+        return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.base.project(hidden)
+
+    def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
+        return self.project(self.decode_hidden(tgt_new, memory, cache))

@@ -77,6 +77,10 @@ class Objective(torch.nn.Module):
         eps, pad = self.cfg.label_smoothing, self.model.cfg.pad_id
         if self.cfg.drafter_k:
             return self.drafter_loss(src, tgt_out)
+        if self.cfg.early_exit:
+            final, early = self.model.forward_hidden(src, tgt_in, early_exit=self.cfg.early_exit)
+            return 0.5 * (smoothed_loss(self.model.project(final), tgt_out, eps, pad)
+                          + smoothed_loss(self.model.project(early), tgt_out, eps, pad))
         if self.heads is None:
             return smoothed_loss(self.model(src, tgt_in), tgt_out, eps, pad)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
@@ -179,6 +183,8 @@ class Trainer:
             self.model.to(self.device)
         else:
             self.model = Transformer(cfg.model_config(self.tok.vocab_size)).to(self.device)
+        if cfg.early_exit and not cfg.early_exit < self.model.cfg.dec_layers:
+            raise ValueError(f"early_exit={cfg.early_exit} needs more than {cfg.early_exit} decoder layers")
         self.heads = None
         if cfg.proposal_k:
             mc = self.model.cfg
@@ -291,6 +297,8 @@ class Trainer:
             ck["proposal"] = proposal_state(self.heads, half)
         if self.cfg.drafter_k:
             ck["drafter"] = {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout}
+        if self.cfg.early_exit:
+            ck["early_exit"] = self.cfg.early_exit
         return ck
 
     def _save_last(self) -> None:

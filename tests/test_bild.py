@@ -144,3 +144,25 @@ def test_bild_sampling_is_seeded():
 def test_mismatched_vocabularies_are_refused():
     with pytest.raises(ValueError, match="vocabulary"):
         bild(tiny_model(0, vocab=12), tiny_model(1, vocab=40), random_src(0, 1, 12), max_len=5)
+
+
+def test_early_exit_is_the_first_layers_with_the_shared_head():
+    """The early-exit small model's cached decoding equals the first layers of the teacher-forced
+    model through the shared norm and projection, and BiLD over it falls back to the full model."""
+    from refdec.model import EarlyExit
+    m = tiny_model(4, vocab=40, layers=(2, 3))
+    small = EarlyExit(m, 1)
+    src = random_src(4, 1, 40, min_len=5, max_len=5)
+    tgt = torch.tensor([[1, 7, 8, 9, 10, 11]])
+    with torch.inference_mode():
+        _, early = m.forward_hidden(src, tgt, early_exit=1)
+        ref = m.project(early)
+        cache = small.new_cache(1, 8)
+        got = torch.cat([small.decode(tgt[:, :2], small.encode(src), cache),
+                         small.decode(tgt[:, 2:], small.encode(src), cache)], dim=1)
+    assert torch.allclose(got, ref, atol=1e-10) and cache.length == 6
+    r = bild(m, small, random_src(4, 3, 40), max_len=15, fallback_threshold=1.5)
+    assert_greedy_of_large(m, r, random_src(4, 3, 40), 15)
+    assert r.stats.encoder_calls == 1  # the early exit reads the large model's encoder output
+    with pytest.raises(ValueError):
+        EarlyExit(m, 3)

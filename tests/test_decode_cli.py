@@ -209,3 +209,19 @@ def test_help_explains():
     """Guards against a --help that does not say what the algorithms are."""
     r = run_py("decode.py", "--help")
     assert r.returncode == 0 and b"--compare" in r.stdout and b"beam search" in r.stdout
+
+
+def test_bild_with_an_early_exit(tmp_path):
+    """Guards BiLD's early-exit variant end to end: train.py --early-exit marks the checkpoint,
+    decode.py --small early-exit uses its first layers; falling back at every step is greedy."""
+    out = tmp_path / "ee"
+    r = run_py("train.py", "--preset", "tiny", "--out-dir", str(out), "--train-limit", "800", "--dec-layers", "2",
+               "--early-exit", "1", "--max-steps", "4", "--eval-every", "4", "--threads", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    rep = tmp_path / "r.json"
+    r = decode(out, "--algo", "bild", "--small", "early-exit", "--fallback-threshold", "2", "--compare", "greedy",
+               "--limit", "3", "--max-len", "8", "--dtype", "float64", "--report", str(rep))
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(rep.read_text())["compare"]["identical"] == 1.0
+    bad = run_py("train.py", "--preset", "tiny", "--out-dir", str(tmp_path / "x"), "--early-exit", "1", "--train-limit", "50")
+    assert bad.returncode != 0 and "decoder layers" in bad.stderr.decode()

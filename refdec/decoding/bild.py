@@ -60,8 +60,10 @@ def check_pair(large: Transformer, small: Transformer) -> None:
 
 
 def pair_rows(large: Transformer, small: Transformer, src: torch.Tensor):
-    """Encode the batch once with each model; yield each row's (large memory, small memory)."""
-    mem_l, mem_s = large.encode(src), small.encode(src)
+    """Encode the batch once with each model (once in all for an early exit of the large model,
+    whose encoder is the large model's); yield each row's (large memory, small memory)."""
+    mem_l = large.encode(src)
+    mem_s = mem_l if getattr(small, "base", None) is large else small.encode(src)
     B = src.shape[0]
     for b in range(B):
         rows = torch.tensor([b], device=src.device)
@@ -80,7 +82,7 @@ def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: 
     gen = torch.Generator().manual_seed(seed)
     pick = (lambda logits: draw(distribution(logits, top_p=top_p), gen)) if sample else (lambda logits: int(logits.argmax()))
     accept = rollback_rule(rollback_threshold)
-    stats = DecodeStats(sentences=src.shape[0], encoder_calls=2)
+    stats = DecodeStats(sentences=src.shape[0], encoder_calls=1 if getattr(small, "base", None) is large else 2)
     tokens, traces = [], ([] if trace else None)
     for ml, ms in pair_rows(large, small, src):
         cache_l = large.new_cache(1, capacity=max_len + 1)

@@ -42,7 +42,7 @@ def speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
         raise ValueError("temperature must be positive (sample=False is the greedy case)")
     cfg = large.cfg
     gen = torch.Generator().manual_seed(seed)
-    stats = DecodeStats(sentences=src.shape[0], encoder_calls=2)
+    stats = DecodeStats(sentences=src.shape[0], encoder_calls=1 if getattr(small, "base", None) is large else 2)
     tokens, traces = [], ([] if trace else None)
     for ml, ms in pair_rows(large, small, src):
         cache_l = large.new_cache(1, capacity=max_len + 1)
