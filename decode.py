@@ -174,6 +174,14 @@ def run(args) -> int:
         raise UsageError("--tau and --epsilon must be at least 0, --temperature above 0")
     if not 0 < knobs["top_p"] <= 1:
         raise UsageError("--top-p must be in (0, 1]")
+    # Options that only matter under another option are refused without it, never ignored.
+    for opt, needs, ok in (("top_k", "--block-rule top-k", knobs["block_rule"] == "top-k"),
+                           ("epsilon", "--block-rule distance", knobs["block_rule"] == "distance"),
+                           ("temperature", "--sample", knobs["sample"]),
+                           ("seed", "--sample", knobs["sample"]),
+                           ("top_p", "--sample", knobs["sample"])):
+        if getattr(args, opt) is not None and not ok:
+            raise UsageError(f"--{opt.replace('_', '-')} has no effect without {needs}")
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")

@@ -108,6 +108,11 @@ class TrainConfig:
             raise ValueError("drafter_k must be 0 or positive, and a drafter cannot also train proposal heads")
         if self.early_exit < 0 or (self.early_exit and (self.drafter_k or self.proposal_k)):
             raise ValueError("early_exit must be 0 or positive, and cannot be combined with a drafter or heads")
+        if not self.proposal_k and (self.proposal_d_ff or self.head_loss != "random"):
+            raise ValueError("proposal_d_ff and head_loss need proposal_k (they shape the proposal heads)")
+        if not self.drafter_k and (self.drafter_layout != "causal" or (self.glancing_start, self.glancing_end,
+                                   self.glancing_decay_steps) != (0.5, 0.3, 3000)):
+            raise ValueError("drafter_layout and the glancing options need drafter_k (they shape the drafter)")
         if self.drafter_layout not in ("causal", "bidirectional"):
             raise ValueError(f"drafter_layout must be causal or bidirectional, not {self.drafter_layout!r}")
 

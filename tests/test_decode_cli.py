@@ -167,6 +167,8 @@ def test_iad_trace_shows_iterations(trained_tiny):
     (["--algo", "bild", "--small", "x.pt", "--gamma", "2"], "not used by"),
     (["--algo", "speculative", "--small", "x.pt", "--temperature", "0"], "above 0"),
     (["--algo", "iad", "--drafter", "x.pt"], "not used by"),
+    (["--algo", "blockwise", "--epsilon", "1"], "without --block-rule distance"),
+    (["--algo", "bild", "--small", "x.pt", "--top-p", "0.5"], "without --sample"),
     (["--algo", "greedy", "--beam-size", "3"], "not used by"),
     (["--algo", "greedy", "--drafter", "x.pt"], "not used by"),
     (["--algo", "greedy", "--batch-size", "0"], "at least 1"),

@@ -157,6 +157,8 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
     (["--proposal-k", "1"], "proposal_k"),
     (["--freeze-base", "true"], "freeze_base needs proposal_k"),
     (["--proposal-k", "3", "--head-loss", "max"], "head_loss"),
+    (["--head-loss", "mean"], "need proposal_k"),
+    (["--glancing-end", "0.1"], "need drafter_k"),
 ])
 def test_bad_proposal_options_are_one_line_errors(args, needle):
     r = run_py(*TINY, "--out-dir", "/nonexistent", *args)

@@ -25,8 +25,8 @@ That large-model call is refdec's shared verification step (refdec.decoding.veri
 the small model's tokens, its acceptance test is d <= rollback_threshold, and the token it commits
 at the first failure, or after the last token when none fails, is the large model's. Both caches
 are truncated to what stayed valid, never recomputed: the large model's by the verification step,
-the small model's to the common prefix of its input and the new output, after which it catches up
-with the tokens it has not seen in one call.
+the small model's by its Follower (refdec.decoding.verify), which cuts back to the first changed
+token and catches up with the rest in one call.
 
 As in the paper's Algorithm 1, an eos written by the small model ends the sentence without a
 large-model check. With a fallback threshold above 1 the small model never writes a token, every
@@ -40,7 +40,7 @@ import torch
 from ..model import Transformer
 from .result import DecodeResult, DecodeStats, check_eval, finish_row
 from .sampling import distribution, draw
-from .verify import catch_up, common_prefix, verify
+from .verify import Follower, row_memories, verify
 
 
 def rollback_rule(threshold: float):
@@ -64,10 +64,7 @@ def pair_rows(large: Transformer, small: Transformer, src: torch.Tensor):
     whose encoder is the large model's); yield each row's (large memory, small memory)."""
     mem_l = large.encode(src)
     mem_s = mem_l if getattr(small, "base", None) is large else small.encode(src)
-    B = src.shape[0]
-    for b in range(B):
-        rows = torch.tensor([b], device=src.device)
-        yield (mem_l, mem_s) if B == 1 else (mem_l.select(rows), mem_s.select(rows))
+    return zip(row_memories(mem_l, src.shape[0], src.device), row_memories(mem_s, src.shape[0], src.device))
 
 
 @torch.inference_mode()
@@ -86,12 +83,12 @@ def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: 
     tokens, traces = [], ([] if trace else None)
     for ml, ms in pair_rows(large, small, src):
         cache_l = large.new_cache(1, capacity=max_len + 1)
-        cache_s = small.new_cache(1, capacity=max_len + 1)
+        follower = Follower(small, ms, capacity=max_len + 1)
         out: list[int] = []
         pending: list[int] = []  # the small model's tokens since the large model's last call
         last_l, steps = cfg.bos_id, []
         while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
-            logits_s = catch_up(small, ms, cache_s, [cfg.bos_id] + out)
+            logits_s = follower.next_logits([cfg.bos_id] + out)
             stats.drafter_calls += 1
             confident = float(torch.softmax(logits_s.double(), dim=-1).max()) >= fallback_threshold
             if confident and len(pending) < max_window:
@@ -103,7 +100,6 @@ def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: 
             v = verify(large, ml, cache_l, last_l, pending, budget=max_len - kept, eos_id=cfg.eos_id,
                        accept=accept, choose=(lambda row, n, rejected: pick(row)) if sample else None)
             new = out[:kept] + v.tokens
-            cache_s.truncate(min(cache_s.length, common_prefix([cfg.bos_id] + out, [cfg.bos_id] + new)))
             rolled = v.accepted < len(pending)
             stats.verifier_calls += 1
             stats.fallbacks += 1

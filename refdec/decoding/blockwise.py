@@ -37,7 +37,7 @@ import torch
 from ..model import Transformer
 from ..proposal import ProposalHeads
 from .result import DecodeResult, DecodeStats, check_eval, finish_row
-from .verify import verify
+from .verify import row_memories, verify
 
 RULES = ("exact", "top-k", "distance")
 
@@ -86,8 +86,7 @@ def blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, ma
     memory = model.encode(src)
     stats = DecodeStats(sentences=B, encoder_calls=1)
     tokens, traces = [], ([] if trace else None)
-    for b in range(B):
-        mem = memory if B == 1 else memory.select(torch.tensor([b], device=src.device))
+    for mem in row_memories(memory, B, src.device):
         cache = model.new_cache(1, capacity=max_len + heads.k + 1)
         out: list[int] = []
         last, proposal, steps = cfg.bos_id, [], []

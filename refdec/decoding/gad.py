@@ -31,7 +31,7 @@ from ..drafter import LAYOUTS, draft_block
 from ..model import Transformer
 from .bild import check_pair
 from .result import DecodeResult, DecodeStats, finish_row
-from .verify import verify
+from .verify import row_memories, verify
 
 
 def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
@@ -71,9 +71,7 @@ def gad(verifier: Transformer, drafter: Transformer, src: torch.Tensor, *, max_l
     secs["verifier encoder"] += t1 - t0
     secs["drafter encoder"] += time.perf_counter() - t1
     tokens, traces = [], ([] if trace else None)
-    for b in range(B):
-        rows = torch.tensor([b], device=src.device)
-        mv, md = (mem_v, mem_d) if B == 1 else (mem_v.select(rows), mem_d.select(rows))
+    for mv, md in zip(row_memories(mem_v, B, src.device), row_memories(mem_d, B, src.device)):
         cache_v = verifier.new_cache(1, capacity=max_len + 1)
         cache_d = drafter.new_cache(1, capacity=max_len + k + 1) if layout == "causal" else None
         out: list[int] = []

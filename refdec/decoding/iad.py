@@ -48,7 +48,7 @@ import torch
 
 from ..model import Transformer
 from .result import DecodeResult, DecodeStats, check_eval, finish_row
-from .verify import verify
+from .verify import row_memories, verify
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")
 
@@ -92,8 +92,7 @@ def iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "un
     memory = model.encode(src)
     stats = DecodeStats(sentences=B, encoder_calls=1)
     tokens, traces = [], ([] if trace else None)
-    for b in range(B):
-        mem = memory if B == 1 else memory.select(torch.tensor([b], device=src.device))
+    for b, mem in enumerate(row_memories(memory, B, src.device)):
         row = src[b]
         x = [cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id]
         end = len(x) - 1  # drafts stop before the pad sentinel

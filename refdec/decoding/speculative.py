@@ -16,7 +16,7 @@ the large model's argmax: the output is greedy decoding of the large model, toke
 
 The large-model call is refdec's shared verification step with a random acceptance test and a
 `choose` that draws from the residual (or, after a full acceptance, from p); the small model keeps
-its own cache in step (truncate to the common prefix, catch up) as in BiLD (refdec.decoding.bild).
+its own cache in step (a Follower: cut back to the first changed token, catch up) as in BiLD (refdec.decoding.bild).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..model import Transformer
 from .bild import check_pair, pair_rows
 from .result import DecodeResult, DecodeStats, finish_row
 from .sampling import distribution, draw
-from .verify import catch_up, common_prefix, verify
+from .verify import Follower, verify
 
 
 @torch.inference_mode()
@@ -46,7 +46,7 @@ def speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
     tokens, traces = [], ([] if trace else None)
     for ml, ms in pair_rows(large, small, src):
         cache_l = large.new_cache(1, capacity=max_len + 1)
-        cache_s = small.new_cache(1, capacity=max_len + gamma + 1)
+        follower = Follower(small, ms, capacity=max_len + gamma + 1)
         out: list[int] = []
         last_l, steps = cfg.bos_id, []
         while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
@@ -54,7 +54,7 @@ def speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
             draft: list[int] = []
             q: list[torch.Tensor] = []  # the small model's distribution at each drafted position
             while len(draft) < min(gamma, budget - 1) and (not draft or draft[-1] != cfg.eos_id):
-                logits = catch_up(small, ms, cache_s, [cfg.bos_id] + out + draft)
+                logits = follower.next_logits([cfg.bos_id] + out + draft)
                 stats.drafter_calls += 1
                 if sample:
                     q.append(distribution(logits, temperature, top_p))
@@ -78,7 +78,6 @@ def speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
             v = verify(large, ml, cache_l, last_l, draft, budget=budget, eos_id=cfg.eos_id, accept=accept,
                        choose=choose)
             new = out + v.tokens
-            cache_s.truncate(min(cache_s.length, common_prefix([cfg.bos_id] + out + draft, [cfg.bos_id] + new)))
             stats.verifier_calls += 1
             stats.accepted.append(len(v.tokens))
             if trace:

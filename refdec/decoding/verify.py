@@ -89,25 +89,34 @@ def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft:
 
 
 
-def catch_up(model: Transformer, memory: Memory, cache: KVCache, sequence: list[int]) -> torch.Tensor:
-    """Feed the tokens of `sequence` (bos + output so far) that `cache` does not hold yet, in one
-    decoder call, and return the next-token logits (V,). A drafting model (BiLD's small model,
-    speculative sampling's drafter) keeps its own cache in step with the committed output this way:
-    after a verification it is truncated to what stayed valid and catches up with the rest. When the
-    cache already holds the whole sequence (a rollback that replaced a token by the same token), its
-    last position is fed again: the logits after it are needed, and a cache keeps states, not logits."""
-    if cache.length >= len(sequence):
-        cache.truncate(len(sequence) - 1)
-    todo = sequence[cache.length:]
-    inp = torch.tensor([todo], dtype=torch.long, device=memory.states.device)
-    return model.decode(inp, memory, cache)[0, -1]
+
+def row_memories(memory: Memory, batch: int, device):
+    """Each batch row's memory in turn (the draft-then-verify decoders decode rows one by one)."""
+    for b in range(batch):
+        yield memory if batch == 1 else memory.select(torch.tensor([b], device=device))
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+class Follower:
+    """A drafting model's cache kept in step with the committed output (BiLD's small model,
+    speculative sampling's drafter). It remembers the tokens its cache holds; `next_logits(sequence)`
+    truncates the cache to the part of them that `sequence` (bos + output so far) still agrees with,
+    feeds the rest in one decoder call and returns the next-token logits (V,). After a rollback
+    only the positions past the first changed token are recomputed, never the whole prefix; when
+    the cache already holds all of `sequence`, its last position is fed again (a cache keeps
+    states, not logits)."""
+
+    def __init__(self, model: Transformer, memory: Memory, capacity: int):
+        self.model, self.memory = model, memory
+        self.cache = model.new_cache(1, capacity=capacity)
+        self.tokens: list[int] = []
+
+    def next_logits(self, sequence: list[int]) -> torch.Tensor:
+        keep = 0
+        for a, b in zip(self.tokens, sequence[:-1]):  # at least the last token is fed
+            if a != b:
+                break
+            keep += 1
+        self.cache.truncate(keep)
+        inp = torch.tensor([sequence[keep:]], dtype=torch.long, device=self.memory.states.device)
+        self.tokens = list(sequence)
+        return self.model.decode(inp, self.memory, self.cache)[0, -1]
