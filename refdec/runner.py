@@ -243,11 +243,10 @@ def edit_buckets(sources: list[str], hyps: list[str], fast: "Run", base: "Run") 
     distance between input and output over input length): how the gain depends on how much of the
     input survives. Needs per-sentence times (batch size 1)."""
     from .metrics import edit_ratio
+    ratio = {i: edit_ratio(s, h) for i, (s, h) in enumerate(zip(sources, hyps)) if fast.times[i] and base.times[i]}
     rows = []
     for lo, hi in EDIT_BUCKETS:
-        idx = [i for i, (s, h) in enumerate(zip(sources, hyps))
-               if fast.times[i] and base.times[i]
-               and ((lo == hi == edit_ratio(s, h)) if lo == hi else lo < edit_ratio(s, h) <= hi)]
+        idx = [i for i, r in ratio.items() if (r == lo if lo == hi else lo < r <= hi)]
         if not idx:
             continue
         per = sorted(base.times[i] / fast.times[i] for i in idx)
