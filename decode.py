@@ -15,6 +15,12 @@ reproduces. --report FILE writes every figure as JSON.
     python decode.py --algo iad --task gec-uk --model checkpoints/gec-uk-9x3/model.pt \
         --compare greedy,beam@checkpoints/gec-uk-6x6/model.pt,iad@checkpoints/gec-uk-6x6/model.pt
 
+Each may also set its own algorithm options and second model after colons, so that one process
+sweeps a trade-off (the first run takes the command line's options; a compared run starts from them):
+
+    python decode.py --algo greedy --task mt-en-de \
+        --compare bild:fallback-threshold=0.3,bild:fallback-threshold=0.7:small=checkpoints/mt-en-de-small/model.pt
+
 Then a matrix gives every row's speedup over every other. A lossless algorithm run beside greedy of
 the same checkpoint also gets: the lines where it differs from greedy, each with the first divergent
 position and the model's top-1/top-2 logit margin there (a near-tie, or a bug), and, with batch size
@@ -64,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     r.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
     r.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
-    r.add_argument("--compare", metavar="ALGO[@CKPT],...",
+    r.add_argument("--compare", metavar="ALGO[@CKPT][:OPTION=VALUE...],...",
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and "
-                   "identical rates; ALGO@CKPT runs ALGO on another checkpoint with the same tokenizer")
+                   "identical rates; ALGO@CKPT runs ALGO on another checkpoint with the same tokenizer; "
+                   ":OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3) or "
+                   "its second model (:small=PATH|early-exit, :drafter=PATH)")
     r.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     k = p.add_argument_group("algorithm options")
     k.add_argument("--beam-size", type=int, metavar="K", help="beams for beam search (default 5)")
@@ -110,6 +118,31 @@ KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0, "match": "unique", "max_
                  "sample": False, "top_p": 0.9, "temperature": 1.0, "seed": 0}
 
 
+def check_knobs(knobs: dict, given: set[str]) -> None:
+    """Refuse option values out of range, and options that only matter under another option without it."""
+    from refdec.runner import UsageError
+    if knobs["beam_size"] < 1:
+        raise UsageError("--beam-size must be at least 1")
+    if knobs["max_suffix"] < 0 or knobs["max_draft"] < 0:
+        raise UsageError("--max-suffix and --max-draft must be at least 0 (0 = no limit)")
+    if min(knobs["top_beta"], knobs["top_k"], knobs["min_block"], knobs["max_window"], knobs["gamma"]) < 1:
+        raise UsageError("--top-beta, --top-k, --min-block, --max-window and --gamma must be at least 1")
+    if knobs["tau"] < 0 or knobs["epsilon"] < 0 or knobs["temperature"] <= 0:
+        raise UsageError("--tau and --epsilon must be at least 0, --temperature above 0")
+    if not 0 < knobs["top_p"] <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
+    if knobs["match"] not in MATCH_POLICIES or knobs["block_rule"] not in ("exact", "top-k", "distance"):
+        raise UsageError(f"--match must be one of {', '.join(MATCH_POLICIES)}; --block-rule exact, top-k or distance")
+    # Options that only matter under another option are refused without it, never ignored.
+    for opt, needs, ok in (("top_k", "--block-rule top-k", knobs["block_rule"] == "top-k"),
+                           ("epsilon", "--block-rule distance", knobs["block_rule"] == "distance"),
+                           ("temperature", "--sample", knobs["sample"]),
+                           ("seed", "--sample", knobs["sample"]),
+                           ("top_p", "--sample", knobs["sample"])):
+        if opt in given and not ok:
+            raise UsageError(f"--{opt.replace('_', '-')} has no effect without {needs}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -145,7 +178,7 @@ def run(args) -> int:
 
     algo = ALGORITHMS[args.algo]
     compares = parse_compare(args.compare) if args.compare else []
-    others = [ALGORITHMS[name] for name, _ in compares]
+    others = [ALGORITHMS[name] for name, _, _ in compares]
     # Options an algorithm does not read are refused, never silently ignored.
     used = set(algo.knobs).union(*(o.knobs for o in others))
     for knob in KNOB_DEFAULTS:
@@ -153,7 +186,9 @@ def run(args) -> int:
             raise UsageError(f"--{knob.replace('_', '-')} is not used by --algo {args.algo}"
                              + (f" or --compare {args.compare}" if others else ""))
     roles = set(algo.roles).union(*(o.roles for o in others))
-    for role in ("drafter", "small"):
+    for role in ("drafter", "small"):  # a run that names its own second model needs no shared one
+        if all(role in over for (_, _, over), o in zip(compares, others) if role in o.roles) and role not in algo.roles:
+            roles.discard(role)
         if getattr(args, role) and role not in roles:
             raise UsageError(f"--{role} is not used by --algo {args.algo}")
     if args.batch_size < 1 or (args.max_len is not None and args.max_len < 1):
@@ -164,24 +199,16 @@ def run(args) -> int:
         raise UsageError("--ref needs --input (the default test set brings its own references)")
     knobs = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in KNOB_DEFAULTS.items()}
     knobs["trace"] = args.trace
-    if knobs["beam_size"] < 1:
-        raise UsageError("--beam-size must be at least 1")
-    if knobs["max_suffix"] < 0 or knobs["max_draft"] < 0:
-        raise UsageError("--max-suffix and --max-draft must be at least 0 (0 = no limit)")
-    if min(knobs["top_beta"], knobs["top_k"], knobs["min_block"], knobs["max_window"], knobs["gamma"]) < 1:
-        raise UsageError("--top-beta, --top-k, --min-block, --max-window and --gamma must be at least 1")
-    if knobs["tau"] < 0 or knobs["epsilon"] < 0 or knobs["temperature"] <= 0:
-        raise UsageError("--tau and --epsilon must be at least 0, --temperature above 0")
-    if not 0 < knobs["top_p"] <= 1:
-        raise UsageError("--top-p must be in (0, 1]")
-    # Options that only matter under another option are refused without it, never ignored.
-    for opt, needs, ok in (("top_k", "--block-rule top-k", knobs["block_rule"] == "top-k"),
-                           ("epsilon", "--block-rule distance", knobs["block_rule"] == "distance"),
-                           ("temperature", "--sample", knobs["sample"]),
-                           ("seed", "--sample", knobs["sample"]),
-                           ("top_p", "--sample", knobs["sample"])):
-        if getattr(args, opt) is not None and not ok:
-            raise UsageError(f"--{opt.replace('_', '-')} has no effect without {needs}")
+    given = {k for k in KNOB_DEFAULTS if getattr(args, k) is not None}
+    check_knobs(knobs, given)
+    run_knobs = []  # each compared run: the command line's options with its own on top
+    for (name, _, over), other in zip(compares, others):
+        own = {k: v for k, v in over.items() if k in KNOB_DEFAULTS}
+        try:
+            check_knobs({**knobs, **own}, given | set(own))
+        except UsageError as e:
+            raise UsageError(f"--compare {name}: {e}") from None
+        run_knobs.append({**knobs, **own})
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
@@ -213,7 +240,7 @@ def run(args) -> int:
         raise UsageError(f"no checkpoint at {model_path}; train one (README, 'Training') or pass --model")
     model, tokenizer, ckpt = load_model(model_path, task=args.task, device=args.device, dtype=dtype)
     loaded = {model_path.resolve(): (model, ckpt)}
-    for _, path in compares:  # other checkpoints for --compare ALGO@CKPT, each loaded once
+    for _, path, _ in compares:  # other checkpoints for --compare ALGO@CKPT, each loaded once
         if path is not None and Path(path).resolve() not in loaded:
             m2, tok2, ck2 = load_model(path, task=args.task, device=args.device, dtype=dtype)
             if tok2.sha256 != tokenizer.sha256:
@@ -240,9 +267,30 @@ def run(args) -> int:
                 shared["drafter_spec"] = ck2["drafter"]
     max_positions = min(m.cfg.max_positions for m, _ in loaded.values())
 
-    def models_for(path: Path, for_algo) -> dict:
+    def second_model(role: str, value: str, m, ck, path: Path):
+        """A run's own small model or drafter (':small=PATH|early-exit', ':drafter=PATH')."""
+        if value == "early-exit":
+            if "early_exit" not in ck:
+                raise UsageError(f"{path} has no early exit; train one with train.py --early-exit N")
+            return {"small": EarlyExit(m, ck["early_exit"])}
+        key = (role, Path(value).resolve())
+        if key not in seconds_loaded:
+            m2, tok2, ck2 = load_model(value, task=args.task, device=args.device, dtype=dtype)
+            if tok2.sha256 != tokenizer.sha256:
+                raise UsageError(f"{role} {value} does not share the tokenizer of {model_path}")
+            if role == "drafter" and "drafter" not in ck2:
+                raise UsageError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
+            seconds_loaded[key] = {role: m2, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})}
+        return seconds_loaded[key]
+
+    seconds_loaded: dict = {}
+
+    def models_for(path: Path, for_algo, over: dict | None = None) -> dict:
         m, ck = loaded[path.resolve()]
         out = {"model": m, **shared}
+        for role in ("small", "drafter"):
+            if over and role in over:
+                out.update(second_model(role, over[role], m, ck, path))
         if for_algo.name == "blockwise":
             heads = load_proposal(ck, device=args.device, dtype=dtype)
             if heads is None:
@@ -255,10 +303,10 @@ def run(args) -> int:
     several_models = len(loaded) > 1
     models = models_for(model_path, algo)
     runs = [runner.Run(algo, knobs, models=models, label=label(args.algo, model_path, several_models))]
-    for (name, path), other in zip(compares, others):
+    for (name, path, over), other, own_knobs in zip(compares, others, run_knobs):
         ckpt_path = Path(path) if path else model_path
-        runs.append(runner.Run(other, knobs, models=models_for(ckpt_path, other),
-                               label=label(name, ckpt_path, several_models)))
+        runs.append(runner.Run(other, own_knobs, models=models_for(ckpt_path, other, over),
+                               label=label(name, ckpt_path, several_models, over)))
     runner.decode_lines(runs, models, ids, batch_size=args.batch_size, max_len=args.max_len,
                         max_positions=max_positions, device=args.device, warmup=args.warmup,
                         progress=not args.quiet)
@@ -267,6 +315,7 @@ def run(args) -> int:
     rows = []
     for run in runs:
         rows.append(runner.summary_row(run, runner.scores(kind, lines, runner.texts(tokenizer, run.outputs), refs)))
+        rows[-1]["options"] = {k: v for k, v in run.knobs.items() if k in run.algo.knobs}
     for row, run in zip(rows[1:], runs[1:]):
         row["speedup"] = row["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else float("nan")
         row["identical"] = runner.identical_rate(runs[0].outputs, run.outputs)
@@ -344,24 +393,56 @@ def number_values(tokenizer):
     return vals
 
 
-def parse_compare(spec: str) -> list[tuple[str, str | None]]:
-    """"greedy,beam@ckpt.pt" -> [("greedy", None), ("beam", "ckpt.pt")]."""
+def parse_compare(spec: str) -> list[tuple[str, str | None, dict]]:
+    """"greedy,beam@ckpt.pt:beam-size=4" -> [("greedy", None, {}), ("beam", "ckpt.pt", {"beam_size": 4})].
+
+    An option's value is read as its command-line flag reads it; "small" and "drafter" name a
+    run's own second model."""
     from refdec.decoding import ALGORITHMS
     from refdec.runner import UsageError
     out = []
     for item in spec.split(","):
-        name, _, path = item.strip().partition("@")
+        head, *options = item.strip().split(":")
+        name, _, path = head.partition("@")
         if name not in ALGORITHMS:
             raise UsageError(f"--compare: unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
         if path and not Path(path).exists():
             raise UsageError(f"--compare: no checkpoint at {path}")
-        out.append((name, path or None))
+        algo, overrides = ALGORITHMS[name], {}
+        for opt in options:
+            key, eq, value = opt.partition("=")
+            knob = key.replace("-", "_")
+            if not eq or not value:
+                raise UsageError(f"--compare {item}: write an option as NAME=VALUE, not {opt!r}")
+            if knob in ("small", "drafter"):
+                if knob not in algo.roles:
+                    raise UsageError(f"--compare {item}: {name} uses no {knob} model")
+                if not (knob == "small" and value == "early-exit") and not Path(value).exists():
+                    raise UsageError(f"--compare {item}: no checkpoint at {value}")
+                overrides[knob] = value
+                continue
+            if knob not in algo.knobs:
+                raise UsageError(f"--compare {item}: {key} is not an option of {name} "
+                                 f"(its options: {', '.join(k.replace('_', '-') for k in algo.knobs) or 'none'})")
+            default = KNOB_DEFAULTS[knob]
+            try:
+                overrides[knob] = (value.lower() in ("1", "true", "yes", "on") if isinstance(default, bool)
+                                   else type(default)(value))
+            except ValueError:
+                raise UsageError(f"--compare {item}: {key}={value} is not a {type(default).__name__}") from None
+        out.append((name, path or None, overrides))
     return out
 
 
-def label(algo: str, path: Path, with_model: bool) -> str:
-    """Row name: the algorithm, plus the checkpoint's folder when the runs use several checkpoints."""
-    return f"{algo}@{path.parent.name}" if with_model else algo
+def label(algo: str, path: Path, with_model: bool, over: dict | None = None) -> str:
+    """Row name: the algorithm, plus the checkpoint's folder when the runs use several checkpoints,
+    plus the run's own options (a second model by its folder)."""
+    name = f"{algo}@{path.parent.name}" if with_model else algo
+    for k, v in (over or {}).items():
+        v = (Path(v).parent.name if k in ("small", "drafter") and v != "early-exit"
+             else f"{v:g}" if isinstance(v, float) else v)
+        name += f":{k.replace('_', '-')}={v}"
+    return name
 
 
 def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:

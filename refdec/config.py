@@ -76,6 +76,7 @@ class TrainConfig:
     eval_every: int = 500
     eval_sentences: int = 300  # dev sentences decoded greedily for BLEU at each evaluation
     keep_last: int = 5  # snapshots kept for averaging
+    pick: str = "dev-loss"  # model.pt: "dev-loss" (best or average, the lower) or "last" (the final weights)
     seed: int = 1
     train_limit: int = 0  # use only the first N training pairs (0 = all); for smoke runs
     data_dir: str = ""  # folder holding <task>/*.gz ("" = the repo's data/)
@@ -83,6 +84,7 @@ class TrainConfig:
     log_every: int = 50
     # Starting point and proposal heads (blockwise parallel decoding, Stern et al. 2018, section 6).
     init_from: str = ""  # checkpoint whose shape, weights and tokenizer start the run ("" = from scratch)
+    tokenizer_from: str = ""  # a tokenizer.json to train with instead of a new BPE (a model pair sharing a vocabulary)
     proposal_k: int = 0  # train k - 1 proposal heads on top of the model (0 = a plain model)
     proposal_d_ff: int = 0  # the heads' hidden width per head (0 = d_ff of the model)
     freeze_base: bool = False  # with proposal_k: train only the heads, the base model stays as it is
@@ -98,6 +100,10 @@ class TrainConfig:
     early_exit: int = 0
 
     def __post_init__(self) -> None:
+        if self.tokenizer_from and self.init_from:
+            raise ValueError("tokenizer_from and init_from exclude each other: the starting model brings its vocabulary")
+        if self.pick not in ("dev-loss", "last"):
+            raise ValueError(f"pick must be dev-loss or last, not {self.pick!r}")
         if self.head_loss not in ("random", "mean"):
             raise ValueError(f"head_loss must be random or mean, not {self.head_loss!r}")
         if self.proposal_k == 1 or self.proposal_k < 0:
@@ -146,6 +152,35 @@ PRESETS: dict[str, TrainConfig] = {
     "gec-uk-9x3": TrainConfig(task="gec-uk", out_dir="checkpoints/gec-uk-9x3", d_model=192, d_ff=768,
                               enc_layers=9, dec_layers=3, lr=1e-3, warmup_steps=600, eval_every=400,
                               time_limit_min=95, threads=1),
+    # The models of the speculative decoders on mt-en-de, all starting from or sharing the vocabulary of
+    # the mt-en-de model. The distilled corpora come from `python -m refdec.distill` (see README).
+    # Times are for the 2-core CPU; the shipped ones were trained on a GPU (README gives the commands).
+    # GAD (Ge et al. 2022): verifier and drafter both learn the teacher's beam-5 outputs (Seq-KD).
+    "mt-en-de-distilled": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-distilled",
+                                      init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-beam5",
+                                      lr=5e-4, warmup_steps=200, eval_every=400, time_limit_min=60),
+    "mt-en-de-drafter": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-drafter",
+                                    init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-beam5",
+                                    drafter_k=8, lr=5e-4, warmup_steps=200, eval_every=400, time_limit_min=60),
+    # Blockwise parallel decoding (Stern et al. 2018): k = 10 heads, base fine-tuned on distilled data.
+    "mt-en-de-blockwise": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-blockwise",
+                                      init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-beam5",
+                                      proposal_k=10, proposal_d_ff=128, lr=5e-4, warmup_steps=200, eval_every=400,
+                                      time_limit_min=60),
+    # BiLD (Kim et al. 2023): a small model (1 decoder layer of width 128) on the large model's vocabulary,
+    # its aligned copy fine-tuned on the large model's greedy outputs (kept as trained last: its dev
+    # loss against the references is not what alignment aims at), and the early-exit model.
+    "mt-en-de-small": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-small",
+                                  tokenizer_from="checkpoints/mt-en-de/tokenizer.json", d_model=128, n_heads=4,
+                                  d_ff=512, enc_layers=3, dec_layers=1, lr=1e-3, warmup_steps=800, eval_every=400,
+                                  time_limit_min=60),
+    "mt-en-de-small-aligned": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-small-aligned",
+                                          init_from="checkpoints/mt-en-de-small/model.pt",
+                                          data_dir="data/distilled/mt-en-de-greedy", lr=5e-4, warmup_steps=200,
+                                          eval_every=400, time_limit_min=30, pick="last"),
+    "mt-en-de-early-exit": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-early-exit",
+                                       init_from="checkpoints/mt-en-de/model.pt", early_exit=1, lr=5e-4,
+                                       warmup_steps=200, eval_every=400, time_limit_min=60),
     # Seconds, not minutes: the smoke preset the tests and the torchrun check use.
     "tiny": TrainConfig(
         task="mt-en-de", out_dir="checkpoints/tiny", vocab_size=600, d_model=32, n_heads=2,

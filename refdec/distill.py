@@ -45,9 +45,9 @@ def write_gz(path: Path, lines: list[str]) -> None:
 
 def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_size: int = 5,
             batch_size: int = 64, limit: int = 0, save_every: int = 20, data_dir: Path | None = None,
-            log=print) -> dict:
+            device: str = "cpu", log=print) -> dict:
     data_dir = Path(data_dir or data_mod.DATA_DIR)
-    model, tok, ckpt = load_model(model_path, task=task)
+    model, tok, ckpt = load_model(model_path, task=task, device=device)
     train = data_mod.load_split(task, "train", data_dir)
     n = min(limit, len(train)) if limit else len(train)
     folder = out / task
@@ -79,7 +79,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     with torch.inference_mode():
         for b, idx in enumerate(batches, 1):
             rows = [ids[i] for i in idx]
-            src = data_mod.source_tensor(rows)
+            src = data_mod.source_tensor(rows).to(device)
             max_len = min(limit_len, 2 * max(map(len, rows)) + 10)
             res = (beam_search(model, src, max_len=max_len, beam_size=beam_size) if algo == "beam"
                    else greedy(model, src, max_len=max_len))
@@ -120,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=20, help="save progress every N batches (default 20)")
     p.add_argument("--data-dir", help="source data folder (default: the repo's data/)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when one is available, else cpu)")
     args = p.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {device}: this machine has no CUDA device; use --device cpu", file=sys.stderr)
+        return 2
     if args.beam_size < 1 or args.batch_size < 1 or args.limit < 0 or args.save_every < 1:
         print("error: --beam-size, --batch-size and --save-every must be at least 1, --limit at least 0", file=sys.stderr)
         return 2
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = distill(args.task, model, Path(args.out), algo=args.algo, beam_size=args.beam_size,
                          batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,
-                         data_dir=Path(args.data_dir) if args.data_dir else None,
+                         data_dir=Path(args.data_dir) if args.data_dir else None, device=device,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     except (CheckpointError, FileNotFoundError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -51,8 +51,9 @@ def head_targets(tgt_out: torch.Tensor, i: int) -> torch.Tensor:
     the token i steps ahead; the last i - 1 positions have none (pad, ignored by the loss)."""
     if i == 1:
         return tgt_out
-    pad = tgt_out.new_full((tgt_out.shape[0], i - 1), PAD_ID)
-    return torch.cat([tgt_out[:, i - 1:], pad], dim=1)
+    out = tgt_out.new_full(tgt_out.shape, PAD_ID)  # targets shorter than i - 1 tokens: all pad
+    out[:, : max(tgt_out.shape[1] - (i - 1), 0)] = tgt_out[:, i - 1:]
+    return out
 
 
 def head_logits(model, heads: ProposalHeads, hidden: torch.Tensor, i: int) -> torch.Tensor:

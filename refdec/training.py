@@ -58,6 +58,8 @@ def inverse_sqrt(step: int, warmup: int) -> float:
 
 def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id: int) -> torch.Tensor:
     """Label-smoothed cross-entropy (Szegedy et al. 2016), mean over non-pad target tokens."""
+    if not target.ne(pad_id).any():  # e.g. a far proposal head on a batch of short targets: nothing to learn
+        return logits.sum() * 0.0
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                            ignore_index=pad_id, label_smoothing=eps)
 
@@ -155,6 +157,8 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             if base is not None:  # the starting model brings its vocabulary
                 shutil.copyfile(Path(cfg.init_from).parent / "tokenizer.json", tok_path)
+            elif cfg.tokenizer_from:
+                shutil.copyfile(cfg.tokenizer_from, tok_path)
             else:
                 t0 = time.time()
                 Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size).save(tok_path)
@@ -323,7 +327,8 @@ class Trainer:
             f.write(json.dumps({"step": self.step, "minutes": round(self.elapsed / 60, 2), **scores}) + "\n")
 
     def finish(self) -> dict:
-        """Average the kept snapshots, evaluate best and average, write model.pt (float16) from the better."""
+        """Average the kept snapshots, evaluate best and average, write model.pt (float16) from the better
+        (or from last.pt, the final weights, with pick="last")."""
         snaps = [load_checkpoint(p) for p in self.snapshots if Path(p).exists()]
         states = [ck["model"] for ck in snaps]
         results = {}
@@ -341,6 +346,8 @@ class Trainer:
             results["best"] = {"dev_loss": self.best_loss, **{k: best["meta"][k] for k in ("dev_bleu", "dev_block_accuracy")
                                                                if k in best["meta"]}, "step": best["step"]}
         pick = "average" if "average" in results and results["average"]["dev_loss"] <= self.best_loss else "best"
+        if self.cfg.pick == "last":  # e.g. alignment to a teacher: the references' dev loss is not the aim
+            pick = "last"
         src_file = self.out / f"{pick}.pt"
         if src_file.exists():
             ck = load_checkpoint(src_file)

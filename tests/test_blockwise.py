@@ -10,7 +10,8 @@ import torch
 from conftest import copy_model, random_src, tiny_model
 from refdec.decoding import greedy
 from refdec.decoding.blockwise import accept_rule, blockwise
-from refdec.proposal import ProposalHeads
+from refdec.proposal import ProposalHeads, head_targets
+from refdec.training import smoothed_loss
 from test_decoding import first_divergence
 
 
@@ -118,3 +119,17 @@ def test_heads_start_as_copies_of_p1_and_need_k_of_two():
     assert out.shape == (2, 5, 3, 8) and torch.equal(out[:, :, 0], x) and torch.equal(out[:, :, 2], x)
     with pytest.raises(ValueError):
         ProposalHeads(8, 4, 1)
+
+
+def test_far_heads_on_short_targets_get_pad_targets_and_no_loss():
+    """Head i predicts the token i - 1 steps ahead; a batch shorter than that has nothing for it to
+    learn: its targets keep the batch's shape, all pad, and the loss is 0 rather than NaN."""
+    t = torch.tensor([[5, 6, 7, 2], [8, 2, 0, 0]])
+    assert torch.equal(head_targets(t, 1), t)
+    assert head_targets(t, 2).tolist() == [[6, 7, 2, 0], [2, 0, 0, 0]]
+    for i in (5, 9):
+        assert torch.equal(head_targets(t, i), torch.zeros_like(t))
+    logits = torch.randn(2, 4, 10, requires_grad=True)
+    loss = smoothed_loss(logits, head_targets(t, 9), 0.1, 0)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))

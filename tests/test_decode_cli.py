@@ -133,6 +133,40 @@ def test_second_models_are_checked(trained_tiny, tiny_extras):
     assert "no drafter checkpoint" in one_line_error(r)
 
 
+def test_compared_runs_take_their_own_options_and_small_models(trained_tiny, tmp_path):
+    """A sweep in one process: each --compare entry may set its own algorithm options and second
+    model after colons; the rows are told apart by them, the report keeps each run's options, and
+    a lossless setting (fallback at every step) still reproduces greedy exactly."""
+    tiny = str(trained_tiny / "model.pt")
+    rep = tmp_path / "r.json"
+    r = decode(trained_tiny, "--algo", "greedy", "--limit", "3", "--max-len", "8", "--dtype", "float64",
+               "--report", str(rep), "--compare",
+               f"bild:fallback-threshold=2:small={tiny},speculative:gamma=2:small={tiny}")
+    assert r.returncode == 0, r.stderr.decode()
+    report = json.loads(rep.read_text())
+    names = [row["algo"] for row in report["runs"]]
+    assert names[1] == f"bild:fallback-threshold=2:small={trained_tiny.name}"
+    assert names[2] == f"speculative:gamma=2:small={trained_tiny.name}"
+    assert report["runs"][1]["identical"] == 1.0 and report["runs"][2]["identical"] == 1.0
+    assert report["runs"][1]["options"]["fallback_threshold"] == 2.0
+    assert report["runs"][1]["options"]["rollback_threshold"] == 2.0  # the command line's, unchanged
+    assert report["runs"][2]["options"]["gamma"] == 2
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("bild:gamma=3", "not an option of bild"),
+    ("bild:fallback-threshold=high", "not a float"),
+    ("bild:fallback-threshold", "NAME=VALUE"),
+    ("greedy:small=x.pt", "uses no small model"),
+    ("bild:small=nowhere.pt", "no checkpoint at nowhere.pt"),
+    ("beam:beam-size=0", "--beam-size must be at least 1"),
+    ("speculative:seed=3", "--seed has no effect without --sample"),
+])
+def test_bad_compare_options_are_refused(trained_tiny, spec, message):
+    r = decode(trained_tiny, "--algo", "greedy", "--limit", "1", "--compare", spec)
+    assert message in one_line_error(r)
+
+
 def test_divergences_name_position_and_margin():
     """Guards the float32 audit: a differing line is reported with its first divergent position and
     the model's top-1/top-2 margin there, computed along the greedy prefix."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -134,3 +135,22 @@ def test_gadpp_rule_and_stats():
     r = gad(m, m, random_src(0, 2, 12), max_len=10, k=3)
     assert set(r.stats.module_seconds) == {"verifier encoder", "drafter encoder", "drafter decoder", "verifier decoder"}
     assert r.stats.drafter_calls == r.stats.verifier_calls
+
+
+def test_glancing_counts_per_row_as_math_ceil_does():
+    """Every row reveals ceil(ratio x its mistakes) block positions, chosen in one pass for the batch
+    (no per-row device round trips); rows with no mistakes keep all their masks."""
+    B, k = 6, 10
+    inp = torch.full((B, 1 + k), MASK_ID)
+    inp[:, 0] = BOS_ID
+    gold = torch.cat([torch.full((B, 1), PAD_ID), torch.arange(5, 5 + k).repeat(B, 1)], dim=1)
+    gold[5, 4:] = PAD_ID  # a block cut short by the end of the sentence
+    pred = gold.clone()
+    wrong = [0, 1, 3, 7, 10, 3]
+    for r, w in enumerate(wrong):
+        pred[r, 1:1 + w] = 99
+    new, target = glance(inp, gold, pred, 0.3, torch.Generator().manual_seed(1))
+    revealed = new.ne(MASK_ID) & gold.ne(PAD_ID)
+    assert revealed.sum(dim=1).tolist() == [math.ceil(0.3 * w) for w in wrong]
+    assert torch.equal(new[revealed], gold[revealed]) and (target[revealed] == PAD_ID).all()
+    assert torch.equal(target[~revealed], gold[~revealed])

@@ -159,6 +159,8 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
     (["--proposal-k", "3", "--head-loss", "max"], "head_loss"),
     (["--head-loss", "mean"], "need proposal_k"),
     (["--glancing-end", "0.1"], "need drafter_k"),
+    (["--pick", "newest"], "pick must be dev-loss or last"),
+    (["--tokenizer-from", "t.json", "--init-from", "m.pt"], "exclude each other"),
 ])
 def test_bad_proposal_options_are_one_line_errors(args, needle):
     r = run_py(*TINY, "--out-dir", "/nonexistent", *args)
@@ -177,3 +179,18 @@ def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
     ck = load_checkpoint(out / "model.pt")
     assert ck["drafter"] == {"k": 4, "layout": layout}
     assert ck["meta"]["train_config"]["init_from"].endswith("model.pt")
+
+
+def test_a_second_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny, tmp_path):
+    """Guards BiLD's small-model path: --tokenizer-from trains a model of another shape on the same
+    vocabulary (decode.py refuses pairs that differ), and --pick last makes model.pt the final
+    weights rather than the best on the references' dev loss (alignment aims at a teacher's outputs)."""
+    out = tmp_path / "small"
+    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--d-model", "16",
+               "--tokenizer-from", str(trained_tiny / "tokenizer.json"), "--pick", "last")
+    assert r.returncode == 0, r.stderr.decode()
+    assert (out / "tokenizer.json").read_bytes() == (trained_tiny / "tokenizer.json").read_bytes()
+    assert "model.pt <- last.pt" in r.stderr.decode()
+    model, ck = load_checkpoint(out / "model.pt"), load_checkpoint(out / "last.pt")
+    assert model["meta"]["picked"] == "last" and model["step"] == ck["step"] == 4
+    assert all(torch.equal(model["model"][k], ck["model"][k].half()) for k in ck["model"])

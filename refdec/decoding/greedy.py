@@ -30,7 +30,7 @@ def greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace: bool =
     out: list[list[int]] = [[] for _ in range(B)]
     steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
     stats = DecodeStats(sentences=B, encoder_calls=1)
-    alive = torch.arange(B)  # original row index of each row still decoding
+    alive = torch.arange(B, device=src.device)  # original row index of each row still decoding
     last = torch.full((B, 1), cfg.bos_id, dtype=torch.long, device=src.device)
     for t in range(max_len):
         logits = model.decode(last, memory, cache)  # (b, 1, V)
