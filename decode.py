@@ -185,10 +185,9 @@ def run(args) -> int:
         if getattr(args, knob) is not None and knob not in used:
             raise UsageError(f"--{knob.replace('_', '-')} is not used by --algo {args.algo}"
                              + (f" or --compare {args.compare}" if others else ""))
-    roles = set(algo.roles).union(*(o.roles for o in others))
-    for role in ("drafter", "small"):  # a run that names its own second model needs no shared one
-        if all(role in over for (_, _, over), o in zip(compares, others) if role in o.roles) and role not in algo.roles:
-            roles.discard(role)
+    # Second models the runs share: those of the first run, and of compared runs that name none of their own.
+    roles = set(algo.roles).union(*({r for r in o.roles if r not in over} for (_, _, over), o in zip(compares, others)))
+    for role in ("drafter", "small"):
         if getattr(args, role) and role not in roles:
             raise UsageError(f"--{role} is not used by --algo {args.algo}")
     if args.batch_size < 1 or (args.max_len is not None and args.max_len < 1):
@@ -246,30 +245,12 @@ def run(args) -> int:
             if tok2.sha256 != tokenizer.sha256:
                 raise UsageError(f"{path} has a different tokenizer from {model_path}; compared runs must share one")
             loaded[Path(path).resolve()] = (m2, ck2)
-    shared = {}
-    for role, default_dir in (("drafter", "{task}-drafter"), ("small", "{task}-small-aligned")):
-        if role == "small" and role in roles and args.small == "early-exit":  # BiLD section 4.4
-            if "early_exit" not in ckpt:
-                raise UsageError(f"{model_path} has no early exit; train one with train.py --early-exit N")
-            shared["small"] = EarlyExit(model, ckpt["early_exit"])
-            continue
-        if role in roles:
-            path = Path(getattr(args, role) or REPO / "checkpoints" / default_dir.format(task=args.task) / "model.pt")
-            if not path.exists():
-                raise UsageError(f"no {role} checkpoint at {path}; pass --{role} or train one (README, 'Training')")
-            m2, tok2, ck2 = load_model(path, task=args.task, device=args.device, dtype=dtype)
-            if tok2.sha256 != tokenizer.sha256:
-                raise UsageError(f"--{role} {path} does not share the tokenizer of {model_path}")
-            shared[role] = m2
-            if role == "drafter":
-                if "drafter" not in ck2:
-                    raise UsageError(f"{path} is not a block drafter (train one with train.py --drafter-k)")
-                shared["drafter_spec"] = ck2["drafter"]
     max_positions = min(m.cfg.max_positions for m, _ in loaded.values())
+    seconds_loaded: dict = {}
 
-    def second_model(role: str, value: str, m, ck, path: Path):
-        """A run's own small model or drafter (':small=PATH|early-exit', ':drafter=PATH')."""
-        if value == "early-exit":
+    def second_model(role: str, value: str, m, ck, path: Path) -> dict:
+        """A small model or drafter (PATH, or 'early-exit': the exit inside `m`), each file loaded once."""
+        if value == "early-exit":  # BiLD section 4.4
             if "early_exit" not in ck:
                 raise UsageError(f"{path} has no early exit; train one with train.py --early-exit N")
             return {"small": EarlyExit(m, ck["early_exit"])}
@@ -283,7 +264,14 @@ def run(args) -> int:
             seconds_loaded[key] = {role: m2, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})}
         return seconds_loaded[key]
 
-    seconds_loaded: dict = {}
+    # The second models shared by every run that does not name its own (--drafter, --small or the default).
+    shared = {}
+    for role, default_dir in (("drafter", "{task}-drafter"), ("small", "{task}-small-aligned")):
+        if role in roles:
+            value = getattr(args, role) or str(REPO / "checkpoints" / default_dir.format(task=args.task) / "model.pt")
+            if value != "early-exit" and not Path(value).exists():
+                raise UsageError(f"no {role} checkpoint at {value}; pass --{role} or train one (README, 'Training')")
+            shared.update(second_model(role, value, model, ckpt, model_path))
 
     def models_for(path: Path, for_algo, over: dict | None = None) -> dict:
         m, ck = loaded[path.resolve()]

@@ -66,7 +66,7 @@ def model_state(model: Transformer, half: bool = False) -> dict:
     state = {}
     for name, t in model.state_dict().items():
         if t.data_ptr() not in copies:
-            c = t.detach().clone()
+            c = t.detach().to("cpu", copy=True)  # a file trained on a GPU loads anywhere
             copies[t.data_ptr()] = c.half() if half and c.is_floating_point() else c
         state[name] = copies[t.data_ptr()]
     return state

@@ -67,7 +67,8 @@ def head_logits(model, heads: ProposalHeads, hidden: torch.Tensor, i: int) -> to
 
 def proposal_state(heads: ProposalHeads, half: bool = False) -> dict:
     """What a checkpoint stores of the heads: their shape and weights."""
-    state = {k: (v.detach().clone().half() if half else v.detach().clone()) for k, v in heads.state_dict().items()}
+    state = {k: (v.detach().to("cpu", copy=True).half() if half else v.detach().to("cpu", copy=True))
+             for k, v in heads.state_dict().items()}
     return {"config": heads.config(), "state": state}
 
 

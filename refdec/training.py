@@ -58,10 +58,10 @@ def inverse_sqrt(step: int, warmup: int) -> float:
 
 def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id: int) -> torch.Tensor:
     """Label-smoothed cross-entropy (Szegedy et al. 2016), mean over non-pad target tokens."""
-    if not target.ne(pad_id).any():  # e.g. a far proposal head on a batch of short targets: nothing to learn
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                           ignore_index=pad_id, label_smoothing=eps)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                            ignore_index=pad_id, label_smoothing=eps, reduction="sum")
+    # Divided by at least 1: a batch with no target (a far proposal head on short sentences) gives 0, not NaN.
+    return total / target.ne(pad_id).sum().clamp(min=1)
 
 
 class Objective(torch.nn.Module):
