@@ -35,7 +35,7 @@ HELP = {
     "tokenizer_from": "train with this tokenizer.json instead of a new BPE (e.g. a small model on a large one's vocabulary)",
     "proposal_k": "train k-1 blockwise proposal heads on top of the model (0 = none)",
     "proposal_d_ff": "hidden width per proposal head (0 = the model's d_ff)",
-    "freeze_base": "with --proposal-k: train only the heads", "head_loss": "with --proposal-k: random (one head per batch) or mean",
+    "freeze_base": "with --proposal-k: train only the heads", "head_loss": "with --proposal-k: random (one head per batch), mean (all heads) or base+random (the base's loss in every batch plus one random head)",
     "drafter_k": "train a GAD block drafter filling k masks (0 = an autoregressive model)",
     "drafter_layout": "drafter self-attention: causal (prefix cached across iterations) or bidirectional (the paper's)",
     "glancing_start": "drafter: glancing ratio at step 0", "glancing_end": "drafter: glancing ratio after the decay",

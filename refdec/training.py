@@ -89,6 +89,9 @@ class Objective(torch.nn.Module):
             hidden = self.model.forward_hidden(src, tgt_in)
         if self.cfg.head_loss == "random":  # drawn from torch's generator, whose state last.pt keeps
             chosen = [self.trained_heads[int(torch.randint(len(self.trained_heads), ()))]]
+        elif self.cfg.head_loss == "base+random":  # head 1 (the base) always, one of heads 2..k beside it
+            far = [i for i in self.trained_heads if i > 1]
+            chosen = [1, far[int(torch.randint(len(far), ()))]]
         else:
             chosen = self.trained_heads
         losses = [smoothed_loss(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i), eps, pad)

@@ -153,7 +153,36 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
         assert torch.equal(greedy(model, x, max_len=12).tokens[0], blockwise(model, heads, x, max_len=12).tokens[0])
 
 
+def test_base_plus_random_head_loss_always_trains_the_base():
+    """Guards the joint fine-tuning loss that keeps the base intact: every batch's loss is the mean of
+    the base model's own loss (head 1) and that of one proposal head drawn from 2..k, never two far heads."""
+    from refdec.config import PRESETS
+    from refdec.model import Transformer
+    from refdec.proposal import ProposalHeads, head_logits, head_targets
+    from refdec.training import Objective, smoothed_loss
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"].replace(proposal_k=4, head_loss="base+random", dropout=0.0)
+    model = Transformer(cfg.model_config(40)).double().eval()
+    heads = ProposalHeads(model.cfg.d_model, 16, 4).double().eval()
+    obj = Objective(model, heads, cfg)
+    src, tgt = torch.randint(5, 40, (3, 7)), torch.randint(5, 40, (3, 9))
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+    with torch.no_grad():
+        hidden = model.forward_hidden(src, tgt_in)
+        per = {i: smoothed_loss(head_logits(model, heads, hidden, i), head_targets(tgt_out, i), 0.1, 0).item()
+               for i in range(1, 5)}
+        seen = set()
+        for seed in range(20):
+            torch.manual_seed(seed)
+            loss = obj(src, tgt_in, tgt_out).item()
+            far = [i for i in (2, 3, 4) if loss == pytest.approx((per[1] + per[i]) / 2, rel=1e-6)]
+            assert len(far) == 1, (loss, per)
+            seen.add(far[0])
+    assert seen == {2, 3, 4}
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["--proposal-k", "3", "--freeze-base", "true", "--head-loss", "base+random"], "needs freeze_base false"),
     (["--proposal-k", "1"], "proposal_k"),
     (["--freeze-base", "true"], "freeze_base needs proposal_k"),
     (["--proposal-k", "3", "--head-loss", "max"], "head_loss"),
