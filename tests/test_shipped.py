@@ -26,9 +26,10 @@ def test_the_mt_checkpoint_is_shipped():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.parent.name for p in SHIPPED])
 def test_shipped_checkpoint_decodes_exactly(path: Path):
-    """Guards against a shipped file that is too large, needs a pickle, or whose float64 greedy and
-    beam(1) outputs differ on real sentences."""
-    assert path.stat().st_size < 16 * 2 ** 20
+    """Guards against a shipped file that is too large (the largest, BiLD's large mt-en-de model of
+    13.1M parameters, is 25 MiB in float16), needs a pickle, or whose float64 greedy and beam(1)
+    outputs differ on real sentences."""
+    assert path.stat().st_size < 32 * 2 ** 20
     ck = load_checkpoint(path)
     assert path.parent.name == ck["task"] or path.parent.name.startswith(ck["task"] + "-")
     model, tok, _ = load_model(path, task=ck["task"], dtype=torch.float64)
