@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--min-block", type=int, metavar="L", help="blockwise: accept at least L tokens per call "
                    "(default 1; more is lossy)")
     k.add_argument("--fallback-threshold", type=float, metavar="P", help="bild: the small model writes while its "
-                   "max probability is at least P (default 0.5)")
+                   "max probability is at least P (default 0.3, the README's recommendation for the shipped pair)")
     k.add_argument("--rollback-threshold", type=float, metavar="D", help="bild: roll back at the first small-model "
-                   "token with -log p_large above D (default 2.0)")
+                   "token with -log p_large above D (default 1.0)")
     k.add_argument("--max-window", type=int, metavar="N", help="bild: the small model writes at most N tokens "
                    "between large-model calls (default 10)")
     k.add_argument("--gamma", type=int, metavar="N", help="speculative: tokens drafted per large-model call (default 4)")
