@@ -72,6 +72,36 @@ class Memory:
         )
 
 
+# On CPU, MKL's matrix product picks a much faster routine for a few rows x (r, D) when asked for
+# (W @ x.T).T than for x @ W.T: a verification call over 2-16 new tokens costs about 1.2-1.6 single
+# steps instead of 1.5-1.9 (`python -m refdec.stepcost` times both; ../shared/cpu-physics.md).
+# Beyond 16 rows (an encoder pass) it loses, so the route depends on the row count. Same products,
+# possibly summed in another order: float32 logits may differ in the last bits between routes.
+# refdec.stepcost sets FEW_ROWS to range(0) to time the plain route.
+FEW_ROWS = range(2, 17)
+
+
+def few_row_route(x: torch.Tensor) -> bool:
+    """Whether `linear` takes the (W @ x.T).T route for x (..., D): inference on CPU, 2-16 rows."""
+    return x.device.type == "cpu" and not torch.is_grad_enabled() and x.numel() // x.shape[-1] in FEW_ROWS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., D) @ weight (O, D).T + bias (O,) -> (..., O); F.linear except for few rows on CPU."""
+    if not few_row_route(x):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).t()  # (D, r)
+    y = weight @ rows if bias is None else torch.addmm(bias[:, None], weight, rows)  # (O, r)
+    return y.t().reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict keys) whose forward is `linear` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention (section 3.2.1).
 
@@ -97,10 +127,10 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
         self.h, self.dh = n_heads, d_model // n_heads
-        self.wq = nn.Linear(d_model, d_model)
-        self.wk = nn.Linear(d_model, d_model)
-        self.wv = nn.Linear(d_model, d_model)
-        self.wo = nn.Linear(d_model, d_model)
+        self.wq = Linear(d_model, d_model)
+        self.wk = Linear(d_model, d_model)
+        self.wv = Linear(d_model, d_model)
+        self.wo = Linear(d_model, d_model)
         self.drop = nn.Dropout(dropout)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +154,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, dropout: float):
         super().__init__()
-        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +228,7 @@ class Transformer(nn.Module):
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
         self.enc_norm = nn.LayerNorm(D) if cfg.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(D) if cfg.norm_first else nn.Identity()
-        self.out_proj = None if cfg.tie_embeddings else nn.Linear(D, V, bias=False)
+        self.out_proj = None if cfg.tie_embeddings else Linear(D, V, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.reset_parameters()
 
@@ -241,7 +271,7 @@ class Transformer(nn.Module):
             # contiguous transposed copy than with the strided view W.t() (`python -m refdec.stepcost`
             # prints both; ../shared/cpu-physics.md). Same products and sums.
             return hidden @ self._vocab_t(W)
-        return hidden @ W.t()
+        return linear(hidden, W, None)
 
     def _vocab_t(self, W: torch.Tensor) -> torch.Tensor:
         """W.t() as a contiguous (D, V) copy, rebuilt whenever W changes (training, dtype, device)."""

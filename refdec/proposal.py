@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PAD_ID
+from .model import Linear
 
 
 class ProposalHeads(nn.Module):
@@ -31,8 +32,8 @@ class ProposalHeads(nn.Module):
         if k < 2:
             raise ValueError(f"blockwise decoding needs k >= 2 (got k={k}): head 1 is the base model")
         self.k, self.d_model, self.d_ff = k, d_model, d_ff
-        self.w1 = nn.Linear(d_model, (k - 1) * d_ff)
-        self.w2 = nn.Linear((k - 1) * d_ff, (k - 1) * d_model)
+        self.w1 = Linear(d_model, (k - 1) * d_ff)
+        self.w2 = Linear((k - 1) * d_ff, (k - 1) * d_model)
         nn.init.zeros_(self.w2.weight)  # start every head as a copy of p_1; training moves them apart
         nn.init.zeros_(self.w2.bias)
 

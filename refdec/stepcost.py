@@ -6,9 +6,11 @@
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
 --src source tokens (the setting of ../shared/cpu-physics.md), interleaving the q values round by
 round, and prints the median cost and cost(q) / cost(1): the price of verifying a draft of q tokens
-in one call, which decides what every speculative decoder can gain on this machine. It also times
-the one-row vocabulary projection both ways (strided W.t() against the contiguous copy that
-Transformer.project uses for the greedy step).
+in one call, which decides what every speculative decoder can gain on this machine. Each call is
+timed twice, interleaved: with refdec.model's few-row route for the linear layers (the default:
+(W @ x.T).T for 2-16 rows) and with the plain x @ W.T of torch's F.linear. It also times the one-row
+vocabulary projection both ways (strided W.t() against the contiguous copy that Transformer.project
+uses for the greedy step).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from . import model as model_module
 from .checkpoint import CheckpointError, load_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,30 +72,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
         print(f"error: --src/--prefix/--q exceed the model's {model.cfg.max_positions} positions", file=sys.stderr)
         return 2
-    samples: dict[int, list[float]] = {q: [] for q in qs}
+    routes = {"few-row": model_module.FEW_ROWS, "plain": range(0)}
+    samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}
     W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
     W_t = W.t().contiguous()
     proj = {"strided W.t()": [], "contiguous copy": []}
     with torch.inference_mode():
         memory = model.encode(torch.full((1, args.src), 11))
         h = torch.randn(1, 1, model.cfg.d_model)
-        for q in qs:  # warm-up
-            time_decode(model, memory, args.prefix, q, 3)
-        for _ in range(args.rounds):
-            for q in qs:
-                samples[q].append(time_decode(model, memory, args.prefix, q, 5))
+        try:
+            for route, rows in routes.items():  # warm-up
+                model_module.FEW_ROWS = rows
+                for q in qs:
+                    time_decode(model, memory, args.prefix, q, 3)
+            for _ in range(args.rounds):
+                for route, rows in routes.items():
+                    model_module.FEW_ROWS = rows
+                    for q in qs:
+                        samples[route, q].append(time_decode(model, memory, args.prefix, q, 5))
+        finally:
+            model_module.FEW_ROWS = routes["few-row"]
             for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
                 t0 = time.perf_counter()
                 for _ in range(10):
                     h @ w
                 proj[name].append((time.perf_counter() - t0) / 10)
-    base = statistics.median(samples[qs[0]])
-    rows = [{"q": q, "ms": 1000 * statistics.median(samples[q]), "ratio": statistics.median(samples[q]) / base} for q in qs]
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
+             "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]]} for q in qs]
     print(f"decoder call appending q tokens to a cache of {args.prefix}, source of {args.src}, "
           f"{args.threads} threads, {path}")
-    print("    q   ms/call   cost(q)/cost(q=%d)" % qs[0])
+    print(f"few-row route: linear layers compute (W @ x.T).T for {model_module.FEW_ROWS.start}-"
+          f"{model_module.FEW_ROWS.stop - 1} rows (refdec's default); plain: x @ W.T throughout")
+    print("    q   ms/call   cost(q)/cost(q=%d)   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0]))
     for r in rows:
-        print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}")
+        print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}")
     pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
     print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
     if args.report:

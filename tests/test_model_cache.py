@@ -136,3 +136,32 @@ def test_cuda_matches_cpu():
     cpu = greedy(m, src, max_len=15)
     gpu = greedy(m.cuda(), src.cuda(), max_len=15)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu.tokens, gpu.tokens))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_few_row_route_computes_the_linear_map(bias):
+    """refdec.model.linear: the (W @ x.T).T route for 2-16 rows on CPU gives F.linear's values (the
+    same products, at most summed in another order) and keeps the shape for every row count."""
+    from refdec import model as M
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(24, 8, generator=g, dtype=torch.float64)
+    b = torch.randn(24, generator=g, dtype=torch.float64) if bias else None
+    for shape in [(1, 1, 8), (1, 2, 8), (3, 5, 8), (1, 16, 8), (1, 17, 8), (4, 8)]:
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        rows = x.numel() // 8
+        with torch.no_grad():
+            assert M.few_row_route(x) == (2 <= rows <= 16)
+            y = M.linear(x, W, b)
+        assert y.shape == (*shape[:-1], 24)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, W, b), rtol=1e-12, atol=1e-12)
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    assert not M.few_row_route(x)  # training (grad enabled) always takes F.linear
+
+
+def test_model_linears_take_the_route():
+    """Every linear layer of the model and of the proposal heads is refdec.model.Linear."""
+    from refdec import model as M
+    from refdec.proposal import ProposalHeads
+    for module in (tiny_model(0), ProposalHeads(16, 8, 3)):
+        linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(isinstance(m, M.Linear) for m in linears)
