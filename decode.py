@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--min-block", type=int, metavar="L", help="blockwise: accept at least L tokens per call "
                    "(default 1; more is lossy)")
     k.add_argument("--fallback-threshold", type=float, metavar="P", help="bild: the small model writes while its "
-                   "max probability is at least P (default 0.3, the README's recommendation for the shipped pair)")
+                   "max probability is at least P (default 0.4, the README's recommendation for the shipped pair)")
     k.add_argument("--rollback-threshold", type=float, metavar="D", help="bild: roll back at the first small-model "
-                   "token with -log p_large above D (default 1.0)")
+                   "token with -log p_large above D (default 2.0, with the fallback default)")
     k.add_argument("--max-window", type=int, metavar="N", help="bild: the small model writes at most N tokens "
                    "between large-model calls (default 10)")
     k.add_argument("--gamma", type=int, metavar="N", help="speculative: tokens drafted per large-model call (default 4)")
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 MATCH_POLICIES = ("unique", "leftmost", "longest")  # refdec.decoding.iad's, listed here to keep --help import-light
 KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0, "match": "unique", "max_suffix": 0, "max_draft": 0,
                  "top_beta": 1, "tau": 0.0, "block_rule": "exact", "top_k": 2, "epsilon": 0.0, "min_block": 1,
-                 "fallback_threshold": 0.5, "rollback_threshold": 2.0, "max_window": 10, "gamma": 4,
+                 "fallback_threshold": 0.4, "rollback_threshold": 2.0, "max_window": 10, "gamma": 4,
                  "sample": False, "top_p": 0.9, "temperature": 1.0, "seed": 0}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +262,27 @@ def test_bild_with_an_early_exit(tmp_path):
     assert json.loads(rep.read_text())["compare"]["identical"] == 1.0
     bad = run_py("train.py", "--preset", "tiny", "--out-dir", str(tmp_path / "x"), "--early-exit", "1", "--train-limit", "50")
     assert bad.returncode != 0 and "decoder layers" in bad.stderr.decode()
+
+
+def test_cli_defaults_are_the_decoders_defaults():
+    """decode.py's option defaults are the decoder functions' own (a --help that promises one
+    threshold while the run uses another was a real bug)."""
+    import importlib.util
+    import inspect
+
+    from refdec.decoding import bild, speculative
+    from refdec.decoding.blockwise import blockwise
+    spec = importlib.util.spec_from_file_location("decode_cli", Path(__file__).resolve().parent.parent / "decode.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    checked = 0
+    for fn in (bild, speculative, blockwise):
+        for name, p in inspect.signature(fn).parameters.items():
+            # speculative's library default top_p = 1 is the large model's whole distribution; the
+            # CLI's one --top-p (0.9, shared with bild) is documented in its --help.
+            if (fn is speculative and name == "top_p") or name == "trace":
+                continue
+            if name in cli.KNOB_DEFAULTS and p.default is not inspect.Parameter.empty:
+                assert cli.KNOB_DEFAULTS[name] == p.default, (fn.__name__, name)
+                checked += 1
+    assert checked >= 8

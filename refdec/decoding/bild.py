@@ -68,8 +68,8 @@ def pair_rows(large: Transformer, small: Transformer, src: torch.Tensor):
 
 
 @torch.inference_mode()
-def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, fallback_threshold: float = 0.3,
-         rollback_threshold: float = 1.0, max_window: int = 10, sample: bool = False, top_p: float = 0.9,
+def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, fallback_threshold: float = 0.4,
+         rollback_threshold: float = 2.0, max_window: int = 10, sample: bool = False, top_p: float = 0.9,
          seed: int = 0, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row."""
     check_pair(large, small)
