@@ -143,7 +143,7 @@ class TrainConfig:
 # Presets: each trains on a 2-core CPU in about an hour (see README for measured times).
 PRESETS: dict[str, TrainConfig] = {
     # The mt-en-de model is the large model, verifier and teacher of the speculative decoders: 6+6 layers
-    # of width 256 (13.1M parameters), so that BiLD's small model takes about 1/6.6 of its greedy time on
+    # of width 256 (13.1M parameters), so that BiLD's small model takes about 1/6 of its greedy time on
     # this CPU (README). It keeps the vocabulary of the first, 3+3 mt-en-de model (the shipped tokenizer.json), so
     # the models built on that vocabulary still pair with it. An hour of the 2-core CPU undertrains it:
     # the shipped one was trained on a GPU (README gives the command).
