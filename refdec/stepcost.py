@@ -90,13 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                     model_module.FEW_ROWS = rows
                     for q in qs:
                         samples[route, q].append(time_decode(model, memory, args.prefix, q, 5))
+                for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        h @ w
+                    proj[name].append((time.perf_counter() - t0) / 10)
         finally:
             model_module.FEW_ROWS = routes["few-row"]
-            for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    h @ w
-                proj[name].append((time.perf_counter() - t0) / 10)
     med = {key: statistics.median(v) for key, v in samples.items()}
     rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
              "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]]} for q in qs]

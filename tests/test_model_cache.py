@@ -165,3 +165,21 @@ def test_model_linears_take_the_route():
     for module in (tiny_model(0), ProposalHeads(16, 8, 3)):
         linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all(isinstance(m, M.Linear) for m in linears)
+
+
+def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
+    """refdec.stepcost: a cost per q for the few-row and for the plain route, both one-row projection
+    timings, and the default route restored afterwards."""
+    import json
+
+    from refdec import model as M
+    from refdec.stepcost import main
+    rep = tmp_path / "cost.json"
+    assert main(["--model", str(trained_tiny / "model.pt"), "--q", "1,2,4", "--rounds", "2", "--threads", "1",
+                 "--src", "8", "--prefix", "8", "--report", str(rep)]) == 0
+    r = json.loads(rep.read_text())
+    assert [c["q"] for c in r["calls"]] == [1, 2, 4]
+    assert all(c["ms"] > 0 and c["plain_ms"] > 0 for c in r["calls"])
+    assert r["calls"][0]["ratio"] == 1.0 and r["calls"][0]["plain_ratio"] == 1.0
+    assert set(r["projection_ms"]) == {"strided W.t()", "contiguous copy"}
+    assert M.FEW_ROWS == range(2, 17)
