@@ -169,9 +169,9 @@ def run(args) -> int:
     import torch
 
     from refdec import runner
-    from refdec.checkpoint import load_model
+    from refdec.checkpoint import file_sha256, load_model
     from refdec.data import DATA_DIR, TASKS, read_lines
-    from refdec.model import EarlyExit
+    from refdec.model import EarlyExit, SharedEncoder
     from refdec.proposal import load_proposal
     from refdec.decoding import ALGORITHMS
     from refdec.runner import UsageError
@@ -247,6 +247,7 @@ def run(args) -> int:
             loaded[Path(path).resolve()] = (m2, ck2)
     max_positions = min(m.cfg.max_positions for m, _ in loaded.values())
     seconds_loaded: dict = {}
+    file_hashes: dict = {}
 
     def second_model(role: str, value: str, m, ck, path: Path) -> dict:
         """A small model or drafter (PATH, or 'early-exit': the exit inside `m`), each file loaded once."""
@@ -261,8 +262,19 @@ def run(args) -> int:
                 raise UsageError(f"{role} {value} does not share the tokenizer of {model_path}")
             if role == "drafter" and "drafter" not in ck2:
                 raise UsageError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
-            seconds_loaded[key] = {role: m2, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})}
-        return seconds_loaded[key]
+            seconds_loaded[key] = ({role: m2, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})},
+                                   ck2.get("shared_encoder", {}).get("sha256"))
+        out, encoder_sha256 = seconds_loaded[key]
+        if encoder_sha256 is not None and encoder_sha256 == sha256_of(path):
+            # A small model on this very large model's encoder: paired with `m` itself, the encoder runs
+            # once for both (with another large model it reads its own copy of the encoder it was trained on).
+            out = {**out, role: SharedEncoder(out[role].small, m).eval()}
+        return out
+
+    def sha256_of(path: Path) -> str:
+        if path.resolve() not in file_hashes:
+            file_hashes[path.resolve()] = file_sha256(path)
+        return file_hashes[path.resolve()]
 
     # The second models shared by every run that does not name its own (--drafter, --small or the default).
     shared = {}

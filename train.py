@@ -41,6 +41,8 @@ HELP = {
     "glancing_start": "drafter: glancing ratio at step 0", "glancing_end": "drafter: glancing ratio after the decay",
     "glancing_decay_steps": "drafter: updates over which the glancing ratio decays linearly",
     "early_exit": "also train the first N decoder layers as an early exit (BiLD's small model; 0 = no)",
+    "encoder_from": "train a decoder (--enc-layers 0) on this checkpoint's frozen encoder and vocabulary "
+                    "(BiLD's small model on the large model's encoder)",
 }
 
 

@@ -12,6 +12,7 @@ checkpoint paired with the wrong vocabulary is refused instead of decoding garba
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .model import Transformer
+from .model import SharedEncoder, Transformer
 from .tokenizer import Tokenizer
 
 FORMAT = "refdec-checkpoint-1"
@@ -93,10 +94,22 @@ def average_states(states: list[dict]) -> dict:
     return out
 
 
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def load_model(path: str | Path, *, task: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None
                ) -> tuple[Transformer, Tokenizer, dict]:
-    """Model (in eval mode) + its tokenizer (tokenizer.json beside the checkpoint unless given)."""
+    """Model (in eval mode) + its tokenizer (tokenizer.json beside the checkpoint unless given).
+
+    A decoder trained on another model's encoder (train.py's encoder_from) comes back as a
+    SharedEncoder over that model, loaded from the path its checkpoint records (relative to its
+    folder) and checked to be the very file it was trained on."""
     ckpt = load_checkpoint(path)
     if task is not None and ckpt.get("task") != task:
         raise CheckpointError(f"{path} was trained for task {ckpt.get('task')!r}, not {task!r}")
@@ -118,4 +131,21 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
     if cfg.vocab_size != tokenizer.vocab_size:
         raise CheckpointError(f"{path} has {cfg.vocab_size} embeddings but {tok_path} {tokenizer.vocab_size} tokens")
     model.to(device=device, dtype=dtype).eval()
+    if "shared_encoder" in ckpt:
+        model = SharedEncoder(model, load_shared_encoder(path, ckpt, tokenizer, task, device, dtype)).eval()
     return model, tokenizer, ckpt
+
+
+def load_shared_encoder(path: str | Path, ckpt: dict, tokenizer: Tokenizer, task, device, dtype) -> Transformer:
+    """The model whose encoder the decoder of checkpoint `path` reads."""
+    spec = ckpt["shared_encoder"]
+    enc_path = Path(path).parent / spec["path"]
+    if not enc_path.is_file():
+        raise CheckpointError(f"{path} reads the encoder of {enc_path}, which is not there")
+    if file_sha256(enc_path) != spec["sha256"]:
+        raise CheckpointError(f"{enc_path} is not the model {path} was trained on (its sha256 differs); "
+                              f"retrain {path} on it")
+    base, base_tok, _ = load_model(enc_path, task=task, device=device, dtype=dtype)
+    if base_tok.sha256 != tokenizer.sha256:
+        raise CheckpointError(f"{enc_path} does not share the vocabulary of {path}")
+    return base

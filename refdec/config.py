@@ -24,6 +24,10 @@ class ModelConfig:
     norm_first: bool = True  # pre-norm (True) or the paper's post-norm (False)
     tie_embeddings: bool = True  # one matrix for source, target and output projection
     max_positions: int = 256  # longest source or target the model accepts, bos/eos included
+    # Width of the encoder states the cross-attention reads (0 = d_model). With enc_layers 0 the model has
+    # no encoder of its own and reads another model's (refdec.model.SharedEncoder: a BiLD small model
+    # on the large model's encoder), whose width this is.
+    d_memory: int = 0
     pad_id: int = PAD_ID
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
@@ -31,12 +35,20 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        if self.enc_layers < 1 or self.dec_layers < 1:
-            raise ValueError("enc_layers and dec_layers must be at least 1")
+        if self.enc_layers < 0 or self.dec_layers < 1:
+            raise ValueError("enc_layers must be at least 0 (0 = another model's encoder) and dec_layers at least 1")
+        if self.enc_layers and self.d_memory not in (0, self.d_model):
+            raise ValueError(f"a model with its own encoder reads states of width d_model={self.d_model}, "
+                             f"not d_memory={self.d_memory}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def memory_dim(self) -> int:
+        """The width of the encoder states the decoder's cross-attention reads."""
+        return self.d_memory or self.d_model
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,6 +112,10 @@ class TrainConfig:
     # BiLD's early-exit small model (Kim et al. 2023, section 4.4): the first n decoder layers share
     # the prediction head and the loss is the average of the early and the full model's.
     early_exit: int = 0
+    # A decoder on another model's frozen encoder (refdec.model.SharedEncoder): the checkpoint whose
+    # encoder it reads (its vocabulary too); needs enc_layers 0. BiLD's small model on the large
+    # model's encoder runs no encoder of its own when decoding.
+    encoder_from: str = ""
 
     def __post_init__(self) -> None:
         if self.tokenizer_from and self.init_from:
@@ -125,12 +141,18 @@ class TrainConfig:
             raise ValueError("drafter_layout and the glancing options need drafter_k (they shape the drafter)")
         if self.drafter_layout not in ("causal", "bidirectional"):
             raise ValueError(f"drafter_layout must be causal or bidirectional, not {self.drafter_layout!r}")
+        if self.encoder_from and (self.enc_layers or self.init_from or self.tokenizer_from or self.drafter_k
+                                  or self.proposal_k or self.early_exit):
+            raise ValueError("encoder_from needs enc_layers 0 (the encoder is the other model's), brings its "
+                             "vocabulary (no init_from or tokenizer_from) and trains a plain decoder")
+        if not self.encoder_from and self.enc_layers < 1:
+            raise ValueError("enc_layers 0 needs encoder_from: the checkpoint whose encoder the model reads")
 
-    def model_config(self, vocab_size: int) -> ModelConfig:
+    def model_config(self, vocab_size: int, d_memory: int = 0) -> ModelConfig:
         return ModelConfig(
             vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
             enc_layers=self.enc_layers, dec_layers=self.dec_layers, dropout=self.dropout,
-            norm_first=self.norm_first, max_positions=self.max_positions,
+            norm_first=self.norm_first, max_positions=self.max_positions, d_memory=d_memory,
         )
 
     def replace(self, **changes) -> "TrainConfig":
@@ -188,6 +210,13 @@ PRESETS: dict[str, TrainConfig] = {
                                           init_from="checkpoints/mt-en-de-small/model.pt",
                                           data_dir="data/distilled/mt-en-de-greedy", lr=5e-4, warmup_steps=200,
                                           eval_every=400, time_limit_min=30, pick="last"),
+    # The same decoder (1 layer, width 128) on the large model's frozen encoder, trained on the large
+    # model's greedy outputs (aligned from the start): the encoder runs once for both models when decoding.
+    "mt-en-de-small-shared": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-small-shared",
+                                         encoder_from="checkpoints/mt-en-de/model.pt",
+                                         data_dir="data/distilled/mt-en-de-greedy", d_model=128, n_heads=4, d_ff=512,
+                                         enc_layers=0, dec_layers=1, lr=1e-3, warmup_steps=800, eval_every=500,
+                                         time_limit_min=60, pick="last"),
     "mt-en-de-early-exit": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-early-exit",
                                        init_from="checkpoints/mt-en-de/model.pt", early_exit=1, lr=5e-4,
                                        warmup_steps=200, eval_every=400, time_limit_min=60),

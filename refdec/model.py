@@ -125,12 +125,14 @@ def causal_block(q_len: int, offset: int, device: torch.device) -> torch.Tensor:
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2; self-attention when `kv_input` is the query input, cross-attention otherwise."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, d_kv: int = 0):
+        """d_kv: the width of the states keys and values are made from (cross-attention over another
+        model's encoder; 0 = d_model)."""
         super().__init__()
         self.h, self.dh = n_heads, d_model // n_heads
         self.wq = Linear(d_model, d_model)
-        self.wk = Linear(d_model, d_model)
-        self.wv = Linear(d_model, d_model)
+        self.wk = Linear(d_kv or d_model, d_model)
+        self.wv = Linear(d_kv or d_model, d_model)
         self.wo = Linear(d_model, d_model)
         self.drop = nn.Dropout(dropout)
 
@@ -194,7 +196,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.memory_dim)
         self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
         self.sub1 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
         self.sub2 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
@@ -222,12 +224,14 @@ class Transformer(nn.Module):
         self.cfg = cfg
         D, V = cfg.d_model, cfg.vocab_size
         self.tgt_embed = nn.Embedding(V, D, padding_idx=cfg.pad_id)
-        self.src_embed = self.tgt_embed if cfg.tie_embeddings else nn.Embedding(V, D, padding_idx=cfg.pad_id)
+        # enc_layers 0: no encoder and no source embedding of its own (SharedEncoder gives the states).
+        self.src_embed = (self.tgt_embed if cfg.tie_embeddings or not cfg.enc_layers
+                          else nn.Embedding(V, D, padding_idx=cfg.pad_id))
         self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, D).float(), persistent=False)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
-        self.enc_norm = nn.LayerNorm(D) if cfg.norm_first else nn.Identity()
+        self.enc_norm = nn.LayerNorm(D) if cfg.norm_first and cfg.enc_layers else nn.Identity()
         self.dec_norm = nn.LayerNorm(D) if cfg.norm_first else nn.Identity()
         self.out_proj = None if cfg.tie_embeddings else Linear(D, V, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
@@ -284,14 +288,23 @@ class Transformer(nn.Module):
     # -- entry points -----------------------------------------------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:
         """src (B, S) token ids, right-padded with pad_id -> Memory."""
+        return self.attach(*self.encode_states(src))
+
+    def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder alone: src (B, S) -> states (B, S, D) and src_pad (B, S), True at padding."""
+        if not self.cfg.enc_layers:
+            raise ValueError("this model has no encoder of its own: it reads another model's (refdec.model.SharedEncoder)")
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S) keys that are padding
         x = self._embed(self.src_embed, src, 0)
         for layer in self.encoder:
             x = layer(x, pad_block)
-        x = self.enc_norm(x)
-        cross_kv = [layer.cross_attn.project_kv(x) for layer in self.decoder]
-        return Memory(x, src_pad, cross_kv)
+        return self.enc_norm(x), src_pad
+
+    def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
+        """Encoder states (B, S, memory_dim), this model's or another's -> the Memory this decoder
+        reads: its cross-attention keys and values, computed once per source."""
+        return Memory(states, src_pad, [layer.cross_attn.project_kv(states) for layer in self.decoder])
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
                       open_from: int | None = None, layers: int | None = None) -> torch.Tensor:
@@ -324,12 +337,13 @@ class Transformer(nn.Module):
         return self.project(self.forward_hidden(src, tgt))
 
     def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
-                       early_exit: int | None = None):
+                       early_exit: int | None = None, memory: Memory | None = None):
         """forward() before the vocabulary projection: final decoder states (B, T, D). `self_block`
         (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's training).
         With early_exit = n, also the states after the first n layers through the same final norm:
-        returns (final, early)."""
-        memory = self.encode(src)
+        returns (final, early). `memory` replaces encode(src) (a decoder on another model's encoder)."""
+        if memory is None:
+            memory = self.encode(src)
         x = self._embed(self.tgt_embed, tgt, 0)
         if self_block is None:
             self_block = causal_block(tgt.shape[1], 0, x.device)
@@ -373,3 +387,46 @@ class EarlyExit(nn.Module):
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
         return self.project(self.decode_hidden(tgt_new, memory, cache))
+
+    def memory_from(self, memory: Memory) -> Memory:
+        """The small model's memory from the large model's: the same (every weight is shared)."""
+        return memory
+
+
+class SharedEncoder(nn.Module):
+    """A decoder without an encoder of its own (enc_layers 0) on another model's encoder: a BiLD
+    small model that reads the large model's encoder states. Paired with that large model, the
+    encoder runs once per source for both (`memory_from`), and the small model's cost is its
+    decoder alone. Decoders take it as a model; its decoder is `small`, the encoder's model `base`."""
+
+    def __init__(self, small: Transformer, base: Transformer):
+        super().__init__()
+        if small.cfg.enc_layers:
+            raise ValueError("SharedEncoder takes a decoder without an encoder (enc_layers 0)")
+        if small.cfg.memory_dim != base.cfg.d_model:
+            raise ValueError(f"the decoder reads states of width {small.cfg.memory_dim}, the encoder gives {base.cfg.d_model}")
+        self.small, self.base, self.cfg = small, base, small.cfg
+        self.train(small.training)
+
+    def encode(self, src: torch.Tensor) -> Memory:
+        return self.small.attach(*self.base.encode_states(src))
+
+    def memory_from(self, memory: Memory) -> Memory:
+        """The decoder's memory from the base model's (its encoder states; cross-attention K/V anew)."""
+        return self.small.attach(memory.states, memory.src_pad)
+
+    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
+        return self.small.new_cache(batch, capacity)
+
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None) -> torch.Tensor:
+        return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.small.project(hidden)
+
+    def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
+        return self.project(self.decode_hidden(tgt_new, memory, cache))
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing, no cache: (B, T, V) logits."""
+        return self.small.project(self.small.forward_hidden(src, tgt, memory=self.encode(src)))

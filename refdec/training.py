@@ -39,12 +39,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import data as data_mod
-from .checkpoint import average_states, load_checkpoint, make_checkpoint, model_state, save_atomic
+from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, model_state, save_atomic
 from .config import ModelConfig, TrainConfig
 from .decoding.blockwise import blockwise
 from .decoding.greedy import greedy
 from .metrics import corpus_bleu
-from .model import Transformer
+from .model import SharedEncoder, Transformer
 from .drafter import block_batch, glance, glancing_ratio
 from .proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from .tokenizer import Tokenizer, iter_training_text
@@ -68,9 +68,13 @@ class Objective(torch.nn.Module):
     """The training loss as one module (what DistributedDataParallel wraps): the model's label-smoothed
     cross-entropy, or, with proposal heads, that of one random head or the mean over heads."""
 
-    def __init__(self, model: Transformer, heads: ProposalHeads | None, cfg: TrainConfig):
+    def __init__(self, model: Transformer, heads: ProposalHeads | None, cfg: TrainConfig,
+                 encoder: Transformer | None = None):
         super().__init__()
         self.model, self.heads, self.cfg = model, heads, cfg
+        # encoder_from: the other model's encoder, frozen and in eval mode. Kept in a tuple, not as a
+        # submodule: its weights are not trained, saved, or switched to training mode with the rest.
+        self.frozen_encoder = (encoder,) if encoder is not None else ()
         self.step = 0  # set by the trainer: the glancing ratio decays with it
         # Head 1 is the base model itself: trained only when the base is not frozen.
         self.trained_heads = [] if heads is None else list(range(2 if cfg.freeze_base else 1, heads.k + 1))
@@ -84,7 +88,7 @@ class Objective(torch.nn.Module):
             return 0.5 * (smoothed_loss(self.model.project(final), tgt_out, eps, pad)
                           + smoothed_loss(self.model.project(early), tgt_out, eps, pad))
         if self.heads is None:
-            return smoothed_loss(self.model(src, tgt_in), tgt_out, eps, pad)
+            return smoothed_loss(self.model.project(self.hidden(src, tgt_in)), tgt_out, eps, pad)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
             hidden = self.model.forward_hidden(src, tgt_in)
         if self.cfg.head_loss == "random":  # drawn from torch's generator, whose state last.pt keeps
@@ -98,6 +102,18 @@ class Objective(torch.nn.Module):
                   for i in chosen]
         return sum(losses) / len(losses)
 
+
+    def hidden(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """The model's final decoder states, on its own encoder or on the frozen one of encoder_from."""
+        if not self.frozen_encoder:
+            return self.model.forward_hidden(src, tgt_in)
+        with torch.no_grad():
+            states, src_pad = self.frozen_encoder[0].encode_states(src)
+        return self.model.forward_hidden(src, tgt_in, memory=self.model.attach(states, src_pad))
+
+    def decoding_model(self):
+        """What greedy decoding of the dev set runs: the model, on the frozen encoder if it has one."""
+        return SharedEncoder(self.model, self.frozen_encoder[0]) if self.frozen_encoder else self.model
 
     def drafter_batch(self, tgt_out: torch.Tensor, generator: torch.Generator | None = None):
         """Block inputs for every row: a random prefix length p in 0 .. len(y), then k masks."""
@@ -153,13 +169,14 @@ class Trainer:
         if cfg.train_limit:
             pairs = pairs[: cfg.train_limit]
         tok_path = self.out / "tokenizer.json"
-        base = load_checkpoint(cfg.init_from) if cfg.init_from else None
+        base_path = cfg.init_from or cfg.encoder_from  # a starting model, or the model whose encoder is read
+        base = load_checkpoint(base_path) if base_path else None
         if base is not None and base.get("task") != cfg.task:
-            raise ValueError(f"--init-from {cfg.init_from} was trained for {base.get('task')}, not {cfg.task}")
+            raise ValueError(f"{base_path} was trained for {base.get('task')}, not {cfg.task}")
         if self._is_main() and not tok_path.exists():
             self.out.mkdir(parents=True, exist_ok=True)
-            if base is not None:  # the starting model brings its vocabulary
-                shutil.copyfile(Path(cfg.init_from).parent / "tokenizer.json", tok_path)
+            if base is not None:  # the starting model (or the encoder's) brings its vocabulary
+                shutil.copyfile(Path(base_path).parent / "tokenizer.json", tok_path)
             elif cfg.tokenizer_from:
                 shutil.copyfile(cfg.tokenizer_from, tok_path)
             else:
@@ -169,7 +186,7 @@ class Trainer:
         self._barrier()
         self.tok = Tokenizer.load(tok_path)
         if base is not None and base.get("tokenizer_sha256") != self.tok.sha256:
-            raise ValueError(f"{tok_path} is not the vocabulary of --init-from {cfg.init_from}")
+            raise ValueError(f"{tok_path} is not the vocabulary of {base_path}")
         src_ids = self.tok.encode_batch([s for s, _ in pairs])
         tgt_ids = self.tok.encode_batch([t for _, t in pairs])
         limit = min(cfg.max_train_len, cfg.max_positions - 1)
@@ -183,7 +200,15 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        if base is not None:  # its shape, with this run's dropout
+        self.encoder_model = None
+        if cfg.encoder_from:  # a new decoder on the frozen encoder of that model
+            enc_cfg = ModelConfig.from_dict(base["model_config"])
+            self.encoder_model = Transformer(enc_cfg)
+            self.encoder_model.load_state_dict({k: v.float() for k, v in base["model"].items()})
+            self.encoder_model.to(self.device).eval().requires_grad_(False)
+            self.encoder_sha256 = file_sha256(cfg.encoder_from)
+            self.model = Transformer(cfg.model_config(self.tok.vocab_size, d_memory=enc_cfg.d_model)).to(self.device)
+        elif base is not None:  # its shape, with this run's dropout
             mcfg = replace(ModelConfig.from_dict(base["model_config"]), dropout=cfg.dropout)
             self.model = Transformer(mcfg)
             self.model.load_state_dict({k: v.float() for k, v in base["model"].items()})
@@ -198,7 +223,7 @@ class Trainer:
             self.heads = ProposalHeads(mc.d_model, cfg.proposal_d_ff or mc.d_ff, cfg.proposal_k).to(self.device)
             if cfg.freeze_base:
                 self.model.requires_grad_(False)
-        self.objective = Objective(self.model, self.heads, cfg)
+        self.objective = Objective(self.model, self.heads, cfg, self.encoder_model)
         params = [p for p in self.objective.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
         self.step, self.epoch, self.batch_in_epoch, self.elapsed = 0, 0, 0, 0.0
@@ -212,6 +237,7 @@ class Trainer:
         mc = self.model.cfg
         self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, {mc.enc_layers}+{mc.dec_layers} "
                  f"layers, d_model {mc.d_model}; {self.world} process(es) on {self.device}"
+                 + (f"; reads the frozen encoder of {cfg.encoder_from}" if cfg.encoder_from else "")
                  + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
                     f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss" if self.heads else ""))
 
@@ -248,7 +274,7 @@ class Trainer:
         total, count = [0.0] * len(which), [0] * len(which)
         for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None):
             s, ti, to = (x.to(self.device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
-            hidden = m.forward_hidden(s, ti)
+            hidden = self.objective.hidden(s, ti)
             for j, i in enumerate(which):
                 target = head_targets(to, i)
                 logits = head_logits(m, heads, hidden, i)
@@ -261,7 +287,8 @@ class Trainer:
             rows = src[i:min(i + 32, n)]
             x = data_mod.source_tensor(rows).to(self.device)
             max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
-            res = greedy(m, x, max_len=max_len) if heads is None else blockwise(m, heads, x, max_len=max_len)
+            res = (greedy(self.objective.decoding_model(), x, max_len=max_len) if heads is None
+                   else blockwise(m, heads, x, max_len=max_len))
             hyps += [self.tok.decode(t.tolist()) for t in res.tokens]
             calls, produced = calls + res.stats.verifier_calls, produced + res.stats.tokens
         self.objective.train()
@@ -306,6 +333,9 @@ class Trainer:
             ck["drafter"] = {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout}
         if self.cfg.early_exit:
             ck["early_exit"] = self.cfg.early_exit
+        if self.cfg.encoder_from:  # where the encoder is, from this checkpoint's folder, and which file it was
+            ck["shared_encoder"] = {"path": os.path.relpath(self.cfg.encoder_from, self.out),
+                                    "sha256": self.encoder_sha256}
         return ck
 
     def _save_last(self) -> None:

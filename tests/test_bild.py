@@ -166,3 +166,65 @@ def test_early_exit_is_the_first_layers_with_the_shared_head():
     assert r.stats.encoder_calls == 1  # the early exit reads the large model's encoder output
     with pytest.raises(ValueError):
         EarlyExit(m, 3)
+
+
+def shared_small(large, seed: int = 7, d_model: int = 16):
+    """A random float64 decoder without an encoder, reading `large`'s encoder states."""
+    torch.manual_seed(seed)
+    from refdec.config import ModelConfig
+    from refdec.model import SharedEncoder, Transformer
+    small = Transformer(ModelConfig(vocab_size=large.cfg.vocab_size, d_model=d_model, n_heads=2, d_ff=2 * d_model,
+                                    enc_layers=0, dec_layers=1, d_memory=large.cfg.d_model, tie_embeddings=False,
+                                    max_positions=large.cfg.max_positions))
+    return SharedEncoder(small.double().eval(), large)
+
+
+def test_shared_encoder_small_model_decodes_like_its_teacher_forced_self():
+    """The decoder on the large model's encoder: cached decoding over the memory built from the
+    large model's (memory_from) equals its uncached forward, which reads the same encoder states."""
+    large = tiny_model(5, vocab=40, layers=(2, 3))
+    small = shared_small(large)
+    assert small.small.encoder is not None and len(small.small.encoder) == 0
+    src = random_src(5, 1, 40, min_len=6, max_len=6)
+    tgt = torch.tensor([[1, 7, 8, 9, 10, 11]])
+    with torch.inference_mode():
+        ref = small(src, tgt)
+        memory = small.memory_from(large.encode(src))
+        cache = small.new_cache(1, 8)
+        got = torch.cat([small.decode(tgt[:, :1], memory, cache), small.decode(tgt[:, 1:], memory, cache)], dim=1)
+    assert torch.allclose(got, ref, atol=1e-10) and cache.length == 6
+    with pytest.raises(ValueError, match="no encoder"):
+        small.small.encode(src)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bild_and_speculative_with_a_shared_encoder_small_model_are_greedy_of_the_large_model(seed):
+    """Its greedy limits are greedy of the large model exactly (float64), and paired with that large
+    model the encoder runs once."""
+    large = tiny_model(seed, vocab=12, layers=(2, 3))
+    small = shared_small(large, seed + 50)
+    src = random_src(seed, 4, 12)
+    r = bild(large, small, src, max_len=20, fallback_threshold=1.5)
+    assert_greedy_of_large(large, r, src, 20)
+    assert r.stats.encoder_calls == 1
+    s = speculative(large, small, src, max_len=20, gamma=3)
+    assert_greedy_of_large(large, s, src, 20)
+    assert s.stats.encoder_calls == 1
+    # with another large model it reads its own encoder: still exact, two encoder calls
+    other = tiny_model(seed + 1, vocab=12, layers=(2, 3))
+    s = speculative(other, small, src, max_len=20, gamma=2)
+    assert_greedy_of_large(other, s, src, 20)
+    assert s.stats.encoder_calls == 2
+
+
+def test_a_shared_encoder_needs_a_decoder_of_the_encoders_width():
+    from refdec.config import ModelConfig
+    from refdec.model import SharedEncoder, Transformer
+    large = tiny_model(1, vocab=12)
+    with pytest.raises(ValueError, match="width"):
+        SharedEncoder(shared_small(large).small, tiny_model(2, vocab=12, d_model=16))
+    with pytest.raises(ValueError, match="without an encoder"):
+        SharedEncoder(large, large)
+    with pytest.raises(ValueError, match="d_memory"):
+        ModelConfig(vocab_size=12, d_model=16, n_heads=2, enc_layers=1, d_memory=32)
+    assert Transformer(ModelConfig(vocab_size=12, d_model=16, n_heads=2, enc_layers=0, d_memory=32)).cfg.memory_dim == 32

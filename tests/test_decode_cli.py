@@ -286,3 +286,31 @@ def test_cli_defaults_are_the_decoders_defaults():
                 assert cli.KNOB_DEFAULTS[name] == p.default, (fn.__name__, name)
                 checked += 1
     assert checked >= 8
+
+
+def test_bild_with_a_small_model_on_the_large_models_encoder(trained_tiny, tmp_path):
+    """Guards the shared-encoder small model end to end: train.py --encoder-from trains a decoder on
+    the frozen encoder (its checkpoint records where that is and which file); decode.py pairs it with
+    that large model (BiLD falling back at every step is greedy, the encoder runs once) and refuses a
+    changed encoder file with one line."""
+    large = tmp_path / "large"
+    shutil.copytree(trained_tiny, large)
+    out = tmp_path / "shared"
+    r = run_py("train.py", "--preset", "tiny", "--out-dir", str(out), "--train-limit", "800", "--enc-layers", "0",
+               "--encoder-from", str(large / "model.pt"), "--d-model", "16", "--max-steps", "4", "--eval-every", "4",
+               "--threads", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "reads the frozen encoder" in r.stderr.decode()
+    rep = tmp_path / "r.json"
+    r = decode(large, "--algo", "bild", "--small", str(out / "model.pt"), "--fallback-threshold", "2",
+               "--compare", f"greedy,greedy@{out / 'model.pt'}", "--limit", "3", "--max-len", "8",
+               "--dtype", "float64", "--report", str(rep))
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(rep.read_text())["compare"]["identical"] == 1.0
+    (large / "model.pt").write_bytes((large / "model.pt").read_bytes() + b"\0")  # another file now
+    r = decode(large, "--algo", "bild", "--small", str(out / "model.pt"), "--limit", "1")
+    assert r.returncode != 0 and "not the model" in one_line_error(r)
+    for args, needle in ((["--enc-layers", "0"], "needs encoder_from"),
+                         (["--encoder-from", str(large / "model.pt")], "needs enc_layers 0")):
+        bad = run_py("train.py", "--preset", "tiny", "--out-dir", str(tmp_path / "x"), *args)
+        assert bad.returncode != 0 and needle in bad.stderr.decode() and "Traceback" not in bad.stderr.decode()

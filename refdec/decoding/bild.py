@@ -59,11 +59,16 @@ def check_pair(large: Transformer, small: Transformer) -> None:
     check_eval(small)
 
 
+def shares_encoder(large: Transformer, small) -> bool:
+    """Whether the small model reads the large model's encoder (so it runs once for both)."""
+    return getattr(small, "base", None) is large
+
+
 def pair_rows(large: Transformer, small: Transformer, src: torch.Tensor):
-    """Encode the batch once with each model (once in all for an early exit of the large model,
-    whose encoder is the large model's); yield each row's (large memory, small memory)."""
+    """Encode the batch once with each model (once in all when the small model reads the large
+    model's encoder: an early exit, or a SharedEncoder); yield each row's (large memory, small memory)."""
     mem_l = large.encode(src)
-    mem_s = mem_l if getattr(small, "base", None) is large else small.encode(src)
+    mem_s = small.memory_from(mem_l) if shares_encoder(large, small) else small.encode(src)
     return zip(row_memories(mem_l, src.shape[0], src.device), row_memories(mem_s, src.shape[0], src.device))
 
 
@@ -79,7 +84,7 @@ def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: 
     gen = torch.Generator().manual_seed(seed)
     pick = (lambda logits: draw(distribution(logits, top_p=top_p), gen)) if sample else (lambda logits: int(logits.argmax()))
     accept = rollback_rule(rollback_threshold)
-    stats = DecodeStats(sentences=src.shape[0], encoder_calls=1 if getattr(small, "base", None) is large else 2)
+    stats = DecodeStats(sentences=src.shape[0], encoder_calls=1 if shares_encoder(large, small) else 2)
     tokens, traces = [], ([] if trace else None)
     for ml, ms in pair_rows(large, small, src):
         cache_l = large.new_cache(1, capacity=max_len + 1)
