@@ -43,6 +43,8 @@ HELP = {
     "early_exit": "also train the first N decoder layers as an early exit (BiLD's small model; 0 = no)",
     "encoder_from": "train a decoder (--enc-layers 0) on this checkpoint's frozen encoder and vocabulary "
                     "(BiLD's small model on the large model's encoder)",
+    "kd_from": "word-level distillation: also learn this teacher checkpoint's next-token distributions (same vocabulary)",
+    "kd_weight": "with --kd-from: the weight of the teacher's distributions in the loss (the rest: the labels')",
 }
 
 

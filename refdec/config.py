@@ -116,6 +116,11 @@ class TrainConfig:
     # encoder it reads (its vocabulary too); needs enc_layers 0. BiLD's small model on the large
     # model's encoder runs no encoder of its own when decoding.
     encoder_from: str = ""
+    # Word-level knowledge distillation (Hinton et al. 2015; Kim and Rush 2016): a teacher checkpoint on
+    # the same vocabulary whose next-token distributions the model also learns, the loss being
+    # (1 - kd_weight) x the label-smoothed cross-entropy + kd_weight x the cross-entropy to the teacher's.
+    kd_from: str = ""
+    kd_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.tokenizer_from and self.init_from:
@@ -145,6 +150,10 @@ class TrainConfig:
                                   or self.proposal_k or self.early_exit):
             raise ValueError("encoder_from needs enc_layers 0 (the encoder is the other model's), brings its "
                              "vocabulary (no init_from or tokenizer_from) and trains a plain decoder")
+        if self.kd_from and (self.drafter_k or self.proposal_k or self.early_exit):
+            raise ValueError("kd_from distils a plain model: not with a drafter, proposal heads or an early exit")
+        if not 0.0 <= self.kd_weight <= 1.0 or (self.kd_weight != 0.5 and not self.kd_from):
+            raise ValueError("kd_weight is a weight in [0, 1] and needs kd_from (the teacher)")
         if not self.encoder_from and self.enc_layers < 1:
             raise ValueError("enc_layers 0 needs encoder_from: the checkpoint whose encoder the model reads")
 
@@ -217,6 +226,12 @@ PRESETS: dict[str, TrainConfig] = {
                                          data_dir="data/distilled/mt-en-de-greedy", d_model=128, n_heads=4, d_ff=512,
                                          enc_layers=0, dec_layers=1, lr=1e-3, warmup_steps=800, eval_every=500,
                                          time_limit_min=60, pick="last"),
+    # The aligned small model, fine-tuned further with the large model's next-token distributions as
+    # soft targets (word-level distillation) on the same greedy outputs.
+    "mt-en-de-small-kd": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-small-kd",
+                                     init_from="checkpoints/mt-en-de-small-aligned/model.pt",
+                                     data_dir="data/distilled/mt-en-de-greedy", kd_from="checkpoints/mt-en-de/model.pt",
+                                     lr=5e-4, warmup_steps=200, eval_every=500, time_limit_min=45, pick="last"),
     "mt-en-de-early-exit": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-early-exit",
                                        init_from="checkpoints/mt-en-de/model.pt", early_exit=1, lr=5e-4,
                                        warmup_steps=200, eval_every=400, time_limit_min=60),

@@ -64,17 +64,25 @@ def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id
     return total / target.ne(pad_id).sum().clamp(min=1)
 
 
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """-sum_v q(v) log p(v), mean over the positions where `keep` (B, T) is True: word-level
+    distillation's loss against a teacher's distributions q (its KL divergence plus q's entropy)."""
+    nll = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, T)
+    return (nll * keep).sum() / keep.sum().clamp(min=1)
+
+
 class Objective(torch.nn.Module):
     """The training loss as one module (what DistributedDataParallel wraps): the model's label-smoothed
     cross-entropy, or, with proposal heads, that of one random head or the mean over heads."""
 
     def __init__(self, model: Transformer, heads: ProposalHeads | None, cfg: TrainConfig,
-                 encoder: Transformer | None = None):
+                 encoder: Transformer | None = None, teacher: Transformer | None = None):
         super().__init__()
         self.model, self.heads, self.cfg = model, heads, cfg
         # encoder_from: the other model's encoder, frozen and in eval mode. Kept in a tuple, not as a
         # submodule: its weights are not trained, saved, or switched to training mode with the rest.
         self.frozen_encoder = (encoder,) if encoder is not None else ()
+        self.teacher = (teacher,) if teacher is not None else ()  # kd_from, the same way
         self.step = 0  # set by the trainer: the glancing ratio decays with it
         # Head 1 is the base model itself: trained only when the base is not frozen.
         self.trained_heads = [] if heads is None else list(range(2 if cfg.freeze_base else 1, heads.k + 1))
@@ -88,7 +96,14 @@ class Objective(torch.nn.Module):
             return 0.5 * (smoothed_loss(self.model.project(final), tgt_out, eps, pad)
                           + smoothed_loss(self.model.project(early), tgt_out, eps, pad))
         if self.heads is None:
-            return smoothed_loss(self.model.project(self.hidden(src, tgt_in)), tgt_out, eps, pad)
+            logits = self.model.project(self.hidden(src, tgt_in))
+            loss = smoothed_loss(logits, tgt_out, eps, pad)
+            if not self.teacher:
+                return loss
+            with torch.no_grad():
+                soft = torch.softmax(self.teacher[0](src, tgt_in).float(), dim=-1)  # (B, T, V)
+            w = self.cfg.kd_weight
+            return (1 - w) * loss + w * soft_cross_entropy(logits, soft, tgt_out.ne(pad))
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
             hidden = self.model.forward_hidden(src, tgt_in)
         if self.cfg.head_loss == "random":  # drawn from torch's generator, whose state last.pt keeps
@@ -223,7 +238,15 @@ class Trainer:
             self.heads = ProposalHeads(mc.d_model, cfg.proposal_d_ff or mc.d_ff, cfg.proposal_k).to(self.device)
             if cfg.freeze_base:
                 self.model.requires_grad_(False)
-        self.objective = Objective(self.model, self.heads, cfg, self.encoder_model)
+        self.teacher = None
+        if cfg.kd_from:
+            t_ck = load_checkpoint(cfg.kd_from)
+            if t_ck.get("tokenizer_sha256") != self.tok.sha256 or t_ck.get("task") != cfg.task:
+                raise ValueError(f"the teacher {cfg.kd_from} is not on this run's task and vocabulary")
+            self.teacher = Transformer(ModelConfig.from_dict(t_ck["model_config"]))
+            self.teacher.load_state_dict({k: v.float() for k, v in t_ck["model"].items()})
+            self.teacher.to(self.device).eval().requires_grad_(False)
+        self.objective = Objective(self.model, self.heads, cfg, self.encoder_model, self.teacher)
         params = [p for p in self.objective.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
         self.step, self.epoch, self.batch_in_epoch, self.elapsed = 0, 0, 0, 0.0
@@ -238,6 +261,7 @@ class Trainer:
         self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, {mc.enc_layers}+{mc.dec_layers} "
                  f"layers, d_model {mc.d_model}; {self.world} process(es) on {self.device}"
                  + (f"; reads the frozen encoder of {cfg.encoder_from}" if cfg.encoder_from else "")
+                 + (f"; distils {cfg.kd_from} (weight {cfg.kd_weight})" if cfg.kd_from else "")
                  + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
                     f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss" if self.heads else ""))
 

@@ -190,6 +190,9 @@ def test_base_plus_random_head_loss_always_trains_the_base():
     (["--glancing-end", "0.1"], "need drafter_k"),
     (["--pick", "newest"], "pick must be dev-loss or last"),
     (["--tokenizer-from", "t.json", "--init-from", "m.pt"], "exclude each other"),
+    (["--kd-weight", "0.3"], "needs kd_from"),
+    (["--kd-from", "m.pt", "--kd-weight", "1.5"], "kd_weight"),
+    (["--kd-from", "m.pt", "--drafter-k", "4"], "kd_from distils a plain model"),
 ])
 def test_bad_proposal_options_are_one_line_errors(args, needle):
     r = run_py(*TINY, "--out-dir", "/nonexistent", *args)
@@ -223,3 +226,38 @@ def test_a_second_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny,
     model, ck = load_checkpoint(out / "model.pt"), load_checkpoint(out / "last.pt")
     assert model["meta"]["picked"] == "last" and model["step"] == ck["step"] == 4
     assert all(torch.equal(model["model"][k], ck["model"][k].half()) for k in ck["model"])
+
+
+def test_soft_cross_entropy_is_cross_entropy_against_the_teachers_distribution():
+    """Word-level distillation's loss: torch's cross-entropy with probability targets, masked; with
+    one-hot targets it is the ordinary cross-entropy of those tokens."""
+    from refdec.training import soft_cross_entropy
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
+    probs = torch.softmax(torch.randn(2, 5, 7, generator=g, dtype=torch.float64), dim=-1)
+    keep = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    ref = torch.nn.functional.cross_entropy(logits[keep].float(), probs[keep].float())
+    assert torch.allclose(soft_cross_entropy(logits, probs.float(), keep), ref, atol=1e-6)
+    hard = torch.randint(7, (2, 5), generator=g)
+    one_hot = torch.nn.functional.one_hot(hard, 7).float()
+    assert torch.allclose(soft_cross_entropy(logits, one_hot, keep),
+                          torch.nn.functional.cross_entropy(logits[keep].float(), hard[keep]), atol=1e-6)
+
+
+def test_word_level_distillation_trains_against_a_teacher(trained_tiny, tmp_path):
+    """Guards the --kd-from path: the teacher is loaded frozen, the run trains and records it, and a
+    teacher on another vocabulary is refused with one line."""
+    out = tmp_path / "kd"
+    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--init-from",
+               str(trained_tiny / "model.pt"), "--kd-from", str(trained_tiny / "model.pt"), "--kd-weight", "0.7")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "distils" in r.stderr.decode() and "(weight 0.7)" in r.stderr.decode()
+    ck = load_checkpoint(out / "model.pt")
+    assert ck["meta"]["train_config"]["kd_from"].endswith("model.pt") and ck["step"] == 4
+    other = tmp_path / "other"
+    r = run_py(*TINY, "--out-dir", str(other), "--max-steps", "2", "--eval-every", "2", "--vocab-size", "500")
+    assert r.returncode == 0, r.stderr.decode()
+    r = run_py(*TINY, "--out-dir", str(tmp_path / "kd2"), "--max-steps", "2", "--init-from",
+               str(trained_tiny / "model.pt"), "--kd-from", str(other / "model.pt"))
+    err = r.stderr.decode()
+    assert r.returncode != 0 and "not on this run's task and vocabulary" in err and "Traceback" not in err, err
