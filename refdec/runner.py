@@ -181,7 +181,7 @@ def summary_row(run: Run, metrics: dict) -> dict:
     return {"algo": run.name, "n": st.sentences, "seconds": run.seconds, "tokens": st.tokens,
             "ms_per_token": 1000 * run.seconds / max(st.tokens, 1), "verifier_calls": st.verifier_calls,
             "calls_per_sentence": st.verifier_calls / max(st.sentences, 1), "drafter_calls": st.drafter_calls, "mean_accepted": st.mean_accepted,
-            "hit_max_len": st.hit_max_len, **({"module_seconds": st.module_seconds} if st.module_seconds else {}),
+            "hit_max_len": st.hit_max_len, "encoder_calls": st.encoder_calls, **({"module_seconds": st.module_seconds} if st.module_seconds else {}),
             **metrics}
 
 

@@ -306,7 +306,10 @@ def test_bild_with_a_small_model_on_the_large_models_encoder(trained_tiny, tmp_p
                "--compare", f"greedy,greedy@{out / 'model.pt'}", "--limit", "3", "--max-len", "8",
                "--dtype", "float64", "--report", str(rep))
     assert r.returncode == 0, r.stderr.decode()
-    assert json.loads(rep.read_text())["compare"]["identical"] == 1.0
+    report = json.loads(rep.read_text())
+    assert report["compare"]["identical"] == 1.0
+    assert report["runs"][0]["encoder_calls"] == 3  # the large model's encoder, once per sentence for both
+    assert report["runs"][2]["encoder_calls"] == 3  # the small model alone runs the encoder it reads
     (large / "model.pt").write_bytes((large / "model.pt").read_bytes() + b"\0")  # another file now
     r = decode(large, "--algo", "bild", "--small", str(out / "model.pt"), "--limit", "1")
     assert r.returncode != 0 and "not the model" in one_line_error(r)
