@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import shutil
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import data as data_mod
-from .checkpoint import CheckpointError, load_model
+from .checkpoint import CheckpointError, file_sha256, load_model
 from .decoding import beam_search, greedy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +51,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     n = min(limit, len(train)) if limit else len(train)
     folder = out / task
     folder.mkdir(parents=True, exist_ok=True)
-    options = {"teacher": str(model_path), "teacher_sha256": hashlib.sha256(Path(model_path).read_bytes()).hexdigest(),
+    options = {"teacher": str(model_path), "teacher_sha256": file_sha256(model_path),
                "algo": algo, "beam_size": beam_size if algo == "beam" else None, "sentences": n}
     partial = folder / ".partial.jsonl"
     done: dict[int, str] = {}
