@@ -118,13 +118,14 @@ class Objective(torch.nn.Module):
         return sum(losses) / len(losses)
 
 
-    def hidden(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """The model's final decoder states, on its own encoder or on the frozen one of encoder_from."""
+    def hidden(self, src: torch.Tensor, tgt_in: torch.Tensor, self_block: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's final decoder states, on its own encoder or on the frozen one of encoder_from
+        (`self_block`: a drafter's attention layout, as forward_hidden takes it)."""
         if not self.frozen_encoder:
-            return self.model.forward_hidden(src, tgt_in)
+            return self.model.forward_hidden(src, tgt_in, self_block)
         with torch.no_grad():
             states, src_pad = self.frozen_encoder[0].encode_states(src)
-        return self.model.forward_hidden(src, tgt_in, memory=self.model.attach(states, src_pad))
+        return self.model.forward_hidden(src, tgt_in, self_block, memory=self.model.attach(states, src_pad))
 
     def decoding_model(self):
         """What greedy decoding of the dev set runs: the model, on the frozen encoder if it has one."""
@@ -141,10 +142,10 @@ class Objective(torch.nn.Module):
         """L_NAR with glancing: predict the block, reveal gold tokens where it was wrong, learn the rest."""
         inp, gold, block = self.drafter_batch(tgt_out)
         with torch.no_grad():
-            pred = self.model.project(self.model.forward_hidden(src, inp, block))
+            pred = self.model.project(self.hidden(src, inp, block))
         ratio = glancing_ratio(self.step, self.cfg.glancing_start, self.cfg.glancing_end, self.cfg.glancing_decay_steps)
         inp, target = glance(inp, gold, pred.argmax(dim=-1), ratio)
-        logits = self.model.project(self.model.forward_hidden(src, inp, block))
+        logits = self.model.project(self.hidden(src, inp, block))
         return smoothed_loss(logits, target, self.cfg.label_smoothing, self.model.cfg.pad_id)
 
 
@@ -336,7 +337,7 @@ class Trainer:
         for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None):
             s, _, to = (x.to(self.device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
             inp, gold, block = self.objective.drafter_batch(to, gen)
-            logits = self.model.project(self.model.forward_hidden(s, inp, block))
+            logits = self.model.project(self.objective.hidden(s, inp, block))
             loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), gold.reshape(-1),
                                     ignore_index=self.tok.pad_id, reduction="sum").item()
             on = gold.ne(self.tok.pad_id)

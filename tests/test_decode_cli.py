@@ -317,3 +317,22 @@ def test_bild_with_a_small_model_on_the_large_models_encoder(trained_tiny, tmp_p
                          (["--encoder-from", str(large / "model.pt")], "needs enc_layers 0")):
         bad = run_py("train.py", "--preset", "tiny", "--out-dir", str(tmp_path / "x"), *args)
         assert bad.returncode != 0 and needle in bad.stderr.decode() and "Traceback" not in bad.stderr.decode()
+
+
+def test_gad_with_a_drafter_on_the_verifiers_encoder(trained_tiny, tmp_path):
+    """Guards the shared-encoder drafter end to end: train.py --drafter-k --encoder-from trains a block
+    drafter on the verifier's frozen encoder; decode.py pairs it with that verifier, so GAD runs the
+    encoder once per sentence and still gives the verifier's greedy output."""
+    out = tmp_path / "drafter"
+    r = run_py("train.py", "--preset", "tiny", "--out-dir", str(out), "--train-limit", "800", "--enc-layers", "0",
+               "--encoder-from", str(trained_tiny / "model.pt"), "--drafter-k", "3", "--d-model", "16",
+               "--max-steps", "4", "--eval-every", "4", "--threads", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "reads the frozen encoder" in r.stderr.decode() and "block accuracy" in r.stderr.decode()
+    rep = tmp_path / "r.json"
+    r = decode(trained_tiny, "--algo", "gad", "--drafter", str(out / "model.pt"), "--compare", "greedy",
+               "--limit", "3", "--max-len", "8", "--dtype", "float64", "--report", str(rep))
+    assert r.returncode == 0, r.stderr.decode()
+    report = json.loads(rep.read_text())
+    assert report["compare"]["identical"] == 1.0
+    assert report["runs"][0]["encoder_calls"] == 3 and report["runs"][0]["drafter_calls"] > 0

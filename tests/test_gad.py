@@ -154,3 +154,30 @@ def test_glancing_counts_per_row_as_math_ceil_does():
     assert revealed.sum(dim=1).tolist() == [math.ceil(0.3 * w) for w in wrong]
     assert torch.equal(new[revealed], gold[revealed]) and (target[revealed] == PAD_ID).all()
     assert torch.equal(target[~revealed], gold[~revealed])
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("layout", ["causal", "bidirectional"])
+def test_gad_with_a_drafter_on_the_verifiers_encoder_is_greedy(seed, layout):
+    """A drafter without an encoder of its own (SharedEncoder over the verifier): GAD is still the
+    verifier's greedy output, the encoder runs once per batch for both, and what it drafts at decoding
+    time is what its training layout computes on the same encoder states."""
+    from test_bild import shared_small
+    vocab = 12 if seed % 2 else 40
+    verifier = tiny_model(seed, vocab=vocab, layers=(2, 2))
+    drafter = shared_small(verifier, seed=seed + 30)
+    src = random_src(seed, 3, vocab)
+    for k in (1, 4, 9):
+        r = gad(verifier, drafter, src, max_len=20, k=k, layout=layout)
+        assert_greedy(verifier, r, src, 20)
+        assert r.stats.encoder_calls == 1
+    one = src[:1]
+    memory = drafter.memory_from(verifier.encode(one))
+    y = torch.randint(5, vocab, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    cache = drafter.new_cache(1, 32)
+    for p in (0, 3, 7):
+        drafted = draft_block(drafter, memory, cache, [BOS_ID] + y[:p], 4, layout)
+        inp, _, blocked = block_batch([y], 4, [p], layout)
+        states, src_pad = verifier.encode_states(one)
+        hidden = drafter.small.forward_hidden(one, inp, blocked, memory=drafter.small.attach(states, src_pad))
+        assert drafted == drafter.project(hidden)[0, 1 + p:1 + p + 4].argmax(-1).tolist()
