@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--epsilon", type=float, metavar="E", help="blockwise --block-rule distance: E (default 0)")
     k.add_argument("--min-block", type=int, metavar="L", help="blockwise: accept at least L tokens per call "
                    "(default 1; more is lossy)")
+    k.add_argument("--block-size", type=int, metavar="K", help="gad, blockwise: tokens drafted per verifier call "
+                   "(default 0 = the k the drafter or heads were trained for; blockwise: 2 .. that k, using the "
+                   "first K - 1 heads; lossless at any K)")
     k.add_argument("--fallback-threshold", type=float, metavar="P", help="bild: the small model writes while its "
                    "max probability is at least P (default 0.4, the README's recommendation for the shipped pair)")
     k.add_argument("--rollback-threshold", type=float, metavar="D", help="bild: roll back at the first small-model "
@@ -113,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")  # refdec.decoding.iad's, listed here to keep --help import-light
 KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0, "match": "unique", "max_suffix": 0, "max_draft": 0,
-                 "top_beta": 1, "tau": 0.0, "block_rule": "exact", "top_k": 2, "epsilon": 0.0, "min_block": 1,
+                 "top_beta": 1, "tau": 0.0, "block_rule": "exact", "top_k": 2, "epsilon": 0.0, "min_block": 1, "block_size": 0,
                  "fallback_threshold": 0.4, "rollback_threshold": 2.0, "max_window": 10, "gamma": 4,
                  "sample": False, "top_p": 0.9, "temperature": 1.0, "seed": 0}
 
@@ -127,6 +130,8 @@ def check_knobs(knobs: dict, given: set[str]) -> None:
         raise UsageError("--max-suffix and --max-draft must be at least 0 (0 = no limit)")
     if min(knobs["top_beta"], knobs["top_k"], knobs["min_block"], knobs["max_window"], knobs["gamma"]) < 1:
         raise UsageError("--top-beta, --top-k, --min-block, --max-window and --gamma must be at least 1")
+    if knobs["block_size"] < 0:
+        raise UsageError("--block-size must be at least 0 (0 = the k the drafter or heads were trained for)")
     if knobs["tau"] < 0 or knobs["epsilon"] < 0 or knobs["temperature"] <= 0:
         raise UsageError("--tau and --epsilon must be at least 0, --temperature above 0")
     if not 0 < knobs["top_p"] <= 1:
@@ -257,7 +262,9 @@ def run(args) -> int:
             return {"small": EarlyExit(m, ck["early_exit"])}
         key = (role, Path(value).resolve())
         if key not in seconds_loaded:
-            m2, tok2, ck2 = load_model(value, task=args.task, device=args.device, dtype=dtype)
+            # A second model on this large model's encoder reads `m` itself: no second copy is loaded.
+            m2, tok2, ck2 = load_model(value, task=args.task, device=args.device, dtype=dtype,
+                                       loaded={sha256_of(path): m})
             if tok2.sha256 != tokenizer.sha256:
                 raise UsageError(f"{role} {value} does not share the tokenizer of {model_path}")
             if role == "drafter" and "drafter" not in ck2:

@@ -103,13 +103,15 @@ def file_sha256(path: str | Path) -> str:
 
 
 def load_model(path: str | Path, *, task: str | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None
-               ) -> tuple[Transformer, Tokenizer, dict]:
+               dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None,
+               loaded: dict[str, Transformer] | None = None) -> tuple[Transformer, Tokenizer, dict]:
     """Model (in eval mode) + its tokenizer (tokenizer.json beside the checkpoint unless given).
 
     A decoder trained on another model's encoder (train.py's encoder_from) comes back as a
     SharedEncoder over that model, loaded from the path its checkpoint records (relative to its
-    folder) and checked to be the very file it was trained on."""
+    folder) and checked to be the very file it was trained on. `loaded` maps the sha256 of files
+    the caller has already loaded (same device and dtype) to their models: such an encoder is
+    taken from there, not loaded a second time."""
     ckpt = load_checkpoint(path)
     if task is not None and ckpt.get("task") != task:
         raise CheckpointError(f"{path} was trained for task {ckpt.get('task')!r}, not {task!r}")
@@ -132,11 +134,12 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
         raise CheckpointError(f"{path} has {cfg.vocab_size} embeddings but {tok_path} {tokenizer.vocab_size} tokens")
     model.to(device=device, dtype=dtype).eval()
     if "shared_encoder" in ckpt:
-        model = SharedEncoder(model, load_shared_encoder(path, ckpt, tokenizer, task, device, dtype)).eval()
+        model = SharedEncoder(model, load_shared_encoder(path, ckpt, tokenizer, task, device, dtype, loaded)).eval()
     return model, tokenizer, ckpt
 
 
-def load_shared_encoder(path: str | Path, ckpt: dict, tokenizer: Tokenizer, task, device, dtype) -> Transformer:
+def load_shared_encoder(path: str | Path, ckpt: dict, tokenizer: Tokenizer, task, device, dtype,
+                        loaded: dict[str, Transformer] | None = None) -> Transformer:
     """The model whose encoder the decoder of checkpoint `path` reads."""
     spec = ckpt["shared_encoder"]
     enc_path = Path(path).parent / spec["path"]
@@ -145,6 +148,8 @@ def load_shared_encoder(path: str | Path, ckpt: dict, tokenizer: Tokenizer, task
     if file_sha256(enc_path) != spec["sha256"]:
         raise CheckpointError(f"{enc_path} is not the model {path} was trained on (its sha256 differs); "
                               f"retrain {path} on it")
+    if loaded and spec["sha256"] in loaded:
+        return loaded[spec["sha256"]]  # the same file (its sha256 was checked above), already in memory
     base, base_tok, _ = load_model(enc_path, task=task, device=device, dtype=dtype)
     if base_tok.sha256 != tokenizer.sha256:
         raise CheckpointError(f"{enc_path} does not share the vocabulary of {path}")

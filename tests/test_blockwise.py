@@ -133,3 +133,18 @@ def test_far_heads_on_short_targets_get_pad_targets_and_no_loss():
     loss = smoothed_loss(logits, head_targets(t, 9), 0.1, 0)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_size", [2, 3, 5])
+def test_a_smaller_block_uses_the_first_heads_and_stays_exact(seed, block_size):
+    """block_size K < heads.k decodes with p_1 and the first K - 1 heads: still greedy, and with
+    always-right heads m/K + 1 calls (the other heads are never read)."""
+    vocab = 12 if seed % 2 else 40
+    m = tiny_model(seed, vocab=vocab)
+    assert_same_as_greedy(m, random_heads(m, 6, seed), random_src(seed, 3, vocab), 25, block_size=block_size)
+    c = constant_model()
+    r = assert_same_as_greedy(c, steering_heads(c, 6, right=True), random_src(0, 1, 12), 20, block_size=block_size)
+    assert r.stats.verifier_calls == 1 + math.ceil(19 / block_size)  # call 1 has nothing to verify
+    with pytest.raises(ValueError, match="block size"):
+        blockwise(m, random_heads(m, 4, seed), random_src(seed, 1, vocab), max_len=5, block_size=5)

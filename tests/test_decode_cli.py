@@ -130,7 +130,9 @@ def test_second_models_are_checked(trained_tiny, tiny_extras):
     r = decode(trained_tiny, "--algo", "bild", "--small", str(trained_tiny / "model.pt"), "--limit", "2",
                "--sample", "--seed", "3", "--trace")
     assert r.returncode == 0 and "S = small model" in r.stderr.decode()
-    r = decode(trained_tiny, "--algo", "gad", "--limit", "1")
+    r = decode(trained_tiny, "--algo", "gad", "--limit", "1")  # the shipped drafter, on another vocabulary
+    assert "does not share the tokenizer" in one_line_error(r)
+    r = decode(trained_tiny, "--algo", "gad", "--drafter", str(trained_tiny / "missing.pt"), "--limit", "1")
     assert "no drafter checkpoint" in one_line_error(r)
 
 
@@ -301,6 +303,11 @@ def test_bild_with_a_small_model_on_the_large_models_encoder(trained_tiny, tmp_p
                "--threads", "1")
     assert r.returncode == 0, r.stderr.decode()
     assert "reads the frozen encoder" in r.stderr.decode()
+    from refdec.checkpoint import file_sha256, load_model
+    big, _, _ = load_model(large / "model.pt")
+    paired, _, _ = load_model(out / "model.pt", loaded={file_sha256(large / "model.pt"): big})
+    assert paired.base is big  # the large model in memory is its encoder: no second copy loaded
+    assert load_model(out / "model.pt")[0].base is not big
     rep = tmp_path / "r.json"
     r = decode(large, "--algo", "bild", "--small", str(out / "model.pt"), "--fallback-threshold", "2",
                "--compare", f"greedy,greedy@{out / 'model.pt'}", "--limit", "3", "--max-len", "8",

@@ -56,3 +56,33 @@ def test_shipped_gec_checkpoint_iad_is_greedy(path: Path):
         assert torch.equal(g.tokens[0], r.tokens[0])
         calls, tokens = calls + r.stats.verifier_calls, tokens + r.stats.tokens
     assert calls * 3 < tokens  # a trained GEC model copies: several tokens per verifier call
+
+
+def test_shipped_drafter_and_proposal_heads_are_greedy():
+    """Guards GAD's shipped drafter (on the verifier's encoder) and the shipped blockwise heads (on the
+    frozen verifier) against drifting from the verifier's greedy output on real mt-en-de sentences
+    (float64), and against a drafter or heads that never guess a token right."""
+    from refdec.checkpoint import file_sha256
+    from refdec.decoding import blockwise, gad
+    from refdec.proposal import load_proposal
+    ckpts = REPO / "checkpoints"
+    verifier, tok, _ = load_model(ckpts / "mt-en-de" / "model.pt", task="mt-en-de", dtype=torch.float64)
+    drafter, _, dck = load_model(ckpts / "mt-en-de-drafter" / "model.pt", task="mt-en-de", dtype=torch.float64,
+                                 loaded={file_sha256(ckpts / "mt-en-de" / "model.pt"): verifier})
+    assert drafter.base is verifier
+    base, _, bck = load_model(ckpts / "mt-en-de-blockwise" / "model.pt", task="mt-en-de", dtype=torch.float64)
+    heads = load_proposal(bck, dtype=torch.float64)
+    for name, t in verifier.state_dict().items():  # the heads' base is the verifier, frozen
+        assert torch.equal(t, base.state_dict()[name]), name
+    drafted = calls = 0
+    for line in load_split("mt-en-de", "test").src[:6]:
+        ids = tok.encode(line)
+        x = source_tensor([ids])
+        n = 2 * len(ids) + 10
+        g = greedy(verifier, x, max_len=n)
+        r = gad(verifier, drafter, x, max_len=n, k=dck["drafter"]["k"], layout=dck["drafter"]["layout"])
+        b = blockwise(base, heads, x, max_len=n)
+        assert torch.equal(g.tokens[0], r.tokens[0]) and torch.equal(g.tokens[0], b.tokens[0])
+        assert r.stats.encoder_calls == 1
+        drafted, calls = drafted + r.stats.tokens + b.stats.tokens, calls + r.stats.verifier_calls + b.stats.verifier_calls
+    assert drafted > 1.1 * calls

@@ -75,11 +75,15 @@ def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | N
 @torch.inference_mode()
 def blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, max_len: int, rule: str = "exact",
               top_k: int = 2, values: torch.Tensor | None = None, epsilon: float = 0.0, min_block: int = 1,
-              trace: bool = False) -> DecodeResult:
+              block_size: int = 0, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row (greedy of p_1
-    in exact mode). heads.k is the block size k."""
+    in exact mode). The block size k is heads.k, or block_size (2 .. heads.k): p_1 and the first
+    block_size - 1 proposal heads, the others unused."""
     check_eval(model)
     check_eval(heads)
+    k = block_size or heads.k
+    if not 2 <= k <= heads.k:
+        raise ValueError(f"the block size must be between 2 and the {heads.k} the heads were trained for, not {k}")
     accept = accept_rule(rule, top_k=top_k, values=values, epsilon=epsilon, min_block=min_block)
     cfg = model.cfg
     B = src.shape[0]
@@ -87,7 +91,7 @@ def blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, ma
     stats = DecodeStats(sentences=B, encoder_calls=1)
     tokens, traces = [], ([] if trace else None)
     for mem in row_memories(memory, B, src.device):
-        cache = model.new_cache(1, capacity=max_len + heads.k + 1)
+        cache = model.new_cache(1, capacity=max_len + k + 1)
         out: list[int] = []
         last, proposal, steps = cfg.bos_id, [], []
         while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
@@ -100,7 +104,7 @@ def blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, ma
                 steps.append({"proposed": proposal, "accepted": v.accepted, "tokens": v.tokens})
             # Predict, merged into this call: heads 2..k at the row that produced `last`.
             row = v.hidden[v.accepted]  # (D,)
-            proposal = model.project(heads(row[None, None])[:, :, 1:].reshape(1, heads.k - 1, -1))[0].argmax(-1).tolist()
+            proposal = model.project(heads(row[None, None])[0, 0, 1:k]).argmax(-1).tolist()
         tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
         if trace:
             traces.append(steps)
