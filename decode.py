@@ -482,9 +482,10 @@ def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
     if algo == "gad":  # like table 17 of the GAD paper: D = the drafter's block, V = what verification kept
         lines = [f"[{index + 1}] {len(steps)} iterations"]
         for it, s in enumerate(steps, 1):
+            kept = min(s["accepted"], len(s["tokens"]))  # drafted tokens past an accepted eos are not committed
             lines.append(f"  {it:3d} D: {text(s['draft'])}")
-            lines.append(f"      V: [{text(s['tokens'][:s['accepted']])}] {text(s['tokens'][s['accepted']:])}"
-                         f"    ({s['accepted']} of {len(s['draft'])} drafted tokens accepted)")
+            lines.append(f"      V: [{text(s['tokens'][:kept])}] {text(s['tokens'][kept:])}"
+                         f"    ({kept} of {len(s['draft'])} drafted tokens accepted)")
         return "\n".join(lines)
     if algo == "blockwise":  # like section 7.4: the tokens each step added; [ ] = accepted proposals
         return f"[{index + 1}] {len(steps)} steps: " + " | ".join(
