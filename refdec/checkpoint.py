@@ -57,7 +57,33 @@ def load_checkpoint(path: str | Path) -> dict:
         raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a refdec checkpoint (format {FORMAT})")
+    if "frozen_base" in ckpt and "model" not in ckpt:
+        ckpt["model"] = frozen_base(path, ckpt)["model"]
     return ckpt
+
+
+def referenced_file(path: str | Path, spec: dict, role: str) -> Path:
+    """The file another checkpoint stands on ({path: relative to the folder of `path`, sha256}),
+    checked to be there and to be the very file it was trained on."""
+    target = Path(path).parent / spec["path"]
+    if not target.is_file():
+        raise CheckpointError(f"{path} {role} {target}, which is not there")
+    if file_sha256(target) != spec["sha256"]:
+        raise CheckpointError(f"{target} is not the model {path} was trained on (its sha256 differs); "
+                              f"retrain {path} on it")
+    return target
+
+
+def frozen_base(path: str | Path, ckpt: dict) -> dict:
+    """The checkpoint whose weights a heads-only file (proposal heads on a frozen base, written by
+    the trainer without the base's weights) stands on: the file its `frozen_base` entry names,
+    relative to its folder, checked to be the very file it was trained on."""
+    base_path = referenced_file(path, ckpt["frozen_base"], "holds proposal heads on the frozen model")
+    base = load_checkpoint(base_path)
+    shape = lambda c: {k: v for k, v in (c.get("model_config") or {}).items() if k != "dropout"}  # noqa: E731
+    if base.get("tokenizer_sha256") != ckpt.get("tokenizer_sha256") or shape(base) != shape(ckpt):
+        raise CheckpointError(f"{base_path} does not have the shape and vocabulary of the heads in {path}")
+    return base
 
 
 def model_state(model: Transformer, half: bool = False) -> dict:
@@ -142,12 +168,7 @@ def load_shared_encoder(path: str | Path, ckpt: dict, tokenizer: Tokenizer, task
                         loaded: dict[str, Transformer] | None = None) -> Transformer:
     """The model whose encoder the decoder of checkpoint `path` reads."""
     spec = ckpt["shared_encoder"]
-    enc_path = Path(path).parent / spec["path"]
-    if not enc_path.is_file():
-        raise CheckpointError(f"{path} reads the encoder of {enc_path}, which is not there")
-    if file_sha256(enc_path) != spec["sha256"]:
-        raise CheckpointError(f"{enc_path} is not the model {path} was trained on (its sha256 differs); "
-                              f"retrain {path} on it")
+    enc_path = referenced_file(path, spec, "reads the encoder of")
     if loaded and spec["sha256"] in loaded:
         return loaded[spec["sha256"]]  # the same file (its sha256 was checked above), already in memory
     base, base_tok, _ = load_model(enc_path, task=task, device=device, dtype=dtype)

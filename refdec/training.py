@@ -225,6 +225,8 @@ class Trainer:
             self.encoder_sha256 = file_sha256(cfg.encoder_from)
             self.model = Transformer(cfg.model_config(self.tok.vocab_size, d_memory=enc_cfg.d_model)).to(self.device)
         elif base is not None:  # its shape, with this run's dropout
+            # Heads on a frozen base ship without the base's weights: model.pt names this file instead.
+            self.base_sha256 = file_sha256(cfg.init_from) if cfg.proposal_k and cfg.freeze_base else None
             mcfg = replace(ModelConfig.from_dict(base["model_config"]), dropout=cfg.dropout)
             self.model = Transformer(mcfg)
             self.model.load_state_dict({k: v.float() for k, v in base["model"].items()})
@@ -413,8 +415,12 @@ class Trainer:
             if self.heads is not None:
                 self.heads.load_state_dict({k: v.float() for k, v in ck["proposal"]["state"].items()})
             final = self._ckpt({**ck["meta"], "picked": pick}, half=True)
+            if self.heads is not None and self.cfg.freeze_base and self.cfg.init_from:  # the heads alone; the base: init_from
+                del final["model"]
+                final["frozen_base"] = {"path": os.path.relpath(self.cfg.init_from, self.out), "sha256": self.base_sha256}
             save_atomic(final, self.out / "model.pt")
-            self.log(f"model.pt <- {pick}.pt (float16)")
+            self.log(f"model.pt <- {pick}.pt (float16" + (", the heads alone: the base is "
+                     f"{self.cfg.init_from})" if "frozen_base" in final else ")"))
         return results
 
     # -- the loop ----------------------------------------------------------------------------------

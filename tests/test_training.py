@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,20 +138,31 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
     from refdec.decoding.blockwise import blockwise
     from refdec.proposal import load_proposal
     out = tmp_path / "heads"
+    shutil.copytree(trained_tiny, tmp_path / "base")
     r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "6", "--eval-every", "3", "--init-from",
-               str(trained_tiny / "model.pt"), "--proposal-k", "3", "--freeze-base", str(freeze).lower(),
+               str(tmp_path / "base" / "model.pt"), "--proposal-k", "3", "--freeze-base", str(freeze).lower(),
                "--head-loss", "random" if freeze else "mean")
     assert r.returncode == 0, r.stderr.decode()
     assert "mean accepted block" in r.stderr.decode()
     base, ck = load_checkpoint(trained_tiny / "model.pt"), load_checkpoint(out / "model.pt")
     same = all(torch.equal(base["model"][k], ck["model"][k]) for k in base["model"])
     assert same == freeze
+    raw = torch.load(out / "model.pt", weights_only=True)  # heads on a frozen base ship without its weights
+    assert ("model" in raw) != freeze and ("frozen_base" in raw) == freeze
     model, tok, ck = load_model(out / "model.pt", dtype=torch.float64)
     heads = load_proposal(ck, dtype=torch.float64)
     assert heads is not None and heads.k == 3
     for line in load_split("mt-en-de", "dev").src[:3]:
         x = source_tensor([tok.encode(line)])
         assert torch.equal(greedy(model, x, max_len=12).tokens[0], blockwise(model, heads, x, max_len=12).tokens[0])
+    if freeze:  # the base named by the heads' file must be the file they were trained on
+        base_file = tmp_path / "base" / "model.pt"
+        base_file.write_bytes(base_file.read_bytes() + b"\0")
+        with pytest.raises(CheckpointError, match="sha256"):
+            load_checkpoint(out / "model.pt")
+        base_file.unlink()
+        with pytest.raises(CheckpointError, match="not there"):
+            load_checkpoint(out / "model.pt")
 
 
 def test_base_plus_random_head_loss_always_trains_the_base():
