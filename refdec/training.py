@@ -19,7 +19,9 @@ With `proposal_k` the run trains the proposal heads of blockwise parallel decodi
 on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
 on one randomly drawn head's loss per batch (the paper's unbiased estimate) or the mean over heads.
 The checkpoints then carry the heads beside the model, and validation decodes blockwise (exact
-mode) to report the mean accepted block size.
+mode) to report the mean accepted block size. With the base frozen, model.pt holds the heads alone
+and names the init_from file as its base (`frozen_base`: path and sha256; refdec.checkpoint loads
+the weights from there).
 """
 
 from __future__ import annotations

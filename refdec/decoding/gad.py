@@ -16,6 +16,10 @@ the whole prefix every iteration; the causal-prefix one keeps the prefix's keys 
 own cache and feeds only the newly accepted tokens plus the k masks. The verifier's cache is
 truncated at the bifurcation by the shared verification step (refdec.decoding.verify).
 
+A drafter without an encoder of its own (train.py --drafter-k --encoder-from, a SharedEncoder
+over the verifier) reads the verifier's encoder states: the encoder runs once for both, and the
+"drafter encoder" time below is then only its cross-attention keys and values.
+
 Stats: drafter and verifier calls, tokens per verifier call, and the time per part
 (module_seconds: verifier encoder, drafter encoder, drafter decoder, verifier decoder; the caller's
 total minus these is "other"), like the paper's table 15.
