@@ -177,7 +177,7 @@ def run(args) -> int:
     from refdec import runner
     from refdec.checkpoint import file_sha256, load_model
     from refdec.data import DATA_DIR, TASKS, read_lines
-    from refdec.model import EarlyExit, SharedEncoder
+    from refdec.model import EarlyExit
     from refdec.proposal import load_proposal
     from refdec.decoding import ALGORITHMS
     from refdec.runner import UsageError
@@ -256,28 +256,23 @@ def run(args) -> int:
     file_hashes: dict = {}
 
     def second_model(role: str, value: str, m, ck, path: Path) -> dict:
-        """A small model or drafter (PATH, or 'early-exit': the exit inside `m`), each file loaded once."""
+        """A small model or drafter (PATH, or 'early-exit': the exit inside `m`), each file loaded once per large model."""
         if value == "early-exit":  # BiLD section 4.4
             if "early_exit" not in ck:
                 raise UsageError(f"{path} has no early exit; train one with train.py --early-exit N")
             return {"small": EarlyExit(m, ck["early_exit"])}
-        key = (role, Path(value).resolve())
+        # Loaded once per large model: a second model on this large model's encoder reads `m` itself (the
+        # encoder runs once for both); with another large model it loads the encoder it was trained on.
+        key = (role, Path(value).resolve(), path.resolve())
         if key not in seconds_loaded:
-            # A second model on this large model's encoder reads `m` itself: no second copy is loaded.
             m2, tok2, ck2 = load_model(value, task=args.task, device=args.device, dtype=dtype,
                                        loaded={sha256_of(path): m})
             if tok2.sha256 != tokenizer.sha256:
                 raise UsageError(f"{role} {value} does not share the tokenizer of {model_path}")
             if role == "drafter" and "drafter" not in ck2:
                 raise UsageError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
-            seconds_loaded[key] = ({role: m2, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})},
-                                   ck2.get("shared_encoder", {}).get("sha256"))
-        out, encoder_sha256 = seconds_loaded[key]
-        if encoder_sha256 is not None and encoder_sha256 == sha256_of(path):
-            # A small model on this very large model's encoder: paired with `m` itself, the encoder runs
-            # once for both (with another large model it reads its own copy of the encoder it was trained on).
-            out = {**out, role: SharedEncoder(out[role].small, m).eval()}
-        return out
+            seconds_loaded[key] = {role: m2, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})}
+        return seconds_loaded[key]
 
     def sha256_of(path: Path) -> str:
         if path.resolve() not in file_hashes:

@@ -64,11 +64,21 @@ def shares_encoder(large: Transformer, small) -> bool:
     return getattr(small, "base", None) is large
 
 
+def encoder_passes(large: Transformer, small) -> int:
+    """Encoder runs per batch for the pair: 1 when the small model reads the large model's encoder."""
+    return 1 if shares_encoder(large, small) else 2
+
+
+def small_memory(large: Transformer, small, memory_l, src: torch.Tensor):
+    """The small model's (or drafter's) memory: built from the large model's when it reads that
+    encoder (an early exit, or a SharedEncoder), else from its own encoder pass over `src`."""
+    return small.memory_from(memory_l) if shares_encoder(large, small) else small.encode(src)
+
+
 def pair_rows(large: Transformer, small: Transformer, src: torch.Tensor):
-    """Encode the batch once with each model (once in all when the small model reads the large
-    model's encoder: an early exit, or a SharedEncoder); yield each row's (large memory, small memory)."""
+    """Encode the batch with both models (`small_memory`); yield each row's (large memory, small memory)."""
     mem_l = large.encode(src)
-    mem_s = small.memory_from(mem_l) if shares_encoder(large, small) else small.encode(src)
+    mem_s = small_memory(large, small, mem_l, src)
     return zip(row_memories(mem_l, src.shape[0], src.device), row_memories(mem_s, src.shape[0], src.device))
 
 
@@ -84,7 +94,7 @@ def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: 
     gen = torch.Generator().manual_seed(seed)
     pick = (lambda logits: draw(distribution(logits, top_p=top_p), gen)) if sample else (lambda logits: int(logits.argmax()))
     accept = rollback_rule(rollback_threshold)
-    stats = DecodeStats(sentences=src.shape[0], encoder_calls=1 if shares_encoder(large, small) else 2)
+    stats = DecodeStats(sentences=src.shape[0], encoder_calls=encoder_passes(large, small))
     tokens, traces = [], ([] if trace else None)
     for ml, ms in pair_rows(large, small, src):
         cache_l = large.new_cache(1, capacity=max_len + 1)

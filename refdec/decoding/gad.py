@@ -33,7 +33,7 @@ import torch
 
 from ..drafter import LAYOUTS, draft_block
 from ..model import Transformer
-from .bild import check_pair, shares_encoder
+from .bild import check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats, finish_row
 from .verify import row_memories, verify
 
@@ -66,13 +66,12 @@ def gad(verifier: Transformer, drafter: Transformer, src: torch.Tensor, *, max_l
     accept = None if (exact if exact is not None else (top_beta == 1 and tau == 0)) else gadpp_rule(top_beta, tau)
     cfg = verifier.cfg
     B = src.shape[0]
-    shared = shares_encoder(verifier, drafter)  # a drafter on the verifier's encoder: it runs once for both
-    stats = DecodeStats(sentences=B, encoder_calls=1 if shared else 2)
+    stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(verifier, drafter))
     secs = {"verifier encoder": 0.0, "drafter encoder": 0.0, "drafter decoder": 0.0, "verifier decoder": 0.0}
     t0 = time.perf_counter()
     mem_v = verifier.encode(src)
     t1 = time.perf_counter()
-    mem_d = drafter.memory_from(mem_v) if shared else drafter.encode(src)
+    mem_d = small_memory(verifier, drafter, mem_v, src)  # from the verifier's when it reads that encoder
     secs["verifier encoder"] += t1 - t0
     secs["drafter encoder"] += time.perf_counter() - t1
     tokens, traces = [], ([] if trace else None)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .bild import check_pair, pair_rows, shares_encoder
+from .bild import check_pair, encoder_passes, pair_rows
 from .result import DecodeResult, DecodeStats, finish_row
 from .sampling import distribution, draw
 from .verify import Follower, verify
@@ -42,7 +42,7 @@ def speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
         raise ValueError("temperature must be positive (sample=False is the greedy case)")
     cfg = large.cfg
     gen = torch.Generator().manual_seed(seed)
-    stats = DecodeStats(sentences=src.shape[0], encoder_calls=1 if shares_encoder(large, small) else 2)
+    stats = DecodeStats(sentences=src.shape[0], encoder_calls=encoder_passes(large, small))
     tokens, traces = [], ([] if trace else None)
     for ml, ms in pair_rows(large, small, src):
         cache_l = large.new_cache(1, capacity=max_len + 1)
