@@ -1,0 +1,198 @@
+"""What a drafter that guesses right would buy on this machine: the ceiling of draft-then-verify
+decoding, measured with the model's own output as the draft.
+
+    python -m refdec.ceiling --task mt-en-de --limit 500                  # shipped model and drafter
+    python -m refdec.ceiling --task mt-en-de --k 4,8,16 --accept 1,0.8,0.6 --report ceiling.json
+
+First, untimed, greedy decoding gives each sentence's output y. Then, sentence by sentence and
+interleaved (the order rotates), it times greedy decoding again and the GAD loop (the shared
+verification step, refdec.decoding.verify) whose draft is y itself:
+
+    repeat until eos:   draft  the next k tokens of y, each kept with probability --accept
+                               (the first one not kept is replaced by a wrong token)
+                        verify one call over the draft; commit up to and including the bifurcation
+
+With --accept 1 every drafted token passes (up to a float32 near-tie between the two runs), so each
+call commits k + 1 tokens: no drafter with blocks of k can do better. Lower rates give the speed of
+a drafter that reaches that many tokens per call. Each setting runs twice:
+
+    free drafts   drafting costs nothing: the ceiling of GAD with a costless drafter, and of
+                  blockwise parallel decoding less its heads' cost (its proposals ride on the
+                  verification call itself)
+    + drafter     the GAD drafter (--drafter; default: the task's shipped one) also drafts k
+                  tokens every iteration, as in `--algo gad`, and its draft is thrown away: the
+                  ceiling of GAD with that drafter's cost (it drafts k masks whatever k it was
+                  trained with: only its cost counts here)
+
+Every run's output is checked against greedy's (the verification step is lossless, so they agree
+unless a float32 near-tie falls differently). Prints one row per run: calls per sentence, tokens
+per call, seconds, and speed over greedy (greedy's seconds / the run's); --report writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import data as data_mod
+from .checkpoint import CheckpointError, file_sha256, load_model
+from .decoding.bild import small_memory
+from .decoding.greedy import greedy
+from .decoding.verify import verify
+from .drafter import draft_block
+from .model import Transformer
+from .runner import max_len_for, source_ids
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def scripted_draft(y: list[int], done: int, k: int, accept: float, rng: random.Random, vocab: int) -> list[int]:
+    """The next k tokens of the known output y after `done` committed ones, each kept with
+    probability `accept`; the first one not kept becomes another token (so the verifier refuses it)
+    and the draft ends there."""
+    draft = []
+    for tok in y[done:done + k]:
+        if rng.random() >= accept:
+            draft.append((tok + 1) % vocab)
+            break
+        draft.append(tok)
+    return draft
+
+
+@torch.inference_mode()
+def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int, accept: float, max_len: int,
+                 rng: random.Random, drafter=None, layout: str = "causal") -> tuple[list[int], int]:
+    """GAD's loop for one sentence (src (1, S)) with the scripted draft of y (y ends in eos).
+    With `drafter`, it also drafts each iteration (its tokens unused). Returns (output, calls)."""
+    cfg = model.cfg
+    memory = model.encode(src)
+    if drafter is not None:
+        mem_d = small_memory(model, drafter, memory, src)
+        cache_d = drafter.new_cache(1, capacity=max_len + k + 1) if layout == "causal" else None
+    cache = model.new_cache(1, capacity=max_len + 1)
+    out: list[int] = []
+    last, calls = cfg.bos_id, 0
+    while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
+        if drafter is not None:
+            seq = [cfg.bos_id] + out
+            kk = min(k, drafter.cfg.max_positions - len(seq))
+            if kk > 0:
+                draft_block(drafter, mem_d, cache_d, seq, kk, layout)
+        draft = scripted_draft(y, len(out), k, accept, rng, cfg.vocab_size)
+        v = verify(model, memory, cache, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id)
+        out += v.tokens
+        last, calls = v.tokens[-1], calls + 1
+    return out, calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="mt-en-de", help="task whose test set and shipped checkpoints to use (default mt-en-de)")
+    p.add_argument("--model", help="the verifier (default: checkpoints/<task>/model.pt)")
+    p.add_argument("--drafter", help="GAD drafter for the '+ drafter' rows (default: checkpoints/<task>-drafter/model.pt where "
+                                     "the task ships one; 'none' = free drafts only)")
+    p.add_argument("--limit", type=int, default=200, help="first N test sentences (default 200)")
+    p.add_argument("--k", default="2,4,8,16", help="block sizes (default 2,4,8,16)")
+    p.add_argument("--accept", default="1", help="probabilities that a drafted token is the model's own (default 1)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up sentences (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the scripted drafts' choices (default 0)")
+    p.add_argument("--report", help="write the figures as JSON")
+    args = p.parse_args(argv)
+    try:
+        ks = [int(x) for x in args.k.split(",")]
+        rates = [float(x) for x in args.accept.split(",")]
+        if min(ks) < 1 or not all(0 <= r <= 1 for r in rates) or args.limit < 1 or args.threads < 1 or args.warmup < 0:
+            raise ValueError
+    except ValueError:
+        print("error: --k takes positive integers and --accept numbers in [0, 1], separated by commas; "
+              "--limit and --threads at least 1, --warmup at least 0", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
+    shipped_drafter = REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
+    if args.drafter == "none" or (args.drafter is None and not shipped_drafter.exists()):
+        drafter_path = None  # free drafts only
+    else:
+        drafter_path = Path(args.drafter) if args.drafter else shipped_drafter
+    try:
+        model, tokenizer, _ = load_model(path, task=args.task)
+        drafter, spec = None, {}
+        if drafter_path is not None:
+            drafter, _, ck = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model})
+            if "drafter" not in ck:
+                raise CheckpointError(f"{drafter_path} is not a GAD drafter (train.py --drafter-k)")
+            spec = ck["drafter"]
+        split = data_mod.load_split(args.task, "test")
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ids = [s for s in source_ids(tokenizer, split.src[:args.limit + args.warmup], model.cfg.max_positions) if s]
+    eos = model.cfg.eos_id
+    runs = [("greedy", None, None, False)] + [(f"k={k} accept={r:g} {name}", k, r, with_d)
+                                              for k in ks for r in rates
+                                              for name, with_d in (("free drafts", False), ("+ drafter", True))
+                                              if not with_d or drafter is not None]
+    seconds = {r[0]: 0.0 for r in runs}
+    calls = {r[0]: 0 for r in runs}
+    tokens = {r[0]: 0 for r in runs}
+    same = {r[0]: 0 for r in runs}
+    rng = random.Random(args.seed)
+    n = 0
+    t_start = time.perf_counter()
+    for i, s in enumerate(ids):
+        src = data_mod.source_tensor([s])
+        max_len = max_len_for([s], None, model.cfg.max_positions)
+        y = greedy(model, src, max_len=max_len).tokens[0].tolist()
+        y_eos = y + [eos] if len(y) < max_len else y
+        timed = i >= args.warmup
+        order = runs[i % len(runs):] + runs[:i % len(runs)]
+        for name, k, rate, with_d in order:
+            t0 = time.perf_counter()
+            if k is None:
+                res = greedy(model, src, max_len=max_len)
+                out, c = res.tokens[0].tolist(), res.stats.verifier_calls
+                out = out + [eos] if len(out) < max_len else out
+            else:
+                out, c = scripted_gad(model, src, y_eos, k=k, accept=rate, max_len=max_len, rng=rng,
+                                      drafter=drafter if with_d else None, layout=spec.get("layout", "causal"))
+            dt = time.perf_counter() - t0
+            if timed:
+                seconds[name] += dt
+                calls[name] += c
+                tokens[name] += len(out)
+                same[name] += int(out == y_eos)
+        n += int(timed)
+        if timed and n % 50 == 0:
+            print(f"  {n} sentences, {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+    if n == 0:
+        print("error: no sentence left to time after the warm-up (raise --limit)", file=sys.stderr)
+        return 2
+    g = seconds["greedy"]
+    rows = [{"run": name, "k": k, "accept": rate, "drafter": with_d, "seconds": seconds[name],
+             "calls_per_sentence": calls[name] / n, "tokens_per_call": tokens[name] / max(calls[name], 1),
+             "speed_over_greedy": g / seconds[name] if seconds[name] else 0.0, "identical": same[name] / n}
+            for name, k, rate, with_d in runs]
+    print(f"{n} sentences of the {args.task} test set, {args.threads} threads, model {path}"
+          + (f", drafter {drafter_path}" if drafter is not None else ""))
+    print(f"{'run':>32}  {'seconds':>8}  {'calls/sent':>10}  {'tokens/call':>11}  {'speed':>6}  {'identical':>9}")
+    for r in rows:
+        print(f"{r['run']:>32}  {r['seconds']:8.2f}  {r['calls_per_sentence']:10.2f}  {r['tokens_per_call']:11.2f}"
+              f"  {r['speed_over_greedy']:5.2f}x  {r['identical']:9.4f}")
+    print("speed = greedy's seconds / the run's (above 1 = faster than greedy)")
+    if args.report:
+        Path(args.report).write_text(json.dumps({
+            "task": args.task, "model": str(path), "drafter": str(drafter_path) if drafter is not None else None,
+            "sentences": n, "threads": args.threads, "seed": args.seed, "rows": rows,
+            "torch": torch.__version__}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
