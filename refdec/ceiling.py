@@ -3,6 +3,7 @@ decoding, measured with the model's own output as the draft.
 
     python -m refdec.ceiling --task mt-en-de --limit 500                  # shipped model and drafter
     python -m refdec.ceiling --task mt-en-de --k 4,8,16 --accept 1,0.8,0.6 --report ceiling.json
+    python -m refdec.ceiling --task mt-en-de --k 3,10 --small checkpoints/mt-en-de-small-aligned/model.pt
 
 First, untimed, greedy decoding gives each sentence's output y. Then, sentence by sentence and
 interleaved (the order rotates), it times greedy decoding again and the GAD loop (the shared
@@ -13,8 +14,9 @@ verification step, refdec.decoding.verify) whose draft is y itself:
                         verify one call over the draft; commit up to and including the bifurcation
 
 With --accept 1 every drafted token passes (up to a float32 near-tie between the two runs), so each
-call commits k + 1 tokens: no drafter with blocks of k can do better. Lower rates give the speed of
-a drafter that reaches that many tokens per call. Each setting runs twice:
+call commits k + 1 tokens (fewer where the sentence ends): no drafter with blocks of k can do
+better. Lower rates give the speed of
+a drafter that reaches that many tokens per call. Each setting runs once per cost model:
 
     free drafts   drafting costs nothing: the ceiling of GAD with a costless drafter, and of
                   blockwise parallel decoding less its heads' cost (its proposals ride on the
@@ -23,6 +25,10 @@ a drafter that reaches that many tokens per call. Each setting runs twice:
                   tokens every iteration, as in `--algo gad`, and its draft is thrown away: the
                   ceiling of GAD with that drafter's cost (it drafts k masks whatever k it was
                   trained with: only its cost counts here)
+    + small model with --small: an autoregressive small model (speculative decoding, BiLD) takes
+                  one step per drafted token, as it would to write the draft; its tokens are
+                  thrown away: the ceiling of those decoders with that small model's cost when
+                  the large model is called every k tokens (BiLD's window, speculative's gamma)
 
 Every run's output is checked against greedy's (the verification step is lossless, so they agree
 unless a float32 near-tie falls differently). Prints one row per run: calls per sentence, tokens
@@ -44,7 +50,7 @@ from . import data as data_mod
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .decoding.bild import small_memory
 from .decoding.greedy import greedy
-from .decoding.verify import verify
+from .decoding.verify import Follower, verify
 from .drafter import draft_block
 from .model import Transformer
 from .runner import max_len_for, source_ids
@@ -67,14 +73,17 @@ def scripted_draft(y: list[int], done: int, k: int, accept: float, rng: random.R
 
 @torch.inference_mode()
 def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int, accept: float, max_len: int,
-                 rng: random.Random, drafter=None, layout: str = "causal") -> tuple[list[int], int]:
+                 rng: random.Random, drafter=None, layout: str = "causal", small=None) -> tuple[list[int], int]:
     """GAD's loop for one sentence (src (1, S)) with the scripted draft of y (y ends in eos).
-    With `drafter`, it also drafts each iteration (its tokens unused). Returns (output, calls)."""
+    With `drafter`, it also drafts each iteration; with `small`, that autoregressive model takes a
+    step per drafted token (their tokens unused: only their cost counts). Returns (output, calls)."""
     cfg = model.cfg
     memory = model.encode(src)
     if drafter is not None:
         mem_d = small_memory(model, drafter, memory, src)
         cache_d = drafter.new_cache(1, capacity=max_len + k + 1) if layout == "causal" else None
+    if small is not None:
+        follower = Follower(small, small_memory(model, small, memory, src), capacity=max_len + k + 2)
     cache = model.new_cache(1, capacity=max_len + 1)
     out: list[int] = []
     last, calls = cfg.bos_id, 0
@@ -85,6 +94,9 @@ def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int,
             if kk > 0:
                 draft_block(drafter, mem_d, cache_d, seq, kk, layout)
         draft = scripted_draft(y, len(out), k, accept, rng, cfg.vocab_size)
+        if small is not None:
+            for i in range(len(draft)):
+                follower.next_logits([cfg.bos_id] + out + draft[:i])
         v = verify(model, memory, cache, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id)
         out += v.tokens
         last, calls = v.tokens[-1], calls + 1
@@ -93,10 +105,13 @@ def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="mt-en-de", help="task whose test set and shipped checkpoints to use (default mt-en-de)")
+    p.add_argument("--task", default="mt-en-de", choices=sorted(data_mod.TASKS),
+                   help="task whose test set and shipped checkpoints to use (default mt-en-de)")
     p.add_argument("--model", help="the verifier (default: checkpoints/<task>/model.pt)")
     p.add_argument("--drafter", help="GAD drafter for the '+ drafter' rows (default: checkpoints/<task>-drafter/model.pt where "
                                      "the task ships one; 'none' = free drafts only)")
+    p.add_argument("--small", help="autoregressive small model for '+ small model' rows (e.g. "
+                                   "checkpoints/<task>-small-aligned/model.pt; default: none)")
     p.add_argument("--limit", type=int, default=200, help="first N test sentences (default 200)")
     p.add_argument("--k", default="2,4,8,16", help="block sizes (default 2,4,8,16)")
     p.add_argument("--accept", default="1", help="probabilities that a drafted token is the model's own (default 1)")
@@ -129,16 +144,17 @@ def main(argv: list[str] | None = None) -> int:
             if "drafter" not in ck:
                 raise CheckpointError(f"{drafter_path} is not a GAD drafter (train.py --drafter-k)")
             spec = ck["drafter"]
+        small = load_model(args.small, task=args.task, loaded={file_sha256(path): model})[0] if args.small else None
         split = data_mod.load_split(args.task, "test")
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ids = [s for s in source_ids(tokenizer, split.src[:args.limit + args.warmup], model.cfg.max_positions) if s]
     eos = model.cfg.eos_id
-    runs = [("greedy", None, None, False)] + [(f"k={k} accept={r:g} {name}", k, r, with_d)
-                                              for k in ks for r in rates
-                                              for name, with_d in (("free drafts", False), ("+ drafter", True))
-                                              if not with_d or drafter is not None]
+    costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if drafter is not None else []) \
+        + ([("+ small model", "small")] if small is not None else [])
+    runs = [("greedy", None, None, None)] + [(f"k={k} accept={r:g} {name}", k, r, cost)
+                                             for k in ks for r in rates for name, cost in costs]
     seconds = {r[0]: 0.0 for r in runs}
     calls = {r[0]: 0 for r in runs}
     tokens = {r[0]: 0 for r in runs}
@@ -153,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         y_eos = y + [eos] if len(y) < max_len else y
         timed = i >= args.warmup
         order = runs[i % len(runs):] + runs[:i % len(runs)]
-        for name, k, rate, with_d in order:
+        for name, k, rate, cost in order:
             t0 = time.perf_counter()
             if k is None:
                 res = greedy(model, src, max_len=max_len)
@@ -161,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 out = out + [eos] if len(out) < max_len else out
             else:
                 out, c = scripted_gad(model, src, y_eos, k=k, accept=rate, max_len=max_len, rng=rng,
-                                      drafter=drafter if with_d else None, layout=spec.get("layout", "causal"))
+                                      drafter=drafter if cost == "drafter" else None,
+                                      layout=spec.get("layout", "causal"), small=small if cost == "small" else None)
             dt = time.perf_counter() - t0
             if timed:
                 seconds[name] += dt
@@ -175,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no sentence left to time after the warm-up (raise --limit)", file=sys.stderr)
         return 2
     g = seconds["greedy"]
-    rows = [{"run": name, "k": k, "accept": rate, "drafter": with_d, "seconds": seconds[name],
+    rows = [{"run": name, "k": k, "accept": rate, "drafter": cost == "drafter", "small": cost == "small",
+             "seconds": seconds[name],
              "calls_per_sentence": calls[name] / n, "tokens_per_call": tokens[name] / max(calls[name], 1),
              "speed_over_greedy": g / seconds[name] if seconds[name] else 0.0, "identical": same[name] / n}
-            for name, k, rate, with_d in runs]
+            for name, k, rate, cost in runs]
     print(f"{n} sentences of the {args.task} test set, {args.threads} threads, model {path}"
-          + (f", drafter {drafter_path}" if drafter is not None else ""))
+          + (f", drafter {drafter_path}" if drafter is not None else "") + (f", small {args.small}" if small else ""))
     print(f"{'run':>32}  {'seconds':>8}  {'calls/sent':>10}  {'tokens/call':>11}  {'speed':>6}  {'identical':>9}")
     for r in rows:
         print(f"{r['run']:>32}  {r['seconds']:8.2f}  {r['calls_per_sentence']:10.2f}  {r['tokens_per_call']:11.2f}"
@@ -189,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         Path(args.report).write_text(json.dumps({
             "task": args.task, "model": str(path), "drafter": str(drafter_path) if drafter is not None else None,
+            **({"small": args.small} if small is not None else {}),
             "sentences": n, "threads": args.threads, "seed": args.seed, "rows": rows,
             "torch": torch.__version__}, indent=2) + "\n")
     return 0

@@ -47,6 +47,9 @@ def test_scripted_gad_is_greedy_in_the_calls_its_acceptance_allows(seed, k):
             out, calls = scripted_gad(model, src, y, k=k, accept=0.7, max_len=max_len, rng=random.Random(seed),
                                       drafter=drafter, layout=layout)
             assert out == y and -(-len(y) // (k + 1)) <= calls <= len(y)
+        out, calls = scripted_gad(model, src, y, k=k, accept=0.7, max_len=max_len, rng=random.Random(seed),
+                                  small=drafter)  # as an autoregressive small model: one step per drafted token
+        assert out == y and -(-len(y) // (k + 1)) <= calls <= len(y)
 
 
 def test_ceiling_command_reports_every_run(trained_tiny, tmp_path, capsys):
@@ -62,6 +65,17 @@ def test_ceiling_command_reports_every_run(trained_tiny, tmp_path, capsys):
     assert all(row["seconds"] > 0 and 0.0 <= row["identical"] <= 1.0 for row in r["rows"])
     assert rows["k=4 accept=1 free drafts"]["calls_per_sentence"] <= rows["k=2 accept=1 free drafts"]["calls_per_sentence"]
     assert "speed" in capsys.readouterr().out
+
+
+def test_ceiling_command_times_a_small_model(trained_tiny, tmp_path):
+    rep = tmp_path / "ceiling.json"
+    path = str(trained_tiny / "model.pt")
+    assert main(["--model", path, "--drafter", "none", "--small", path, "--limit", "2", "--warmup", "0",
+                 "--k", "3", "--threads", "1", "--report", str(rep)]) == 0
+    r = json.loads(rep.read_text())
+    assert [(row["run"], row["small"]) for row in r["rows"]] == [
+        ("greedy", False), ("k=3 accept=1 free drafts", False), ("k=3 accept=1 + small model", True)]
+    assert r["small"] == path
 
 
 @pytest.mark.parametrize("args", [["--k", "0"], ["--accept", "1.5"], ["--limit", "0"], ["--k", "x"]])
