@@ -58,6 +58,14 @@ from .runner import max_len_for, source_ids
 REPO = Path(__file__).resolve().parent.parent
 
 
+def greedy_output(model: Transformer, src: torch.Tensor, max_len: int) -> tuple[list[int], int]:
+    """Greedy decoding of one sentence as the scripted loop returns it: the tokens with their eos
+    (none when max_len stopped it), and the decoder calls."""
+    res = greedy(model, src, max_len=max_len)
+    y = res.tokens[0].tolist()
+    return (y + [model.cfg.eos_id] if len(y) < max_len else y), res.stats.verifier_calls
+
+
 def scripted_draft(y: list[int], done: int, k: int, accept: float, rng: random.Random, vocab: int) -> list[int]:
     """The next k tokens of the known output y after `done` committed ones, each kept with
     probability `accept`; the first one not kept becomes another token (so the verifier refuses it)
@@ -89,10 +97,7 @@ def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int,
     last, calls = cfg.bos_id, 0
     while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
         if drafter is not None:
-            seq = [cfg.bos_id] + out
-            kk = min(k, drafter.cfg.max_positions - len(seq))
-            if kk > 0:
-                draft_block(drafter, mem_d, cache_d, seq, kk, layout)
+            draft_block(drafter, mem_d, cache_d, [cfg.bos_id] + out, k, layout)
         draft = scripted_draft(y, len(out), k, accept, rng, cfg.vocab_size)
         if small is not None:
             for i in range(len(draft)):
@@ -150,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ids = [s for s in source_ids(tokenizer, split.src[:args.limit + args.warmup], model.cfg.max_positions) if s]
-    eos = model.cfg.eos_id
     costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if drafter is not None else []) \
         + ([("+ small model", "small")] if small is not None else [])
     runs = [("greedy", None, None, None)] + [(f"k={k} accept={r:g} {name}", k, r, cost)
@@ -165,18 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     for i, s in enumerate(ids):
         src = data_mod.source_tensor([s])
         max_len = max_len_for([s], None, model.cfg.max_positions)
-        y = greedy(model, src, max_len=max_len).tokens[0].tolist()
-        y_eos = y + [eos] if len(y) < max_len else y
+        y, _ = greedy_output(model, src, max_len)
         timed = i >= args.warmup
         order = runs[i % len(runs):] + runs[:i % len(runs)]
         for name, k, rate, cost in order:
             t0 = time.perf_counter()
             if k is None:
-                res = greedy(model, src, max_len=max_len)
-                out, c = res.tokens[0].tolist(), res.stats.verifier_calls
-                out = out + [eos] if len(out) < max_len else out
+                out, c = greedy_output(model, src, max_len)
             else:
-                out, c = scripted_gad(model, src, y_eos, k=k, accept=rate, max_len=max_len, rng=rng,
+                out, c = scripted_gad(model, src, y, k=k, accept=rate, max_len=max_len, rng=rng,
                                       drafter=drafter if cost == "drafter" else None,
                                       layout=spec.get("layout", "causal"), small=small if cost == "small" else None)
             dt = time.perf_counter() - t0
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[name] += dt
                 calls[name] += c
                 tokens[name] += len(out)
-                same[name] += int(out == y_eos)
+                same[name] += int(out == y)
         n += int(timed)
         if timed and n % 50 == 0:
             print(f"  {n} sentences, {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)

@@ -88,11 +88,15 @@ def glancing_ratio(step: int, start: float, end: float, decay_steps: int) -> flo
 
 def draft_block(drafter: Transformer, memory: Memory, cache: KVCache | None, sequence: list[int], k: int,
                 layout: str) -> list[int]:
-    """The drafter's k tokens after `sequence` (bos + verified output), argmax at each mask.
+    """The drafter's k tokens after `sequence` (bos + verified output), argmax at each mask; fewer
+(none at all) where the drafter's positions end.
 
     causal: `cache` holds a prefix of `sequence`; the missing tokens and the masks go in one call,
     and the cache is cut back to the whole sequence afterwards (the masks never stay in it).
     bidirectional: `cache` is ignored; the whole sequence and the masks are recomputed."""
+    k = min(k, drafter.cfg.max_positions - len(sequence))
+    if k <= 0:
+        return []
     device = memory.states.device
     if layout == "causal":
         todo = sequence[cache.length:]

@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from conftest import random_src, tiny_model
-from refdec.ceiling import main, scripted_draft, scripted_gad
+from refdec.ceiling import greedy_output, main, scripted_draft, scripted_gad
 from refdec.config import EOS_ID
-from refdec.decoding import greedy
-
-
-def greedy_with_eos(model, src, max_len):
-    y = greedy(model, src, max_len=max_len).tokens[0].tolist()
-    return y + [EOS_ID] if len(y) < max_len else y
 
 
 def test_scripted_draft_keeps_tokens_until_the_first_one_it_changes():
@@ -38,7 +32,8 @@ def test_scripted_gad_is_greedy_in_the_calls_its_acceptance_allows(seed, k):
     drafter = tiny_model(seed + 50, vocab=vocab, layers=(1, 1))
     src = random_src(seed, 1, vocab)
     for max_len in (3, 30):
-        y = greedy_with_eos(model, src, max_len)
+        y, steps = greedy_output(model, src, max_len)
+        assert len(y) == steps and (y[-1] == EOS_ID or len(y) == max_len)
         out, calls = scripted_gad(model, src, y, k=k, accept=1.0, max_len=max_len, rng=random.Random(seed))
         assert out == y and calls == -(-len(y) // (k + 1))  # k drafted + the verifier's own token per call
         out, calls = scripted_gad(model, src, y, k=k, accept=0.0, max_len=max_len, rng=random.Random(seed))

@@ -74,6 +74,15 @@ def test_drafting_matches_the_training_layout_and_the_cache_is_exact(layout, see
             assert cache.length == len(seq)
 
 
+@pytest.mark.parametrize("layout", ["causal", "bidirectional"])
+def test_drafting_stops_where_the_drafters_positions_end(layout):
+    m = tiny_model(0, vocab=16, max_positions=12)
+    memory = m.encode(random_src(0, 1, 16))
+    seq = [BOS_ID] + [5] * 8  # 9 of 12 positions used: room for 3 masks
+    assert len(draft_block(m, memory, m.new_cache(1, 16), seq, 5, layout)) == 3
+    assert draft_block(m, memory, m.new_cache(1, 16), seq + [6] * 3, 5, layout) == []
+
+
 def oracle(greedy_out: list[int], k: int, wrong: bool, vocab: int):
     """A drafter that knows the verifier's greedy output (or always misses its next token)."""
     def draft(drafter, memory, cache, sequence, kk, layout):

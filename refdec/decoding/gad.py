@@ -81,10 +81,8 @@ def gad(verifier: Transformer, drafter: Transformer, src: torch.Tensor, *, max_l
         out: list[int] = []
         last, steps = cfg.bos_id, []
         while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
-            seq = [cfg.bos_id] + out
-            kk = min(k, drafter.cfg.max_positions - len(seq))  # the drafter's positions end somewhere
             t0 = time.perf_counter()
-            draft = draft_block(drafter, md, cache_d, seq, kk, layout) if kk > 0 else []
+            draft = draft_block(drafter, md, cache_d, [cfg.bos_id] + out, k, layout)
             t1 = time.perf_counter()
             v = verify(verifier, mv, cache_v, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id, accept=accept)
             secs["drafter decoder"] += t1 - t0
