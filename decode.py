@@ -30,6 +30,7 @@ position and the model's top-1/top-2 logit margin there (a near-tie, or a bug), 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -133,8 +134,14 @@ def check_knobs(knobs: dict, given: set[str]) -> None:
         raise UsageError("--top-beta, --top-k, --min-block, --max-window and --gamma must be at least 1")
     if knobs["block_size"] < 0:
         raise UsageError("--block-size must be at least 0 (0 = the k the drafter or heads were trained for)")
+    for knob in ("length_penalty", "tau", "epsilon", "fallback_threshold", "rollback_threshold", "top_p", "temperature"):
+        if not math.isfinite(knobs[knob]):
+            raise UsageError(f"--{knob.replace('_', '-')} must be a finite number, not {knobs[knob]}")
     if knobs["tau"] < 0 or knobs["epsilon"] < 0 or knobs["temperature"] <= 0:
         raise UsageError("--tau and --epsilon must be at least 0, --temperature above 0")
+    if knobs["fallback_threshold"] < 0 or knobs["rollback_threshold"] < 0:
+        raise UsageError("--fallback-threshold (a probability; above 1 the large model writes every token) and "
+                         "--rollback-threshold (a distance in nats) must be at least 0")
     if not 0 < knobs["top_p"] <= 1:
         raise UsageError("--top-p must be in (0, 1]")
     if knobs["match"] not in MATCH_POLICIES or knobs["block_rule"] not in ("exact", "top-k", "distance"):
@@ -150,10 +157,10 @@ def check_knobs(knobs: dict, given: set[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return run(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before decoding started, or while the figures were computed
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `decode.py ... | head`: the reader left; not an error of ours
@@ -218,9 +225,16 @@ def run(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError("--threads must be at least 1")
+        if not 1 <= args.threads <= runner.usable_cores():
+            raise UsageError(f"--threads must be between 1 and the {runner.usable_cores()} cores this machine gives "
+                             f"the run (more threads than cores only slows decoding down)")
         torch.set_num_threads(args.threads)
+    # Paths written at the end are checked now: a run never decodes for an hour to fail on its output.
+    read = {"input": args.input, **{f"--ref file {r}": r for r in args.ref or []}}
+    if args.output:
+        runner.check_writable(args.output, "--output", not_paths=read)
+    if args.report:
+        runner.check_writable(args.report, "--report", not_paths={**read, "--output": args.output})
     dtype = getattr(torch, args.dtype)
 
     # Input and references.
@@ -242,7 +256,8 @@ def run(args) -> int:
     # Models: the one whose output is produced ("model"), then the second models some algorithms use.
     model_path = Path(args.model) if args.model else REPO / "checkpoints" / algo.model_dir.format(task=args.task) / "model.pt"
     if not args.model and not model_path.exists():
-        raise UsageError(f"no checkpoint at {model_path}; train one (README, 'Training') or pass --model")
+        raise UsageError(f"no checkpoint at {model_path}; {shipped_for(algo)}; train one (README, 'Training') "
+                         f"or pass --model")
     model, tokenizer, ckpt = load_model(model_path, task=args.task, device=args.device, dtype=dtype)
     loaded = {model_path.resolve(): (model, ckpt)}
     for _, path, _ in compares:  # other checkpoints for --compare ALGO@CKPT, each loaded once
@@ -285,7 +300,8 @@ def run(args) -> int:
         if role in roles:
             value = getattr(args, role) or str(REPO / "checkpoints" / default_dir.format(task=args.task) / "model.pt")
             if value != "early-exit" and not Path(value).exists():
-                raise UsageError(f"no {role} checkpoint at {value}; pass --{role} or train one (README, 'Training')")
+                raise UsageError(f"no {role} checkpoint at {value}; {shipped_for(algo)}; pass --{role} or train one "
+                                 f"(README, 'Training')")
             shared.update(second_model(role, value, model, ckpt, model_path))
 
     def models_for(path: Path, for_algo, over: dict | None = None) -> dict:
@@ -310,9 +326,47 @@ def run(args) -> int:
         ckpt_path = Path(path) if path else model_path
         runs.append(runner.Run(other, own_knobs, models=models_for(ckpt_path, other, over),
                                label=label(name, ckpt_path, several_models, over)))
-    runner.decode_lines(runs, models, ids, batch_size=args.batch_size, max_len=args.max_len,
-                        max_positions=max_positions, device=args.device, warmup=args.warmup,
-                        progress=not args.quiet)
+    for run in runs:
+        check_fits(run, ids, args, max_positions, dtype)
+
+    # Outputs: one line per input line, UTF-8 whatever the locale, written as they are decoded.
+    if not args.output:
+        sys.stdout.reconfigure(encoding="utf-8")
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    invalid = {}  # output line -> bytes left out (not valid UTF-8)
+
+    def render(i: int, tokens) -> str:
+        text, dropped = runner.text_line(tokenizer, tokens)
+        if dropped:
+            invalid[i + 1] = dropped
+        return text
+
+    busy = runner.BusyCores()
+    try:
+        threads = torch.get_num_threads()
+        others_busy = busy.others()
+        if others_busy is not None and others_busy >= 0.5 and others_busy + threads > runner.usable_cores() + 0.25:
+            runner.warn(f"other processes keep about {others_busy:.1f} of this machine's {runner.usable_cores()} cores "
+                        f"busy and this run uses {threads} thread(s): timings will not be reliable, and threads that "
+                        f"wait for a busy core can make decoding many times slower; run alone, or with --threads 1")
+        complete = runner.decode_lines(runs, models, ids, batch_size=args.batch_size, max_len=args.max_len,
+                                       max_positions=max_positions, device=args.device, warmup=args.warmup,
+                                       progress=not args.quiet, on_line=runner.OutputLines(out, render).put)
+    finally:
+        if args.output:
+            out.close()
+    if invalid:
+        runner.warn(f"{len(invalid)} output line(s) held bytes that are not valid UTF-8 (the model wrote part of a "
+                    f"character) and were left out: line(s) {', '.join(map(str, list(invalid)[:20]))}"
+                    + (" ..." if len(invalid) > 20 else ""))
+    interrupted = complete < len(lines)
+    if interrupted:  # the figures cover the lines every run finished, which are also the lines written
+        runner.warn(f"interrupted after {complete} of {len(lines)} input lines: those lines are written"
+                    + (f" to {args.output}" if args.output else "") + "; the figures below cover them alone")
+        lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
+        for run in runs:
+            run.outputs, run.traces = run.outputs[:complete], run.traces[:complete]
+            run.times, run.calls = run.times[:complete], run.calls[:complete]
 
     kind = TASKS[args.task]
     rows = []
@@ -324,9 +378,6 @@ def run(args) -> int:
         row["identical"] = runner.identical_rate(runs[0].outputs, run.outputs)
     table = runner.format_table(rows)
     notes = []
-    if others:
-        notes.append("speedup = that row's seconds / first row's seconds; identical = share of outputs "
-                     "token-for-token equal to the first row's")
     matrix = None
     if len(runs) > 2:
         matrix, text = runner.speedup_matrix(rows)
@@ -353,7 +404,6 @@ def run(args) -> int:
             check["edit_buckets"] = buckets
             notes.append(text)
         checks.append(check)
-    hyps = runner.texts(tokenizer, runs[0].outputs)
 
     if args.report:
         report = runner.build_report(
@@ -361,25 +411,67 @@ def run(args) -> int:
             extra={"model": str(model_path), "model_step": ckpt.get("step"),
                    "input": args.input or f"{task_dir}/test.src.gz", "batch_size": args.batch_size,
                    "max_len": args.max_len, "runs": rows, "speedup_matrix": matrix, "lossless_checks": checks,
-                   "environment": runner.environment(torch.get_num_threads(), args.device, dtype)})
+                   "interrupted": interrupted, "lines_decoded": complete,
+                   "environment": {**runner.environment(torch.get_num_threads(), args.device, dtype),
+                                   "other_busy_cores": busy.others()}})
         runner.write_report(args.report, report)
-    # Outputs: exactly one line per input line, UTF-8 whatever the locale.
-    if not args.output:
-        sys.stdout.reconfigure(encoding="utf-8")
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    try:
-        for h in hyps:
-            out.write(h + "\n")
-    finally:
-        if args.output:
-            out.close()
     if args.trace:
         for i, steps in enumerate(runs[0].traces):
             if steps is not None:
                 print(algo_trace(args.algo, i, steps, tokenizer), file=sys.stderr)
 
     print("\n\n".join([table] + notes), file=sys.stderr if not args.output else sys.stdout)
-    return 0
+    return 130 if interrupted else 0
+
+
+def shipped_for(algo) -> str:
+    """Which tasks have a shipped checkpoint for `algo` (and its second models): said when one is missing."""
+    from refdec.data import TASKS
+    second = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
+    dirs = [algo.model_dir] + [second[r] for r in algo.roles if r in second]
+    tasks = [t for t in TASKS if all((REPO / "checkpoints" / d.format(task=t) / "model.pt").exists() for d in dirs)]
+    return (f"--algo {algo.name} has shipped models for --task {' and '.join(tasks)}" if tasks
+            else f"no task has shipped models for --algo {algo.name}")
+
+
+def check_fits(run, ids: list, args, max_positions: int, dtype) -> None:
+    """Refuse, before decoding, what this run's models or this machine cannot do: a block size the
+    proposal heads were not trained for, and batches (beams counted as rows) that would not fit in
+    the memory the machine has available."""
+    from refdec import runner
+    from refdec.runner import UsageError
+    models = run.models
+    if run.algo.name == "blockwise" and run.knobs["block_size"] and not 2 <= run.knobs["block_size"] <= models["heads"].k:
+        raise UsageError(f"--block-size must be between 2 and the {models['heads'].k} the proposal heads were "
+                         f"trained for, not {run.knobs['block_size']}")
+    free = runner.available_memory()
+    if free is None:
+        return
+    beams = run.knobs["beam_size"] if run.algo.name == "beam" else 1
+    todo = [s for s in ids if s is not None]
+    cfg, itemsize = models["model"].cfg, torch_itemsize(dtype)
+    need, worst = 0, 0
+    for i in range(0, len(todo), args.batch_size):
+        batch = todo[i:i + args.batch_size]
+        src_len = max(map(len, batch)) + 1
+        b = runner.decode_bytes(cfg, len(batch) * beams, src_len, runner.max_len_for(batch, args.max_len, max_positions),
+                                itemsize)
+        if b > need:
+            need, worst = b, len(batch)
+    if need > 0.8 * free:
+        per_row = need / (worst * beams)
+        fit = int(0.8 * free / per_row)
+        what = (f"--beam-size {beams} with --batch-size {args.batch_size}" if beams > 1
+                else f"--batch-size {args.batch_size}")
+        advice = (f"use at most {max(fit // worst, 0)} beams" if beams > 1 and fit >= worst
+                  else f"use at most {max(fit // beams, 1)} sentences per batch" + (" with one beam" if beams > 1 else ""))
+        raise UsageError(f"{run.name}: {what} needs about {need / 2**30:.1f} GiB for its caches and scores, more than "
+                         f"the {0.8 * free / 2**30:.1f} GiB (80% of what is free) this machine can give it; {advice}")
+
+
+def torch_itemsize(dtype) -> int:
+    import torch
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def number_values(tokenizer):

@@ -1,11 +1,16 @@
 """Train a refdec model.
 
-    python train.py --preset mt-en-de                 # about an hour on a 2-core CPU
-    python train.py --preset mt-en-de --resume        # continue after an interruption
+    python train.py --preset mt-en-de                 # about an hour on a 2-core CPU, into runs/mt-en-de/
+    python train.py --preset mt-en-de --resume        # continue after an interruption (or Ctrl-C)
     python train.py --preset tiny --max-steps 20 --out-dir /tmp/tiny    # seconds: a smoke run
     torchrun --nproc_per_node 2 train.py --preset tiny --out-dir /tmp/ddp   # data-parallel
 
 Any field of a preset can be overridden (see --help). Output: refdec/training.py's docstring.
+A run writes into runs/<preset>/ (under the current folder) unless --out-dir says otherwise; the
+shipped models in checkpoints/ are only ever read. A folder that already holds a run is refused
+unless --resume continues it or --overwrite replaces it. Ctrl-C saves last.pt and exits; the same
+command with --resume continues exactly where it stopped. The paths a preset names (its starting
+checkpoint, vocabulary, data) are the repository's, whatever the current folder.
 """
 
 from __future__ import annotations
@@ -14,10 +19,16 @@ import argparse
 import dataclasses
 import sys
 
+import os
+from pathlib import Path
+
 from refdec.config import PRESETS, TrainConfig
 
+REPO = Path(__file__).resolve().parent
+
 HELP = {
-    "task": "task to train on (data/<task>/)", "out_dir": "folder for tokenizer.json and checkpoints",
+    "task": "task to train on (data/<task>/)",
+    "out_dir": "folder for tokenizer.json and checkpoints (the preset's: runs/<preset>)",
     "vocab_size": "BPE vocabulary size (joint source/target)", "d_model": "model width",
     "n_heads": "attention heads", "d_ff": "feed-forward width", "enc_layers": "encoder layers",
     "dec_layers": "decoder layers", "dropout": "dropout rate", "norm_first": "pre-norm (true) or post-norm (false)",
@@ -29,7 +40,8 @@ HELP = {
     "eval_every": "validate and checkpoint every N updates", "eval_sentences": "dev sentences decoded for BLEU",
     "keep_last": "snapshots kept and averaged at the end",
     "pick": "what model.pt holds: dev-loss (best or average, the lower dev loss) or last (the final weights)", "seed": "random seed (runs are reproducible)",
-    "train_limit": "use only the first N training pairs (0 = all)", "data_dir": "data folder (default: the repo's data/)",
+    "train_limit": "use only the first N training pairs (0 = all)",
+    "dev_limit": "validate on only the first N dev pairs (0 = all)", "data_dir": "data folder (default: the repo's data/)",
     "threads": "torch threads (0 = default)", "log_every": "progress line every N updates",
     "init_from": "start from this checkpoint: its shape, weights and tokenizer",
     "tokenizer_from": "train with this tokenizer.json instead of a new BPE (e.g. a small model on a large one's vocabulary)",
@@ -59,7 +71,10 @@ def parse_bool(text: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="starting configuration")
-    p.add_argument("--resume", action="store_true", help="continue from <out-dir>/last.pt if it exists")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its last.pt (same options; "
+                   "only max-steps, time-limit-min, threads, log-every, eval-every, eval-sentences and dev-limit may change)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out-dir (its checkpoints, "
+                   "tokenizer and log are deleted first)")
     for f in dataclasses.fields(TrainConfig):
         kind = {bool: parse_bool, int: int, float: float, str: str}[type(f.default)] if f.default is not dataclasses.MISSING else str
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
@@ -67,20 +82,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def preset_config(preset: str, changes: dict) -> TrainConfig:
+    """The preset with the command line's changes. The preset's own paths are the repository's
+    (relative to this script), so a run from any folder reads the same files; paths given on the
+    command line are the user's, relative to the current folder."""
+    cfg = PRESETS[preset]
+    from refdec.training import PATH_FIELDS
+    repo_paths = {f: str(REPO / getattr(cfg, f)) for f in PATH_FIELDS
+                  if f not in changes and getattr(cfg, f) and not os.path.isabs(getattr(cfg, f))}
+    return cfg.replace(**repo_paths, **changes)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     try:
-        cfg = PRESETS[args.preset].replace(**changes)
+        cfg = preset_config(args.preset, changes)
         cfg.model_config(cfg.vocab_size)  # validates the shape before any work
+        if cfg.threads > usable_cores():
+            raise ValueError(f"--threads {cfg.threads} is more than the {usable_cores()} cores this machine gives "
+                             f"the run (more threads than cores only slows it down)")
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from refdec.training import Trainer, log_to_stderr
     try:
-        results = Trainer(cfg, resume=args.resume, log=log_to_stderr).run()
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        from refdec.checkpoint import CheckpointError
+        from refdec.training import Interrupted, Trainer, TrainingError, log_to_stderr
+        results = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, log=log_to_stderr).run()
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted before training started: nothing was saved", file=sys.stderr)
+        return 130
+    except (TrainingError, CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError) as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    except Exception as e:  # one line, whatever failed; REFDEC_DEBUG=1 shows the traceback
+        if os.environ.get("REFDEC_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        print(f"error: {type(e).__name__}: {msg} (REFDEC_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
     for name, r in results.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))

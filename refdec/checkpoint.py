@@ -51,6 +51,11 @@ def load_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a legacy pickle
+        raise CheckpointError(f"{path} is not a checkpoint (a model.pt written by train.py); "
+                              f"give the model.pt file of a checkpoint folder")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, foreign pickle, truncated download

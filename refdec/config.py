@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 # Special token ids, fixed by the order in which refdec.tokenizer registers them.
@@ -91,6 +92,7 @@ class TrainConfig:
     pick: str = "dev-loss"  # model.pt: "dev-loss" (best or average, the lower) or "last" (the final weights)
     seed: int = 1
     train_limit: int = 0  # use only the first N training pairs (0 = all); for smoke runs
+    dev_limit: int = 0  # validate on only the first N dev pairs (0 = all); for smoke runs
     data_dir: str = ""  # folder holding <task>/*.gz ("" = the repo's data/)
     threads: int = 0  # torch threads (0 = torch's default)
     log_every: int = 50
@@ -123,6 +125,7 @@ class TrainConfig:
     kd_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        self._check_ranges()
         if self.tokenizer_from and self.init_from:
             raise ValueError("tokenizer_from and init_from exclude each other: the starting model brings its vocabulary")
         if self.pick not in ("dev-loss", "last"):
@@ -157,6 +160,27 @@ class TrainConfig:
         if not self.encoder_from and self.enc_layers < 1:
             raise ValueError("enc_layers 0 needs encoder_from: the checkpoint whose encoder the model reads")
 
+    def _check_ranges(self) -> None:
+        """Every number within what training can use: a bad value is one clear error, not a crash or
+        a run that silently does nothing (a NaN fails every comparison, so it is refused too)."""
+        at_least = {"vocab_size": 16, "d_model": 1, "n_heads": 1, "d_ff": 1, "max_positions": 2, "max_train_len": 1,
+                    "batch_tokens": 1, "warmup_steps": 1, "max_steps": 1, "eval_every": 1, "keep_last": 1,
+                    "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "train_limit": 0, "threads": 0,
+                    "seed": 0, "proposal_d_ff": 0, "dev_limit": 0, "time_limit_min": 0}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= low and math.isfinite(value)):
+                raise ValueError(f"{name.replace('_', '-')} must be at least {low}, not {value}")
+        for name in ("lr", "clip_norm"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name.replace('_', '-')} must be a positive number, not {getattr(self, name)}")
+        for name in ("dropout", "label_smoothing"):  # 1 would drop every unit / ignore every label
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be in [0, 1), not {getattr(self, name)}")
+        for name in ("glancing_start", "glancing_end"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name.replace('_', '-')} must be in [0, 1], not {getattr(self, name)}")
+
     def model_config(self, vocab_size: int, d_memory: int = 0) -> ModelConfig:
         return ModelConfig(
             vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
@@ -178,19 +202,19 @@ PRESETS: dict[str, TrainConfig] = {
     # this CPU (README). It keeps the vocabulary of the first, 3+3 mt-en-de model (the shipped tokenizer.json), so
     # the models built on that vocabulary still pair with it. An hour of the 2-core CPU undertrains it:
     # the shipped one was trained on a GPU (README gives the command).
-    "mt-en-de": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de", enc_layers=6, dec_layers=6,
+    "mt-en-de": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de", enc_layers=6, dec_layers=6,
                             dropout=0.2, batch_tokens=8192, time_limit_min=60, lr=1e-3, warmup_steps=800,
                             eval_every=400, tokenizer_from="checkpoints/mt-en-de/tokenizer.json"),
-    "gec-uk": TrainConfig(task="gec-uk", out_dir="checkpoints/gec-uk", time_limit_min=60),
-    "gec-en": TrainConfig(task="gec-en", out_dir="checkpoints/gec-en", time_limit_min=60),
+    "gec-uk": TrainConfig(task="gec-uk", out_dir="runs/gec-uk", time_limit_min=60),
+    "gec-en": TrainConfig(task="gec-en", out_dir="runs/gec-en", time_limit_min=60),
     # The SAD pair (Sun et al. 2021): a balanced 6+6 model and a deep-encoder/shallow-decoder 9+3 one
     # of about the same size (7.7M and 7.3M parameters; a decoder layer has cross-attention and so
     # 4/3 the weights of an encoder layer). d_model 192 keeps each float16 checkpoint near 15 MB.
     # Both train side by side on the 2 cores, one thread each, for 95 minutes.
-    "gec-uk-6x6": TrainConfig(task="gec-uk", out_dir="checkpoints/gec-uk-6x6", d_model=192, d_ff=768,
+    "gec-uk-6x6": TrainConfig(task="gec-uk", out_dir="runs/gec-uk-6x6", d_model=192, d_ff=768,
                               enc_layers=6, dec_layers=6, lr=1e-3, warmup_steps=600, eval_every=400,
                               time_limit_min=95, threads=1),
-    "gec-uk-9x3": TrainConfig(task="gec-uk", out_dir="checkpoints/gec-uk-9x3", d_model=192, d_ff=768,
+    "gec-uk-9x3": TrainConfig(task="gec-uk", out_dir="runs/gec-uk-9x3", d_model=192, d_ff=768,
                               enc_layers=9, dec_layers=3, lr=1e-3, warmup_steps=600, eval_every=400,
                               time_limit_min=95, threads=1),
     # The models of the speculative decoders on mt-en-de, all starting from or sharing the vocabulary of
@@ -201,12 +225,12 @@ PRESETS: dict[str, TrainConfig] = {
     # the drafter learns exactly what the verifier will accept, and the verifier stays the model every
     # other decoder is measured with. mt-en-de-distilled is the paper's other half, a verifier
     # fine-tuned on a beam-5 distilled corpus (python -m refdec.distill --algo beam, README).
-    "mt-en-de-distilled": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-distilled",
+    "mt-en-de-distilled": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-distilled",
                                       init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-beam5",
                                       lr=5e-4, warmup_steps=200, eval_every=400, time_limit_min=60),
     # The block drafter: 2 decoder layers of width 256 on the verifier's frozen encoder (the encoder
     # runs once for both when decoding), k = 8 masks, causal prefix (its keys and values are cached).
-    "mt-en-de-drafter": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-drafter",
+    "mt-en-de-drafter": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-drafter",
                                     encoder_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-greedy",
                                     enc_layers=0, dec_layers=2, drafter_k=8, lr=1e-3, warmup_steps=800, eval_every=500,
                                     time_limit_min=60, pick="last"),
@@ -215,40 +239,40 @@ PRESETS: dict[str, TrainConfig] = {
     # blockwise decoding is then the mt-en-de model's greedy output. Fine-tuning the base with the
     # heads (--freeze-base false --head-loss base+random) cost this base about a BLEU point for 0.04
     # more accepted tokens per call (README, "Blockwise parallel decoding").
-    "mt-en-de-blockwise": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-blockwise",
+    "mt-en-de-blockwise": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-blockwise",
                                       init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-greedy",
                                       proposal_k=10, proposal_d_ff=128, freeze_base=True, head_loss="mean", lr=5e-4,
                                       warmup_steps=200, eval_every=400, time_limit_min=60, pick="last"),
     # BiLD (Kim et al. 2023): a small model (1 decoder layer of width 128) on the large model's vocabulary,
     # its aligned copy fine-tuned on the large model's greedy outputs (kept as trained last: its dev
     # loss against the references is not what alignment aims at), and the early-exit model.
-    "mt-en-de-small": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-small",
+    "mt-en-de-small": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-small",
                                   tokenizer_from="checkpoints/mt-en-de/tokenizer.json", d_model=128, n_heads=4,
                                   d_ff=512, enc_layers=3, dec_layers=1, lr=1e-3, warmup_steps=800, eval_every=400,
                                   time_limit_min=60),
-    "mt-en-de-small-aligned": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-small-aligned",
+    "mt-en-de-small-aligned": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-small-aligned",
                                           init_from="checkpoints/mt-en-de-small/model.pt",
                                           data_dir="data/distilled/mt-en-de-greedy", lr=5e-4, warmup_steps=200,
                                           eval_every=400, time_limit_min=30, pick="last"),
     # The same decoder (1 layer, width 128) on the large model's frozen encoder, trained on the large
     # model's greedy outputs (aligned from the start): the encoder runs once for both models when decoding.
-    "mt-en-de-small-shared": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-small-shared",
+    "mt-en-de-small-shared": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-small-shared",
                                          encoder_from="checkpoints/mt-en-de/model.pt",
                                          data_dir="data/distilled/mt-en-de-greedy", d_model=128, n_heads=4, d_ff=512,
                                          enc_layers=0, dec_layers=1, lr=1e-3, warmup_steps=800, eval_every=500,
                                          time_limit_min=60, pick="last"),
     # The aligned small model, fine-tuned further with the large model's next-token distributions as
     # soft targets (word-level distillation) on the same greedy outputs.
-    "mt-en-de-small-kd": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-small-kd",
+    "mt-en-de-small-kd": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-small-kd",
                                      init_from="checkpoints/mt-en-de-small-aligned/model.pt",
                                      data_dir="data/distilled/mt-en-de-greedy", kd_from="checkpoints/mt-en-de/model.pt",
                                      lr=5e-4, warmup_steps=200, eval_every=500, time_limit_min=45, pick="last"),
-    "mt-en-de-early-exit": TrainConfig(task="mt-en-de", out_dir="checkpoints/mt-en-de-early-exit",
+    "mt-en-de-early-exit": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-early-exit",
                                        init_from="checkpoints/mt-en-de/model.pt", early_exit=1, lr=5e-4,
                                        warmup_steps=200, eval_every=400, time_limit_min=60),
     # Seconds, not minutes: the smoke preset the tests and the torchrun check use.
     "tiny": TrainConfig(
-        task="mt-en-de", out_dir="checkpoints/tiny", vocab_size=600, d_model=32, n_heads=2,
+        task="mt-en-de", out_dir="runs/tiny", vocab_size=600, d_model=32, n_heads=2,
         d_ff=64, enc_layers=1, dec_layers=1, max_positions=128, batch_tokens=600, warmup_steps=10,
         max_steps=20, eval_every=10, eval_sentences=8, keep_last=2, log_every=5,
     ),

@@ -8,12 +8,18 @@ batch by batch, and which goes first alternates too, so drift in machine speed h
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
 import platform
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,7 +45,11 @@ def read_text_lines(path: str) -> list[str]:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
     if path.endswith(".gz"):
         import gzip
-        raw = gzip.decompress(raw)
+        import zlib
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise UsageError(f"{path} is not a valid gzip file ({e}); give the plain text file instead") from None
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -50,6 +60,114 @@ def read_text_lines(path: str) -> list[str]:
         except UnicodeDecodeError as e:
             raise UsageError(f"{path}: line {i} is not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
     return out
+
+
+def check_writable(path: str, what: str, *, not_paths: dict[str, str] | None = None) -> None:
+    """Fail before any decoding if `path` cannot be written, so that finished work is never lost at the
+    end: the folder must exist, the path must not be a folder (or one of `not_paths`, e.g. the input),
+    and opening it for appending must work (this creates no file that was not there)."""
+    p = Path(path)
+    for other_what, other in (not_paths or {}).items():
+        if other and other != "-" and Path(other).resolve() == p.resolve():
+            raise UsageError(f"{what} {path} is also the {other_what}: it would be overwritten")
+    if p.is_dir():
+        raise UsageError(f"{what} {path} is a folder; give a file name")
+    if not p.parent.is_dir():
+        raise UsageError(f"{what} {path}: the folder {p.parent} does not exist")
+    existed = p.exists()
+    try:
+        with open(p, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{what} {path} cannot be written: {e.strerror}") from None
+    if not existed:
+        p.unlink()
+
+
+class OutputLines:
+    """Output lines written in input order as soon as every earlier line is done, each whole and
+    flushed: an interrupted or killed run keeps every line it finished."""
+
+    def __init__(self, stream, render: Callable[[int, torch.Tensor | None], str]):
+        self.stream, self.render = stream, render
+        self.next, self.ready = 0, {}
+
+    def put(self, index: int, tokens: torch.Tensor | None) -> None:
+        self.ready[index] = self.render(index, tokens)
+        lines = []
+        while self.next in self.ready:
+            lines.append(self.ready.pop(self.next) + "\n")
+            self.next += 1
+        if lines:
+            with sigint_deferred():  # a Ctrl-C now cannot cut a line in half
+                self.stream.write("".join(lines))
+                self.stream.flush()
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold SIGINT back for the duration (POSIX): it is delivered, as usual, right after."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (MemAvailable on Linux), or None if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def decode_bytes(cfg, rows: int, src_len: int, out_len: int, itemsize: int) -> int:
+    """A rough peak of the memory decoding `rows` rows at once takes (beams count as rows): per row,
+    every decoder layer's self-attention keys and values over the output and cross-attention ones
+    over the source, the encoder's activations, and a few vocabulary-wide score rows. Within ~10% of
+    the measured peak for a whole UA-GEC test set in one batch."""
+    per_row = (cfg.dec_layers * 2 * (out_len + src_len) * cfg.d_model
+               + 2 * src_len * max(cfg.d_ff, 4 * cfg.d_model) + 4 * cfg.vocab_size)
+    return rows * per_row * itemsize
+
+
+class BusyCores:
+    """How many cores other processes kept busy while this one ran (from /proc/stat, less this
+    process's own CPU time): a benchmark on a busy machine is warned about, not trusted silently."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        except (OSError, ValueError, IndexError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        own = os.times()
+        return time.monotonic(), (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+    def others(self) -> float | None:
+        now = self._sample()
+        if self.start is None or now is None or now[0] - self.start[0] < 0.2:
+            return None
+        wall = now[0] - self.start[0]
+        return max(0.0, ((now[1] - self.start[1]) - (now[2] - self.start[2])) / wall)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @dataclass
@@ -108,9 +226,18 @@ def run_batch(run: Run, models: dict, batch: list[list[int]], max_len: int, devi
     return [t.cpu() for t in res.tokens], time.perf_counter() - t0, res.stats, res.trace
 
 
+WARMUP_ROWS = 16  # a warm-up batch holds at most this many sentences, whatever --batch-size
+
+
 def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, batch_size: int,
-                 max_len: int | None, max_positions: int, device, warmup: int = 2, progress: bool = True) -> None:
-    """Fill each run's outputs, seconds and stats; runs alternate batch by batch (interleaved timing)."""
+                 max_len: int | None, max_positions: int, device, warmup: int = 2, progress: bool = True,
+                 on_line: Callable[[int, torch.Tensor | None], None] | None = None) -> int:
+    """Fill each run's outputs, seconds and stats; runs alternate batch by batch (interleaved timing).
+
+    A batch counts once every run has decoded it: only then are its figures added and its lines
+    (the first run's) passed to `on_line`, in input order with the empty lines between them. Ctrl-C
+    stops at that boundary. Returns how many leading input lines every run finished (all of them
+    unless interrupted)."""
     todo = [i for i, s in enumerate(ids) if s is not None]
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     for run in runs:
@@ -118,46 +245,70 @@ def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, 
         run.traces = [None] * len(ids)
         run.times = [None] * len(ids)
         run.calls = [None] * len(ids)
-    for b in batches[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
-        for run in runs:
-            run_batch(run, models, [ids[i] for i in b], max_len_for([ids[i] for i in b], max_len, max_positions), device)
-    t_start, last_print, done = time.time(), time.time(), 0
-    for n, b in enumerate(batches):
-        rows = [ids[i] for i in b]
-        budget = max_len_for(rows, max_len, max_positions)
-        order = runs if n % 2 == 0 else runs[::-1]
-        for run in order:
-            try:
-                toks, secs, stats, trace = run_batch(run, models, rows, budget, device)
-            except (RuntimeError, ValueError) as e:  # one bad batch must not lose the others
-                warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}: "
-                     f"{str(e).splitlines()[0][:200]}; writing empty output line(s) in their place")
-                continue
-            run.seconds += secs
-            run.stats.merge(stats)
-            for j, i in enumerate(b):
-                run.outputs[i] = toks[j]
-                run.times[i] = secs / len(b)
-                run.calls[i] = stats.verifier_calls
-                if trace is not None:
-                    run.traces[i] = trace[j]
-        done += len(b)
-        now = time.time()
-        if progress and now - last_print > 5 and n < len(batches) - 1:  # a line every 5 s on long work
-            rate = done / (now - t_start)
-            print(f"  {done}/{len(todo)} sentences, {rate:.1f}/s, ETA {(len(todo) - done) / rate:.0f}s",
-                  file=sys.stderr, flush=True)
-            last_print = now
+    complete = 0  # input lines 0 .. complete-1 are done by every run
+
+    def advance(upto: int) -> None:  # lines before `upto` are done: hand over the empty ones too
+        nonlocal complete
+        for i in range(complete, upto):
+            if on_line is not None:
+                on_line(i, runs[0].outputs[i])
+            complete = i + 1
+
+    try:
+        for b in batches[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
+            rows = [ids[i] for i in b[:WARMUP_ROWS]]
+            for run in runs:
+                run_batch(run, models, rows, max_len_for(rows, max_len, max_positions), device)
+        t_start, last_print, done = time.time(), time.time(), 0
+        for n, b in enumerate(batches):
+            rows = [ids[i] for i in b]
+            budget = max_len_for(rows, max_len, max_positions)
+            order = runs if n % 2 == 0 else runs[::-1]
+            results = {}
+            for run in order:
+                try:
+                    results[id(run)] = run_batch(run, models, rows, budget, device)
+                except (RuntimeError, ValueError) as e:  # one bad batch must not lose the others
+                    warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}: "
+                         f"{str(e).splitlines()[0][:200]}; writing empty output line(s) in their place")
+            for run in runs:
+                if id(run) not in results:
+                    continue
+                toks, secs, stats, trace = results[id(run)]
+                run.seconds += secs
+                run.stats.merge(stats)
+                for j, i in enumerate(b):
+                    run.outputs[i] = toks[j]
+                    run.times[i] = secs / len(b)
+                    run.calls[i] = stats.verifier_calls
+                    if trace is not None:
+                        run.traces[i] = trace[j]
+            next_batch = batches[n + 1][0] if n + 1 < len(batches) else len(ids)
+            advance(next_batch)
+            done += len(b)
+            now = time.time()
+            if progress and now - last_print > 5 and n < len(batches) - 1:  # a line every 5 s on long work
+                rate = done / (now - t_start)
+                print(f"  {done}/{len(todo)} sentences, {rate:.1f}/s, ETA {(len(todo) - done) / rate:.0f}s",
+                      file=sys.stderr, flush=True)
+                last_print = now
+        advance(len(ids))
+    except KeyboardInterrupt:
+        pass
+    return complete
+
+
+def text_line(tokenizer: Tokenizer, tokens: torch.Tensor | None) -> tuple[str, int]:
+    """One output line and how many bytes of it were not valid UTF-8 (left out: a model can write
+    part of a multi-byte character). An empty or failed line stays an empty line, and a newline
+    the model might emit is written as a space, so N inputs always give N output lines."""
+    text, dropped = ("", 0) if tokens is None else tokenizer.decode_valid(tokens.tolist())
+    return text.replace("\r", " ").replace("\n", " "), dropped
 
 
 def texts(tokenizer: Tokenizer, outputs: list) -> list[str]:
-    """Detokenised outputs, one line each: an empty or failed line stays an empty line, and a newline
-    the model might emit is written as a space, so N inputs always give N output lines."""
-    out = []
-    for t in outputs:
-        s = "" if t is None else tokenizer.decode(t.tolist())
-        out.append(s.replace("\r", " ").replace("\n", " "))
-    return out
+    """Detokenised outputs, one line each (text_line)."""
+    return [text_line(tokenizer, t)[0] for t in outputs]
 
 
 def scores(task_kind: str, sources: list[str], hyps: list[str], refs: list[list[str]] | None) -> dict:
@@ -191,13 +342,25 @@ def format_table(rows: list[dict]) -> str:
             ("calls_per_sentence", "calls/sent", "{:.2f}"),
             ("drafter_calls", "draft.calls", "{}"), ("mean_accepted", "acc/call", "{:.2f}"),
             ("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"), ("gec_f05", "F0.5", "{:.4f}"),
-            ("speedup", "speedup", "{:.2f}x"), ("identical", "identical", "{:.4f}")]
+            ("speedup", f"speed vs {rows[0]['algo']}", relative_speed),
+            ("identical", f"identical to {rows[0]['algo']}", "{:.4f}")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
-    cells = [[c[1] for c in cols]] + [[c[2].format(r[c[0]]) if c[0] in r else "" for c in cols] for r in rows]
+    show = lambda fmt, v: fmt(v) if callable(fmt) else fmt.format(v)  # noqa: E731
+    cells = [[c[1] for c in cols]] + [[show(c[2], r[c[0]]) if c[0] in r else "" for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def relative_speed(seconds_ratio: float) -> str:
+    """A row's seconds over the first row's, in words: "2.00x slower" (it took twice as long) or
+    "1.50x faster"."""
+    if not math.isfinite(seconds_ratio) or seconds_ratio <= 0:
+        return "n/a"
+    if abs(seconds_ratio - 1) < 0.005:
+        return "same"
+    return f"{seconds_ratio:.2f}x slower" if seconds_ratio > 1 else f"{1 / seconds_ratio:.2f}x faster"
 
 
 def speedup_matrix(rows: list[dict]) -> tuple[list[list[float]], str]:

@@ -78,9 +78,34 @@ class Tokenizer:
         """Token ids -> text; special tokens (bos, eos, pad, mask) are dropped."""
         return self._tok.decode([int(i) for i in ids if int(i) > MASK_ID], skip_special_tokens=True)
 
+    def decode_valid(self, ids: Iterable[int]) -> tuple[str, int]:
+        """Like `decode`, but bytes that do not form valid UTF-8 (a model that wrote part of a
+        multi-byte character) are left out instead of shown as U+FFFD; returns the text and how many
+        bytes were left out."""
+        raw = b"".join(_token_bytes(self._tok.id_to_token(int(i))) for i in ids if int(i) > MASK_ID)
+        text = raw.decode("utf-8", errors="ignore")
+        return text, len(raw) - len(text.encode("utf-8"))
+
     def tokens(self, ids: Iterable[int]) -> list[str]:
         """Readable pieces for traces (byte-level symbols, e.g. 'Ġ' marks a leading space)."""
         return [self._tok.id_to_token(int(i)) for i in ids]
+
+
+def _byte_symbols() -> dict[str, int]:
+    """Byte-level BPE's alphabet: each byte is written as one printable character (printable
+    Latin-1 bytes as themselves, the other bytes as the characters from U+0100 on, in byte order)."""
+    printable = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
+    symbols = {chr(b): b for b in printable}
+    others = (b for b in range(256) if b not in symbols.values())
+    symbols.update({chr(256 + n): b for n, b in enumerate(others)})
+    return symbols
+
+
+_BYTE_OF = _byte_symbols()
+
+
+def _token_bytes(token: str) -> bytes:
+    return bytes(_BYTE_OF[c] for c in token)
 
 
 def iter_training_text(pairs: Iterator[tuple[str, str]]) -> Iterator[str]:

@@ -15,6 +15,11 @@ Files in out_dir:
     model.pt         the file decode.py loads: the better of best/average on dev loss, float16
     log.jsonl        one JSON record per evaluation
 
+A run never clobbers another: an out_dir that already holds a run's files is refused unless the
+run resumes it (its stored configuration, task and vocabulary must then agree with the new one,
+beyond the schedule fields of RESUMABLE_CHANGES) or is told to overwrite it. Ctrl-C (SIGINT) ends
+the run after the current update with last.pt saved, so --resume continues it exactly.
+
 With `proposal_k` the run trains the proposal heads of blockwise parallel decoding (refdec.proposal)
 on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
 on one randomly drawn head's loss per batch (the paper's unbiased estimate) or the mean over heads.
@@ -26,12 +31,15 @@ the weights from there).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -50,6 +58,61 @@ from .model import SharedEncoder, Transformer
 from .drafter import block_batch, glance, glancing_ratio
 from .proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from .tokenizer import Tokenizer, iter_training_text
+
+
+# What a training run writes into its out_dir (and what --overwrite removes).
+RUN_FILES = ("tokenizer.json", "last.pt", "best.pt", "average.pt", "model.pt", "log.jsonl", "snapshots")
+# Fields a resumed run may change: how long and how verbosely it runs, not what it trains.
+RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eval_every", "eval_sentences", "dev_limit",
+                     "out_dir")
+PATH_FIELDS = ("init_from", "tokenizer_from", "encoder_from", "kd_from", "data_dir")
+
+
+class TrainingError(Exception):
+    """A run that cannot start or go on as asked: train.py prints the message on one line and exits 2."""
+
+
+class Interrupted(Exception):
+    """Training stopped on Ctrl-C; last.pt holds the state --resume continues from."""
+
+
+def check_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to mix a new run into an old one's folder: an existing run needs --resume or --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise TrainingError(f"--out-dir {out} is a file, not a folder")
+    present = [name for name in RUN_FILES if (out / name).exists()]
+    if resume:
+        if overwrite:
+            raise TrainingError("--resume continues the run in --out-dir and --overwrite deletes it: choose one")
+        if not (out / "last.pt").is_file():
+            raise TrainingError(f"nothing to resume: {out}/last.pt does not exist (drop --resume to start a new run)")
+    elif present and not overwrite:
+        raise TrainingError(f"{out} already holds a training run ({', '.join(present)}); pass --resume to continue "
+                            f"it, --overwrite to replace it, or another --out-dir")
+
+
+def remove_run(out: Path, keep: tuple[str, ...] = ()) -> None:
+    """--overwrite: delete the files a previous run wrote into `out` (nothing else in the folder),
+    except those in `keep`: files the new run itself reads (its vocabulary or starting checkpoint)."""
+    kept = {Path(k).resolve() for k in keep if k}
+    for name in RUN_FILES:
+        path = out / name
+        if path.resolve() in kept:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def config_changes(stored: dict, cfg: TrainConfig) -> list[str]:
+    """The fields in which `cfg` differs from a run's stored configuration, beyond RESUMABLE_CHANGES
+    (paths compared as resolved files, so `a/b` and `./a/b` agree)."""
+    def norm(name, value):
+        return str(Path(value).resolve()) if name in PATH_FIELDS and value else value
+    new = cfg.to_dict()
+    return [f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in new.items()
+            if k not in RESUMABLE_CHANGES and norm(k, stored.get(k)) != norm(k, v)]
 
 
 def inverse_sqrt(step: int, warmup: int) -> float:
@@ -152,7 +215,7 @@ class Objective(torch.nn.Module):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, log=print):
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, log=print):
         self.cfg, self.log = cfg, log
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -168,7 +231,8 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.out = Path(cfg.out_dir)
-        self.resume = resume
+        self.resume, self.overwrite = resume, overwrite
+        self.stop_requested = False  # set by Ctrl-C: the loop saves last.pt and stops after this update
 
     # -- setup -------------------------------------------------------------------------------------
     def _is_main(self) -> bool:
@@ -178,11 +242,33 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
 
+    def claim_out_dir(self) -> dict | None:
+        """Check out_dir before any work (every rank, before rank 0 writes into it); on --resume,
+        return last.pt once its stored configuration, task and vocabulary agree with this run's."""
+        check_out_dir(self.out, resume=self.resume, overwrite=self.overwrite)
+        self._barrier()
+        if self.overwrite and self._is_main():
+            cfg = self.cfg
+            remove_run(self.out, keep=(cfg.init_from, cfg.tokenizer_from, cfg.encoder_from, cfg.kd_from))
+        if not self.resume:
+            return None
+        last = load_checkpoint(self.out / "last.pt")
+        stored = last.get("meta", {}).get("train_config", {})
+        changed = config_changes(stored, self.cfg)
+        if changed:
+            raise TrainingError(f"{self.out}/last.pt was trained with another configuration ({'; '.join(changed)}); "
+                                f"resume with the same options, or start a new run in another --out-dir")
+        return last
+
     def prepare(self) -> None:
         cfg = self.cfg
+        last = self.claim_out_dir()
         data_dir = cfg.data_dir or data_mod.DATA_DIR
         train = data_mod.load_split(cfg.task, "train", data_dir)
         self.dev = data_mod.load_split(cfg.task, "dev", data_dir)
+        if cfg.dev_limit:  # smoke runs: validate on the first dev pairs only
+            n = cfg.dev_limit
+            self.dev = data_mod.Split(self.dev.src[:n], [r[:n] for r in self.dev.refs], self.dev.docs[:n])
         pairs = list(zip(train.src, train.tgt))
         if cfg.train_limit:
             pairs = pairs[: cfg.train_limit]
@@ -257,8 +343,8 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch, self.elapsed = 0, 0, 0, 0.0
         self.best_loss = float("inf")
         self.snapshots: list[str] = []
-        if self.resume and (self.out / "last.pt").exists():
-            self._load_last()
+        if last is not None:
+            self._load_last(last)
         # Head 1 (the base) is skipped in some batches when drawn at random: those weights get no gradient.
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective, find_unused_parameters=self.heads is not None)
                     if self.world > 1 else self.objective)
@@ -270,10 +356,9 @@ class Trainer:
                  + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
                     f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss" if self.heads else ""))
 
-    def _load_last(self) -> None:
-        ck = load_checkpoint(self.out / "last.pt")
+    def _load_last(self, ck: dict) -> None:
         if ck.get("tokenizer_sha256") != self.tok.sha256:
-            raise SystemExit(f"error: {self.out}/last.pt does not match {self.out}/tokenizer.json")
+            raise TrainingError(f"{self.out}/last.pt does not match {self.out}/tokenizer.json (another vocabulary)")
         self.model.load_state_dict(ck["model"])
         if self.heads is not None:
             self.heads.load_state_dict(ck["proposal"]["state"])
@@ -431,11 +516,11 @@ class Trainer:
         self.objective.train()
         limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else float("inf")
         t_last, tok_count, loss_sum, loss_n = time.time(), 0, 0.0, 0
-        while self.step < cfg.max_steps and not self._out_of_time(limit_s):
+        while self.step < cfg.max_steps and not self._should_stop(limit_s):
             batches = data_mod.token_batches(self.lengths, cfg.batch_tokens, seed=cfg.seed * 1000 + self.epoch)
             mine = batches[self.rank::self.world]
             n_steps = len(batches) // self.world  # every rank must run the same number of steps
-            while self.batch_in_epoch < n_steps and self.step < cfg.max_steps and not self._out_of_time(limit_s):
+            while self.batch_in_epoch < n_steps and self.step < cfg.max_steps and not self._should_stop(limit_s):
                 idx = mine[self.batch_in_epoch]
                 src, tgt_in, tgt_out = (x.to(self.device) for x in data_mod.training_tensors(
                     [self.src_ids[i] for i in idx], [self.tgt_ids[i] for i in idx]))
@@ -467,6 +552,12 @@ class Trainer:
                     t_last = time.time()
             if self.batch_in_epoch >= n_steps:
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        if self.stop_requested:  # Ctrl-C: keep what was trained, resumable, and stop
+            if self._is_main():
+                self._save_last()
+            self._barrier()
+            raise Interrupted(f"interrupted at step {self.step}: {self.out}/last.pt saved; "
+                              f"continue with the same command and --resume")
         if self.step % cfg.eval_every:
             self._eval_and_save()
         results = self.finish() if self._is_main() else {}
@@ -475,15 +566,17 @@ class Trainer:
             dist.destroy_process_group()
         return results
 
-    def _out_of_time(self, limit_s: float) -> bool:
-        """Rank 0's clock decides for everyone: ranks that stopped on their own clocks at different
-        steps would leave the others waiting forever in the gradient all-reduce."""
-        over = self.elapsed >= limit_s
-        if self.world > 1 and limit_s != float("inf"):
-            flag = torch.tensor([float(over)], device=self.device)
+    def _should_stop(self, limit_s: float) -> bool:
+        """Out of time, or Ctrl-C was pressed. Rank 0 decides for everyone: ranks that stopped on their
+        own clocks or signals at different steps would leave the others waiting forever in the
+        gradient all-reduce."""
+        stop = self.elapsed >= limit_s or self.stop_requested
+        if self.world > 1:
+            flag = torch.tensor([float(stop)], device=self.device)
             dist.broadcast(flag, src=0)
-            over = bool(flag.item())
-        return over
+            stop = bool(flag.item())
+            self.stop_requested = self.stop_requested or (stop and self.elapsed < limit_s)
+        return stop
 
     def _window(self, now: float) -> float:
         start = getattr(self, "_window_start", None) or self._t0
@@ -501,7 +594,29 @@ class Trainer:
         self._t0 = time.time()
         self.prepare()
         self._t0 = time.time()
-        return self.train()
+        with stop_on_sigint(self):
+            return self.train()
+
+
+@contextlib.contextmanager
+def stop_on_sigint(trainer: Trainer):
+    """During training, the first Ctrl-C asks the loop to stop after the current update (with
+    last.pt saved); a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        trainer.log("Ctrl-C: stopping after this update and saving last.pt (press again to quit at once)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def format_scores(scores: dict) -> str:
