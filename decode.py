@@ -137,6 +137,8 @@ def check_knobs(knobs: dict, given: set[str]) -> None:
     for knob in ("length_penalty", "tau", "epsilon", "fallback_threshold", "rollback_threshold", "top_p", "temperature"):
         if not math.isfinite(knobs[knob]):
             raise UsageError(f"--{knob.replace('_', '-')} must be a finite number, not {knobs[knob]}")
+    if abs(knobs["length_penalty"]) > 10:  # length ** A overflows long before; 0.6-1 is the usual range
+        raise UsageError(f"--length-penalty must be between -10 and 10, not {knobs['length_penalty']}")
     if knobs["tau"] < 0 or knobs["epsilon"] < 0 or knobs["temperature"] <= 0:
         raise UsageError("--tau and --epsilon must be at least 0, --temperature above 0")
     if knobs["fallback_threshold"] < 0 or knobs["rollback_threshold"] < 0:
@@ -157,8 +159,11 @@ def check_knobs(knobs: dict, given: set[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from refdec.interrupt import raise_if_interrupted, remember_sigint
+    remember_sigint()
     try:
         args = build_parser().parse_args(argv)
+        raise_if_interrupted()
         return run(args)
     except KeyboardInterrupt:  # before decoding started, or while the figures were computed
         print("interrupted", file=sys.stderr)
@@ -188,6 +193,8 @@ def run(args) -> int:
     from refdec.proposal import load_proposal
     from refdec.decoding import ALGORITHMS
     from refdec.runner import UsageError
+    from refdec.interrupt import raise_if_interrupted
+    raise_if_interrupted()
 
     algo = ALGORITHMS[args.algo]
     compares = parse_compare(args.compare) if args.compare else []

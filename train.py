@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from refdec.config import PRESETS, TrainConfig
+from refdec.interrupt import raise_if_interrupted, remember_sigint
 
 REPO = Path(__file__).resolve().parent
 
@@ -93,13 +94,19 @@ def preset_config(preset: str, changes: dict) -> TrainConfig:
     return cfg.replace(**repo_paths, **changes)
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    remember_sigint()
+    try:
+        return train(build_parser().parse_args(argv))
+    except KeyboardInterrupt:  # before training started (loading data, training the vocabulary)
+        print("interrupted before training started: nothing was saved", file=sys.stderr)
+        return 130
+
+
+def train(args) -> int:
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
+    from refdec.runner import usable_cores
+    raise_if_interrupted()
     try:
         cfg = preset_config(args.preset, changes)
         cfg.model_config(cfg.vocab_size)  # validates the shape before any work
@@ -112,12 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from refdec.checkpoint import CheckpointError
         from refdec.training import Interrupted, Trainer, TrainingError, log_to_stderr
+        raise_if_interrupted()
         results = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, log=log_to_stderr).run()
     except Interrupted as e:
         print(str(e), file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        print("interrupted before training started: nothing was saved", file=sys.stderr)
         return 130
     except (TrainingError, CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

@@ -1,0 +1,354 @@
+"""train.py and decode.py under misuse: nothing lost, nothing clobbered, nothing that takes the
+machine down. Each test names the case it guards; every failure is one line and exit 2."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_py
+
+TINY = ["train.py", "--preset", "tiny", "--train-limit", "400", "--threads", "1", "--dev-limit", "16"]
+DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet"]
+
+
+def one_line_error(r, code: int = 2) -> str:
+    err = r.stderr.decode().strip()
+    assert r.returncode == code, (r.returncode, err)
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err
+    return err
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def readme_training_commands() -> list[str]:
+    """Every `python train.py ...` command the README gives, in the order it gives them."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    found = re.findall(r"`(python train\.py [^`]*)`|^    (python train\.py [^#\n]*)", text, flags=re.M)
+    commands = (" ".join((inline or block).split()) for inline, block in found)
+    return list(dict.fromkeys(c for c in commands if "--preset" in c))
+
+
+# -- train.py ------------------------------------------------------------------------------------
+
+def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_path):
+    """Case: `python train.py --preset gec-uk ...` from the README overwrote the shipped
+    checkpoints/gec-uk/model.pt. Every README training command (and that one), run for one step from
+    another folder, writes under runs/ there or fails in one line; checkpoints/ is byte-identical."""
+    commands = readme_training_commands()
+    assert len(commands) >= 10 and any("--resume" in c for c in commands)
+    commands.append("python train.py --preset gec-uk --max-steps 2 --eval-every 1 --eval-sentences 2 --threads 1")
+    before = tree_digest(REPO / "checkpoints")
+    quick = ["--max-steps", "1", "--eval-every", "1", "--eval-sentences", "2", "--train-limit", "64",
+             "--dev-limit", "8", "--threads", "1"]
+    ran, folder_of = 0, {}
+    for n, command in enumerate(commands):
+        args = shlex.split(command)[2:]
+        preset = args[args.index("--preset") + 1]
+        # each command in a folder of its own; --resume in the folder of the run it continues
+        cwd = folder_of[preset] if "--resume" in args else tmp_path / str(n)
+        cwd.mkdir(exist_ok=True)
+        folder_of[preset] = cwd
+        r = subprocess.run([sys.executable, str(REPO / "train.py"), *args, *quick], cwd=cwd,
+                           capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        err = r.stderr.decode()
+        assert "Traceback" not in err, (command, err)
+        if r.returncode == 0:
+            ran += 1
+            out = args[args.index("--out-dir") + 1] if "--out-dir" in args else f"runs/{preset}"
+            assert (cwd / out / "model.pt").exists(), command
+        else:  # e.g. a distilled folder that is not shipped: one line naming what to build
+            assert r.returncode == 2 and err.strip().startswith("error:") and len(err.strip().splitlines()) == 1, \
+                (command, err)
+    assert ran >= len(commands) - 2
+    assert tree_digest(REPO / "checkpoints") == before
+
+
+def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path):
+    """Case: rerunning into an existing --out-dir restarted silently at step 0 and overwrote its
+    checkpoints (log.jsonl then read 20, 40, 60, 20, 22). Now it is refused; --overwrite starts afresh."""
+    out = tmp_path / "run"
+    assert run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2").returncode == 0
+    before = tree_digest(out)
+    err = one_line_error(run_py(*TINY, "--out-dir", str(out), "--max-steps", "2", "--eval-every", "1"))
+    assert "already holds a training run" in err and "--resume" in err and "--overwrite" in err
+    assert tree_digest(out) == before
+    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "2", "--eval-every", "1", "--overwrite")
+    assert r.returncode == 0, r.stderr.decode()
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert "choose one" in one_line_error(run_py(*TINY, "--out-dir", str(out), "--resume", "--overwrite"))
+
+
+def test_resume_refuses_another_configuration(tmp_path):
+    """Cases: --resume with another --task trained the old model on other data under the new task's
+    name; another --lr or --batch-tokens was accepted silently; another preset or --d-model died with
+    a 26 KB traceback; --resume without last.pt started from scratch silently."""
+    out = tmp_path / "run"
+    assert run_py(*TINY, "--out-dir", str(out), "--max-steps", "2", "--eval-every", "2").returncode == 0
+    for extra, needle in ((["--task", "gec-en"], "task"), (["--lr", "0.01"], "lr"),
+                          (["--batch-tokens", "900"], "batch_tokens"), (["--d-model", "64"], "d_model")):
+        err = one_line_error(run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--resume", *extra))
+        assert "another configuration" in err and needle in err, err
+    err = one_line_error(run_py("train.py", "--preset", "gec-uk", "--out-dir", str(out), "--resume", "--threads", "1"))
+    assert "another configuration" in err
+    err = one_line_error(run_py(*TINY, "--out-dir", str(tmp_path / "empty"), "--resume"))
+    assert "nothing to resume" in err
+    # what may change on resume: how long it runs
+    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "3", "--eval-every", "3", "--resume")
+    assert r.returncode == 0 and b"resumed from" in r.stderr, r.stderr.decode()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-steps", "0"], "max-steps must be at least 1"),
+    (["--eval-every", "0"], "eval-every must be at least 1"),
+    (["--threads", "-1"], "threads must be at least 0"),
+    (["--threads", "10000"], "cores"),
+    (["--lr", "nan"], "lr must be a positive number"),
+    (["--warmup-steps", "0"], "warmup-steps must be at least 1"),
+    (["--dropout", "1"], "dropout must be in [0, 1)"),
+])
+def test_bad_training_options_are_one_line_errors(tmp_path, args, needle):
+    """Cases: --max-steps 0 exited 0 with no model and no message; --eval-every 0 and --threads -1
+    gave tracebacks; --threads 10000 was accepted."""
+    assert needle in one_line_error(run_py(*TINY, "--out-dir", str(tmp_path / "x"), *args))
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_out_dir_that_is_a_file_is_a_one_line_error(tmp_path):
+    """Case: --out-dir naming a file gave a traceback."""
+    f = tmp_path / "file"
+    f.write_text("not a folder")
+    assert "is a file" in one_line_error(run_py(*TINY, "--out-dir", str(f)))
+
+
+def _wait_for(proc, path: Path, needle: str, timeout: float = 120) -> None:
+    t0 = time.time()
+    while needle not in (path.read_text() if path.exists() else ""):
+        assert proc.poll() is None, "the process ended before it could be interrupted"
+        assert time.time() - t0 < timeout
+        time.sleep(0.05)
+
+
+def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path):
+    """Case: Ctrl-C during training gave a traceback and lost the steps since the last evaluation.
+    Now it stops after the current update with last.pt saved, exits 130 in one line, and --resume
+    continues to exactly the weights of an uninterrupted run."""
+    common = ["--max-steps", "400", "--eval-every", "200", "--log-every", "5"]
+    split, log = tmp_path / "split", tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, *TINY, "--out-dir", str(split), *common], cwd=REPO, stderr=f,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _wait_for(proc, log, "| loss ")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    err = log.read_text()
+    assert "Traceback" not in err and "last.pt saved" in err and "--resume" in err, err
+    step = int(re.search(r"interrupted at step (\d+)", err).group(1))
+    assert 5 <= step < 400 and not (split / "model.pt").exists()
+    r = run_py(*TINY, "--out-dir", str(split), *common, "--resume")
+    assert r.returncode == 0 and f"at step {step}".encode() in r.stderr, r.stderr.decode()
+    straight = tmp_path / "straight"
+    assert run_py(*TINY, "--out-dir", str(straight), *common).returncode == 0
+    from refdec.checkpoint import load_checkpoint
+    a, b = load_checkpoint(straight / "last.pt")["model"], load_checkpoint(split / "last.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    """Case: Ctrl-C while train.py or decode.py was still starting gave a traceback."""
+    for cmd in ([*TINY, "--out-dir", str(tmp_path / "x")], [*DECODE, "--algo", "greedy"]):
+        proc = subprocess.Popen([sys.executable, *cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(0.3)  # importing torch
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        # 130 after a one-line message; -SIGINT if the signal came before Python set up its handler
+        assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
+        assert b"Traceback" not in err and len(err.decode().strip().splitlines()) <= 2, err
+
+
+# -- decode.py -----------------------------------------------------------------------------------
+
+def decode(ckpt, *args, **kw):
+    return run_py(*DECODE, "--model", str(ckpt / "model.pt"), *args, **kw)
+
+
+@pytest.fixture(scope="module")
+def many_lines(tmp_path_factory) -> Path:
+    """2,000 real test sentences: long enough to interrupt a decode half-way."""
+    from refdec.data import DATA_DIR, read_lines
+    path = tmp_path_factory.mktemp("input") / "in.txt"
+    lines = read_lines(DATA_DIR / "mt-en-de" / "test.src.gz")
+    path.write_text("\n".join((lines * 2)[:2000]) + "\n", encoding="utf-8")
+    return path
+
+
+def test_output_paths_are_checked_before_decoding(trained_tiny, tmp_path, many_lines):
+    """Case: an unwritable --report or --output (a missing folder, a folder, /proc) was discovered only
+    after all the decoding, and nothing was written. Now the run stops at once, in one line, and an
+    --output equal to the input is refused instead of overwriting it."""
+    cases = [("--output", str(tmp_path / "missing" / "out.txt"), "does not exist"),
+             ("--report", str(tmp_path), "is a folder"),
+             ("--report", "/proc/refdec-report.json", "cannot be written"),
+             ("--output", str(many_lines), "is also the input")]
+    for flag, path, needle in cases:
+        t0 = time.time()
+        r = decode(trained_tiny, "--algo", "greedy", "--input", str(many_lines), flag, path)
+        assert needle in one_line_error(r) and time.time() - t0 < 60
+    assert len(many_lines.read_text().splitlines()) == 2000
+    assert not (tmp_path / "refdec-report.json").exists()
+
+
+def _interrupt_decode(ckpt, many_lines, out, report, sig):
+    proc = subprocess.Popen([sys.executable, *DECODE, "--model", str(ckpt / "model.pt"), "--algo", "greedy",
+                             "--input", str(many_lines), "--max-len", "30", "--output", str(out), "--report",
+                             str(report)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    t0 = time.time()
+    while not (out.exists() and out.read_text(encoding="utf-8").count("\n") >= 10):
+        assert proc.poll() is None and time.time() - t0 < 120, "decode.py ended before it could be interrupted"
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err.decode()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_an_interrupted_decode_keeps_every_finished_line(trained_tiny, tmp_path, many_lines, sig):
+    """Case: Ctrl-C printed "interrupted" and wrote neither the outputs decoded so far nor a report.
+    Now outputs are written as they are decoded, in input order, whole lines only: after Ctrl-C
+    (exit 130, a report marked interrupted) or kill -9, the file holds the first lines of a full
+    run's output, each complete."""
+    out, report = tmp_path / "out.txt", tmp_path / "r.json"
+    code, err = _interrupt_decode(trained_tiny, many_lines, out, report, sig)
+    text = out.read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    kept = text.splitlines()
+    assert 10 <= len(kept) < 2000
+    full = decode(trained_tiny, "--algo", "greedy", "--input", str(many_lines), "--max-len", "30",
+                  "--limit", str(len(kept)))
+    assert full.returncode == 0 and full.stdout.decode("utf-8").splitlines() == kept
+    if sig == signal.SIGINT:
+        assert code == 130 and "Traceback" not in err and f"interrupted after {len(kept)} of 2000" in err, err
+        rep = json.loads(report.read_text())
+        assert rep["interrupted"] is True and rep["lines_decoded"] == len(kept) == rep["decoded"]
+    else:
+        assert code == -signal.SIGKILL
+
+
+def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
+    """Cases: --beam-size 100000 reached 22.8 GB and was killed by the kernel; --threads 10000 ran
+    3 sentences in 290 s; --batch-size 100000 peaked at 11.8 GB. Beams and batch rows are bounded by
+    the memory free (the refusal says how many fit); threads by the cores."""
+    r = decode(trained_tiny, "--algo", "beam", "--beam-size", "100000000", "--limit", "3")
+    assert "GiB" in one_line_error(r) and "use at most" in r.stderr.decode()
+    assert "cores" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--threads", "10000"))
+    import decode as decode_script
+    from refdec import runner
+    from refdec.checkpoint import load_model
+    from refdec.decoding import ALGORITHMS
+    model, _, _ = load_model(trained_tiny / "model.pt")
+    run = runner.Run(ALGORITHMS["greedy"], {"block_size": 0}, models={"model": model})
+    ids = [[7] * 50 for _ in range(4000)]
+    args = type("Args", (), {"batch_size": 100000, "max_len": None})()
+    monkeypatch.setattr(runner, "available_memory", lambda: 2**26)
+    with pytest.raises(runner.UsageError, match="sentences per batch"):
+        decode_script.check_fits(run, ids, args, 128, torch.float32)
+    args.batch_size = 8
+    decode_script.check_fits(run, ids, args, 128, torch.float32)  # fits
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--algo", "beam", "--length-penalty", "nan"], "finite"),
+    (["--algo", "beam", "--length-penalty", "1e300"], "between -10 and 10"),
+    (["--algo", "bild", "--small", "x.pt", "--fallback-threshold", "-1"], "at least 0"),
+    (["--algo", "bild", "--small", "x.pt", "--rollback-threshold", "inf"], "finite"),
+])
+def test_non_finite_and_negative_thresholds_are_refused(trained_tiny, args, needle):
+    """Case: --length-penalty nan and --fallback-threshold -1 were accepted silently (and a huge
+    length penalty overflowed)."""
+    assert needle in one_line_error(decode(trained_tiny, *args))
+
+
+def test_warm_up_is_a_few_sentences_whatever_the_batch_size():
+    """Case: --batch-size 100000 made the warm-up decode the whole input twice."""
+    from refdec import runner
+    from refdec.decoding import Algorithm, DecodeResult, DecodeStats
+    seen = []
+
+    def fake(models, src, max_len, knobs):
+        seen.append(src.shape[0])
+        return DecodeResult([torch.tensor([5])] * src.shape[0], DecodeStats())
+
+    run = runner.Run(Algorithm("fake", fake, "counts rows"), {})
+    runner.decode_lines([run], {}, [[5, 6]] * 500, batch_size=100000, max_len=4, max_positions=64, device="cpu",
+                        warmup=2, progress=False)
+    assert seen == [runner.WARMUP_ROWS, 500]
+
+
+def test_exit_codes_are_one_for_every_usage_error(trained_tiny, tiny_extras, tmp_path):
+    """Cases: a non-gzip .gz input and an out-of-range --block-size exited 1 where every other usage
+    error exits 2; a text file as --model said "IndexError: pop from empty list"."""
+    bad = tmp_path / "in.gz"
+    bad.write_text("plain text\n")
+    assert "not a valid gzip file" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--input", str(bad)))
+    r = run_py(*DECODE, "--algo", "blockwise", "--model", str(tiny_extras["heads"]), "--block-size", "9", "--limit", "1")
+    assert "--block-size must be between 2 and the 3" in one_line_error(r)
+    r = run_py(*DECODE, "--algo", "greedy", "--model", str(REPO / "README.md"))
+    assert "is not a checkpoint" in one_line_error(r)
+
+
+def test_a_missing_default_checkpoint_names_the_tasks_that_have_one():
+    """Case: --algo gad --task gec-uk failed on a missing checkpoint and nothing said which algorithms
+    have shipped models for which task."""
+    r = run_py("decode.py", "--algo", "gad", "--task", "gec-uk", "--limit", "1")
+    assert "--algo gad has shipped models for --task mt-en-de" in one_line_error(r)
+
+
+def test_the_relative_column_says_what_it_means(trained_tiny):
+    """Case: the table printed `greedy ... speedup 0.55x` for the faster algorithm, its meaning in a
+    footnote. The column now reads "speed vs <first row>" with "... slower" or "... faster"."""
+    r = decode(trained_tiny, "--algo", "greedy", "--limit", "4", "--compare", "beam", "--max-len", "8")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "speed vs greedy" in err and re.search(r"\d\.\d\dx (slower|faster)|same", err), err
+    assert "speedup = " not in err
+
+
+def test_invalid_utf8_from_the_model_is_left_out_with_a_warning():
+    """Case: outputs for Chinese or emoji input held U+FFFD where the model wrote part of a
+    multi-byte character. Such bytes are left out (and counted); valid text is decoded unchanged."""
+    from refdec import runner
+    from refdec.tokenizer import Tokenizer
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    text = "我们今天去公园。 I love 🍕 pizza. Привіт, é\u00a0\ufffd"
+    ids = tok.encode(text)
+    assert tok.decode_valid(ids) == (text, 0) and tok.decode(ids) == text
+    emoji = tok.encode("🍕")
+    assert len(emoji) > 1  # byte tokens: cut one off and the character is incomplete
+    line, dropped = runner.text_line(tok, torch.tensor(tok.encode("pizza ") + emoji[:-1]))
+    assert line == "pizza " and dropped > 0 and "\ufffd" in tok.decode(tok.encode("pizza ") + emoji[:-1])
+
+
+def test_busy_cores_sees_another_process():
+    """Case: with another job on the machine a 2-thread decode ran 45x slower than --threads 1 and
+    nothing said so. decode.py's probe of other processes' CPU use sees a busy loop beside it."""
+    from refdec.runner import BusyCores
+    probe = BusyCores()
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    burner.wait()
+    busy = probe.others()
+    assert busy is not None and busy >= 0.5, busy
