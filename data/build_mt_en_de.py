@@ -37,13 +37,11 @@ import html
 import os
 import random
 import re
-import subprocess
 import sys
-import urllib.parse
 from collections import Counter, OrderedDict
 from html.parser import HTMLParser
 
-from buildlib import write_gz
+from buildlib import unpack_debs, write_gz
 
 SEED = 1234
 N_DING_TEST = 1000
@@ -84,51 +82,6 @@ EXPECTED_VERSIONS = {
 
 def log(*a):
     print(*a, flush=True)
-
-
-# --------------------------------------------------------------------------
-# download and extraction
-
-def find_deb(cache, pkg):
-    hits = sorted(glob.glob(os.path.join(cache, glob.escape(pkg) + "_*.deb")))
-    return hits[-1] if hits else None
-
-
-def deb_version(path):
-    name = os.path.basename(path)[:-len(".deb")]
-    return urllib.parse.unquote(name.split("_")[1])
-
-
-def ensure_debs(cache):
-    os.makedirs(cache, exist_ok=True)
-    debs = OrderedDict()
-    for pkg in PACKAGES:
-        deb = find_deb(cache, pkg)
-        if deb is None:
-            log(f"downloading {pkg} ...")
-            r = subprocess.run(["apt-get", "download", pkg], cwd=cache)
-            deb = find_deb(cache, pkg)
-            if r.returncode != 0 or deb is None:
-                sys.exit(f"apt-get download {pkg} failed (run 'apt-get update' first?)")
-        debs[pkg] = deb
-    return debs
-
-
-def extract(deb, dest_root, patterns):
-    """Extract the members matching ``patterns`` of ``deb`` (once) and return the folder."""
-    dest = os.path.join(dest_root, os.path.basename(deb)[:-len(".deb")])
-    marker = os.path.join(dest, ".extracted")
-    if os.path.exists(marker):
-        return dest
-    os.makedirs(dest, exist_ok=True)
-    deb_p = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
-    tar = subprocess.run(["tar", "-x", "-C", dest, "--wildcards", "--no-same-owner", *patterns],
-                         stdin=deb_p.stdout)
-    deb_p.stdout.close()
-    if deb_p.wait() != 0 or tar.returncode != 0:
-        sys.exit(f"extracting {deb} failed")
-    open(marker, "w").close()
-    return dest
 
 
 # --------------------------------------------------------------------------
@@ -568,14 +521,7 @@ def main(argv=None):
                     help="output folder (default: %(default)s)")
     args = ap.parse_args(argv)
 
-    debs = ensure_debs(args.cache_dir)
-    ext_root = os.path.join(args.cache_dir, "mt-en-de-extracted")
-    roots = {pkg: extract(deb, ext_root, PACKAGES[pkg]) for pkg, deb in debs.items()}
-    log("packages:")
-    for pkg, deb in debs.items():
-        v = deb_version(deb)
-        note = "" if v == EXPECTED_VERSIONS[pkg] else f"  (WARNING: built from {EXPECTED_VERSIONS[pkg]})"
-        log(f"  {pkg} {v}{note}")
+    roots = unpack_debs(args.cache_dir, PACKAGES, EXPECTED_VERSIONS, "mt-en-de-extracted")
 
     readers = [
         ("ding", lambda: (read_ding(roots["trans-de-en"]), "")),

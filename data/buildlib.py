@@ -1,4 +1,5 @@
-"""Helpers shared by the data build scripts (build_mt_en_de.py, build_gec_uk.py, build_gec_en.py).
+"""Helpers shared by the data build scripts (build_mt_en_de.py, build_gec_uk.py, build_gec_en.py,
+build_mono_en.py).
 
 The scripts are run as `python data/build_x.py`, which puts this folder first on sys.path, so
 they import this module as plain `import buildlib`. Standard library only.
@@ -7,9 +8,13 @@ they import this module as plain `import buildlib`. Standard library only.
 from __future__ import annotations
 
 import difflib
+import glob
 import gzip
 import hashlib
+import os
+import subprocess
 import sys
+import urllib.parse
 from typing import Iterable, Sequence
 
 # Characters that str.splitlines() treats as line breaks, plus tab: a sentence containing one
@@ -37,6 +42,66 @@ def verify_sha256(path: str, expected: str) -> None:
     if digest != expected:
         sys.exit(f"error: {path} has sha256 {digest}, expected {expected}; "
                  "delete it and run again")
+
+
+def find_deb(cache: str, pkg: str) -> str | None:
+    """Path of the newest cached `pkg_*.deb` in `cache`, or None."""
+    hits = sorted(glob.glob(os.path.join(cache, glob.escape(pkg) + "_*.deb")))
+    return hits[-1] if hits else None
+
+
+def deb_version(path: str) -> str:
+    """Package version from a .deb file name as apt-get download writes it (`pkg_1%3a2.0_all.deb`)."""
+    name = os.path.basename(path)[:-len(".deb")]
+    return urllib.parse.unquote(name.split("_")[1])
+
+
+def ensure_debs(cache: str, packages: Iterable[str]) -> dict:
+    """{package: path of its .deb in `cache`}, fetched with `apt-get download` when missing."""
+    os.makedirs(cache, exist_ok=True)
+    debs = {}
+    for pkg in packages:
+        deb = find_deb(cache, pkg)
+        if deb is None:
+            print(f"downloading {pkg} ...", flush=True)
+            r = subprocess.run(["apt-get", "download", pkg], cwd=cache)
+            deb = find_deb(cache, pkg)
+            if r.returncode != 0 or deb is None:
+                sys.exit(f"apt-get download {pkg} failed (run 'apt-get update' first?)")
+        debs[pkg] = deb
+    return debs
+
+
+def extract(deb: str, dest_root: str, patterns: Sequence[str]) -> str:
+    """Extract the members matching the tar wildcards `patterns` of `deb` into
+    `dest_root/<deb name>/` (once: a `.extracted` marker is left) and return that folder."""
+    dest = os.path.join(dest_root, os.path.basename(deb)[:-len(".deb")])
+    marker = os.path.join(dest, ".extracted")
+    if os.path.exists(marker):
+        return dest
+    os.makedirs(dest, exist_ok=True)
+    deb_p = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
+    tar = subprocess.run(["tar", "-x", "-C", dest, "--wildcards", "--no-same-owner", *patterns],
+                         stdin=deb_p.stdout)
+    deb_p.stdout.close()
+    if deb_p.wait() != 0 or tar.returncode != 0:
+        sys.exit(f"extracting {deb} failed")
+    open(marker, "w").close()
+    return dest
+
+
+def unpack_debs(cache: str, packages: dict, expected: dict, folder: str) -> dict:
+    """Fetch (ensure_debs) and extract (extract) the packages {name: tar wildcards} into
+    `cache/folder/`, print each one's version, with a warning where it is not the `expected` one
+    the data was built from, and return {name: extracted root}."""
+    debs = ensure_debs(cache, packages)
+    roots = {pkg: extract(deb, os.path.join(cache, folder), packages[pkg]) for pkg, deb in debs.items()}
+    print("packages:", flush=True)
+    for pkg, deb in debs.items():
+        v = deb_version(deb)
+        note = "" if v == expected[pkg] else f"  (WARNING: built from {expected[pkg]})"
+        print(f"  {pkg} {v}{note}", flush=True)
+    return roots
 
 
 def write_gz(path: str, lines: Iterable[str]) -> None:

@@ -4,6 +4,8 @@ and its outputs become the training targets.
     python -m refdec.distill --task mt-en-de --out data/distilled/mt-en-de-beam5       # beam 5
     python -m refdec.distill --task mt-en-de --algo greedy --out data/distilled/mt-en-de-greedy
     python train.py --preset mt-en-de --data-dir data/distilled/mt-en-de-beam5 ...    # train on it
+    python -m refdec.distill --task mt-en-de --algo greedy --sources data/mono-en/train.src.gz \
+        --add data/distilled/mt-en-de-greedy --out data/distilled/mt-en-de-mono    # monolingual text
 
 The output is a data folder in the layout of data/ (<out>/<task>/train.{src,tgt,doc}.gz, the teacher's
 outputs as train.tgt.gz; dev and test copied unchanged, so validation stays on real references)
@@ -12,9 +14,17 @@ GAD's drafter and verifier, blockwise parallel decoding's heads (section 6.2 of 
 BiLD's prediction alignment (the large model's greedy outputs, section 3.5.1 of Kim et al.) all
 train on such a folder via train.py --data-dir.
 
+--sources FILE distills sentences that have no reference (one per line, gzip or plain text; the
+document ids are read from the FILE's .doc.gz sibling when there is one) instead of the task's
+training sources, and --add DIR puts the training pairs of a folder distilled by the same teacher
+with the same decoding first (checked against its distill.json), so that monolingual sources add
+to the distilled translation pairs without decoding those again.
+
 Sources are decoded in batches of similar length (batched beam search or greedy) and written back
-in corpus order. Work is saved every --save-every batches to <out>/<task>/.partial.jsonl, and a
-rerun with the same options continues from there; progress goes to stderr.
+in corpus order. The batches are fixed by the sources alone, so a run that is stopped and rerun
+decodes the same batches as one that is not and gives the same bytes. Work is saved every
+--save-every batches to <out>/<task>/.partial.jsonl, and a rerun with the same options continues
+from there (a line cut off by a kill is decoded again); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -42,46 +52,98 @@ def write_gz(path: Path, lines: list[str]) -> None:
         f.write("".join(line + "\n" for line in lines).encode("utf-8"))
 
 
+def read_partial(partial: Path, options: dict) -> dict[int, str] | None:
+    """The outputs saved in a .partial.jsonl whose header equals `options` ({index: text}), or None
+    when there is no such file or it was written with other options. A last line cut off by a
+    kill is ignored (its sentence is decoded again)."""
+    if not partial.exists():
+        return None
+    lines = partial.read_text(encoding="utf-8").split("\n")
+    try:
+        if json.loads(lines[0]) != options:
+            return None
+    except json.JSONDecodeError:
+        return None
+    done = {}
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the empty string after the last newline, or a line cut off mid-write
+        done[rec["i"]] = rec["out"]
+    return done
+
+
+def read_sources(path: Path) -> tuple[list[str], list[str] | None]:
+    """Sentences of a source file (gzip or plain text, one per line) and the document ids of its
+    `.doc` sibling (`x.src.gz` -> `x.doc.gz`, `x.txt` -> `x.doc.txt`), or None when it has none."""
+    src = data_mod.read_lines(path)
+    name = path.name
+    doc_name = name.replace(".src.", ".doc.") if ".src." in name else f"{path.stem}.doc{path.suffix}"
+    doc_path = path.with_name(doc_name)
+    if doc_name == name or not doc_path.exists():
+        return src, None
+    docs = data_mod.read_lines(doc_path)
+    if len(docs) != len(src):
+        raise ValueError(f"{doc_path}: {len(docs)} lines but {path} has {len(src)}")
+    return src, docs
+
+
+def added_pairs(add: Path, task: str, options: dict) -> data_mod.Split:
+    """Training pairs of a folder distilled by the same teacher with the same decoding."""
+    info = json.loads((add / task / "distill.json").read_text(encoding="utf-8"))
+    for key in ("teacher_sha256", "algo", "beam_size"):
+        if info.get(key) != options[key]:
+            raise ValueError(f"--add {add}: its {key} is {info.get(key)!r}, this run's is {options[key]!r}")
+    return data_mod.load_split(task, "train", add)
+
+
 def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_size: int = 5,
             batch_size: int = 64, limit: int = 0, save_every: int = 20, data_dir: Path | None = None,
-            device: str = "cpu", log=print) -> dict:
+            sources: Path | None = None, add: Path | None = None, device: str = "cpu", log=print) -> dict:
+    """Decode the task's training sources (or the sentences of `sources`) with the teacher and write
+    the training folder <out>/<task>/ (see the module docstring); returns what distill.json holds."""
     data_dir = Path(data_dir or data_mod.DATA_DIR)
     model, tok, ckpt = load_model(model_path, task=task, device=device)
-    train = data_mod.load_split(task, "train", data_dir)
-    n = min(limit, len(train)) if limit else len(train)
-    folder = out / task
-    folder.mkdir(parents=True, exist_ok=True)
+    if sources is None:
+        train = data_mod.load_split(task, "train", data_dir)
+        src, docs, refs = train.src, train.docs, train.tgt
+    else:
+        src, docs = read_sources(Path(sources))
+        refs = None
+    n = min(limit, len(src)) if limit else len(src)
     options = {"teacher": str(model_path), "teacher_sha256": file_sha256(model_path),
                "algo": algo, "beam_size": beam_size if algo == "beam" else None, "sentences": n}
+    if sources is not None:
+        options |= {"sources": str(sources), "sources_sha256": file_sha256(Path(sources))}
+    extra = added_pairs(Path(add), task, options) if add is not None else None
+    folder = out / task
+    folder.mkdir(parents=True, exist_ok=True)
     partial = folder / ".partial.jsonl"
-    done: dict[int, str] = {}
-    if partial.exists():
-        lines = partial.read_text(encoding="utf-8").splitlines()
-        if lines and json.loads(lines[0]) == options:
-            for line in lines[1:]:
-                rec = json.loads(line)
-                done[rec["i"]] = rec["out"]
-            log(f"continuing: {len(done)} of {n} sentences already distilled")
-        else:
-            partial.unlink()
-    if not partial.exists():
-        partial.write_text(json.dumps(options) + "\n", encoding="utf-8")
+    done = read_partial(partial, options)
+    if done is not None:
+        log(f"continuing: {len(done)} of {n} sentences already distilled")
+    done = done or {}
+    # rewritten whole, so that new records never follow a line cut off mid-write
+    partial.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in
+                               [options, *({"i": i, "out": t} for i, t in done.items())]), encoding="utf-8")
 
     limit_len = model.cfg.max_positions - 1
-    ids = [s[:limit_len] for s in tok.encode_batch(train.src[:n])]
-    todo = sorted((i for i in range(n) if i not in done and ids[i]), key=lambda i: len(ids[i]))
+    ids = [s[:limit_len] for s in tok.encode_batch(src[:n])]
+    order = sorted((i for i in range(n) if ids[i]), key=lambda i: len(ids[i]))
     for i in range(n):
         if not ids[i]:
             done[i] = ""  # an empty source gives an empty target, as in decode.py
     t0, pending = time.time(), []
-    batches = [todo[j:j + batch_size] for j in range(0, len(todo), batch_size)]
+    batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
+    batches = [idx for idx in batches if not all(i in done for i in idx)]
     with torch.inference_mode():
         for b, idx in enumerate(batches, 1):
             rows = [ids[i] for i in idx]
-            src = data_mod.source_tensor(rows).to(device)
+            batch = data_mod.source_tensor(rows).to(device)
             max_len = min(limit_len, 2 * max(map(len, rows)) + 10)
-            res = (beam_search(model, src, max_len=max_len, beam_size=beam_size) if algo == "beam"
-                   else greedy(model, src, max_len=max_len))
+            res = (beam_search(model, batch, max_len=max_len, beam_size=beam_size) if algo == "beam"
+                   else greedy(model, batch, max_len=max_len))
             for i, t in zip(idx, res.tokens):
                 text = tok.decode(t.tolist()).replace("\r", " ").replace("\n", " ")
                 done[i] = text
@@ -94,14 +156,24 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
                 left = sum(map(len, batches[b:]))
                 log(f"  {n - left}/{n} sentences, {rate:.1f}/s, ETA {left / rate / 60:.1f} min")
     targets = [done[i] for i in range(n)]
-    write_gz(folder / "train.src.gz", train.src[:n])
+    src, docs = src[:n], (docs[:n] if docs is not None else None)
+    report = {**options, "seconds": round(time.time() - t0, 1)}
+    if refs is not None:
+        report["identical_to_reference"] = sum(a == b for a, b in zip(targets, refs)) / max(n, 1)
+    if extra is not None:
+        if docs is None:
+            docs = [f"{Path(sources).name}/{i + 1}" for i in range(n)]  # line number in the sources
+        src, targets, docs = extra.src + src, extra.tgt + targets, extra.docs + docs
+        report |= {"added": str(add), "added_pairs": len(extra.src), "pairs": len(src)}
+    write_gz(folder / "train.src.gz", src)
     write_gz(folder / "train.tgt.gz", targets)
-    write_gz(folder / "train.doc.gz", train.docs[:n])
+    if docs is not None:
+        write_gz(folder / "train.doc.gz", docs)
+    else:
+        (folder / "train.doc.gz").unlink(missing_ok=True)  # an earlier run's ids would not line up
     for split in ("dev", "test"):
         for f in sorted((data_dir / task).glob(f"{split}.*.gz")):
             shutil.copyfile(f, folder / f.name)
-    same = sum(a == b for a, b in zip(targets, train.tgt[:n]))
-    report = {**options, "seconds": round(time.time() - t0, 1), "identical_to_reference": same / max(n, 1)}
     (folder / "distill.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     partial.unlink()
     return report
@@ -115,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algo", default="beam", choices=["beam", "greedy"], help="teacher decoding (default beam)")
     p.add_argument("--beam-size", type=int, default=5, help="beams (default 5)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch (default 64)")
-    p.add_argument("--limit", type=int, default=0, help="distill only the first N training pairs (0 = all)")
+    p.add_argument("--limit", type=int, default=0, help="distill only the first N sources (0 = all)")
+    p.add_argument("--sources", help="distill the sentences of this file (one per line, gzip or text; document ids "
+                                     "from its .doc sibling) instead of the task's training sources")
+    p.add_argument("--add", help="a folder distilled by the same teacher and decoding whose training pairs go first")
     p.add_argument("--save-every", type=int, default=20, help="save progress every N batches (default 20)")
     p.add_argument("--data-dir", help="source data folder (default: the repo's data/)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -134,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = distill(args.task, model, Path(args.out), algo=args.algo, beam_size=args.beam_size,
                          batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,
-                         data_dir=Path(args.data_dir) if args.data_dir else None, device=device,
+                         data_dir=Path(args.data_dir) if args.data_dir else None,
+                         sources=Path(args.sources) if args.sources else None,
+                         add=Path(args.add) if args.add else None, device=device,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
-    except (CheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2))

@@ -8,7 +8,24 @@ import pytest
 
 from conftest import run_py
 from refdec.data import load_split
-from refdec.distill import distill
+from refdec.distill import distill, write_gz
+
+
+class Stop(Exception):
+    pass
+
+
+def stop_every(n):
+    """A log function that stops the run (raises Stop) at every n-th message: the progress line
+    that follows a save."""
+    seen = []
+
+    def log(msg):
+        seen.append(msg)
+        if len(seen) % n == 0:
+            raise Stop
+
+    return log
 
 
 def test_distilled_folder_holds_teacher_outputs_and_resumes(trained_tiny, tmp_path):
@@ -22,19 +39,9 @@ def test_distilled_folder_holds_teacher_outputs_and_resumes(trained_tiny, tmp_pa
     assert a.src == orig.src[:40] and len(a.tgt) == 40 and a.docs == orig.docs[:40]
     assert load_split("mt-en-de", "dev", tmp_path / "a").tgt == load_split("mt-en-de", "dev").tgt
 
-    class Stop(Exception):
-        pass
-
-    seen = []
-
-    def stop_after_two(msg):
-        seen.append(msg)
-        if len(seen) == 2:
-            raise Stop
-
     with pytest.raises(Stop):
         distill("mt-en-de", trained_tiny / "model.pt", tmp_path / "b", algo="greedy", batch_size=8, limit=40,
-                save_every=1, log=stop_after_two)
+                save_every=1, log=stop_every(2))
     log = []
     distill("mt-en-de", trained_tiny / "model.pt", tmp_path / "b", algo="greedy", batch_size=8, limit=40,
             save_every=1, log=log.append)
@@ -56,3 +63,89 @@ def test_beam_teacher_and_cli(trained_tiny, tmp_path):
     bad = run_py("-m", "refdec.distill", "--task", "mt-en-de", "--model", str(tmp_path / "none.pt"), "--out",
                  str(tmp_path / "d"))
     assert bad.returncode == 2 and "not found" in bad.stderr.decode() and b"Traceback" not in bad.stderr
+
+
+def write_sources(folder, lines, docs=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    write_gz(folder / "mono.src.gz", lines)
+    if docs is not None:
+        write_gz(folder / "mono.doc.gz", docs)
+    return folder / "mono.src.gz"
+
+
+MONO = [f"The {w} command reads {n} files from the standard input." for n in range(4) for w in
+        ("ls", "cat", "sort", "head", "tail", "grep", "sed")] + ["", "Use the option."]
+
+
+def train_bytes(folder):
+    return {f.name: f.read_bytes() for f in sorted((folder / "mt-en-de").glob("*.gz"))}
+
+
+def test_sources_resume_gives_the_bytes_of_one_run(trained_tiny, tmp_path):
+    """Guards against monolingual sources that lose their order or document ids, and against a
+    resumed run (stopped after a save, or with its last line cut off by a kill) whose batches differ
+    from an uninterrupted run's and so its outputs."""
+    docs = [f"man/1/page{i // 5}" for i in range(len(MONO))]
+    sources = write_sources(tmp_path / "mono", MONO, docs)
+    model = trained_tiny / "model.pt"
+    full = distill("mt-en-de", model, tmp_path / "a", algo="greedy", batch_size=4, save_every=1, sources=sources,
+                   log=lambda m: None)
+    assert full["sources_sha256"] and "identical_to_reference" not in full and full["sentences"] == len(MONO)
+    a = load_split("mt-en-de", "train", tmp_path / "a")
+    assert a.src == MONO and a.docs == docs and len(a.tgt) == len(MONO) and a.tgt[MONO.index("")] == ""
+    assert load_split("mt-en-de", "test", tmp_path / "a").src == load_split("mt-en-de", "test").src
+
+    stop_at_third = stop_every(3)
+    with pytest.raises(Stop):
+        distill("mt-en-de", model, tmp_path / "b", algo="greedy", batch_size=4, save_every=1, sources=sources,
+                log=stop_at_third)
+    partial = tmp_path / "b" / "mt-en-de" / ".partial.jsonl"
+    saved = partial.read_text(encoding="utf-8")
+    partial.write_text(saved[:-7], encoding="utf-8")  # the last record cut off mid-line, as by a kill
+    with pytest.raises(Stop):  # stopped again after one more batch
+        distill("mt-en-de", model, tmp_path / "b", algo="greedy", batch_size=4, save_every=1, sources=sources,
+                log=stop_at_third)
+    lines = partial.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 1 + 11 + 4 + 4 and all(json.loads(line) for line in lines)  # batch 3 again, batch 4
+    log = []
+    distill("mt-en-de", model, tmp_path / "b", algo="greedy", batch_size=4, save_every=1, sources=sources,
+            log=log.append)
+    assert log[0].startswith(f"continuing: 16 of {len(MONO)}")
+    assert train_bytes(tmp_path / "b") == train_bytes(tmp_path / "a")
+    assert not partial.exists()
+
+    # other sources make the saved work stale: it is thrown away, not mixed in
+    other = write_sources(tmp_path / "other", MONO[::-1])
+    distill("mt-en-de", model, tmp_path / "c", algo="greedy", batch_size=4, sources=sources, limit=8,
+            log=lambda m: None)
+    (tmp_path / "c" / "mt-en-de" / ".partial.jsonl").write_text(saved, encoding="utf-8")
+    log = []
+    distill("mt-en-de", model, tmp_path / "c", algo="greedy", batch_size=4, sources=other, log=log.append)
+    assert not log[0].startswith("continuing")
+    distill("mt-en-de", model, tmp_path / "d", algo="greedy", batch_size=4, sources=other, log=lambda m: None)
+    assert train_bytes(tmp_path / "c") == train_bytes(tmp_path / "d")
+    c = load_split("mt-en-de", "train", tmp_path / "c")
+    assert c.src == MONO[::-1] and c.docs == [""] * len(MONO)
+    assert not (tmp_path / "c" / "mt-en-de" / "train.doc.gz").exists()
+
+
+def test_add_puts_a_distilled_folder_first_and_checks_its_teacher(trained_tiny, tmp_path):
+    """Guards against monolingual pairs added to a folder of another teacher or decoding, and against
+    the added pairs losing their targets or documents."""
+    model = trained_tiny / "model.pt"
+    base = distill("mt-en-de", model, tmp_path / "base", algo="greedy", batch_size=8, limit=10, log=lambda m: None)
+    sources = write_sources(tmp_path / "mono", MONO[:6])
+    r = run_py("-m", "refdec.distill", "--task", "mt-en-de", "--model", str(model), "--algo", "greedy",
+               "--sources", str(sources), "--add", str(tmp_path / "base"), "--out", str(tmp_path / "m"),
+               "--threads", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    report = json.loads(r.stdout)
+    assert report["added_pairs"] == base["sentences"] == 10 and report["pairs"] == 16
+    b = load_split("mt-en-de", "train", tmp_path / "base")
+    m = load_split("mt-en-de", "train", tmp_path / "m")
+    assert m.src == b.src + MONO[:6] and m.tgt[:10] == b.tgt
+    assert m.docs == b.docs + [f"mono.src.gz/{i}" for i in range(1, 7)]
+
+    bad = run_py("-m", "refdec.distill", "--task", "mt-en-de", "--model", str(model), "--beam-size", "2",
+                 "--sources", str(sources), "--add", str(tmp_path / "base"), "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "algo" in bad.stderr.decode() and b"Traceback" not in bad.stderr
