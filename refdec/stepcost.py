@@ -4,7 +4,7 @@
     python -m refdec.stepcost --task mt-en-de --report cost.json
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
---src source tokens (the setting of ../shared/cpu-physics.md), interleaving the q values round by
+--src source tokens, interleaving the q values round by
 round, and prints the median cost and cost(q) / cost(1): the price of verifying a draft of q tokens
 in one call, which decides what every speculative decoder can gain on this machine. Each call is
 timed twice, interleaved: with refdec.model's few-row route for the linear layers (the default:
