@@ -198,6 +198,8 @@ def run(args) -> int:
 
     algo = ALGORITHMS[args.algo]
     compares = parse_compare(args.compare) if args.compare else []
+    if not args.model:  # ALGO without @CKPT runs on the checkpoint --algo ALGO would use (blockwise: the heads)
+        compares = [(name, path or own_default(ALGORITHMS[name], algo, args.task), over) for name, path, over in compares]
     others = [ALGORITHMS[name] for name, _, _ in compares]
     # Options an algorithm does not read are refused, never silently ignored.
     used = set(algo.knobs).union(*(o.knobs for o in others))
@@ -429,6 +431,17 @@ def run(args) -> int:
 
     print("\n\n".join([table] + notes), file=sys.stderr if not args.output else sys.stdout)
     return 130 if interrupted else 0
+
+
+def own_default(other, first, task: str) -> str | None:
+    """The default checkpoint of a compared algorithm when it is not the first algorithm's (None: the same)."""
+    if other.model_dir == first.model_dir:
+        return None
+    path = REPO / "checkpoints" / other.model_dir.format(task=task) / "model.pt"
+    if not path.exists():
+        from refdec.runner import UsageError
+        raise UsageError(f"--compare {other.name}: no checkpoint at {path}; {shipped_for(other)}")
+    return str(path)
 
 
 def shipped_for(algo) -> str:

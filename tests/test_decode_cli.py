@@ -343,3 +343,14 @@ def test_gad_with_a_drafter_on_the_verifiers_encoder(trained_tiny, tmp_path):
     report = json.loads(rep.read_text())
     assert report["compare"]["identical"] == 1.0
     assert report["runs"][0]["encoder_calls"] == 3 and report["runs"][0]["drafter_calls"] > 0
+
+
+def test_compare_blockwise_finds_its_heads_as_algo_blockwise_does():
+    """Guards against --compare blockwise running on the task's main model (which has no proposal
+    heads) while --algo blockwise finds the shipped heads by itself."""
+    r = run_py("decode.py", "--algo", "greedy", "--task", "mt-en-de", "--compare", "blockwise", "--limit", "3",
+               "--threads", "1", "--quiet")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    row = next(line for line in err.splitlines() if line.strip().startswith("blockwise@mt-en-de-blockwise"))
+    assert row.rstrip().endswith("1.0000")  # exact blockwise on a frozen base: greedy's outputs
