@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # every failure is one line; REFDEC_DEBUG=1 shows the traceback
         if os.environ.get("REFDEC_DEBUG"):
             raise
-        from refdec.checkpoint import CheckpointError
+        from refdec.checkpoint import CheckpointError  # refdec.loading's LoadError is one
         from refdec.runner import UsageError
         known = isinstance(e, (UsageError, CheckpointError))
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -187,12 +187,8 @@ def run(args) -> int:
     import torch
 
     from refdec import runner
-    from refdec.checkpoint import file_sha256, load_model
-    from refdec.data import DATA_DIR, TASKS, read_lines
-    from refdec.model import EarlyExit
-    from refdec.proposal import load_proposal
+    from refdec.data import DATA_DIR
     from refdec.decoding import ALGORITHMS
-    from refdec.runner import UsageError
     from refdec.interrupt import raise_if_interrupted
     raise_if_interrupted()
 
@@ -200,6 +196,51 @@ def run(args) -> int:
     compares = parse_compare(args.compare) if args.compare else []
     if not args.model:  # ALGO without @CKPT runs on the checkpoint --algo ALGO would use (blockwise: the heads)
         compares = [(name, path or own_default(ALGORITHMS[name], algo, args.task), over) for name, path, over in compares]
+    knobs, run_knobs = check_options(args, algo, compares)
+    check_machine(args)
+    lines, refs = read_input(args)
+    dtype = getattr(torch, args.dtype)
+    loader, runs = load_runs(args, algo, compares, knobs, run_knobs, dtype)
+    models = runs[0].models
+    ids = runner.source_ids(loader.tokenizer, lines, loader.max_positions)
+    for r in runs:
+        check_fits(r, ids, args, loader.max_positions, dtype)
+
+    busy = runner.BusyCores()
+    complete = decode_to_output(args, runs, models, ids, loader, busy)
+    interrupted = complete < len(lines)
+    if interrupted:  # the figures cover the lines every run finished, which are also the lines written
+        runner.warn(f"interrupted after {complete} of {len(lines)} input lines: those lines are written"
+                    + (f" to {args.output}" if args.output else "") + "; the figures below cover them alone")
+        lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
+        for r in runs:
+            r.outputs, r.traces = r.outputs[:complete], r.traces[:complete]
+            r.times, r.calls = r.times[:complete], r.calls[:complete]
+
+    rows, matrix, checks, text = summarise(args, runs, lines, refs, ids, loader.tokenizer)
+    if args.report:
+        report = runner.build_report(
+            args.task, rows, [r.knobs for r in runs], [r.algo for r in runs], n_lines=len(lines),
+            extra={"model": str(loader.main_path), "model_step": loader.ckpt.get("step"),
+                   "input": args.input or f"{DATA_DIR / args.task}/test.src.gz", "batch_size": args.batch_size,
+                   "max_len": args.max_len, "runs": rows, "speedup_matrix": matrix, "lossless_checks": checks,
+                   "interrupted": interrupted, "lines_decoded": complete,
+                   "environment": {**runner.environment(torch.get_num_threads(), args.device, dtype),
+                                   "other_busy_cores": busy.others()}})
+        runner.write_report(args.report, report)
+    if args.trace:
+        for i, steps in enumerate(runs[0].traces):
+            if steps is not None:
+                print(algo_trace(args.algo, i, steps, loader.tokenizer), file=sys.stderr)
+    print(text, file=sys.stderr if not args.output else sys.stdout)
+    return 130 if interrupted else 0
+
+
+def check_options(args, algo, compares: list) -> tuple[dict, list[dict]]:
+    """Refuse options no run reads and values out of range; return the first run's options and each
+    compared run's (the command line's with its own on top)."""
+    from refdec.decoding import ALGORITHMS
+    from refdec.runner import UsageError
     others = [ALGORITHMS[name] for name, _, _ in compares]
     # Options an algorithm does not read are refused, never silently ignored.
     used = set(algo.knobs).union(*(o.knobs for o in others))
@@ -207,10 +248,8 @@ def run(args) -> int:
         if getattr(args, knob) is not None and knob not in used:
             raise UsageError(f"--{knob.replace('_', '-')} is not used by --algo {args.algo}"
                              + (f" or --compare {args.compare}" if others else ""))
-    # Second models the runs share: those of the first run, and of compared runs that name none of their own.
-    roles = set(algo.roles).union(*({r for r in o.roles if r not in over} for (_, _, over), o in zip(compares, others)))
     for role in ("drafter", "small"):
-        if getattr(args, role) and role not in roles:
+        if getattr(args, role) and role not in shared_roles(algo, compares):
             raise UsageError(f"--{role} is not used by --algo {args.algo}")
     if args.batch_size < 1 or (args.max_len is not None and args.max_len < 1):
         raise UsageError("--batch-size and --max-len must be at least 1")
@@ -222,15 +261,30 @@ def run(args) -> int:
     knobs["trace"] = args.trace
     given = {k for k in KNOB_DEFAULTS if getattr(args, k) is not None}
     check_knobs(knobs, given)
-    run_knobs = []  # each compared run: the command line's options with its own on top
-    for (name, _, over), other in zip(compares, others):
+    run_knobs = []
+    for name, _, over in compares:
         own = {k: v for k, v in over.items() if k in KNOB_DEFAULTS}
         try:
             check_knobs({**knobs, **own}, given | set(own))
         except UsageError as e:
             raise UsageError(f"--compare {name}: {e}") from None
         run_knobs.append({**knobs, **own})
+    return knobs, run_knobs
 
+
+def shared_roles(algo, compares: list) -> set[str]:
+    """Second models the runs share: those of the first run, and of compared runs that name none of their own."""
+    from refdec.decoding import ALGORITHMS
+    return set(algo.roles).union(*({r for r in ALGORITHMS[name].roles if r not in over} for name, _, over in compares))
+
+
+def check_machine(args) -> None:
+    """Device and threads this machine has; output paths checked now, so that a run never decodes
+    for an hour to fail on its output."""
+    import torch
+
+    from refdec import runner
+    from refdec.runner import UsageError
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
     if args.threads is not None:
@@ -238,15 +292,18 @@ def run(args) -> int:
             raise UsageError(f"--threads must be between 1 and the {runner.usable_cores()} cores this machine gives "
                              f"the run (more threads than cores only slows decoding down)")
         torch.set_num_threads(args.threads)
-    # Paths written at the end are checked now: a run never decodes for an hour to fail on its output.
     read = {"input": args.input, **{f"--ref file {r}": r for r in args.ref or []}}
     if args.output:
         runner.check_writable(args.output, "--output", not_paths=read)
     if args.report:
         runner.check_writable(args.report, "--report", not_paths={**read, "--output": args.output})
-    dtype = getattr(torch, args.dtype)
 
-    # Input and references.
+
+def read_input(args) -> tuple[list[str], list[list[str]]]:
+    """The input lines and their reference streams (the task's test set unless --input)."""
+    from refdec import runner
+    from refdec.data import DATA_DIR, read_lines
+    from refdec.runner import UsageError
     task_dir = DATA_DIR / args.task
     if args.input:
         lines = runner.read_text_lines(args.input)
@@ -261,105 +318,67 @@ def run(args) -> int:
         refs = [read_lines(task_dir / name) for name in ("test.tgt.gz", "test.tgt2.gz") if (task_dir / name).exists()]
     if args.limit is not None:
         lines, refs = lines[: args.limit], [r[: args.limit] for r in refs]
+    return lines, refs
 
-    # Models: the one whose output is produced ("model"), then the second models some algorithms use.
+
+def load_runs(args, algo, compares: list, knobs: dict, run_knobs: list[dict], dtype):
+    """Every checkpoint the runs need, each loaded once (refdec.loading), and the runs themselves."""
+    from refdec import runner
+    from refdec.decoding import ALGORITHMS
+    from refdec.loading import SECOND_MODEL_DIRS, RunLoader
+    from refdec.runner import UsageError
     model_path = Path(args.model) if args.model else REPO / "checkpoints" / algo.model_dir.format(task=args.task) / "model.pt"
     if not args.model and not model_path.exists():
         raise UsageError(f"no checkpoint at {model_path}; {shipped_for(algo)}; train one (README, 'Training') "
                          f"or pass --model")
-    model, tokenizer, ckpt = load_model(model_path, task=args.task, device=args.device, dtype=dtype)
-    loaded = {model_path.resolve(): (model, ckpt)}
-    for _, path, _ in compares:  # other checkpoints for --compare ALGO@CKPT, each loaded once
-        if path is not None and Path(path).resolve() not in loaded:
-            m2, tok2, ck2 = load_model(path, task=args.task, device=args.device, dtype=dtype)
-            if tok2.sha256 != tokenizer.sha256:
-                raise UsageError(f"{path} has a different tokenizer from {model_path}; compared runs must share one")
-            loaded[Path(path).resolve()] = (m2, ck2)
-    max_positions = min(m.cfg.max_positions for m, _ in loaded.values())
-    seconds_loaded: dict = {}
-    file_hashes: dict = {}
-
-    def second_model(role: str, value: str, m, ck, path: Path) -> dict:
-        """A small model or drafter (PATH, or 'early-exit': the exit inside `m`), each file loaded once per large model."""
-        if value == "early-exit":  # BiLD section 4.4
-            if "early_exit" not in ck:
-                raise UsageError(f"{path} has no early exit; train one with train.py --early-exit N")
-            return {"small": EarlyExit(m, ck["early_exit"])}
-        # Loaded once per large model: a second model on this large model's encoder reads `m` itself (the
-        # encoder runs once for both); with another large model it loads the encoder it was trained on.
-        key = (role, Path(value).resolve(), path.resolve())
-        if key not in seconds_loaded:
-            m2, tok2, ck2 = load_model(value, task=args.task, device=args.device, dtype=dtype,
-                                       loaded={sha256_of(path): m})
-            if tok2.sha256 != tokenizer.sha256:
-                raise UsageError(f"{role} {value} does not share the tokenizer of {model_path}")
-            if role == "drafter" and "drafter" not in ck2:
-                raise UsageError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
-            seconds_loaded[key] = {role: m2, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})}
-        return seconds_loaded[key]
-
-    def sha256_of(path: Path) -> str:
-        if path.resolve() not in file_hashes:
-            file_hashes[path.resolve()] = file_sha256(path)
-        return file_hashes[path.resolve()]
-
-    # The second models shared by every run that does not name its own (--drafter, --small or the default).
-    shared = {}
-    for role, default_dir in (("drafter", "{task}-drafter"), ("small", "{task}-small-aligned")):
-        if role in roles:
-            value = getattr(args, role) or str(REPO / "checkpoints" / default_dir.format(task=args.task) / "model.pt")
+    loader = RunLoader(model_path, task=args.task, device=args.device, dtype=dtype)
+    for _, path, _ in compares:
+        if path is not None:
+            loader.add(path)
+    for role in ("drafter", "small"):
+        if role in shared_roles(algo, compares):
+            value = getattr(args, role) or str(REPO / "checkpoints" / SECOND_MODEL_DIRS[role].format(task=args.task)
+                                               / "model.pt")
             if value != "early-exit" and not Path(value).exists():
                 raise UsageError(f"no {role} checkpoint at {value}; {shipped_for(algo)}; pass --{role} or train one "
                                  f"(README, 'Training')")
-            shared.update(second_model(role, value, model, ckpt, model_path))
-
-    def models_for(path: Path, for_algo, over: dict | None = None) -> dict:
-        m, ck = loaded[path.resolve()]
-        out = {"model": m, **shared}
-        for role in ("small", "drafter"):
-            if over and role in over:
-                out.update(second_model(role, over[role], m, ck, path))
-        if for_algo.name == "blockwise":
-            heads = load_proposal(ck, device=args.device, dtype=dtype)
-            if heads is None:
-                raise UsageError(f"{path} has no proposal heads; train them with train.py --proposal-k (README)")
-            out["heads"] = heads
-            out["number_values"] = number_values(tokenizer).to(args.device)
-        return out
-
-    ids = runner.source_ids(tokenizer, lines, max_positions)
-    several_models = len(loaded) > 1
-    models = models_for(model_path, algo)
-    runs = [runner.Run(algo, knobs, models=models, label=label(args.algo, model_path, several_models))]
-    for (name, path, over), other, own_knobs in zip(compares, others, run_knobs):
+            loader.share(role, value)
+    several = len(loader.loaded) > 1
+    runs = [runner.Run(algo, knobs, models=loader.models_for(model_path, algo.name),
+                       label=label(args.algo, model_path, several))]
+    for (name, path, over), own_knobs in zip(compares, run_knobs):
         ckpt_path = Path(path) if path else model_path
-        runs.append(runner.Run(other, own_knobs, models=models_for(ckpt_path, other, over),
-                               label=label(name, ckpt_path, several_models, over)))
-    for run in runs:
-        check_fits(run, ids, args, max_positions, dtype)
+        own_models = {r: v for r, v in over.items() if r in ("small", "drafter")}
+        runs.append(runner.Run(ALGORITHMS[name], own_knobs, models=loader.models_for(ckpt_path, name, own_models),
+                               label=label(name, ckpt_path, several, over)))
+    return loader, runs
 
-    # Outputs: one line per input line, UTF-8 whatever the locale, written as they are decoded.
+
+def decode_to_output(args, runs: list, models: dict, ids: list, loader, busy) -> int:
+    """Decode every line with every run, writing the first run's outputs as they are finished (one
+    line per input line, UTF-8 whatever the locale); returns how many leading lines every run finished."""
+    import torch
+
+    from refdec import runner
     if not args.output:
         sys.stdout.reconfigure(encoding="utf-8")
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     invalid = {}  # output line -> bytes left out (not valid UTF-8)
 
     def render(i: int, tokens) -> str:
-        text, dropped = runner.text_line(tokenizer, tokens)
+        text, dropped = runner.text_line(loader.tokenizer, tokens)
         if dropped:
             invalid[i + 1] = dropped
         return text
 
-    busy = runner.BusyCores()
     try:
-        threads = torch.get_num_threads()
-        others_busy = busy.others()
+        threads, others_busy = torch.get_num_threads(), busy.others()
         if others_busy is not None and others_busy >= 0.5 and others_busy + threads > runner.usable_cores() + 0.25:
             runner.warn(f"other processes keep about {others_busy:.1f} of this machine's {runner.usable_cores()} cores "
                         f"busy and this run uses {threads} thread(s): timings will not be reliable, and threads that "
                         f"wait for a busy core can make decoding many times slower; run alone, or with --threads 1")
         complete = runner.decode_lines(runs, models, ids, batch_size=args.batch_size, max_len=args.max_len,
-                                       max_positions=max_positions, device=args.device, warmup=args.warmup,
+                                       max_positions=loader.max_positions, device=args.device, warmup=args.warmup,
                                        progress=not args.quiet, on_line=runner.OutputLines(out, render).put)
     finally:
         if args.output:
@@ -368,39 +387,31 @@ def run(args) -> int:
         runner.warn(f"{len(invalid)} output line(s) held bytes that are not valid UTF-8 (the model wrote part of a "
                     f"character) and were left out: line(s) {', '.join(map(str, list(invalid)[:20]))}"
                     + (" ..." if len(invalid) > 20 else ""))
-    interrupted = complete < len(lines)
-    if interrupted:  # the figures cover the lines every run finished, which are also the lines written
-        runner.warn(f"interrupted after {complete} of {len(lines)} input lines: those lines are written"
-                    + (f" to {args.output}" if args.output else "") + "; the figures below cover them alone")
-        lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
-        for run in runs:
-            run.outputs, run.traces = run.outputs[:complete], run.traces[:complete]
-            run.times, run.calls = run.times[:complete], run.calls[:complete]
+    return complete
 
-    kind = TASKS[args.task]
+
+def summarise(args, runs: list, lines: list[str], refs: list, ids: list, tokenizer):
+    """The table's rows, the speedup matrix, the lossless checks (every line where a lossless run
+    differs from greedy of the same model, with the margin there; at batch size 1 the speedup by edit
+    ratio) and the printed text."""
+    from refdec import runner
+    from refdec.data import TASKS
     rows = []
-    for run in runs:
-        rows.append(runner.summary_row(run, runner.scores(kind, lines, runner.texts(tokenizer, run.outputs), refs)))
-        rows[-1]["options"] = {k: v for k, v in run.knobs.items() if k in run.algo.knobs}
-    for row, run in zip(rows[1:], runs[1:]):
+    for r in runs:
+        rows.append(runner.summary_row(r, runner.scores(TASKS[args.task], lines, runner.texts(tokenizer, r.outputs), refs)))
+        rows[-1]["options"] = {k: v for k, v in r.knobs.items() if k in r.algo.knobs}
+    for row, r in zip(rows[1:], runs[1:]):
         row["speedup"] = row["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else float("nan")
-        row["identical"] = runner.identical_rate(runs[0].outputs, run.outputs)
-    table = runner.format_table(rows)
-    notes = []
-    matrix = None
+        row["identical"] = runner.identical_rate(runs[0].outputs, r.outputs)
+    notes, matrix, checks = [], None, []
     if len(runs) > 2:
         matrix, text = runner.speedup_matrix(rows)
         notes.append(text)
-    # A lossless algorithm beside greedy of the same model: list every difference with its margin,
-    # and (batch size 1) its speedup by edit ratio.
-    checks = []
     for fast in runs:
-        base = next((r for r in runs if r.algo.name == "greedy"
-                     and r.models_of(models)["model"] is fast.models_of(models)["model"]), None)
+        base = next((r for r in runs if r.algo.name == "greedy" and r.models["model"] is fast.models["model"]), None)
         if base is None or fast is base or not fast.algo.is_lossless(fast.knobs):
             continue
-        mdl = fast.models_of(models)["model"]
-        div = runner.divergences(mdl, ids, base.outputs, fast.outputs, args.device)
+        div = runner.divergences(fast.models["model"], ids, base.outputs, fast.outputs, args.device)
         check = {"algo": fast.name, "greedy": base.name,
                  "identical": runner.identical_rate(base.outputs, fast.outputs), "divergences": div}
         notes.append(f"{fast.name} vs {base.name}: {check['identical']:.4f} identical, {len(div)} line(s) differ"
@@ -413,24 +424,7 @@ def run(args) -> int:
             check["edit_buckets"] = buckets
             notes.append(text)
         checks.append(check)
-
-    if args.report:
-        report = runner.build_report(
-            args.task, rows, [r.knobs for r in runs], [r.algo for r in runs], n_lines=len(lines),
-            extra={"model": str(model_path), "model_step": ckpt.get("step"),
-                   "input": args.input or f"{task_dir}/test.src.gz", "batch_size": args.batch_size,
-                   "max_len": args.max_len, "runs": rows, "speedup_matrix": matrix, "lossless_checks": checks,
-                   "interrupted": interrupted, "lines_decoded": complete,
-                   "environment": {**runner.environment(torch.get_num_threads(), args.device, dtype),
-                                   "other_busy_cores": busy.others()}})
-        runner.write_report(args.report, report)
-    if args.trace:
-        for i, steps in enumerate(runs[0].traces):
-            if steps is not None:
-                print(algo_trace(args.algo, i, steps, tokenizer), file=sys.stderr)
-
-    print("\n\n".join([table] + notes), file=sys.stderr if not args.output else sys.stdout)
-    return 130 if interrupted else 0
+    return rows, matrix, checks, "\n\n".join([runner.format_table(rows)] + notes)
 
 
 def own_default(other, first, task: str) -> str | None:
@@ -492,20 +486,6 @@ def check_fits(run, ids: list, args, max_positions: int, dtype) -> None:
 def torch_itemsize(dtype) -> int:
     import torch
     return torch.empty((), dtype=dtype).element_size()
-
-
-def number_values(tokenizer):
-    """For blockwise distance-based selection: each token's numeric value (NaN if it is not a number)."""
-    import torch
-    vals = torch.full((tokenizer.vocab_size,), float("nan"))
-    for i in range(tokenizer.vocab_size):
-        text = tokenizer.decode([i]).strip()
-        if text and text.replace(".", "", 1).replace(",", "", 1).lstrip("-").isdigit():
-            try:
-                vals[i] = float(text.replace(",", ""))
-            except ValueError:
-                pass
-    return vals
 
 
 def parse_compare(spec: str) -> list[tuple[str, str | None, dict]]:

@@ -535,7 +535,7 @@ class Trainer:
                 self.opt.step()
                 self.step += 1
                 self.batch_in_epoch += 1
-                tok_count += int(src.ne(0).sum() + tgt_out.ne(0).sum())
+                tok_count += int(src.ne(self.model.cfg.pad_id).sum() + tgt_out.ne(self.model.cfg.pad_id).sum())
                 loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
                 now = time.time()
                 self.elapsed += now - t_last

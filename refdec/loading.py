@@ -1,0 +1,118 @@
+"""The checkpoints one decode.py invocation needs, each file loaded once.
+
+A run decodes with a "model" (the one whose output it produces) and, for some algorithms, second
+models: GAD's block drafter, BiLD's and speculative sampling's small model, blockwise decoding's
+proposal heads. `RunLoader` loads the main checkpoint, the other checkpoints compared runs name
+(`--compare ALGO@CKPT`, same tokenizer), and the second models, and hands each run the dict of
+role -> model its algorithm reads (`Algorithm.run(models, ...)`).
+
+A second model trained on a large model's encoder (train.py --encoder-from) reads the large model
+already in memory, so the encoder runs once for both; with another large model it loads the
+encoder it was trained on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, file_sha256, load_model
+from .model import EarlyExit
+from .proposal import load_proposal
+from .tokenizer import Tokenizer
+
+
+class LoadError(CheckpointError):
+    """A checkpoint that does not fit the run (another tokenizer, no heads, not a drafter): one line."""
+
+
+SECOND_MODEL_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
+
+
+class RunLoader:
+    def __init__(self, main_path: str | Path, *, task: str, device: str, dtype: torch.dtype):
+        self.task, self.device, self.dtype = task, device, dtype
+        self.main_path = Path(main_path)
+        model, self.tokenizer, ckpt = load_model(main_path, task=task, device=device, dtype=dtype)
+        self.loaded = {self.main_path.resolve(): (model, ckpt)}  # large models by file
+        self.seconds: dict = {}  # (role, file, large model's file) -> {role: model, ...}
+        self.hashes: dict = {}
+        self.shared: dict = {}  # second models of every run that names none of its own
+
+    @property
+    def model(self):
+        return self.loaded[self.main_path.resolve()][0]
+
+    @property
+    def ckpt(self) -> dict:
+        return self.loaded[self.main_path.resolve()][1]
+
+    @property
+    def max_positions(self) -> int:
+        return min(m.cfg.max_positions for m, _ in self.loaded.values())
+
+    def add(self, path: str | Path) -> None:
+        """Another large model for compared runs (`ALGO@CKPT`), on the main model's tokenizer."""
+        if Path(path).resolve() in self.loaded:
+            return
+        model, tok, ckpt = load_model(path, task=self.task, device=self.device, dtype=self.dtype)
+        if tok.sha256 != self.tokenizer.sha256:
+            raise LoadError(f"{path} has a different tokenizer from {self.main_path}; compared runs must share one")
+        self.loaded[Path(path).resolve()] = (model, ckpt)
+
+    def share(self, role: str, value: str) -> None:
+        """The second model (`role`: drafter or small) of every run that names none of its own."""
+        self.shared.update(self.second(role, value, self.main_path))
+
+    def second(self, role: str, value: str, large_path: Path) -> dict:
+        """A small model or drafter (a file, or 'early-exit': the exit inside the large model of
+        `large_path`), each file loaded once per large model."""
+        large, ck = self.loaded[large_path.resolve()]
+        if value == "early-exit":  # BiLD section 4.4
+            if "early_exit" not in ck:
+                raise LoadError(f"{large_path} has no early exit; train one with train.py --early-exit N")
+            return {"small": EarlyExit(large, ck["early_exit"])}
+        key = (role, Path(value).resolve(), large_path.resolve())
+        if key not in self.seconds:
+            model, tok, ck2 = load_model(value, task=self.task, device=self.device, dtype=self.dtype,
+                                         loaded={self.sha256(large_path): large})
+            if tok.sha256 != self.tokenizer.sha256:
+                raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
+            if role == "drafter" and "drafter" not in ck2:
+                raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
+            self.seconds[key] = {role: model, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})}
+        return self.seconds[key]
+
+    def sha256(self, path: Path) -> str:
+        if path.resolve() not in self.hashes:
+            self.hashes[path.resolve()] = file_sha256(path)
+        return self.hashes[path.resolve()]
+
+    def models_for(self, path: Path, algo_name: str, own: dict | None = None) -> dict:
+        """role -> model for one run of `algo_name` on the large model of `path`; `own` names the
+        run's own second models ({"small": PATH, "drafter": PATH})."""
+        large, ck = self.loaded[path.resolve()]
+        out = {"model": large, **self.shared}
+        for role, value in (own or {}).items():
+            out.update(self.second(role, value, path))
+        if algo_name == "blockwise":
+            heads = load_proposal(ck, device=self.device, dtype=self.dtype)
+            if heads is None:
+                raise LoadError(f"{path} has no proposal heads; train them with train.py --proposal-k (README)")
+            out["heads"] = heads
+            out["number_values"] = number_values(self.tokenizer).to(self.device)
+        return out
+
+
+def number_values(tokenizer: Tokenizer) -> torch.Tensor:
+    """For blockwise distance-based selection: each token's numeric value (NaN if it is not a number)."""
+    vals = torch.full((tokenizer.vocab_size,), float("nan"))
+    for i in range(tokenizer.vocab_size):
+        text = tokenizer.decode([i]).strip()
+        if text and text.replace(".", "", 1).replace(",", "", 1).lstrip("-").isdigit():
+            try:
+                vals[i] = float(text.replace(",", ""))
+            except ValueError:
+                pass
+    return vals
