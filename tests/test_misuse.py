@@ -36,8 +36,10 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 
 def readme_training_commands() -> list[str]:
-    """Every `python train.py ...` command the README gives, in the order it gives them."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    """Every `python train.py ...` command the documentation gives (README.md, then docs/*.md, then
+    checkpoints/README.md), in the order it gives them."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "checkpoints" / "README.md"]
+    text = "\n".join(p.read_text(encoding="utf-8") for p in pages if p.exists())
     found = re.findall(r"`(python train\.py [^`]*)`|^    (python train\.py [^#\n]*)", text, flags=re.M)
     commands = (" ".join((inline or block).split()) for inline, block in found)
     return list(dict.fromkeys(c for c in commands if "--preset" in c))
@@ -47,8 +49,9 @@ def readme_training_commands() -> list[str]:
 
 def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_path):
     """Case: `python train.py --preset gec-uk ...` from the README overwrote the shipped
-    checkpoints/gec-uk/model.pt. Every README training command (and that one), run for one step from
-    another folder, writes under runs/ there or fails in one line; checkpoints/ is byte-identical."""
+    checkpoints/gec-uk/model.pt. Every training command the documentation gives (and that one), run
+    for one step from another folder, writes under runs/ there or fails in one line; checkpoints/ is
+    byte-identical."""
     commands = readme_training_commands()
     assert len(commands) >= 10 and any("--resume" in c for c in commands)
     commands.append("python train.py --preset gec-uk --max-steps 2 --eval-every 1 --eval-sentences 2 --threads 1")
