@@ -363,7 +363,7 @@ def decode_to_output(args, runs: list, models: dict, ids: list, loader, busy) ->
     if not args.output:
         sys.stdout.reconfigure(encoding="utf-8")
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    invalid = {}  # output line -> bytes left out (not valid UTF-8)
+    invalid = {}  # output line -> bytes that are not valid UTF-8
 
     def render(i: int, tokens) -> str:
         text, dropped = runner.text_line(loader.tokenizer, tokens)
@@ -384,9 +384,9 @@ def decode_to_output(args, runs: list, models: dict, ids: list, loader, busy) ->
         if args.output:
             out.close()
     if invalid:
-        runner.warn(f"{len(invalid)} output line(s) held bytes that are not valid UTF-8 (the model wrote part of a "
-                    f"character) and were left out: line(s) {', '.join(map(str, list(invalid)[:20]))}"
-                    + (" ..." if len(invalid) > 20 else ""))
+        runner.warn(f"{len(invalid)} output line(s) hold bytes that are not valid UTF-8 (the model wrote part of a "
+                    f"character, shown as U+FFFD, the replacement character): line(s) "
+                    f"{', '.join(map(str, list(invalid)[:20]))}" + (" ..." if len(invalid) > 20 else ""))
     return complete
 
 

@@ -299,11 +299,13 @@ def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, 
 
 
 def text_line(tokenizer: Tokenizer, tokens: torch.Tensor | None) -> tuple[str, int]:
-    """One output line and how many bytes of it were not valid UTF-8 (left out: a model can write
-    part of a multi-byte character). An empty or failed line stays an empty line, and a newline
-    the model might emit is written as a space, so N inputs always give N output lines."""
-    text, dropped = ("", 0) if tokens is None else tokenizer.decode_valid(tokens.tolist())
-    return text.replace("\r", " ").replace("\n", " "), dropped
+    """One output line and how many bytes of it were not valid UTF-8 (a model can write part of a
+    multi-byte character; the line shows U+FFFD there). An empty or failed line stays an empty line,
+    and a newline the model might emit is written as a space, so N inputs always give N output lines."""
+    if tokens is None:
+        return "", 0
+    ids = tokens.tolist()
+    return tokenizer.decode(ids).replace("\r", " ").replace("\n", " "), tokenizer.invalid_bytes(ids)
 
 
 def texts(tokenizer: Tokenizer, outputs: list) -> list[str]:

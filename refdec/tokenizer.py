@@ -78,13 +78,11 @@ class Tokenizer:
         """Token ids -> text; special tokens (bos, eos, pad, mask) are dropped."""
         return self._tok.decode([int(i) for i in ids if int(i) > MASK_ID], skip_special_tokens=True)
 
-    def decode_valid(self, ids: Iterable[int]) -> tuple[str, int]:
-        """Like `decode`, but bytes that do not form valid UTF-8 (a model that wrote part of a
-        multi-byte character) are left out instead of shown as U+FFFD; returns the text and how many
-        bytes were left out."""
+    def invalid_bytes(self, ids: Iterable[int]) -> int:
+        """How many bytes of `decode(ids)` are not valid UTF-8 (a model can write part of a multi-byte
+        character); `decode` shows each such sequence as U+FFFD, Unicode's replacement character."""
         raw = b"".join(_token_bytes(self._tok.id_to_token(int(i))) for i in ids if int(i) > MASK_ID)
-        text = raw.decode("utf-8", errors="ignore")
-        return text, len(raw) - len(text.encode("utf-8"))
+        return len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
 
     def tokens(self, ids: Iterable[int]) -> list[str]:
         """Readable pieces for traces (byte-level symbols, e.g. 'Ġ' marks a leading space)."""

@@ -331,19 +331,27 @@ def test_the_relative_column_says_what_it_means(trained_tiny):
     assert "speedup = " not in err
 
 
-def test_invalid_utf8_from_the_model_is_left_out_with_a_warning():
-    """Case: outputs for Chinese or emoji input held U+FFFD where the model wrote part of a
-    multi-byte character. Such bytes are left out (and counted); valid text is decoded unchanged."""
+def test_invalid_utf8_from_the_model_is_named_in_a_warning(tmp_path):
+    """Case: outputs for Chinese or emoji input held U+FFFD with nothing saying why. Such lines are
+    counted (the model wrote part of a multi-byte character, shown as Unicode's replacement
+    character) and named in a warning; valid text is decoded unchanged."""
     from refdec import runner
     from refdec.tokenizer import Tokenizer
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     text = "我们今天去公园。 I love 🍕 pizza. Привіт, é\u00a0\ufffd"
     ids = tok.encode(text)
-    assert tok.decode_valid(ids) == (text, 0) and tok.decode(ids) == text
+    assert tok.decode(ids) == text and tok.invalid_bytes(ids) == 0
     emoji = tok.encode("🍕")
     assert len(emoji) > 1  # byte tokens: cut one off and the character is incomplete
-    line, dropped = runner.text_line(tok, torch.tensor(tok.encode("pizza ") + emoji[:-1]))
-    assert line == "pizza " and dropped > 0 and "\ufffd" in tok.decode(tok.encode("pizza ") + emoji[:-1])
+    line, invalid = runner.text_line(tok, torch.tensor(tok.encode("pizza ") + emoji[:-1]))
+    assert line.startswith("pizza ") and "\ufffd" in line and invalid == len(emoji[:-1])
+    # end to end: the shipped GEC model writes part of a character on Chinese input
+    src = tmp_path / "zh.txt"
+    src.write_text("我们今天去公园。\nДякую.\n", encoding="utf-8")
+    r = run_py("decode.py", "--algo", "greedy", "--task", "gec-uk", "--input", str(src), "--threads", "1", "--quiet")
+    assert r.returncode == 0 and len(r.stdout.decode("utf-8").splitlines()) == 2
+    if "\ufffd" in r.stdout.decode("utf-8").splitlines()[0]:
+        assert "line(s) 1" in r.stderr.decode() and "U+FFFD" in r.stderr.decode()
 
 
 def test_busy_cores_sees_another_process():
