@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    ":OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3) or "
                    "its second model (:small=PATH|early-exit, :drafter=PATH)")
     r.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
+    r.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
+                   "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
+                   "ties included (slower; README, 'Row-invariant mode')")
     k = p.add_argument_group("algorithm options")
     k.add_argument("--beam-size", type=int, metavar="K", help="beams for beam search (default 5)")
     k.add_argument("--length-penalty", type=float, metavar="A", help="beam score = log p / length^A (default 1.0)")
@@ -310,6 +313,12 @@ def run(args) -> int:
         ckpt_path = Path(path) if path else model_path
         runs.append(runner.Run(other, own_knobs, models=models_for(ckpt_path, other, over),
                                label=label(name, ckpt_path, several_models, over)))
+    if args.invariant:  # every model the runs use, second models and proposal heads included
+        from refdec.model import set_row_invariant
+        for run in runs:
+            for m in run.models_of(models).values():
+                if isinstance(m, torch.nn.Module):
+                    set_row_invariant(m)
     runner.decode_lines(runs, models, ids, batch_size=args.batch_size, max_len=args.max_len,
                         max_positions=max_positions, device=args.device, warmup=args.warmup,
                         progress=not args.quiet)
