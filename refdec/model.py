@@ -104,7 +104,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 # tensor and wherever it lies in memory; every attention query sees exactly its own keys. So a
 # position's logits do not depend on the call shape (new tokens, batch rows, cache length) and a
 # decoder that verifies k tokens in one call computes bitwise what greedy computes one by one.
-# Temporaries are kept to INVARIANT_BLOCK elements (large ones cost page faults on every call).
+# Temporaries are kept to INVARIANT_BLOCK bytes: glibc serves larger ones (from 128 KiB) by mmap,
+# and their page faults made a greedy step several times slower here.
 INVARIANT_BLOCK = 1 << 16
 
 
@@ -137,7 +138,7 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     D, O = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, D)
     out = rows.new_empty(rows.shape[0], O)
-    per_block = max(1, INVARIANT_BLOCK // D)  # (row, output) pairs per temporary
+    per_block = max(1, INVARIANT_BLOCK // (D * x.element_size()))  # (row, output) pairs per temporary
     o_step = min(O, per_block)
     r_step = max(1, per_block // O) if o_step == O else 1
     for r in range(0, rows.shape[0], r_step):
@@ -165,7 +166,7 @@ def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked
             else:
                 keys = allowed[b, 0, i0].nonzero().squeeze(1)
                 kb, vb = k[b].index_select(1, keys), v[b].index_select(1, keys)
-            step = max(1, INVARIANT_BLOCK // (max(1, kb.shape[1]) * H * Dh))  # queries per temporary
+            step = max(1, INVARIANT_BLOCK // (max(1, kb.shape[1]) * H * Dh * q.element_size()))  # queries per temporary
             for j in range(i0, i1, step):
                 qj = q[b, :, j:min(j + step, i1)]  # (H, m, Dh)
                 scores = (qj[:, :, None, :] * kb[:, None]).sum(-1) * scale  # (H, m, n)
