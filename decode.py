@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    ":OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3) or "
                    "its second model (:small=PATH|early-exit, :drafter=PATH)")
     r.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
+    r.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
+                   "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
+                   "ties included (slower; README, 'Row-invariant mode')")
     k = p.add_argument_group("algorithm options")
     k.add_argument("--beam-size", type=int, metavar="K", help="beams for beam search (default 5)")
     k.add_argument("--length-penalty", type=float, metavar="A", help="beam score = log p / length^A (default 1.0)")
@@ -224,7 +227,7 @@ def run(args) -> int:
             extra={"model": str(loader.main_path), "model_step": loader.ckpt.get("step"),
                    "input": args.input or f"{DATA_DIR / args.task}/test.src.gz", "batch_size": args.batch_size,
                    "max_len": args.max_len, "runs": rows, "speedup_matrix": matrix, "lossless_checks": checks,
-                   "interrupted": interrupted, "lines_decoded": complete,
+                   "interrupted": interrupted, "lines_decoded": complete, "row_invariant": args.invariant,
                    "environment": {**runner.environment(torch.get_num_threads(), args.device, dtype),
                                    "other_busy_cores": busy.others()}})
         runner.write_report(args.report, report)
@@ -351,6 +354,14 @@ def load_runs(args, algo, compares: list, knobs: dict, run_knobs: list[dict], dt
         own_models = {r: v for r, v in over.items() if r in ("small", "drafter")}
         runs.append(runner.Run(ALGORITHMS[name], own_knobs, models=loader.models_for(ckpt_path, name, own_models),
                                label=label(name, ckpt_path, several, over)))
+    if args.invariant:  # every model the runs use, second models and proposal heads included
+        import torch
+
+        from refdec.model import set_row_invariant
+        for r in runs:
+            for m in r.models.values():
+                if isinstance(m, torch.nn.Module):
+                    set_row_invariant(m)
     return loader, runs
 
 

@@ -96,11 +96,102 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return y.t().reshape(*x.shape[:-1], weight.shape[0])
 
 
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict keys) whose forward is `linear` above."""
+# -- row-invariant compute ------------------------------------------------------------------------
+# A matrix product x @ W.T may round row i differently depending on how many rows x has (MKL picks
+# its blocking by shape, and by the memory alignment of its operands). In row-invariant mode every
+# dot product is an elementwise product summed over its last dimension by torch's own reduction,
+# which sums each output alone over the same D elements in the same order whatever else is in the
+# tensor and wherever it lies in memory; every attention query sees exactly its own keys. So a
+# position's logits do not depend on the call shape (new tokens, batch rows, cache length) and a
+# decoder that verifies k tokens in one call computes bitwise what greedy computes one by one.
+# Temporaries are kept to INVARIANT_BLOCK bytes: glibc serves larger ones (from 128 KiB) by mmap,
+# and their page faults made a greedy step several times slower here.
+INVARIANT_BLOCK = 1 << 16
+
+
+class RowInvariant:
+    """Marks a layer with a row-invariant code path; `set_row_invariant` switches it per model."""
+
+    row_invariant = False
+
+
+def set_row_invariant(module: nn.Module, on: bool = True) -> nn.Module:
+    """Switch row-invariant compute on (or off) for every layer of `module` (a Transformer, an
+    EarlyExit, a SharedEncoder, proposal heads) and return it. In that mode every position's logits
+    are bitwise the same whatever the call shape, so every lossless decoder equals greedy decoding
+    exactly, ties included; it is slower (README, "Row-invariant mode"). Other models are untouched."""
+    for m in module.modules():
+        if isinstance(m, RowInvariant):
+            m.row_invariant = on
+    return module
+
+
+def is_row_invariant(module: nn.Module) -> bool:
+    """Whether `module` computes in row-invariant mode (all of its layers: the switch sets them together)."""
+    layers = [m for m in module.modules() if isinstance(m, RowInvariant)]
+    return bool(layers) and all(m.row_invariant for m in layers)
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., D) @ weight (O, D).T + bias -> (..., O), each output the sum over D of x * w alone
+    (blocks of rows and outputs bound the temporary; a block's size changes no output)."""
+    D, O = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, D)
+    out = rows.new_empty(rows.shape[0], O)
+    per_block = max(1, INVARIANT_BLOCK // (D * x.element_size()))  # (row, output) pairs per temporary
+    o_step = min(O, per_block)
+    r_step = max(1, per_block // O) if o_step == O else 1
+    for r in range(0, rows.shape[0], r_step):
+        for o in range(0, O, o_step):
+            torch.sum(rows[r:r + r_step, None, :] * weight[o:o + o_step], dim=-1, out=out[r:r + r_step, o:o + o_step])
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], O)
+
+
+def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """`attention` computed so that each query sees exactly the keys it may attend to (never a
+    masked longer row: more terms change how a sum rounds): queries that share their keys (no mask,
+    or a mask without a query dimension) go together, the others one by one, batch row by row."""
+    B, H, Q, Dh = q.shape
+    L = k.shape[2]
+    scale = 1.0 / math.sqrt(Dh)
+    out = q.new_empty(B, H, Q, Dh)
+    allowed = None if blocked is None else ~blocked.expand(B, 1, Q, L)
+    shared = allowed is None or blocked.shape[-2] == 1
+    for b in range(B):
+        for i0, i1 in ([(0, Q)] if shared else [(i, i + 1) for i in range(Q)]):
+            if allowed is None:
+                kb, vb = k[b], v[b]  # (H, n, Dh)
+            else:
+                keys = allowed[b, 0, i0].nonzero().squeeze(1)
+                kb, vb = k[b].index_select(1, keys), v[b].index_select(1, keys)
+            step = max(1, INVARIANT_BLOCK // (max(1, kb.shape[1]) * H * Dh * q.element_size()))  # queries per temporary
+            for j in range(i0, i1, step):
+                qj = q[b, :, j:min(j + step, i1)]  # (H, m, Dh)
+                scores = (qj[:, :, None, :] * kb[:, None]).sum(-1) * scale  # (H, m, n)
+                p = torch.softmax(scores, dim=-1)
+                out[b, :, j:j + qj.shape[1]] = (p[..., None] * vb[:, None]).sum(-2)  # (H, m, Dh)
+    return out
+
+
+class Linear(nn.Linear, RowInvariant):
+    """nn.Linear (same parameters and state-dict keys) whose forward is `linear` above, or
+    `rowwise_linear` in row-invariant mode."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return (rowwise_linear if self.row_invariant else linear)(x, self.weight, self.bias)
+
+
+class LayerNorm(nn.LayerNorm, RowInvariant):
+    """nn.LayerNorm (same parameters and state-dict keys); in row-invariant mode each row is
+    normalised by a call of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.row_invariant:
+            return super().forward(x)
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.stack([super(LayerNorm, self).forward(r) for r in rows.unbind(0)]).reshape(x.shape)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
@@ -122,7 +213,7 @@ def causal_block(q_len: int, offset: int, device: torch.device) -> torch.Tensor:
     return cols > rows
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(nn.Module, RowInvariant):
     """Section 3.2.2; self-attention when `kv_input` is the query input, cross-attention otherwise."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float, d_kv: int = 0):
@@ -146,7 +237,8 @@ class MultiHeadAttention(nn.Module):
     def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
         """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
         B, q_len, D = x.shape
-        out = attention(self.split(self.wq(x)), k, v, blocked)  # (B, H, q, Dh)
+        attend = rowwise_attention if self.row_invariant else attention
+        out = attend(self.split(self.wq(x)), k, v, blocked)  # (B, H, q, Dh)
         if self.training:
             out = self.drop(out)
         return self.wo(out.transpose(1, 2).reshape(B, q_len, D))
@@ -169,7 +261,7 @@ class Sublayer(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, norm_first: bool):
         super().__init__()
-        self.norm, self.drop, self.norm_first = nn.LayerNorm(d_model), nn.Dropout(dropout), norm_first
+        self.norm, self.drop, self.norm_first = LayerNorm(d_model), nn.Dropout(dropout), norm_first
 
     def forward(self, x: torch.Tensor, f) -> torch.Tensor:
         if self.norm_first:
@@ -216,7 +308,7 @@ class DecoderLayer(nn.Module):
         return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff)
 
 
-class Transformer(nn.Module):
+class Transformer(nn.Module, RowInvariant):
     """Encoder-decoder Transformer; see the module docstring for the entry points."""
 
     def __init__(self, cfg: ModelConfig):
@@ -227,12 +319,13 @@ class Transformer(nn.Module):
         # enc_layers 0: no encoder and no source embedding of its own (SharedEncoder gives the states).
         self.src_embed = (self.tgt_embed if cfg.tie_embeddings or not cfg.enc_layers
                           else nn.Embedding(V, D, padding_idx=cfg.pad_id))
-        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, D).float(), persistent=False)
+        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, D).to(self.tgt_embed.weight.dtype),
+                             persistent=False)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
-        self.enc_norm = nn.LayerNorm(D) if cfg.norm_first and cfg.enc_layers else nn.Identity()
-        self.dec_norm = nn.LayerNorm(D) if cfg.norm_first else nn.Identity()
+        self.enc_norm = LayerNorm(D) if cfg.norm_first and cfg.enc_layers else nn.Identity()
+        self.dec_norm = LayerNorm(D) if cfg.norm_first else nn.Identity()
         self.out_proj = None if cfg.tie_embeddings else Linear(D, V, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.reset_parameters()
@@ -248,11 +341,11 @@ class Transformer(nn.Module):
             self.tgt_embed.weight[self.cfg.pad_id].zero_()
 
     def _apply(self, fn, recurse=True):
-        # Keep the sinusoid table in the parameters' dtype (float64 tests need float64 positions).
+        # nn.Module._apply casts the table with everything else (float32 values in a float64 model):
+        # recompute it from the float64 formula in the dtype and device it now has.
         out = super()._apply(fn, recurse)
-        p = next(self.parameters(), None)
-        if p is not None and self.positions.dtype != p.dtype:
-            self.positions = sinusoidal_positions(self.cfg.max_positions, self.cfg.d_model).to(p.device, p.dtype)
+        self.positions = sinusoidal_positions(self.cfg.max_positions, self.cfg.d_model).to(
+            self.positions.device, self.positions.dtype)
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -271,19 +364,7 @@ class Transformer(nn.Module):
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
-        if hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu" and not torch.is_grad_enabled():
-            # One row (the greedy step): on CPU, MKL's routine for (1, D) @ (D, V) is faster with a
-            # contiguous transposed copy than with the strided view W.t() (`python -m refdec.stepcost`
-            # prints both; ../shared/cpu-physics.md). Same products and sums.
-            return hidden @ self._vocab_t(W)
-        return linear(hidden, W, None)
-
-    def _vocab_t(self, W: torch.Tensor) -> torch.Tensor:
-        """W.t() as a contiguous (D, V) copy, rebuilt whenever W changes (training, dtype, device)."""
-        key = (W.data_ptr(), W._version, W.dtype, W.device)
-        if getattr(self, "_vocab_t_key", None) != key:
-            self._vocab_t_cache, self._vocab_t_key = W.detach().t().contiguous(), key
-        return self._vocab_t_cache
+        return (rowwise_linear if self.row_invariant else linear)(hidden, W, None)
 
     # -- entry points -----------------------------------------------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:

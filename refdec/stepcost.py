@@ -9,8 +9,9 @@ round, and prints the median cost and cost(q) / cost(1): the price of verifying 
 in one call, which decides what every speculative decoder can gain on this machine. Each call is
 timed twice, interleaved: with refdec.model's few-row route for the linear layers (the default:
 (W @ x.T).T for 2-16 rows) and with the plain x @ W.T of torch's F.linear. It also times the one-row
-vocabulary projection both ways (strided W.t() against the contiguous copy that Transformer.project
-uses for the greedy step).
+vocabulary projection both ways (the strided W.t() that Transformer.project uses for the greedy step
+against a contiguous transposed copy, which the model does not keep: a copy of the weights goes
+stale when they change through .data or a fused optimizer step).
 """
 
 from __future__ import annotations

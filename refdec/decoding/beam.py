@@ -7,8 +7,9 @@
     row b is done once it has K finished hypotheses; at max_len the live ones finish as they are.
     return the finished hypothesis with the best length-normalised score.
 
-This is the stopping rule of fairseq and of the aggressive-decoding papers' baselines. With K = 1 it
-keeps exactly the argmax token each step, so beam(1) == greedy (tested); with K at least the number
+This is the stopping rule of fairseq and of the aggressive-decoding papers' baselines. Candidates
+are ranked by refdec's one tie rule (refdec.decoding.ties): with K = 1 it keeps exactly greedy's
+argmax token each step, ties included, so beam(1) == greedy (tested); with K at least the number
 of possible prefixes it is exhaustive search (tested on a tiny vocabulary).
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from ..model import Transformer
 from .result import DecodeResult, DecodeStats, check_eval
+from .ties import best_candidates
 
 
 @torch.inference_mode()
@@ -42,13 +44,16 @@ def beam_search(model: Transformer, src: torch.Tensor, *, max_len: int, beam_siz
     done = [False] * B
 
     for t in range(max_len):
-        logp = torch.log_softmax(model.decode(last, memory, cache)[:, -1].double(), dim=-1)  # (B*K, V)
+        logits = model.decode(last, memory, cache)[:, -1].double()  # (B*K, V)
+        logp = torch.log_softmax(logits, dim=-1)
         stats.verifier_calls += 1
         stats.accepted.extend(1 for b in range(B) if not done[b])  # one token per live row per call
         V = logp.shape[-1]
         cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
         n_cand = min(2 * K, K * V)
-        top_scores, top_idx = cand.topk(n_cand, dim=-1)  # (B, 2K), best first
+        # Best first; equal scores in the order of their logits, then of beam and token id (refdec.decoding.ties).
+        top_idx = best_candidates(cand, n_cand, tiebreak=logits.reshape(B, K * V))  # (B, 2K)
+        top_scores = cand.gather(1, top_idx)
         top_beam, top_tok = top_idx // V, top_idx % V
         is_eos = top_tok.eq(cfg.eos_id)
 

@@ -37,6 +37,7 @@ import torch
 from ..model import Transformer
 from ..proposal import ProposalHeads
 from .result import DecodeResult, DecodeStats, check_eval, finish_row
+from .ties import rank
 from .verify import row_memories, verify
 
 RULES = ("exact", "top-k", "distance")
@@ -59,7 +60,7 @@ def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | N
     def accept(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
         best = logits.argmax(dim=-1)
         if rule == "top-k":
-            ok = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices.eq(draft[:, None]).any(dim=-1)
+            ok = rank(logits, draft) < top_k  # refdec's tie rule: lowest id first among equal logits
         elif rule == "distance":
             v = values.to(logits.device)
             ok = best.eq(draft) | (v[draft] - v[best]).abs().le(epsilon)  # NaN (not a number) compares False

@@ -35,17 +35,20 @@ from ..drafter import LAYOUTS, draft_block
 from ..model import Transformer
 from .bild import check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats, finish_row
+from .ties import rank
 from .verify import row_memories, verify
 
 
 def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
-    """Eq. 8-9: accept d if d is in the verifier's top_beta and log P(d) >= log P(top-1) - tau."""
+    """Eq. 8-9: accept d if d is in the verifier's top_beta and log P(d) >= log P(top-1) - tau. The
+    top beta are ranked by refdec's tie rule (refdec.decoding.ties) on the logits themselves, so at
+    top_beta 1 and tau 0 a token passes exactly when it is greedy's argmax, ties included."""
     if top_beta < 1 or tau < 0:
         raise ValueError("top_beta must be at least 1 and tau at least 0")
 
     def accept(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(logits.double(), dim=-1)
-        in_top = logp.topk(min(top_beta, logp.shape[-1]), dim=-1).indices.eq(draft[:, None]).any(dim=-1)
+        in_top = rank(logits, draft) < top_beta
         close = logp.gather(-1, draft[:, None])[:, 0] >= logp.max(dim=-1).values - tau
         return in_top & close
 

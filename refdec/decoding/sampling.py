@@ -10,7 +10,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     (top_p = 1 keeps the distribution as it is)."""
     if top_p >= 1.0:
         return probs
-    sorted_p, order = probs.sort(descending=True)
+    sorted_p, order = probs.sort(descending=True, stable=True)  # equal probabilities: lowest id first
     keep = sorted_p.cumsum(0) - sorted_p < top_p  # a token is kept if the mass before it is below top_p
     out = torch.zeros_like(probs)
     out[order[keep]] = sorted_p[keep]

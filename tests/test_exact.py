@@ -1,0 +1,228 @@
+"""Exact by construction: one tie rule for every decoder, row-invariant compute, and the model's
+weights, position table and construction mode."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from conftest import random_src, tiny_model
+from refdec.config import BOS_ID, EOS_ID, ModelConfig
+from refdec.decoding import beam_search, gad, greedy, iad
+from refdec.decoding.blockwise import accept_rule
+from refdec.decoding.gad import gadpp_rule
+from refdec.decoding.ties import best_candidates, rank
+from refdec.fuzz import FAMILIES, comparisons, draw_case, main as fuzz_main, make_family
+from refdec.model import Transformer, is_row_invariant, set_row_invariant, sinusoidal_positions
+from test_decoding import first_divergence
+
+DTYPES = [torch.float32, torch.float64]
+
+
+def twin_model(vocab: int = 8, a: int = 5, b: int = 7) -> Transformer:
+    """d=16, 1+1 layers, untied, output rows a and b equal and a constant final state on that row:
+    tokens a and b tie exactly for the argmax at every position (greedy writes a, a, a, ...)."""
+    m = tiny_model(2, vocab=vocab, d_model=16, layers=(1, 1))
+    with torch.no_grad():
+        W = m.out_proj.weight
+        W[a] *= 4
+        W[b] = W[a]
+        m.dec_norm.weight.zero_()
+        m.dec_norm.bias.copy_(W[a])
+    return m
+
+
+def family_model(seed: int, family: str, dtype=torch.float64, vocab: int = 16) -> Transformer:
+    return make_family(tiny_model(seed, vocab=vocab), family, torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_tokens_equal(got, ref, what: str):
+    for b, (x, y) in enumerate(zip(got, ref)):
+        assert torch.equal(x, y), f"{what}, row {b}: {first_divergence(x, y)}"
+
+
+# -- one tie rule --------------------------------------------------------------------------------------
+def test_beam_of_one_is_greedy_when_two_logits_tie_exactly():
+    """Guards beam search's candidate order on exact ties (topk returns no particular index among
+    equal values, here the higher; greedy's argmax the lowest): the twin model, source [5, 6, 7],
+    max_len 6 (beam(1) wrote 7s), then exact-tie and constant-state families, one source at a time."""
+    m = twin_model()
+    src = torch.tensor([[5, 6, 7, EOS_ID]])
+    g = greedy(m, src, max_len=6)
+    assert g.tokens[0].tolist() == [5] * 6
+    assert_tokens_equal(beam_search(m, src, max_len=6, beam_size=1).tokens, g.tokens, "twin model")
+    for seed in range(4):
+        for family in ("exact", "constant"):
+            m = family_model(seed, family)
+            for b in range(3):
+                src = random_src(seed * 10 + b, 1, 16)
+                ref = greedy(m, src, max_len=15).tokens
+                assert_tokens_equal(beam_search(m, src, max_len=15, beam_size=1).tokens, ref, f"{family} {seed}")
+
+
+def test_rank_and_best_candidates_put_the_lowest_id_first_among_ties():
+    """Guards the tie rule itself: equal logits rank by id; equal scores keep their logits' order,
+    then their index order."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0]])
+    assert rank(logits.expand(5, 5), torch.arange(5)).tolist() == [4, 0, 3, 1, 2]
+    scores = torch.tensor([[0.5, 0.9, 0.9, 0.9, 0.1]], dtype=torch.float64)
+    assert best_candidates(scores, 2).tolist() == [[1, 2]]
+    assert best_candidates(scores, 3, tiebreak=torch.tensor([[0.0, 1.0, 2.0, 2.0, 0.0]])).tolist() == [[2, 3, 1]]
+
+
+def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
+    """Guards GAD++'s top-beta rule (and blockwise's top-k) on ties: a drafted token equal in logit
+    to the argmax but with a higher id is not greedy's token, so top_beta 1 refuses it (topk put
+    id 7 before id 5 here); GAD++(1, 0) with a drafter that always proposes the twin is GAD; and
+    on models that tie at every position."""
+    logits = torch.zeros(2, 40, dtype=torch.float64)
+    logits[:, 5] = logits[:, 7] = 1.0
+    draft = torch.tensor([7, 5])
+    assert gadpp_rule(1, 0.0)(logits, draft).tolist() == [False, True]
+    assert gadpp_rule(2, 0.0)(logits, draft).tolist() == [True, True]
+    assert accept_rule("top-k", top_k=1)(logits, draft).tolist() == [False, True]
+    m = twin_model(vocab=40)
+    src = random_src(0, 2, 40)
+    monkeypatch.setattr(importlib.import_module("refdec.decoding.gad"), "draft_block",
+                        lambda drafter, memory, cache, sequence, k, layout: [7] * k)
+    b = gad(m, m, src, max_len=8, k=3, top_beta=1, tau=0.0, exact=False)
+    assert_tokens_equal(b.tokens, greedy(m, src, max_len=8).tokens, "gad++(1, 0), twin drafts")
+    monkeypatch.undo()
+    for seed in range(3):
+        verifier = family_model(seed, "constant")
+        drafter = family_model(seed + 7, "exact")
+        src = random_src(seed, 3, 16)
+        a = gad(verifier, drafter, src, max_len=12, k=4)
+        b = gad(verifier, drafter, src, max_len=12, k=4, top_beta=1, tau=0.0, exact=False)
+        assert_tokens_equal(a.tokens, greedy(verifier, src, max_len=12).tokens, "gad")
+        assert_tokens_equal(b.tokens, a.tokens, "gad++(1, 0)")
+
+
+# -- row-invariant compute -----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_positions_logits_are_bitwise_equal_across_call_shapes(dtype, family):
+    """Guards row invariance: one token at a time, chunks of several tokens, another cache capacity,
+    each source alone against the padded batch, and the uncached forward all give a position the
+    same logits bit for bit (x[:n] @ W.T rounds row 0 differently for most n; a masked longer
+    attention row sums more terms)."""
+    m = set_row_invariant(family_model(3, family, dtype, vocab=40))
+    src = random_src(3, 3, 40)
+    tgt = torch.cat([torch.full((3, 1), BOS_ID), torch.randint(5, 40, (3, 20), generator=torch.Generator().manual_seed(3))], 1)
+    with torch.inference_mode():
+        mem = m.encode(src)
+        cache = m.new_cache(3, capacity=2)
+        ref = torch.cat([m.decode(tgt[:, t:t + 1], mem, cache) for t in range(21)], 1)
+        for chunks in ([21], [3, 1, 5, 12], [2] * 10 + [1]):
+            cache, at, pieces = m.new_cache(3, capacity=40), 0, []
+            for c in chunks:
+                pieces.append(m.decode(tgt[:, at:at + c], mem, cache))
+                at += c
+            assert torch.equal(torch.cat(pieces, 1), ref), chunks
+        for b in range(3):
+            alone = m.encode(src[b:b + 1, :int(src[b].ne(0).sum())])
+            assert torch.equal(m.decode(tgt[b:b + 1], alone, m.new_cache(1)), ref[b:b + 1]), b
+        assert torch.equal(m(src, tgt), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_iad_equals_greedy_on_twin_rows_in_invariant_mode(dtype):
+    """Guards the case where a verification call over many tokens and a one-token step rounded a
+    position differently and IAD took the other twin: in row-invariant mode never, float32 and float64."""
+    for seed in range(4):
+        m = set_row_invariant(family_model(seed, "exact", dtype, vocab=12))
+        src = random_src(seed, 4, 12)
+        ref = greedy(m, src, max_len=20).tokens
+        for match in ("unique", "longest"):
+            assert_tokens_equal(iad(m, src, max_len=20, match=match).tokens, ref, f"seed {seed} {match}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_invariant_mode_lossless_decoders_equal_greedy(dtype, family, seed):
+    """Guards every lossless decoder in row-invariant mode (batched greedy, beam(1), IAD, GAD,
+    GAD++(1, 0), exact blockwise, greedy speculative, BiLD falling back at every step and BiLD with
+    the large model as its own small model) against greedy with torch.equal, on random models and on
+    exact-tie, near-tie (1e-16) and constant-state families: a slice of `python -m refdec.fuzz`."""
+    case = draw_case(1000 + seed, dtype, family)
+    for name, got, ref in comparisons(case):
+        assert_tokens_equal(got, ref, name)
+
+
+def test_fuzz_command_counts_and_reports(capsys):
+    """Guards refdec.fuzz's report: comparisons per decoder, and exit status 0 without mismatches."""
+    assert fuzz_main(["--models", "2", "--dtype", "float32", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "2 models" in out and "row-invariant mode" in out and "0 mismatches" in out
+
+
+def test_the_switch_is_per_model_and_reversible():
+    """Guards the switch: it sets one model's layers (a second model stays in the default mode) and
+    switching it off gives the default mode's logits again."""
+    a, b = tiny_model(1), tiny_model(1)
+    src = random_src(1, 2, 40)
+    tgt = torch.tensor([[BOS_ID, 7, 8, 9, 10]] * 2)
+    with torch.inference_mode():
+        before = a(src, tgt)
+        set_row_invariant(a)
+        assert is_row_invariant(a) and not is_row_invariant(b)
+        torch.testing.assert_close(a(src, tgt), b(src, tgt), rtol=1e-12, atol=1e-12)
+        set_row_invariant(a, False)
+        assert not is_row_invariant(a) and torch.equal(a(src, tgt), before)
+
+
+# -- weights, position table, construction mode --------------------------------------------------------
+def step_logits(m: Transformer, src: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return m.decode(torch.tensor([[BOS_ID]]), m.encode(src), m.new_cache(1))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_decoding_follows_data_writes_and_fused_optimizer_steps(tie):
+    """Guards against a cached copy of the output projection outliving its weights: `.data` writes
+    and a fused Adam step bump no version counter, yet the one-row step must use the new weights."""
+    m = tiny_model(0, vocab=12, tie=tie)
+    src = random_src(0, 1, 12)
+    greedy(m, src, max_len=5)  # decode once with the old weights
+    W = m.tgt_embed.weight if tie else m.out_proj.weight
+    W.data.copy_(W.data.flip(0))
+    assert torch.equal(step_logits(m, src), step_logits(copy.deepcopy(m), src))
+    assert_tokens_equal(greedy(m, src, max_len=8).tokens, greedy(copy.deepcopy(m), src, max_len=8).tokens, ".data")
+    opt = torch.optim.Adam(m.parameters(), lr=0.5, fused=True)
+    m.train()
+    m(src, torch.tensor([[BOS_ID, 5, 6]])).sum().backward()
+    opt.step()
+    m.eval()
+    assert torch.equal(step_logits(m, src), step_logits(copy.deepcopy(m), src))
+
+
+def test_float64_position_table_is_exact():
+    """Guards the sinusoid table in float64: computed in float64, not float32 values cast up (about
+    3e-8 off), after .double(), .float().double() and .to(dtype)."""
+    m = tiny_model(0)
+    exact = sinusoidal_positions(m.cfg.max_positions, m.cfg.d_model)
+    assert m.positions.dtype == torch.float64 and torch.equal(m.positions, exact)
+    assert torch.equal(m.float().positions, exact.float())
+    assert torch.equal(m.double().positions, exact)
+    assert torch.equal(m.to(torch.float32).to(torch.float64).positions, exact)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_model_built_under_inference_mode_decodes(invariant):
+    """Guards construction under torch.inference_mode() (its tensors have no version counter): the
+    model decodes, and gives the logits of the same weights built normally."""
+    cfg = ModelConfig(vocab_size=12, d_model=16, n_heads=2, d_ff=32, enc_layers=1, dec_layers=1, tie_embeddings=False)
+    normal = Transformer(cfg).eval()
+    with torch.inference_mode():
+        built = Transformer(cfg).eval()
+        built.load_state_dict(normal.state_dict())
+    for m in (normal, built):
+        set_row_invariant(m, invariant)
+    src = random_src(1, 2, 12)
+    assert torch.equal(step_logits(built, src[:1]), step_logits(normal, src[:1]))
+    assert_tokens_equal(greedy(built, src, max_len=6).tokens, greedy(normal, src, max_len=6).tokens, "greedy")
+    assert_tokens_equal(iad(built, src, max_len=6).tokens, greedy(normal, src, max_len=6).tokens, "iad")
