@@ -1,22 +1,35 @@
-"""KVCache: the decoder's self-attention keys and values, with an explicit length.
+"""KVCache: the decoder's self-attention keys and values, with an explicit length per batch row.
 
 Every decoder in refdec uses this one object and only its verbs:
 
-    append(layer, k, v)  write q new positions for one layer at [length, length + q) and
-                         return that layer's keys/values for [0, length + q)
+    append(layer, k, v)  write q new positions for one layer at each row's [length, length + q)
+                         and return that layer's keys/values for [0, end + q)
     advance(q)           commit the q positions once every layer has appended them
-    truncate(n)          forget everything from position n on (rejected draft tokens)
+    truncate(n)          forget everything from position n on (rejected draft tokens); n is one
+                         length for every row or one per row
     select(rows)         reorder / repeat / drop batch rows (beam search, finished rows)
     clone()              an independent copy
 
 Storage is preallocated, (layers, B, H, capacity, Dh), and grows by doubling, so appending a
-token never copies the cache. `length` is one number for the whole batch: every row of a batch
-holds the same number of positions (greedy and beam advance all rows together; the speculative
-decoders run one sentence at a time). Cross-attention keys and values do not live here: they are
-computed once per source by `Transformer.encode` and kept in `Memory`.
+token never copies the cache.
+
+Lengths. While every row holds the same number of positions (greedy and beam advance all rows
+together) the cache is uniform: `length` is that one number and append writes one slice, as it
+always did. A batched verification step commits a different number of tokens per row; truncating
+to per-row lengths makes the cache ragged: `lengths` (B,) holds each row's own length, `end` the
+longest, and `length` refuses to answer (a caller that wants one offset for every row would read a
+wrong one). Row b's storage past lengths[b] is stale, a rejected tail or nothing at all, and is
+never attended: the model blocks every key at or beyond lengths[b] + i for new query i of row b.
+The cache becomes uniform again as soon as its rows agree (a truncate or select that leaves equal
+lengths), so a batch of one is never ragged.
+
+Cross-attention keys and values do not live here: they are computed once per source by
+`Transformer.encode` and kept in `Memory`.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -27,7 +40,8 @@ class KVCache:
         shape = (n_layers, batch, n_heads, max(1, capacity), head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0  # positions committed by advance()
+        self._end = 0  # positions committed by advance() in the longest row
+        self._lengths: torch.Tensor | None = None  # (B,) per row while rows differ, else None
 
     # -- shape ----------------------------------------------------------------------------------
     @property
@@ -42,6 +56,37 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def ragged(self) -> bool:
+        """Whether rows hold different numbers of positions."""
+        return self._lengths is not None
+
+    @property
+    def length(self) -> int:
+        """The positions every row holds; only defined while the rows agree (see `lengths`)."""
+        if self._lengths is not None:
+            raise ValueError("rows of this cache hold different lengths: read `lengths`")
+        return self._end
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(B,) LongTensor: the positions each row holds."""
+        if self._lengths is not None:
+            return self._lengths
+        return torch.full((self.batch,), self._end, dtype=torch.long, device=self.k.device)
+
+    @property
+    def end(self) -> int:
+        """The positions the longest row holds: keys [0, end) are returned for attention."""
+        return self._end
+
+    def _set_lengths(self, lengths: torch.Tensor) -> None:
+        """Per-row lengths, collapsed to one number when the rows agree."""
+        if lengths.numel() == 0 or bool((lengths == lengths[0]).all()):
+            self._end, self._lengths = (int(lengths[0]) if lengths.numel() else 0), None
+        else:
+            self._end, self._lengths = int(lengths.max()), lengths
+
     def _reserve(self, needed: int) -> None:
         if needed <= self.capacity:
             return
@@ -50,45 +95,67 @@ class KVCache:
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_zeros((L, B, H, new_cap, Dh))
-            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            new[:, :, :, : self._end] = old[:, :, :, : self._end]
             setattr(self, name, new)
 
     # -- verbs ----------------------------------------------------------------------------------
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, H, q, Dh) at positions [length, length+q) of `layer`.
+        """Write k, v (B, H, q, Dh) at positions [lengths[b], lengths[b]+q) of row b in `layer`.
 
-        Returns that layer's keys and values over [0, length+q), each (B, H, length+q, Dh).
+        Returns that layer's keys and values over [0, end+q), each (B, H, end+q, Dh); in a ragged
+        cache a row's keys past its own length + q are stale and must be masked by the caller.
         The new positions count only after `advance(q)`.
         """
         q = k.shape[2]
-        end = self.length + q
+        end = self._end + q
         self._reserve(end)
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
+        if self._lengths is None:
+            self.k[layer, :, :, self._end:end] = k
+            self.v[layer, :, :, self._end:end] = v
+        else:
+            B, H, _, Dh = k.shape
+            pos = self._lengths[:, None] + torch.arange(q, device=k.device)  # (B, q) each row's own offsets
+            index = pos[:, None, :, None].expand(B, H, q, Dh)
+            self.k[layer].scatter_(2, index, k)  # self.k[layer] is a view: written in place
+            self.v[layer].scatter_(2, index, v)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def advance(self, q: int) -> None:
-        """Commit the q positions that every layer has just appended."""
-        if self.length + q > self.capacity:
+        """Commit the q positions that every layer has just appended (to every row)."""
+        if self._end + q > self.capacity:
             raise RuntimeError("advance past what was appended")
-        self.length += q
+        self._end += q
+        if self._lengths is not None:
+            self._lengths = self._lengths + q
 
-    def truncate(self, n: int) -> None:
-        """Keep positions [0, n): the verifier's view of rejected draft tokens disappears."""
-        if not 0 <= n <= self.length:
-            raise ValueError(f"truncate({n}) on a cache of length {self.length}")
-        self.length = n
+    def truncate(self, n: int | Sequence[int] | torch.Tensor) -> None:
+        """Keep positions [0, n) of every row, or [0, n[b]) of row b: the verifier's view of
+        rejected draft tokens disappears. No row may grow."""
+        if isinstance(n, int) and self._lengths is None:  # the uniform case stays arithmetic
+            if not 0 <= n <= self._end:
+                raise ValueError(f"truncate({n}) on a cache of length {self._end}")
+            self._end = n
+            return
+        if isinstance(n, int):
+            n = torch.full((self.batch,), n, dtype=torch.long, device=self.k.device)
+        n = torch.as_tensor(n, dtype=torch.long, device=self.k.device).clone()  # never aliases the caller's
+        if n.shape != (self.batch,) or bool((n < 0).any()) or bool((n > self.lengths).any()):
+            raise ValueError(f"truncate({n.tolist()}) on a cache of lengths {self.lengths.tolist()}")
+        self._set_lengths(n)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep batch rows `rows` (LongTensor of row indices, repeats allowed), in that order."""
         self.k = self.k.index_select(1, rows)
         self.v = self.v.index_select(1, rows)
+        if self._lengths is not None:
+            self._set_lengths(self._lengths.index_select(0, rows))
 
     def clone(self) -> "KVCache":
         other = KVCache.__new__(KVCache)
-        other.k, other.v, other.length = self.k.clone(), self.v.clone(), self.length
+        other.k, other.v, other._end, other._lengths = self.k.clone(), self.v.clone(), self._end, self._lengths
         return other
 
     def __repr__(self) -> str:
         L, B, H, cap, Dh = self.k.shape
-        return f"KVCache(layers={L}, batch={B}, heads={H}, head_dim={Dh}, length={self.length}, capacity={cap})"
+        length = f"lengths={self._lengths.tolist()}" if self.ragged else f"length={self._end}"
+        return f"KVCache(layers={L}, batch={B}, heads={H}, head_dim={Dh}, {length}, capacity={cap})"

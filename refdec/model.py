@@ -349,11 +349,23 @@ class Transformer(nn.Module, RowInvariant):
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _embed(self, table: nn.Embedding, tokens: torch.Tensor, offset: int) -> torch.Tensor:
+    def _embed(self, table: nn.Embedding, tokens: torch.Tensor, offset: int | torch.Tensor,
+               real: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) at positions offset .. offset + T - 1: one offset for every row, or (B,) one
+        per row (a ragged cache). `real` (B,): how many of the T tokens of each row are real; the
+        rest pad a ragged batch, and their positions are clamped to the table's end (their states
+        are never read), so only real positions must fit in max_positions."""
         T = tokens.shape[1]
-        if offset + T > self.cfg.max_positions:
-            raise ValueError(f"sequence of {offset + T} positions exceeds max_positions={self.cfg.max_positions}")
-        x = table(tokens) * math.sqrt(self.cfg.d_model) + self.positions[offset:offset + T]
+        ends = offset + (T if real is None else real)
+        top = int(ends.max()) if torch.is_tensor(ends) else ends
+        if top > self.cfg.max_positions:
+            raise ValueError(f"sequence of {top} positions exceeds max_positions={self.cfg.max_positions}")
+        if torch.is_tensor(offset) or real is not None:
+            at = torch.as_tensor(offset, device=tokens.device).reshape(-1, 1) + torch.arange(T, device=tokens.device)
+            pos = self.positions[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
+        else:
+            pos = self.positions[offset:offset + T]
+        x = table(tokens) * math.sqrt(self.cfg.d_model) + pos
         return self.drop(x) if self.training else x
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
@@ -388,20 +400,35 @@ class Transformer(nn.Module, RowInvariant):
         return Memory(states, src_pad, [layer.cross_attn.project_kv(states) for layer in self.decoder])
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
-                      open_from: int | None = None, layers: int | None = None) -> torch.Tensor:
-        """tgt_new (B, q) tokens at positions [cache.length, cache.length + q) -> final states (B, q, D).
+                      open_from: int | None = None, layers: int | None = None,
+                      real: torch.Tensor | None = None) -> torch.Tensor:
+        """tgt_new (B, q) tokens at positions [cache.lengths[b], cache.lengths[b] + q) of row b ->
+        final states (B, q, D).
 
         Appends the q positions to `cache` (truncate it to undo). Causal by default; with `open_from`
         = j, new positions j .. q-1 see every new position, each other included (a block of mask
         tokens that a non-autoregressive drafter fills in at once), while positions before j stay
         causal. `layers` = n runs only the first n decoder layers (an early exit; `cache` then has n
-        layers), followed by the same final norm."""
-        offset, q_len = cache.length, tgt_new.shape[1]
-        x = self._embed(self.tgt_embed, tgt_new, offset)
-        # One new query sees every cached key: no mask needed (the greedy step stays lean).
-        self_block = causal_block(q_len, offset, x.device) if q_len > 1 else None  # (q, L + q)
-        if open_from is not None and self_block is not None:
-            self_block[open_from:] = False
+        layers), followed by the same final norm. `real` (B,): how many of the q tokens of each row
+        are real, the rest right padding of a ragged batch (their positions may run past the table;
+        the caller truncates them away)."""
+        q_len = tgt_new.shape[1]
+        if cache.ragged:
+            offset = cache.lengths  # (B,)
+            # Query i of row b sees keys 0 .. lengths[b] + i and nothing else: past them lie another
+            # row's longer history or this row's rejected tail, which must not enter its softmax.
+            last_key = offset[:, None] + torch.arange(q_len, device=offset.device)  # (B, q)
+            if open_from is not None:
+                last_key[:, open_from:] = offset[:, None] + q_len - 1
+            keys = torch.arange(cache.end + q_len, device=offset.device)
+            self_block = (keys > last_key[:, :, None])[:, None]  # (B, 1, q, end + q)
+        else:
+            offset = cache.length
+            # One new query sees every cached key: no mask needed (the greedy step stays lean).
+            self_block = causal_block(q_len, offset, tgt_new.device) if q_len > 1 else None  # (q, L + q)
+            if open_from is not None and self_block is not None:
+                self_block[open_from:] = False
+        x = self._embed(self.tgt_embed, tgt_new, offset, real)
         src_block = memory.src_block
         for i, layer in enumerate(self.decoder[:layers]):
             x = layer(x, memory.cross_kv[i], src_block,
@@ -460,8 +487,9 @@ class EarlyExit(nn.Module):
         p = self.base.tgt_embed.weight
         return KVCache(self.layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None) -> torch.Tensor:
-        return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers)
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None,
+                      real: torch.Tensor | None = None) -> torch.Tensor:
+        return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers, real=real)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.base.project(hidden)
@@ -499,8 +527,9 @@ class SharedEncoder(nn.Module):
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         return self.small.new_cache(batch, capacity)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None) -> torch.Tensor:
-        return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from)
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None,
+                      real: torch.Tensor | None = None) -> torch.Tensor:
+        return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from, real=real)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.small.project(hidden)

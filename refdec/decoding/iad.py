@@ -38,8 +38,16 @@ Which suffix, and which occurrence of it, is a policy (`match`):
 SAD, the shallow form, is this same algorithm run on a model with a deep encoder and a shallow
 decoder (9+3 instead of 6+6): every decoder call gets cheaper, the encoder runs once per sentence.
 
-Batches: rows are encoded together, then decoded one after another, each with its own cache
-(acceptance lengths differ per row; a batched verifier would need per-row cache lengths).
+Batches: every row still decoding verifies its own draft in the same decoder call
+(refdec.decoding.verify.verify_rows): drafts of different lengths are padded, each row accepts its
+own prefix and its cache keeps its own length. A row that reaches eos or max_len leaves the batch
+(its cache and memory rows with it), so a batch costs what its longest sentence costs in calls:
+
+    alive <- every row
+    while alive:
+        each alive row finds its match and drafts, as above
+        one decoder call verifies every alive row's [last] + draft; each row commits its own tokens
+        rows that produced eos or reached max_len leave the batch
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import torch
 
 from ..model import Transformer
 from .result import DecodeResult, DecodeStats, check_eval, finish_row
-from .verify import row_memories, verify
+from .verify import verify_rows
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")
 
@@ -90,28 +98,36 @@ def iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "un
     cfg = model.cfg
     B = src.shape[0]
     memory = model.encode(src)
+    cache = model.new_cache(B, capacity=max_len + 1)
     stats = DecodeStats(sentences=B, encoder_calls=1)
-    tokens, traces = [], ([] if trace else None)
-    for b, mem in enumerate(row_memories(memory, B, src.device)):
-        row = src[b]
-        x = [cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id]
-        end = len(x) - 1  # drafts stop before the pad sentinel
-        cache = model.new_cache(1, capacity=max_len + 1)
-        out: list[int] = []  # output tokens after bos
-        last, steps = cfg.bos_id, []
-        while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
-            i = find_match(x, [cfg.bos_id] + out, match, max_suffix)
-            draft = x[i + 1: end] if i is not None else []
-            if max_draft > 0:
-                draft = draft[:max_draft]
-            v = verify(model, mem, cache, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id)
-            out += v.tokens
-            last = v.tokens[-1]
-            stats.verifier_calls += 1
+    xs = [[cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id] for row in src]
+    outs: list[list[int]] = [[] for _ in range(B)]  # output tokens after bos, per source row
+    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
+    while alive:
+        matches, drafts = [], []
+        for b in alive:
+            x = xs[b]
+            i = find_match(x, [cfg.bos_id] + outs[b], match, max_suffix)
+            draft = x[i + 1: len(x) - 1] if i is not None else []  # drafts stop before the pad sentinel
+            matches.append(i)
+            drafts.append(draft[:max_draft] if max_draft > 0 else draft)
+        lasts = [outs[b][-1] if outs[b] else cfg.bos_id for b in alive]
+        verified = verify_rows(model, memory, cache, lasts, drafts, budgets=[max_len - len(outs[b]) for b in alive],
+                               eos_id=cfg.eos_id)
+        stats.verifier_calls += 1
+        going = []
+        for r, (b, v) in enumerate(zip(alive, verified)):
+            outs[b] += v.tokens
             stats.accepted.append(len(v.tokens))
-            if trace:
-                steps.append({"match": i, "drafted": len(draft), "accepted": v.accepted, "tokens": v.tokens})
-        tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
-        if trace:
-            traces.append(steps)
-    return DecodeResult(tokens, stats, traces)
+            if steps is not None:
+                steps[b].append({"match": matches[r], "drafted": len(drafts[r]), "accepted": v.accepted, "tokens": v.tokens})
+            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
+                going.append(r)
+        if going and len(going) < len(alive):  # finished rows leave: memory and cache keep the others
+            keep = torch.tensor(going, device=src.device)
+            memory = memory.select(keep)
+            cache.select(keep)
+        alive = [alive[r] for r in going]
+    tokens = [finish_row(out, cfg.eos_id, stats, src.device) for out in outs]
+    return DecodeResult(tokens, stats, steps)

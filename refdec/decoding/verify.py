@@ -26,6 +26,10 @@ With neither, the step is exactly greedy.
 
 Two cuts keep the step equal to greedy at the boundaries: the committed tokens stop at the first
 eos, and at `budget` tokens (what is left of max_len).
+
+Batched (`verify_rows`), each row of a batch runs this step on its own draft in the same decoder
+call; rows accept different numbers of tokens, so each row's cache length moves by its own count
+(a ragged KVCache, whose attention never sees a row's rejected tail).
 """
 
 from __future__ import annotations
@@ -63,35 +67,62 @@ class Verified:
 def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft: list[int], *,
            budget: int, eos_id: int, accept: AcceptRule | None = None,
            choose: ChooseRule | None = None) -> Verified:
-    """One decoder call over [last] + draft for a single sentence (batch row 0 of memory and cache).
+    """One decoder call over [last] + draft for a single sentence (batch row 0 of memory and cache):
+    `verify_rows` with one row.
 
     On return the cache holds the committed output except its new last token (tokens[-1]), ready
     for the next call. `budget` >= 1 is the number of tokens the output may still grow by."""
-    if budget < 1:
+    return verify_rows(model, memory, cache, [last], [draft], budgets=[budget], eos_id=eos_id,
+                       accept=accept, choose=choose)[0]
+
+
+def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[int], drafts: list[list[int]], *,
+                budgets: list[int], eos_id: int, accept: AcceptRule | None = None,
+                choose: ChooseRule | None = None) -> list[Verified]:
+    """The step above for every batch row of memory and cache in one decoder call: row b verifies
+    [lasts[b]] + drafts[b] with budgets[b] tokens left, and gets its own Verified.
+
+    Drafts of different lengths are right-padded to the longest; a padded position comes after all
+    of its row's real ones, so causal attention keeps it out of them, and it is cut with the rest.
+    Acceptance, the bifurcation token (the lowest id among equal maxima, as greedy's argmax) and
+    the cuts are decided per row, and row b's cache is truncated to what row b committed: the
+    cache is ragged afterwards whenever rows committed different numbers of tokens."""
+    if any(b < 1 for b in budgets):
         raise ValueError("verify needs a budget of at least one token")
-    draft = draft[: budget - 1]  # drafted tokens past the budget could never be committed
-    base = cache.length
-    inp = torch.tensor([[last] + draft], dtype=torch.long, device=memory.states.device)
-    hidden = model.decode_hidden(inp, memory, cache)  # (1, m + 1, D)
-    logits = model.project(hidden)[0]  # (m + 1, V)
-    if draft:
-        d = torch.tensor(draft, dtype=torch.long, device=logits.device)
-        ok = (d.eq(logits[:-1].argmax(dim=-1)) if accept is None else accept(logits[:-1], d)).tolist()
-    else:
-        ok = []
-    n = next((i for i, good in enumerate(ok) if not good), len(ok))
-    tokens = draft[:n] + [int(logits[n].argmax()) if choose is None else choose(logits[n], n, n < len(draft))]
-    if eos_id in tokens:
-        tokens = tokens[: tokens.index(eos_id) + 1]
-    tokens = tokens[:budget]
-    cache.truncate(base + len(tokens))  # keep last, d_1 .. d_(c-1): the committed output minus its new last token
-    return Verified(tokens, n, logits, hidden[0])
-
-
+    drafts = [d[: b - 1] for d, b in zip(drafts, budgets)]  # drafted tokens past the budget could never be committed
+    widths = [len(d) + 1 for d in drafts]
+    width = max(widths)
+    base = cache.lengths
+    pad = model.cfg.pad_id
+    inp = torch.tensor([[t] + d + [pad] * (width - w) for t, d, w in zip(lasts, drafts, widths)],
+                       dtype=torch.long, device=memory.states.device)  # (B, width)
+    real = None if min(widths) == width else torch.tensor(widths, device=inp.device)
+    hidden = model.decode_hidden(inp, memory, cache, real=real)  # (B, width, D)
+    logits = model.project(hidden)  # (B, width, V)
+    agree = inp[:, 1:].eq(logits[:, :-1].argmax(dim=-1)).tolist() if accept is None else None  # (B, width - 1)
+    out, keep = [], []
+    for b, (draft, w) in enumerate(zip(drafts, widths)):
+        m = w - 1
+        if not draft:
+            ok = []
+        elif accept is None:
+            ok = agree[b][:m]
+        else:
+            ok = accept(logits[b, :m], inp[b, 1:w]).tolist()
+        n = next((i for i, good in enumerate(ok) if not good), len(ok))
+        tokens = draft[:n] + [int(logits[b, n].argmax()) if choose is None else choose(logits[b, n], n, n < len(draft))]
+        if eos_id in tokens:
+            tokens = tokens[: tokens.index(eos_id) + 1]
+        tokens = tokens[:budgets[b]]
+        keep.append(int(base[b]) + len(tokens))  # last, d_1 .. d_(c-1): the committed output minus its new last token
+        out.append(Verified(tokens, n, logits[b, :w], hidden[b, :w]))
+    cache.truncate(keep[0] if len(keep) == 1 else keep)
+    return out
 
 
 def row_memories(memory: Memory, batch: int, device):
-    """Each batch row's memory in turn (the draft-then-verify decoders decode rows one by one)."""
+    """Each batch row's memory in turn (GAD, blockwise, BiLD and speculative decoding decode rows one by
+    one; IAD verifies its rows together with verify_rows)."""
     for b in range(batch):
         yield memory if batch == 1 else memory.select(torch.tensor([b], device=device))
 
