@@ -63,6 +63,21 @@ class Memory:
             self._src_block = self.src_pad[:, None, None, :] if bool(self.src_pad.any()) else None
         return self._src_block
 
+    def projection(self, W: torch.Tensor) -> torch.Tensor | None:
+        """A contiguous (D, V) copy of the output embedding W (V, D) for one-row steps, or None.
+
+        On CPU, MKL's (1, D) @ (D, V) with that copy takes about half the time of the strided view
+        W.t() inside a decoding loop (`python -m refdec.stepcost`). The copy belongs to this memory,
+        that is, to one decoding call, and is made on its second one-row step (a call with a single
+        one-row step, as IAD's often are, does not pay for it): it is never older than the weights
+        the call decodes with, whatever changed them before (no weight-derived cache outlives a call)."""
+        made = self.__dict__.setdefault("_projections", {})
+        got = made.get(W.data_ptr())
+        if isinstance(got, torch.Tensor):
+            return got
+        made[W.data_ptr()] = W.detach().t().contiguous() if got else True  # True: one step seen
+        return made[W.data_ptr()] if got else None
+
     def select(self, rows: torch.Tensor) -> "Memory":
         """The memory of batch rows `rows` (repeats allowed: beam search expands each source)."""
         return Memory(
@@ -373,10 +388,20 @@ class Transformer(nn.Module, RowInvariant):
         return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
                        device=p.device, dtype=p.dtype)
 
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied."""
+    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
+        """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied.
+        With the `memory` of a decoding call, a one-row step on CPU may use its copy of the
+        embedding (Memory.projection): the same products and sums, in float32 possibly rounded
+        differently in the last bits (the row-invariant mode never takes it)."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
-        return (rowwise_linear if self.row_invariant else linear)(hidden, W, None)
+        if self.row_invariant:
+            return rowwise_linear(hidden, W, None)
+        if (memory is not None and hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu"
+                and not torch.is_grad_enabled()):
+            W_t = memory.projection(W)
+            if W_t is not None:
+                return hidden @ W_t
+        return linear(hidden, W, None)
 
     # -- entry points -----------------------------------------------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:
@@ -438,7 +463,7 @@ class Transformer(nn.Module, RowInvariant):
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
         """tgt_new (B, q) -> logits (B, q, V): row i predicts the token after tgt_new[:, i]."""
-        return self.project(self.decode_hidden(tgt_new, memory, cache))
+        return self.project(self.decode_hidden(tgt_new, memory, cache), memory)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """Teacher forcing without a cache: src (B, S), tgt (B, T) starting with bos -> logits (B, T, V)."""
@@ -491,11 +516,11 @@ class EarlyExit(nn.Module):
                       real: torch.Tensor | None = None) -> torch.Tensor:
         return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers, real=real)
 
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.base.project(hidden)
+    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
+        return self.base.project(hidden, memory)
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
-        return self.project(self.decode_hidden(tgt_new, memory, cache))
+        return self.project(self.decode_hidden(tgt_new, memory, cache), memory)
 
     def memory_from(self, memory: Memory) -> Memory:
         """The small model's memory from the large model's: the same (every weight is shared)."""
@@ -531,11 +556,11 @@ class SharedEncoder(nn.Module):
                       real: torch.Tensor | None = None) -> torch.Tensor:
         return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from, real=real)
 
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.small.project(hidden)
+    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
+        return self.small.project(hidden, memory)
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
-        return self.project(self.decode_hidden(tgt_new, memory, cache))
+        return self.project(self.decode_hidden(tgt_new, memory, cache), memory)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """Teacher forcing, no cache: (B, T, V) logits."""
