@@ -439,8 +439,10 @@ def summarise(args, runs: list, lines: list[str], refs: list, ids: list, tokeniz
 
 
 def own_default(other, first, task: str) -> str | None:
-    """The default checkpoint of a compared algorithm when it is not the first algorithm's (None: the same)."""
-    if other.model_dir == first.model_dir:
+    """The default checkpoint of a compared algorithm that needs its own (blockwise: a checkpoint with
+    proposal heads), or None: the first run's checkpoint (greedy beside blockwise runs on the heads'
+    file, whose base model it is, so the lossless check compares the two on one model)."""
+    if other.model_dir in (first.model_dir, "{task}"):
         return None
     path = REPO / "checkpoints" / other.model_dir.format(task=task) / "model.pt"
     if not path.exists():
