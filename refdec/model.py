@@ -89,8 +89,8 @@ class Memory:
 
 # On CPU, MKL's matrix product picks a much faster routine for a few rows x (r, D) when asked for
 # (W @ x.T).T than for x @ W.T: on the mt-en-de model a decoder call over 2-16 new tokens costs
-# 1.30-1.57 single steps instead of 1.38-1.92 (`python -m refdec.stepcost` times both; README;
-# ../shared/cpu-physics.md).
+# 1.30-1.57 single steps instead of 1.38-1.92 (`python -m refdec.stepcost` times both;
+# docs/cpu-cost.md).
 # Beyond 16 rows (an encoder pass) it loses, so the route depends on the row count. Same products,
 # possibly summed in another order: float32 logits may differ in the last bits between routes.
 # refdec.stepcost sets FEW_ROWS to range(0) to time the plain route.
