@@ -63,20 +63,21 @@ class Memory:
             self._src_block = self.src_pad[:, None, None, :] if bool(self.src_pad.any()) else None
         return self._src_block
 
-    def projection(self, W: torch.Tensor) -> torch.Tensor | None:
+    def projection(self, W: torch.Tensor, make) -> torch.Tensor | None:
         """A contiguous (D, V) copy of the output embedding W (V, D) for one-row steps, or None.
 
         On CPU, MKL's (1, D) @ (D, V) with that copy takes about half the time of the strided view
-        W.t() inside a decoding loop (`python -m refdec.stepcost`). The copy belongs to this memory,
-        that is, to one decoding call, and is made on its second one-row step (a call with a single
-        one-row step, as IAD's often are, does not pay for it): it is never older than the weights
-        the call decodes with, whatever changed them before (no weight-derived cache outlives a call)."""
-        made = self.__dict__.setdefault("_projections", {})
-        got = made.get(W.data_ptr())
-        if isinstance(got, torch.Tensor):
-            return got
-        made[W.data_ptr()] = W.detach().t().contiguous() if got else True  # True: one step seen
-        return made[W.data_ptr()] if got else None
+        W.t() inside a decoding loop (`python -m refdec.stepcost`). It is taken on this memory's
+        (one decoding call's) second one-row step, from `make(W)`, which checks the copy against
+        W's current values: a call with a single one-row step, as IAD's often are, does not pay for
+        the check, and no call ever decodes with weights older than its own."""
+        got = self.__dict__.setdefault("_projections", {}).get(W.data_ptr())
+        if got is None:
+            self._projections[W.data_ptr()] = False  # one one-row step seen
+            return None
+        if got is False:
+            got = self._projections[W.data_ptr()] = make(W)
+        return got
 
     def select(self, rows: torch.Tensor) -> "Memory":
         """The memory of batch rows `rows` (repeats allowed: beam search expands each source)."""
@@ -398,10 +399,21 @@ class Transformer(nn.Module, RowInvariant):
             return rowwise_linear(hidden, W, None)
         if (memory is not None and hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu"
                 and not torch.is_grad_enabled()):
-            W_t = memory.projection(W)
+            W_t = memory.projection(W, self._transposed)
             if W_t is not None:
                 return hidden @ W_t
         return linear(hidden, W, None)
+
+    def _transposed(self, W: torch.Tensor) -> torch.Tensor:
+        """W.t() as a contiguous copy, kept beside the values it was made from and checked against
+        W's current values (torch.equal costs a fraction of a transposition), so weights changed in
+        any way, through `.data` or a fused optimizer step included, give a new copy."""
+        kept = self.__dict__.get("_projection_copy")
+        if (kept is None or kept[0].shape != W.shape or kept[0].dtype != W.dtype or kept[0].device != W.device
+                or not torch.equal(kept[0], W)):
+            kept = (W.detach().clone(), W.detach().t().contiguous())
+            self.__dict__["_projection_copy"] = kept
+        return kept[1]
 
     # -- entry points -----------------------------------------------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:

@@ -228,25 +228,25 @@ def test_a_model_built_under_inference_mode_decodes(invariant):
     assert_tokens_equal(iad(built, src, max_len=6).tokens, greedy(normal, src, max_len=6).tokens, "iad")
 
 
-def test_the_one_row_projection_copy_belongs_to_one_memory():
+def test_the_one_row_projection_copy_follows_every_weight_change():
     """Guards the fast one-row vocabulary projection against going stale: its contiguous copy of
-    the output embedding lives in the Memory of one decoding call (made on that call's second
-    one-row step), so weights changed through `.data` between two calls are always seen, and the
-    copy computes the same logits as the plain route (float64)."""
+    the output embedding is taken on a decoding call's second one-row step and checked against the
+    weights' current values, so weights changed through `.data` (no version bump) between two calls
+    are always seen, and the copy computes the same logits as the plain route (float64)."""
     from refdec.data import source_tensor
     m = tiny_model(3, tie=True)
     src = source_tensor([[7, 8, 9]])
+    W = m.tgt_embed.weight
     with torch.inference_mode():
         memory = m.encode(src)
-        W = m.tgt_embed.weight
-        assert memory.projection(W) is None  # the first one-row step: no copy yet
-        copy = memory.projection(W)
-        assert copy is memory.projection(W) and torch.equal(copy, W.t())
+        assert memory.projection(W, m._transposed) is None  # the first one-row step: no copy yet
+        copy = memory.projection(W, m._transposed)
+        assert copy is memory.projection(W, m._transposed) and torch.equal(copy, W.t())
         hidden = torch.randn(1, 1, m.cfg.d_model, dtype=torch.float64)
         assert torch.allclose(m.project(hidden, memory), m.project(hidden), rtol=0, atol=1e-12)
     with torch.no_grad():
         W.data.mul_(2)  # no version bump
     with torch.inference_mode():
         fresh = m.encode(src)
-        fresh.projection(W)
-        assert torch.equal(fresh.projection(W), W.t())  # the new call's copy has the new weights
+        fresh.projection(W, m._transposed)
+        assert torch.equal(fresh.projection(W, m._transposed), W.t())  # the new call sees the new weights
