@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     r.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
                    "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
-                   "ties included (slower; README, 'Row-invariant mode')")
+                   "ties included (slower; docs/algorithms.md, 'Row-invariant mode')")
     k = p.add_argument_group("algorithm options")
     k.add_argument("--beam-size", type=int, metavar="K", help="beams for beam search (default 5)")
     k.add_argument("--length-penalty", type=float, metavar="A", help="beam score = log p / length^A (default 1.0)")

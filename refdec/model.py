@@ -135,7 +135,7 @@ def set_row_invariant(module: nn.Module, on: bool = True) -> nn.Module:
     """Switch row-invariant compute on (or off) for every layer of `module` (a Transformer, an
     EarlyExit, a SharedEncoder, proposal heads) and return it. In that mode every position's logits
     are bitwise the same whatever the call shape, so every lossless decoder equals greedy decoding
-    exactly, ties included; it is slower (README, "Row-invariant mode"). Other models are untouched."""
+    exactly, ties included; it is slower (docs/algorithms.md, "Row-invariant mode"). Other models are untouched."""
     for m in module.modules():
         if isinstance(m, RowInvariant):
             m.row_invariant = on
