@@ -98,7 +98,7 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
                        dtype=torch.long, device=memory.states.device)  # (B, width)
     real = None if min(widths) == width else torch.tensor(widths, device=inp.device)
     hidden = model.decode_hidden(inp, memory, cache, real=real)  # (B, width, D)
-    logits = model.project(hidden)  # (B, width, V)
+    logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
     agree = inp[:, 1:].eq(logits[:, :-1].argmax(dim=-1)).tolist() if accept is None else None  # (B, width - 1)
     out, keep = [], []
     for b, (draft, w) in enumerate(zip(drafts, widths)):
