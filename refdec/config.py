@@ -217,6 +217,13 @@ PRESETS: dict[str, TrainConfig] = {
     "gec-uk-9x3": TrainConfig(task="gec-uk", out_dir="runs/gec-uk-9x3", d_model=192, d_ff=768,
                               enc_layers=9, dec_layers=3, lr=1e-3, warmup_steps=600, eval_every=400,
                               time_limit_min=95, threads=1),
+    # The same pair on English (data/gec-en: Brown and State of the Union sentences with synthetic errors).
+    "gec-en-6x6": TrainConfig(task="gec-en", out_dir="runs/gec-en-6x6", d_model=192, d_ff=768,
+                              enc_layers=6, dec_layers=6, lr=1e-3, warmup_steps=600, eval_every=400,
+                              time_limit_min=95, threads=1),
+    "gec-en-9x3": TrainConfig(task="gec-en", out_dir="runs/gec-en-9x3", d_model=192, d_ff=768,
+                              enc_layers=9, dec_layers=3, lr=1e-3, warmup_steps=600, eval_every=400,
+                              time_limit_min=95, threads=1),
     # The models of the speculative decoders on mt-en-de, all starting from or sharing the vocabulary of
     # the mt-en-de model. The distilled corpora come from `python -m refdec.distill` (see README).
     # Times are for the 2-core CPU; the shipped ones were trained on a GPU (README gives the commands).
