@@ -274,6 +274,12 @@ PRESETS: dict[str, TrainConfig] = {
                                      init_from="checkpoints/mt-en-de-small-aligned/model.pt",
                                      data_dir="data/distilled/mt-en-de-greedy", kd_from="checkpoints/mt-en-de/model.pt",
                                      lr=5e-4, warmup_steps=200, eval_every=500, time_limit_min=45, pick="last"),
+    # The aligned small model, fine-tuned further on the large model's greedy outputs for 203k monolingual
+    # English sentences besides the 80k training sources (data/distilled/mt-en-de-mono, README).
+    "mt-en-de-small-mono": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-small-mono",
+                                       init_from="checkpoints/mt-en-de-small-aligned/model.pt",
+                                       data_dir="data/distilled/mt-en-de-mono", lr=5e-4, warmup_steps=200,
+                                       eval_every=1000, time_limit_min=45, pick="last", threads=1),
     "mt-en-de-early-exit": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-early-exit",
                                        init_from="checkpoints/mt-en-de/model.pt", early_exit=1, lr=5e-4,
                                        warmup_steps=200, eval_every=400, time_limit_min=60),
