@@ -241,10 +241,7 @@ def load_tokenizer(folder: Path, config: dict) -> Tokenizer:
     except Exception:  # not refdec's kind: wrapped below, or one line on why it cannot be
         pass
     try:
-        unk = json.loads(text).get("model", {}).get("unk_token")
-        foreign = Tokenizer.foreign(text, pad_id=cfg_ids[0], bos_id=cfg_ids[1], eos_id=cfg_ids[2], unk_id=None)
-        foreign.unk_id = foreign._tok.token_to_id(unk) if isinstance(unk, str) else unk
-        return foreign
+        return Tokenizer.foreign(text, pad_id=cfg_ids[0], bos_id=cfg_ids[1], eos_id=cfg_ids[2])
     except Exception as e:
         raise HFError(f"cannot load tokenizer {path}: {str(e).splitlines()[0][:200]}") from None
 
@@ -368,7 +365,7 @@ def write_folder(model: Transformer, tokenizer: Tokenizer, out_dir: str | Path, 
         decoder_start_token_id=model.cfg.bos_id, bos_token_id=model.cfg.bos_id, eos_token_id=model.cfg.eos_id,
         pad_token_id=model.cfg.pad_id, do_sample=False, num_beams=1).save_pretrained(out)
     tensors = {k: (v if k.endswith("embed_positions.weight") else v.to(dtype)).contiguous() for k, v in tensors.items()}
-    _safetensors_torch().save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").write_bytes(_safetensors_torch().save(tensors, metadata={"format": "pt"}))
     tokenizer.save(out / "tokenizer.json")
     specials = {}
     for name, i in (("pad_token", tokenizer.pad_id), ("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
@@ -518,21 +515,28 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
             run(s, runner.max_len_for([s], None, limit))
     outputs = {name: [] for name in methods}
     seconds = dict.fromkeys(methods, 0.0)
-    for s in ids:  # interleaved: every method decodes a sentence before the next sentence
+    errors = {name: [] for name in methods}  # a method that fails on a line (its output None) goes on with the next
+    for i, s in enumerate(ids):  # interleaved: every method decodes a sentence before the next sentence
         budget = runner.max_len_for([s], None, limit)
         for name, run in methods.items():
             t0 = time.perf_counter()
-            outputs[name].append(run(s, budget))
+            try:
+                outputs[name].append(run(s, budget))
+            except Exception as e:
+                if name == "refdec-greedy":
+                    raise
+                outputs[name].append(None)
+                errors[name].append({"line": i + 1, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
             seconds[name] += time.perf_counter() - t0
     greedy_out = outputs["refdec-greedy"]
     rows = []
     for name in methods:
-        tokens = sum(len(o) + 1 for o in outputs[name])  # eos included, as refdec counts output tokens
-        same = sum(torch.equal(a, b) for a, b in zip(greedy_out, outputs[name]))
+        tokens = sum(len(o) + 1 for o in outputs[name] if o is not None)  # eos included, as refdec counts them
+        same = sum(b is not None and torch.equal(a, b) for a, b in zip(greedy_out, outputs[name]))
         rows.append({"method": name, "seconds": seconds[name], "tokens": tokens,
                      "ms_per_token": 1000 * seconds[name] / max(tokens, 1), "identical": same / max(len(ids), 1),
                      "differing": [] if name == "refdec-greedy" else
-                     runner.divergences(model, ids, greedy_out, outputs[name], "cpu")})
+                     runner.divergences(model, ids, greedy_out, outputs[name], "cpu"), "errors": errors[name]})
     import transformers
     return {"task": args.task, "model": args.model, "small": args.small, "lines": len(ids), "warmup": args.warmup,
             "threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -549,6 +553,8 @@ def audit_table(report: dict) -> str:
         for d in r["differing"]:
             out.append(f"{r['method']}: line {d['line']} differs from refdec greedy at position {d['position']} "
                        f"(refdec's top-1/top-2 margin there {d['margin_top1_top2']:.3g})")
+        for d in r["errors"]:
+            out.append(f"{r['method']}: line {d['line']} failed: {d['error']}")
     return "\n".join(out)
 
 

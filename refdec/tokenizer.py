@@ -39,11 +39,14 @@ class Tokenizer:
         self.byte_level = True
 
     @classmethod
-    def foreign(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int, unk_id: int | None) -> "Tokenizer":
-        """Another model's tokenizer.json with that model's special ids; its special tokens (those
-        ids and the file's special added tokens: language codes, mask) never appear in decoded text."""
+    def foreign(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int) -> "Tokenizer":
+        """Another model's tokenizer.json with that model's special ids (unk: its model's unk_token);
+        its special tokens (those ids and the file's special added tokens: language codes, mask)
+        never appear in decoded text."""
         self = cls.__new__(cls)
         self._tok, self.json_text = HFTokenizer.from_str(json_text), json_text
+        unk = getattr(self._tok.model, "unk_token", None)
+        unk_id = self._tok.token_to_id(unk) if isinstance(unk, str) else None
         self.pad_id, self.bos_id, self.eos_id, self.unk_id, self.mask_id = pad_id, bos_id, eos_id, unk_id, None
         added = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self.special_ids = frozenset(added | {i for i in (pad_id, bos_id, eos_id, unk_id) if i is not None})

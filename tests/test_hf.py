@@ -20,7 +20,7 @@ from conftest import run_py  # noqa: E402
 from refdec import hf  # noqa: E402
 from refdec.checkpoint import make_checkpoint, save_atomic  # noqa: E402
 from refdec.config import ModelConfig  # noqa: E402
-from refdec.decoding import beam_search, greedy, iad  # noqa: E402
+from refdec.decoding import beam_search, greedy, iad, speculative  # noqa: E402
 from refdec.model import Transformer  # noqa: E402
 from refdec.tokenizer import Tokenizer  # noqa: E402
 
@@ -78,7 +78,7 @@ def theirs(folder):
 def test_import_logits_and_greedy_equal_transformers(folder, theirs):
     model, tok, _ = hf.load_folder(folder, dtype=torch.float64)
     assert model.cfg.positions == "m2m100" and (model.cfg.pad_id, model.cfg.bos_id, model.cfg.eos_id) == (1, 2, 2)
-    assert tok.pad_id == 1 and tok.decode([2, 4, 5, 1]) == "w0 w1"
+    assert (tok.pad_id, tok.unk_id) == (1, 3) and tok.decode([2, 4, 5, 44, 1]) == "w0 w1"  # 44: a language code
     for src in sources(6):
         tgt = sources(1, seed=len(src))[0]
         diff = (hf.refdec_logits(model, src, tgt) - hf.hf_logits(theirs, model.cfg, src, tgt)).abs().max()
@@ -87,8 +87,11 @@ def test_import_logits_and_greedy_equal_transformers(folder, theirs):
         assert torch.equal(ours, hf.hf_generate(theirs, model.cfg, src, 20))
 
 
-def test_forced_language_tokens_honoured_by_greedy_beam_and_iad(folder, theirs):
+def test_forced_language_tokens_honoured_by_greedy_beam_iad_and_speculative(folder, theirs, tmp_path):
     model, tok, _ = hf.load_folder(folder, dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
+    # another random model as the drafter: its drafts are often rejected, so its cache is cut back
+    small, _, _ = hf.load_folder(m2m_folder(tmp_path / "small", seed=1, encoder_layers=1, decoder_layers=1),
+                                 dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
     en, de = (tok._tok.token_to_id(t) for t in LANGS)
     assert model.cfg.encoder_prefix == (en,) and model.cfg.decoder_prefix == (de,)
     srcs = sources(5, seed=3)
@@ -103,6 +106,7 @@ def test_forced_language_tokens_honoured_by_greedy_beam_and_iad(folder, theirs):
         assert torch.equal(greedy(model, x, max_len=20).tokens[0], want)
         assert torch.equal(beam_search(model, x, max_len=20, beam_size=1).tokens[0], want)
         assert torch.equal(iad(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(speculative(model, small, x, max_len=20, gamma=3).tokens[0], want)
         changed += not torch.equal(greedy(plain, x, max_len=20).tokens[0], want)
     assert changed  # the forced tokens change what the model writes
     batch = torch.full((len(srcs), 9), 1)  # a padded batch: the prefix goes before each row's source
@@ -112,13 +116,13 @@ def test_forced_language_tokens_honoured_by_greedy_beam_and_iad(folder, theirs):
     assert all(torch.equal(o, hf.hf_generate(theirs, model.cfg, s, 20)) for o, s in zip(outs, srcs))
 
 
-def refdec_checkpoint(path: Path, seed: int = 0) -> Path:
+def refdec_checkpoint(path: Path, seed: int = 0, max_positions: int = 64) -> Path:
     """A random refdec model (tied, pre-norm, every weight perturbed) with a trained byte-level tokenizer."""
     tok = Tokenizer.train(["the cat sat on the mat", "a dog ran in the park", "der Hund lief im Park"] * 5,
                           vocab_size=300, min_frequency=1)
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_heads=2, d_ff=32, enc_layers=2,
-                                    dec_layers=2, max_positions=64))
+                                    dec_layers=2, max_positions=max_positions))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -199,3 +203,23 @@ def test_decode_cli_on_a_transformers_folder(folder, theirs, tmp_path):
                    "--quiet", "--threads", "1")
         assert r.returncode == 0, r.stderr.decode()
         assert r.stdout.decode().splitlines() == want, algo
+
+
+def test_audit_reports_every_method(tmp_path, capsys):
+    """The audit on a tiny exported pair: every method's row, refdec's lossless decoders identical to
+    refdec greedy, each differing line with its first divergent position and margin, JSON written."""
+    # 256 positions: transformers' assisted generation lets its assistant run past max_length, and near
+    # the end of the position table that fails (the audit records such a line as an error)
+    large = refdec_checkpoint(tmp_path / "large", seed=2, max_positions=256)
+    small = refdec_checkpoint(tmp_path / "small", seed=3, max_positions=256)
+    assert hf.main(["audit", "--task", "mt-en-de", "--model", str(large), "--small", str(small), "--limit", "2",
+                    "--warmup", "0", "--threads", "1", "--report", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["method"]: r for r in report["methods"]}
+    assert list(rows) == ["refdec-greedy", "refdec-speculative", "hf-greedy", "hf-assisted", "hf-prompt-lookup"]
+    assert report["lines"] == 2 and rows["refdec-greedy"]["identical"] == rows["refdec-speculative"]["identical"] == 1
+    for r in rows.values():
+        assert r["seconds"] > 0 and r["tokens"] >= 2 and not r["errors"]
+        assert len(r["differing"]) == round(2 * (1 - r["identical"]))
+        assert all(d["margin_top1_top2"] >= 0 and d["position"] >= 0 for d in r["differing"])
+    assert "hf-prompt-lookup" in capsys.readouterr().out
