@@ -454,13 +454,13 @@ def export(ckpt: str | Path, out_dir: str | Path, probe: str = "A short sentence
 
 
 # -- audit ----------------------------------------------------------------------------------------
-def _load_pair(path: str, *, src_lang, tgt_lang, workdir: Path, name: str):
+def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name: str):
     """(refdec model, tokenizer, transformers model) for a refdec checkpoint (exported to `workdir`
     and loaded from there with transformers) or a transformers folder, in float32."""
     if is_hf_folder(path):
         model, tok, _ = load_folder(path, src_lang=src_lang, tgt_lang=tgt_lang)
         return model, tok, hf_from_pretrained(path)
-    model, tok, _ = load_model(path)
+    model, tok, _ = load_model(path, task=task)
     return model, tok, hf_from_pretrained(write_folder(model, tok, workdir / name))
 
 
@@ -485,11 +485,12 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     from .decoding import iad, speculative
     from .decoding.greedy import greedy
 
-    model, tok, hf = _load_pair(args.model, src_lang=args.src_lang, tgt_lang=args.tgt_lang, workdir=tmp, name="model")
+    model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
+                                workdir=tmp, name="model")
     small = hf_small = None
     if args.small:
-        small, small_tok, hf_small = _load_pair(args.small, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
-                                                workdir=tmp, name="small")
+        small, small_tok, hf_small = _load_pair(args.small, task=args.task, src_lang=args.src_lang,
+                                                tgt_lang=args.tgt_lang, workdir=tmp, name="small")
         if small_tok.sha256 != tok.sha256 or small.cfg.encoder_prefix != model.cfg.encoder_prefix \
                 or small.cfg.decoder_prefix != model.cfg.decoder_prefix:
             raise HFError(f"{args.small} does not share the vocabulary and forced tokens of {args.model}")

@@ -172,6 +172,13 @@ def test_imported_m2m100_exports_as_m2m100_and_round_trips_bitwise(folder, tmp_p
     assert torch.equal(hf.refdec_logits(back, src, tgt), hf.refdec_logits(model, src, tgt))
 
 
+def test_core_library_imports_without_transformers():
+    r = run_py("-c", "import sys; sys.modules['transformers'] = sys.modules['safetensors'] = None\n"
+               "import refdec.model, refdec.loading, refdec.decoding, refdec.runner, refdec.hf\n"
+               "try:\n    refdec.hf.hf_from_pretrained('x')\nexcept refdec.hf.HFError as e:\n    print(e)")
+    assert r.returncode == 0 and "needs the transformers package" in r.stdout.decode(), r.stderr.decode()
+
+
 def one_line_error(r) -> str:
     err = r.stderr.decode().strip()
     assert r.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err
@@ -212,12 +219,14 @@ def test_decode_cli_on_a_transformers_folder(folder, theirs, tmp_path):
     lines = [" ".join(WORDS[t - 4] for t in s) for s in srcs]
     want = [tok.decode(hf.hf_generate(theirs, model.cfg, s, 2 * len(s) + 10).tolist()) for s in srcs]
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
-    for algo, extra in (("greedy", []), ("beam", ["--beam-size", "1"]), ("iad", [])):
-        r = run_py("decode.py", "--task", "mt-en-de", "--algo", algo, *extra, "--model", str(folder), "--input",
-                   str(tmp_path / "in.txt"), "--src-lang", "__en__", "--tgt-lang", "__de__", "--dtype", "float64",
-                   "--quiet", "--threads", "1")
-        assert r.returncode == 0, r.stderr.decode()
-        assert r.stdout.decode().splitlines() == want, algo
+    r = run_py("decode.py", "--task", "mt-en-de", "--algo", "greedy", "--compare", "beam:beam-size=1,iad", "--model",
+               str(folder), "--input", str(tmp_path / "in.txt"), "--src-lang", "__en__", "--tgt-lang", "__de__",
+               "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"),
+               "--report", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert (tmp_path / "out.txt").read_text().splitlines() == want
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [(x["algo"], x["identical"]) for x in runs[1:]] == [("beam:beam-size=1", 1.0), ("iad", 1.0)]
 
 
 def test_audit_reports_every_method(tmp_path, capsys):
