@@ -172,6 +172,16 @@ def test_imported_m2m100_exports_as_m2m100_and_round_trips_bitwise(folder, tmp_p
     assert torch.equal(hf.refdec_logits(back, src, tgt), hf.refdec_logits(model, src, tgt))
 
 
+def test_pytorch_model_bin_imports_as_safetensors_does(folder, tmp_path):
+    import shutil
+    from safetensors.torch import load_file
+    shutil.copytree(folder, tmp_path / "bin")
+    torch.save(load_file(str(folder / "model.safetensors")), tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    a, b = hf.load_folder(folder)[0].state_dict(), hf.load_folder(tmp_path / "bin")[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_core_library_imports_without_transformers():
     r = run_py("-c", "import sys; sys.modules['transformers'] = sys.modules['safetensors'] = None\n"
                "import refdec.model, refdec.loading, refdec.decoding, refdec.runner, refdec.hf\n"
