@@ -59,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--quiet", action="store_true", help="no progress lines")
     m = p.add_argument_group("models")
     m.add_argument("--model", metavar="PATH", help="checkpoint whose output is produced "
-                   "(default: checkpoints/<task>/model.pt; tokenizer.json must sit beside it)")
+                   "(default: checkpoints/<task>/model.pt; tokenizer.json must sit beside it), or a Hugging Face "
+                   "transformers model folder (M2M100, NLLB; docs/hf.md)")
+    m.add_argument("--src-lang", metavar="TOKEN", help="with a transformers folder: the source-language token forced "
+                   "before every source (NLLB: eng_Latn)")
+    m.add_argument("--tgt-lang", metavar="TOKEN", help="with a transformers folder: the target-language token forced "
+                   "after the decoder's start token (NLLB: deu_Latn; default: the folder's forced_bos_token_id)")
     m.add_argument("--drafter", metavar="PATH", help="drafter checkpoint, for algorithms that draft with a second model")
     m.add_argument("--small", metavar="PATH", help="small-model checkpoint, for big-little decoding and speculative "
                    "sampling (default: checkpoints/<task>-small-aligned/model.pt); 'early-exit' uses the first "
@@ -334,7 +339,7 @@ def load_runs(args, algo, compares: list, knobs: dict, run_knobs: list[dict], dt
     if not args.model and not model_path.exists():
         raise UsageError(f"no checkpoint at {model_path}; {shipped_for(algo)}; train one (README, 'Training') "
                          f"or pass --model")
-    loader = RunLoader(model_path, task=args.task, device=args.device, dtype=dtype)
+    loader = RunLoader(model_path, task=args.task, device=args.device, dtype=dtype, languages=(args.src_lang, args.tgt_lang))
     for _, path, _ in compares:
         if path is not None:
             loader.add(path)

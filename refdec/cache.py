@@ -23,6 +23,12 @@ never attended: the model blocks every key at or beyond lengths[b] + i for new q
 The cache becomes uniform again as soon as its rows agree (a truncate or select that leaves equal
 lengths), so a batch of one is never ragged.
 
+Hidden prefix. A model with forced decoder tokens (refdec.config.ModelConfig.decoder_prefix) keeps
+them in storage positions [0, prefix) of every row, below position 0 as decoders count it: lengths,
+truncate and append speak of the positions after them, so a decoder never knows they are there.
+`hide(p)` turns the first p committed positions into that prefix; a cache emptied by truncate(0)
+drops it (the model writes it anew with the next start token).
+
 Cross-attention keys and values do not live here: they are computed once per source by
 `Transformer.encode` and kept in `Memory`.
 """
@@ -42,6 +48,7 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._end = 0  # positions committed by advance() in the longest row
         self._lengths: torch.Tensor | None = None  # (B,) per row while rows differ, else None
+        self.prefix = 0  # hidden storage positions before position 0 (see the module docstring)
 
     # -- shape ----------------------------------------------------------------------------------
     @property
@@ -92,29 +99,30 @@ class KVCache:
             return
         new_cap = max(needed, 2 * self.capacity)
         L, B, H, _, Dh = self.k.shape
+        used = self.prefix + self._end
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_zeros((L, B, H, new_cap, Dh))
-            new[:, :, :, : self._end] = old[:, :, :, : self._end]
+            new[:, :, :, :used] = old[:, :, :, :used]
             setattr(self, name, new)
 
     # -- verbs ----------------------------------------------------------------------------------
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H, q, Dh) at positions [lengths[b], lengths[b]+q) of row b in `layer`.
 
-        Returns that layer's keys and values over [0, end+q), each (B, H, end+q, Dh); in a ragged
-        cache a row's keys past its own length + q are stale and must be masked by the caller.
-        The new positions count only after `advance(q)`.
+        Returns that layer's keys and values over [0, end+q), each (B, H, end+q, Dh), after the
+        hidden prefix's (B, H, prefix, Dh); in a ragged cache a row's keys past its own length + q
+        are stale and must be masked by the caller. The new positions count only after `advance(q)`.
         """
         q = k.shape[2]
-        end = self._end + q
+        start, end = self.prefix + self._end, self.prefix + self._end + q
         self._reserve(end)
         if self._lengths is None:
-            self.k[layer, :, :, self._end:end] = k
-            self.v[layer, :, :, self._end:end] = v
+            self.k[layer, :, :, start:end] = k
+            self.v[layer, :, :, start:end] = v
         else:
             B, H, _, Dh = k.shape
-            pos = self._lengths[:, None] + torch.arange(q, device=k.device)  # (B, q) each row's own offsets
+            pos = self.prefix + self._lengths[:, None] + torch.arange(q, device=k.device)  # (B, q) each row's own offsets
             index = pos[:, None, :, None].expand(B, H, q, Dh)
             self.k[layer].scatter_(2, index, k)  # self.k[layer] is a view: written in place
             self.v[layer].scatter_(2, index, v)
@@ -122,7 +130,7 @@ class KVCache:
 
     def advance(self, q: int) -> None:
         """Commit the q positions that every layer has just appended (to every row)."""
-        if self._end + q > self.capacity:
+        if self.prefix + self._end + q > self.capacity:
             raise RuntimeError("advance past what was appended")
         self._end += q
         if self._lengths is not None:
@@ -135,6 +143,8 @@ class KVCache:
             if not 0 <= n <= self._end:
                 raise ValueError(f"truncate({n}) on a cache of length {self._end}")
             self._end = n
+            if n == 0:
+                self.prefix = 0
             return
         if isinstance(n, int):
             n = torch.full((self.batch,), n, dtype=torch.long, device=self.k.device)
@@ -142,6 +152,15 @@ class KVCache:
         if n.shape != (self.batch,) or bool((n < 0).any()) or bool((n > self.lengths).any()):
             raise ValueError(f"truncate({n.tolist()}) on a cache of lengths {self.lengths.tolist()}")
         self._set_lengths(n)
+        if self._lengths is None and self._end == 0:
+            self.prefix = 0
+
+    def hide(self, p: int) -> None:
+        """Make the first p committed positions of every row the hidden prefix (a uniform cache)."""
+        if self._lengths is not None or not 0 <= p <= self._end:
+            raise ValueError(f"hide({p}) on {self!r}")
+        self.prefix += p
+        self._end -= p
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep batch rows `rows` (LongTensor of row indices, repeats allowed), in that order."""
@@ -153,9 +172,12 @@ class KVCache:
     def clone(self) -> "KVCache":
         other = KVCache.__new__(KVCache)
         other.k, other.v, other._end, other._lengths = self.k.clone(), self.v.clone(), self._end, self._lengths
+        other.prefix = self.prefix
         return other
 
     def __repr__(self) -> str:
         L, B, H, cap, Dh = self.k.shape
         length = f"lengths={self._lengths.tolist()}" if self.ragged else f"length={self._end}"
+        if self.prefix:
+            length += f", prefix={self.prefix}"
         return f"KVCache(layers={L}, batch={B}, heads={H}, head_dim={Dh}, {length}, capacity={cap})"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # Special token ids, fixed by the order in which refdec.tokenizer registers them.
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<mask>")
+POSITION_TABLES = ("sinusoidal", "m2m100")
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,26 @@ class ModelConfig:
     # on the large model's encoder), whose width this is.
     d_memory: int = 0
     pad_id: int = PAD_ID
-    bos_id: int = BOS_ID
+    bos_id: int = BOS_ID  # the decoder's start token
     eos_id: int = EOS_ID
+    # The position table: "sinusoidal" (section 3.5, sin and cos interleaved) or "m2m100" (Hugging Face's
+    # M2M100/NLLB table: [sin | cos] halves with its own frequencies, computed in float32, position p at
+    # row p + pad_id + 1; refdec.model.m2m100_positions).
+    positions: str = "sinusoidal"
+    # Forced tokens (an imported NLLB/M2M100 model's language codes): encoder_prefix goes before every
+    # source; decoder_prefix follows the start token, before the first output token. Decoders never see
+    # them: the model inserts them (refdec.model.Transformer.encode_states / decode_hidden).
+    encoder_prefix: tuple[int, ...] = ()
+    decoder_prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.positions not in POSITION_TABLES:
+            raise ValueError(f"positions must be one of {', '.join(POSITION_TABLES)}, not {self.positions!r}")
+        for name in ("encoder_prefix", "decoder_prefix"):
+            ids = tuple(getattr(self, name))
+            if not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids):
+                raise ValueError(f"{name} must hold token ids below vocab_size={self.vocab_size}, not {list(ids)}")
+            object.__setattr__(self, name, ids)  # a list from a checkpoint's dict becomes the tuple the field holds
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.enc_layers < 0 or self.dec_layers < 1:

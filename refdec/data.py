@@ -79,9 +79,9 @@ def pad_batch(seqs: list[list[int]], pad: int = PAD_ID) -> torch.Tensor:
     return out
 
 
-def source_tensor(src_ids: list[list[int]]) -> torch.Tensor:
-    """(B, S) encoder input: each source followed by eos, right-padded."""
-    return pad_batch([s + [EOS_ID] for s in src_ids])
+def source_tensor(src_ids: list[list[int]], eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> torch.Tensor:
+    """(B, S) encoder input: each source followed by eos, right-padded (an imported model's ids: its own)."""
+    return pad_batch([s + [eos_id] for s in src_ids], pad_id)
 
 
 def training_tensors(src_ids: list[list[int]], tgt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

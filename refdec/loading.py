@@ -30,11 +30,25 @@ class LoadError(CheckpointError):
 SECOND_MODEL_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
 
 
+def load_any(path: str | Path, *, task: str | None, device, dtype: torch.dtype, loaded: dict | None = None,
+             languages: tuple[str | None, str | None] = (None, None)):
+    """load_model for a refdec checkpoint; a transformers model folder (refdec.hf, which carries no
+    task) for a folder, with `languages` (source, target) its forced language tokens."""
+    if Path(path).is_dir():
+        from .hf import load_folder
+        return load_folder(path, device=device, dtype=dtype, src_lang=languages[0], tgt_lang=languages[1])
+    if any(languages):
+        raise LoadError("--src-lang and --tgt-lang choose the language tokens of a transformers model folder; "
+                        f"{path} is a refdec checkpoint")
+    return load_model(path, task=task, device=device, dtype=dtype, loaded=loaded)
+
+
 class RunLoader:
-    def __init__(self, main_path: str | Path, *, task: str, device: str, dtype: torch.dtype):
+    def __init__(self, main_path: str | Path, *, task: str, device: str, dtype: torch.dtype,
+                 languages: tuple[str | None, str | None] = (None, None)):
         self.task, self.device, self.dtype = task, device, dtype
         self.main_path = Path(main_path)
-        model, self.tokenizer, ckpt = load_model(main_path, task=task, device=device, dtype=dtype)
+        model, self.tokenizer, ckpt = load_any(main_path, task=task, device=device, dtype=dtype, languages=languages)
         self.loaded = {self.main_path.resolve(): (model, ckpt)}  # large models by file
         self.seconds: dict = {}  # (role, file, large model's file) -> {role: model, ...}
         self.hashes: dict = {}
@@ -50,13 +64,15 @@ class RunLoader:
 
     @property
     def max_positions(self) -> int:
-        return min(m.cfg.max_positions for m, _ in self.loaded.values())
+        """Positions left for a source (or an output) once the models' forced tokens are in."""
+        return min(m.cfg.max_positions - max(len(m.cfg.encoder_prefix), len(m.cfg.decoder_prefix))
+                   for m, _ in self.loaded.values())
 
     def add(self, path: str | Path) -> None:
         """Another large model for compared runs (`ALGO@CKPT`), on the main model's tokenizer."""
         if Path(path).resolve() in self.loaded:
             return
-        model, tok, ckpt = load_model(path, task=self.task, device=self.device, dtype=self.dtype)
+        model, tok, ckpt = load_any(path, task=self.task, device=self.device, dtype=self.dtype)
         if tok.sha256 != self.tokenizer.sha256:
             raise LoadError(f"{path} has a different tokenizer from {self.main_path}; compared runs must share one")
         self.loaded[Path(path).resolve()] = (model, ckpt)
@@ -75,8 +91,8 @@ class RunLoader:
             return {"small": EarlyExit(large, ck["early_exit"])}
         key = (role, Path(value).resolve(), large_path.resolve())
         if key not in self.seconds:
-            model, tok, ck2 = load_model(value, task=self.task, device=self.device, dtype=self.dtype,
-                                         loaded={self.sha256(large_path): large})
+            model, tok, ck2 = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
+                                       loaded={self.sha256(large_path): large})
             if tok.sha256 != self.tokenizer.sha256:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
             if role == "drafter" and "drafter" not in ck2:
@@ -86,7 +102,7 @@ class RunLoader:
 
     def sha256(self, path: Path) -> str:
         if path.resolve() not in self.hashes:
-            self.hashes[path.resolve()] = file_sha256(path)
+            self.hashes[path.resolve()] = file_sha256(path) if path.is_file() else f"folder {path.resolve()}"
         return self.hashes[path.resolve()]
 
     def models_for(self, path: Path, algo_name: str, own: dict | None = None) -> dict:

@@ -38,6 +38,27 @@ def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
     return pe
 
 
+def m2m100_positions(n: int, d: int, pad_id: int) -> torch.Tensor:
+    """Hugging Face M2M100's (and NLLB's) table, (n, d): row p is its row p + pad_id + 1, [sin | cos]
+    halves at frequencies 10000^(-i / (d/2 - 1)), computed in float32 as transformers computes it (so
+    a float64 model holds the same float32-rounded values its Hugging Face twin holds)."""
+    rows, half = n + pad_id + 1, d // 2
+    step = math.log(10000) / (half - 1)
+    freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)
+    emb = torch.arange(rows, dtype=torch.int64).float().unsqueeze(1) * freq.unsqueeze(0)
+    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1)
+    if d % 2:
+        emb = torch.cat([emb, torch.zeros(rows, 1)], dim=1)
+    return emb[pad_id + 1:].double()
+
+
+def position_table(cfg: ModelConfig) -> torch.Tensor:
+    """The (max_positions, d_model) float64 table cfg.positions names."""
+    if cfg.positions == "m2m100":
+        return m2m100_positions(cfg.max_positions, cfg.d_model, cfg.pad_id)
+    return sinusoidal_positions(cfg.max_positions, cfg.d_model)
+
+
 @dataclass
 class Memory:
     """What the decoder needs from one encoder pass.
@@ -335,8 +356,7 @@ class Transformer(nn.Module, RowInvariant):
         # enc_layers 0: no encoder and no source embedding of its own (SharedEncoder gives the states).
         self.src_embed = (self.tgt_embed if cfg.tie_embeddings or not cfg.enc_layers
                           else nn.Embedding(V, D, padding_idx=cfg.pad_id))
-        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, D).to(self.tgt_embed.weight.dtype),
-                             persistent=False)
+        self.register_buffer("positions", position_table(cfg).to(self.tgt_embed.weight.dtype), persistent=False)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
@@ -360,8 +380,7 @@ class Transformer(nn.Module, RowInvariant):
         # nn.Module._apply casts the table with everything else (float32 values in a float64 model):
         # recompute it from the float64 formula in the dtype and device it now has.
         out = super()._apply(fn, recurse)
-        self.positions = sinusoidal_positions(self.cfg.max_positions, self.cfg.d_model).to(
-            self.positions.device, self.positions.dtype)
+        self.positions = position_table(self.cfg).to(self.positions.device, self.positions.dtype)
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -424,6 +443,8 @@ class Transformer(nn.Module, RowInvariant):
         """The encoder alone: src (B, S) -> states (B, S, D) and src_pad (B, S), True at padding."""
         if not self.cfg.enc_layers:
             raise ValueError("this model has no encoder of its own: it reads another model's (refdec.model.SharedEncoder)")
+        if self.cfg.encoder_prefix:  # forced tokens before every source (an NLLB model's language code)
+            src = torch.cat([src.new_tensor(self.cfg.encoder_prefix).expand(src.shape[0], -1), src], dim=1)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S) keys that are padding
         x = self._embed(self.src_embed, src, 0)
@@ -448,19 +469,28 @@ class Transformer(nn.Module, RowInvariant):
         causal. `layers` = n runs only the first n decoder layers (an early exit; `cache` then has n
         layers), followed by the same final norm. `real` (B,): how many of the q tokens of each row
         are real, the rest right padding of a ragged batch (their positions may run past the table;
-        the caller truncates them away)."""
+        the caller truncates them away).
+
+        The start token fed to an empty cache is followed by the model's forced decoder_prefix, if
+        any: those positions go into the cache's hidden prefix, so no decoder sees them."""
+        forced = len(self.cfg.decoder_prefix) if not cache.ragged and cache.end == 0 else 0
+        if forced:
+            cache.truncate(0)  # drops an earlier hidden prefix
+            tgt_new = self._after_start(tgt_new)
+            real = None if real is None else real + forced
+            open_from = None if open_from is None else open_from + forced
         q_len = tgt_new.shape[1]
         if cache.ragged:
-            offset = cache.lengths  # (B,)
+            offset = cache.prefix + cache.lengths  # (B,)
             # Query i of row b sees keys 0 .. lengths[b] + i and nothing else: past them lie another
             # row's longer history or this row's rejected tail, which must not enter its softmax.
             last_key = offset[:, None] + torch.arange(q_len, device=offset.device)  # (B, q)
             if open_from is not None:
                 last_key[:, open_from:] = offset[:, None] + q_len - 1
-            keys = torch.arange(cache.end + q_len, device=offset.device)
+            keys = torch.arange(cache.prefix + cache.end + q_len, device=offset.device)
             self_block = (keys > last_key[:, :, None])[:, None]  # (B, 1, q, end + q)
         else:
-            offset = cache.length
+            offset = cache.prefix + cache.length
             # One new query sees every cached key: no mask needed (the greedy step stays lean).
             self_block = causal_block(q_len, offset, tgt_new.device) if q_len > 1 else None  # (q, L + q)
             if open_from is not None and self_block is not None:
@@ -471,7 +501,15 @@ class Transformer(nn.Module, RowInvariant):
             x = layer(x, memory.cross_kv[i], src_block,
                       lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block)
         cache.advance(q_len)
+        if forced:
+            cache.hide(forced)
+            x = x[:, forced:]
         return self.dec_norm(x)
+
+    def _after_start(self, tgt: torch.Tensor) -> torch.Tensor:
+        """tgt (B, T) beginning with the start token -> (B, T + P) with decoder_prefix after it."""
+        forced = tgt.new_tensor(self.cfg.decoder_prefix).expand(tgt.shape[0], -1)
+        return torch.cat([tgt[:, :1], forced, tgt[:, 1:]], dim=1)
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
         """tgt_new (B, q) -> logits (B, q, V): row i predicts the token after tgt_new[:, i]."""
@@ -489,6 +527,11 @@ class Transformer(nn.Module, RowInvariant):
         returns (final, early). `memory` replaces encode(src) (a decoder on another model's encoder)."""
         if memory is None:
             memory = self.encode(src)
+        forced = len(self.cfg.decoder_prefix)
+        if forced:  # the forced tokens after the start token, their states dropped from the result
+            if self_block is not None:
+                raise ValueError("a model with a decoder_prefix takes no self_block")
+            tgt = self._after_start(tgt)
         x = self._embed(self.tgt_embed, tgt, 0)
         if self_block is None:
             self_block = causal_block(tgt.shape[1], 0, x.device)
@@ -497,8 +540,8 @@ class Transformer(nn.Module, RowInvariant):
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)
             if early_exit is not None and i + 1 == early_exit:
-                early = self.dec_norm(x)
-        return self.dec_norm(x) if early_exit is None else (self.dec_norm(x), early)
+                early = self.dec_norm(x[:, forced:])
+        return self.dec_norm(x[:, forced:]) if early_exit is None else (self.dec_norm(x[:, forced:]), early)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -218,9 +218,11 @@ def max_len_for(batch: list[list[int]], max_len: int | None, max_positions: int)
 
 
 def run_batch(run: Run, models: dict, batch: list[list[int]], max_len: int, device) -> tuple[list, float, DecodeStats, list | None]:
-    src = data_mod.source_tensor(batch).to(device)
+    models = run.models or models
+    cfg = models["model"].cfg
+    src = data_mod.source_tensor(batch, cfg.eos_id, cfg.pad_id).to(device)
     t0 = time.perf_counter()
-    res = run.algo.run(run.models or models, src, max_len, run.knobs)
+    res = run.algo.run(models, src, max_len, run.knobs)
     if src.is_cuda:
         torch.cuda.synchronize()
     return [t.cpu() for t in res.tokens], time.perf_counter() - t0, res.stats, res.trace
@@ -388,7 +390,7 @@ def divergences(model, ids: list[list[int] | None], greedy_out: list, other_out:
             continue
         g_l, o_l = g.tolist() + [eos], o.tolist() + [eos]
         pos = next(p for p in range(min(len(g_l), len(o_l))) if g_l[p] != o_l[p])
-        memory = model.encode(data_mod.source_tensor([src]).to(device))
+        memory = model.encode(data_mod.source_tensor([src], eos, model.cfg.pad_id).to(device))
         cache = model.new_cache(1, capacity=pos + 2)
         prefix = [model.cfg.bos_id] + g_l[:pos]
         for t in prefix:

@@ -5,6 +5,9 @@ Byte-level means every string is representable: other scripts, emoji and control
 byte tokens instead of <unk>, so decode(encode(text)) == text for any text. <unk> keeps its id for
 models and data that need one. Ids 0-4 are the special tokens pad, bos, eos, unk, mask (mask is the
 placeholder of the non-autoregressive drafter).
+
+A Hugging Face model's tokenizer.json (refdec.hf) is wrapped too, with that model's special ids
+(`Tokenizer.foreign`): the same methods, its own vocabulary, pieces and specials.
 """
 
 from __future__ import annotations
@@ -32,6 +35,23 @@ class Tokenizer:
         for i, name in enumerate(SPECIAL_TOKENS):
             if tok.token_to_id(name) != i:
                 raise ValueError(f"tokenizer does not have {name} at id {i}: not a refdec tokenizer")
+        self.special_ids = frozenset(range(len(SPECIAL_TOKENS)))
+        self.byte_level = True
+
+    @classmethod
+    def foreign(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int) -> "Tokenizer":
+        """Another model's tokenizer.json with that model's special ids (unk: its model's unk_token);
+        its special tokens (those ids and the file's special added tokens: language codes, mask)
+        never appear in decoded text."""
+        self = cls.__new__(cls)
+        self._tok, self.json_text = HFTokenizer.from_str(json_text), json_text
+        unk = getattr(self._tok.model, "unk_token", None)
+        unk_id = self._tok.token_to_id(unk) if isinstance(unk, str) else None
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id, self.mask_id = pad_id, bos_id, eos_id, unk_id, None
+        added = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.special_ids = frozenset(added | {i for i in (pad_id, bos_id, eos_id, unk_id) if i is not None})
+        self.byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        return self
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
@@ -76,12 +96,13 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Token ids -> text; special tokens (bos, eos, pad, mask) are dropped."""
-        return self._tok.decode([int(i) for i in ids if int(i) > MASK_ID], skip_special_tokens=True)
+        return self._tok.decode([int(i) for i in ids if int(i) not in self.special_ids], skip_special_tokens=True)
 
     def invalid_bytes(self, ids: Iterable[int]) -> int:
         """How many bytes of `decode(ids)` are not valid UTF-8 (a model can write part of a multi-byte
         character); `decode` shows each such sequence as U+FFFD, Unicode's replacement character."""
-        raw = b"".join(_token_bytes(self._tok.id_to_token(int(i))) for i in ids if int(i) > MASK_ID)
+        piece = _token_bytes if self.byte_level else _piece_bytes
+        raw = b"".join(piece(self._tok.id_to_token(int(i)) or "") for i in ids if int(i) not in self.special_ids)
         return len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
 
     def tokens(self, ids: Iterable[int]) -> list[str]:
@@ -104,6 +125,16 @@ _BYTE_OF = _byte_symbols()
 
 def _token_bytes(token: str) -> bytes:
     return bytes(_BYTE_OF[c] for c in token)
+
+
+def _piece_bytes(token: str) -> bytes:
+    """A SentencePiece-style piece's bytes: <0xNN> byte-fallback pieces are that byte, '▁' a space."""
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        try:
+            return bytes([int(token[3:5], 16)])
+        except ValueError:
+            pass
+    return token.replace("\u2581", " ").encode("utf-8")
 
 
 def iter_training_text(pairs: Iterator[tuple[str, str]]) -> Iterator[str]:

@@ -1,0 +1,259 @@
+"""refdec.hf: transformers folders in (M2M100, NLLB), refdec checkpoints out (Pegasus layout), round trips.
+
+Tiny random models built by transformers from a config (nothing downloaded), in float64: imported
+logits equal transformers' to 1e-12 and the greedy outputs are the same; an exported folder loads
+in stock transformers and decodes as refdec does; refdec -> transformers -> refdec is bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import run_py  # noqa: E402
+
+from refdec import hf  # noqa: E402
+from refdec.checkpoint import make_checkpoint, save_atomic  # noqa: E402
+from refdec.config import ModelConfig  # noqa: E402
+from refdec.decoding import beam_search, greedy, iad, speculative  # noqa: E402
+from refdec.model import Transformer  # noqa: E402
+from refdec.tokenizer import Tokenizer  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+WORDS = [f"w{i}" for i in range(40)]
+LANGS = ["__en__", "__de__"]
+
+
+def word_tokenizer_json() -> str:
+    """An M2M100-like vocabulary: <s> 0, <pad> 1, </s> 2, <unk> 3, words, then language codes."""
+    from tokenizers import Tokenizer as Tok
+    from tokenizers import models, pre_tokenizers, decoders
+    vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>"] + WORDS)}
+    tok = Tok(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>"] + LANGS)
+    return tok.to_str()
+
+
+def m2m_folder(path: Path, seed: int = 0, **over) -> Path:
+    """A random M2M100 model (every weight perturbed: biases and norms are not their trivial init) saved
+    by transformers, with a word-level tokenizer.json."""
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=4 + len(WORDS) + len(LANGS), d_model=16, encoder_layers=2, decoder_layers=2,
+                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                  max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                  scale_embedding=True, activation_function="relu")
+    fields.update(over)
+    model = transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(**fields))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    (path / "tokenizer.json").write_text(word_tokenizer_json(), encoding="utf-8")
+    return path
+
+
+def sources(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 4 + len(WORDS), (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return m2m_folder(tmp_path_factory.mktemp("m2m"))
+
+
+@pytest.fixture(scope="module")
+def theirs(folder):
+    return hf.hf_from_pretrained(folder, torch.float64)
+
+
+def test_import_logits_and_greedy_equal_transformers(folder, theirs):
+    model, tok, _ = hf.load_folder(folder, dtype=torch.float64)
+    assert model.cfg.positions == "m2m100" and (model.cfg.pad_id, model.cfg.bos_id, model.cfg.eos_id) == (1, 2, 2)
+    assert (tok.pad_id, tok.unk_id) == (1, 3) and tok.decode([2, 4, 5, 44, 1]) == "w0 w1"  # 44: a language code
+    for src in sources(6):
+        tgt = sources(1, seed=len(src))[0]
+        diff = (hf.refdec_logits(model, src, tgt) - hf.hf_logits(theirs, model.cfg, src, tgt)).abs().max()
+        assert diff <= hf.LOGIT_TOLERANCE
+        ours = greedy(model, torch.tensor([src + [2]]), max_len=20).tokens[0]
+        assert torch.equal(ours, hf.hf_generate(theirs, model.cfg, src, 20))
+
+
+def test_forced_language_tokens_honoured_by_greedy_beam_iad_and_speculative(folder, theirs, tmp_path):
+    model, tok, _ = hf.load_folder(folder, dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
+    # another random model as the drafter: its drafts are often rejected, so its cache is cut back
+    small, _, _ = hf.load_folder(m2m_folder(tmp_path / "small", seed=1, encoder_layers=1, decoder_layers=1),
+                                 dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
+    en, de = (tok._tok.token_to_id(t) for t in LANGS)
+    assert model.cfg.encoder_prefix == (en,) and model.cfg.decoder_prefix == (de,)
+    srcs = sources(5, seed=3)
+    plain, _, _ = hf.load_folder(folder, dtype=torch.float64)
+    changed = 0
+    for src in srcs:
+        tgt = sources(1, seed=len(src) + 7)[0]
+        cached = hf.refdec_logits(model, src, tgt)
+        assert (cached - hf.hf_logits(theirs, model.cfg, src, tgt)).abs().max() <= hf.LOGIT_TOLERANCE
+        forced = model(torch.tensor([src + [2]]), torch.tensor([[2] + tgt]))[0]  # teacher forcing, no cache
+        assert (forced - cached).abs().max() <= hf.LOGIT_TOLERANCE
+        want = hf.hf_generate(theirs, model.cfg, src, 20)  # transformers with [en] + src and [start, de]
+        x = torch.tensor([src + [2]])
+        assert torch.equal(greedy(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(beam_search(model, x, max_len=20, beam_size=1).tokens[0], want)
+        assert torch.equal(iad(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(speculative(model, small, x, max_len=20, gamma=3).tokens[0], want)
+        changed += not torch.equal(greedy(plain, x, max_len=20).tokens[0], want)
+    assert changed  # the forced tokens change what the model writes
+    batch = torch.full((len(srcs), 9), 1)  # a padded batch: the prefix goes before each row's source
+    for i, s in enumerate(srcs):
+        batch[i, :len(s) + 1] = torch.tensor(s + [2])
+    outs = iad(model, batch, max_len=20).tokens
+    assert all(torch.equal(o, hf.hf_generate(theirs, model.cfg, s, 20)) for o, s in zip(outs, srcs))
+
+
+def refdec_checkpoint(path: Path, seed: int = 0, max_positions: int = 64) -> Path:
+    """A random refdec model (tied, pre-norm, every weight perturbed) with a trained byte-level tokenizer."""
+    tok = Tokenizer.train(["the cat sat on the mat", "a dog ran in the park", "der Hund lief im Park"] * 5,
+                          vocab_size=300, min_frequency=1)
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_heads=2, d_ff=32, enc_layers=2,
+                                    dec_layers=2, max_positions=max_positions))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    path.mkdir(parents=True, exist_ok=True)
+    save_atomic(make_checkpoint(model, "mt-en-de", tok, step=1), path / "model.pt")
+    tok.save(path / "tokenizer.json")
+    return path / "model.pt"
+
+
+def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path):
+    from refdec.checkpoint import load_model
+    ckpt = refdec_checkpoint(tmp_path / "ckpt")
+    result = hf.export(ckpt, tmp_path / "out")
+    assert result["architecture"] == hf.PEGASUS and result["max_logit_difference"] <= hf.LOGIT_TOLERANCE
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "out").iterdir()}
+    theirs = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out", dtype=torch.float64).eval()
+    ours, tok, _ = load_model(ckpt, dtype=torch.float64)
+    back, back_tok, _ = hf.load_folder(tmp_path / "out", dtype=torch.float64)
+    assert back_tok.sha256 == tok.sha256 and back.cfg == ours.cfg
+    for k, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    for text in ("the cat sat", "a dog ran in the park on the mat", "der Hund"):
+        src = tok.encode(text)
+        want = greedy(ours, torch.tensor([src + [2]]), max_len=30).tokens[0]
+        assert torch.equal(hf.hf_generate(theirs, ours.cfg, src, 30), want)
+        diff = (hf.refdec_logits(ours, src, want.tolist()) - hf.hf_logits(theirs, ours.cfg, src, want.tolist())).abs().max()
+        assert diff <= hf.LOGIT_TOLERANCE
+        assert torch.equal(hf.refdec_logits(back, src, want.tolist()), hf.refdec_logits(ours, src, want.tolist()))
+    back32, _, _ = hf.load_folder(tmp_path / "out")
+    ours32, _, _ = load_model(ckpt)
+    src = tok.encode("the cat sat on the mat")
+    assert torch.equal(hf.refdec_logits(back32, src, [5, 6, 7]), hf.refdec_logits(ours32, src, [5, 6, 7]))
+
+
+def test_imported_m2m100_exports_as_m2m100_and_round_trips_bitwise(folder, tmp_path):
+    """An imported model keeps transformers' M2M100 table, so it goes back out as M2M100 (checked by
+    `check_export` against transformers in float64) and in again to the same weights."""
+    model, tok, _ = hf.load_folder(folder)
+    hf.write_folder(model, tok, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [hf.M2M100]
+    assert hf.check_export(model, tmp_path / "out", sources(1, seed=5)[0])["max_logit_difference"] <= hf.LOGIT_TOLERANCE
+    back, _, _ = hf.load_folder(tmp_path / "out")
+    assert back.cfg == model.cfg
+    src, tgt = sources(1, seed=6)[0], sources(1, seed=7)[0]
+    assert torch.equal(hf.refdec_logits(back, src, tgt), hf.refdec_logits(model, src, tgt))
+
+
+def test_pytorch_model_bin_imports_as_safetensors_does(folder, tmp_path):
+    import shutil
+    from safetensors.torch import load_file
+    shutil.copytree(folder, tmp_path / "bin")
+    torch.save(load_file(str(folder / "model.safetensors")), tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    a, b = hf.load_folder(folder)[0].state_dict(), hf.load_folder(tmp_path / "bin")[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_core_library_imports_without_transformers():
+    r = run_py("-c", "import sys; sys.modules['transformers'] = sys.modules['safetensors'] = None\n"
+               "import refdec.model, refdec.loading, refdec.decoding, refdec.runner, refdec.hf\n"
+               "try:\n    refdec.hf.hf_from_pretrained('x')\nexcept refdec.hf.HFError as e:\n    print(e)")
+    assert r.returncode == 0 and "needs the transformers package" in r.stdout.decode(), r.stderr.decode()
+
+
+def one_line_error(r) -> str:
+    err = r.stderr.decode().strip()
+    assert r.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err
+    return err
+
+
+def test_unsupported_architecture_and_missing_files(tmp_path, folder):
+    bad = tmp_path / "bart"
+    bad.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "bart", "architectures": ["BartModel"]}))
+    with pytest.raises(hf.HFError, match="unsupported architecture BartModel"):
+        hf.load_folder(bad)
+    gelu = tmp_path / "gelu"
+    gelu.mkdir()
+    (gelu / "config.json").write_text(json.dumps({**config, "activation_function": "gelu"}))
+    with pytest.raises(hf.HFError, match="activation 'gelu', not relu"):
+        hf.load_folder(gelu)
+    no_tok = tmp_path / "no-tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(hf.HFError, match="has no tokenizer.json"):
+        hf.load_folder(no_tok)
+    (no_tok / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
+    with pytest.raises(hf.HFError, match="has no weights"):
+        hf.load_folder(no_tok)
+    args = ["--task", "mt-en-de", "--algo", "greedy", "--input", "-", "--quiet", "--threads", "1"]
+    assert "unsupported architecture BartModel" in one_line_error(run_py("decode.py", *args, "--model", str(bad), stdin=b"w1\n"))
+    assert "has no weights" in one_line_error(run_py("decode.py", *args, "--model", str(no_tok), stdin=b"w1\n"))
+    assert "not found" in one_line_error(run_py("-m", "refdec.hf", "export", str(tmp_path / "none.pt"), str(tmp_path / "o")))
+
+
+def test_decode_cli_on_a_transformers_folder(folder, theirs, tmp_path):
+    """decode.py --model FOLDER with greedy, beam and iad writes what transformers' greedy writes
+    (beam size 1 is greedy), the language tokens forced."""
+    model, tok, _ = hf.load_folder(folder, dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
+    srcs = sources(4, seed=11)
+    lines = [" ".join(WORDS[t - 4] for t in s) for s in srcs]
+    want = [tok.decode(hf.hf_generate(theirs, model.cfg, s, 2 * len(s) + 10).tolist()) for s in srcs]
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    r = run_py("decode.py", "--task", "mt-en-de", "--algo", "greedy", "--compare", "beam:beam-size=1,iad", "--model",
+               str(folder), "--input", str(tmp_path / "in.txt"), "--src-lang", "__en__", "--tgt-lang", "__de__",
+               "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"),
+               "--report", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert (tmp_path / "out.txt").read_text().splitlines() == want
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [(x["algo"], x["identical"]) for x in runs[1:]] == [("beam:beam-size=1", 1.0), ("iad", 1.0)]
+
+
+def test_audit_reports_every_method(tmp_path, capsys):
+    """The audit on a tiny exported pair: every method's row, refdec's lossless decoders identical to
+    refdec greedy, each differing line with its first divergent position and margin, JSON written."""
+    # 256 positions: transformers' assisted generation lets its assistant run past max_length, and near
+    # the end of the position table that fails (the audit records such a line as an error)
+    large = refdec_checkpoint(tmp_path / "large", seed=2, max_positions=256)
+    small = refdec_checkpoint(tmp_path / "small", seed=3, max_positions=256)
+    assert hf.main(["audit", "--task", "mt-en-de", "--model", str(large), "--small", str(small), "--limit", "2",
+                    "--warmup", "0", "--threads", "1", "--report", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["method"]: r for r in report["methods"]}
+    assert list(rows) == ["refdec-greedy", "refdec-speculative", "hf-greedy", "hf-assisted", "hf-prompt-lookup"]
+    assert report["lines"] == 2 and rows["refdec-greedy"]["identical"] == rows["refdec-speculative"]["identical"] == 1
+    for r in rows.values():
+        assert r["seconds"] > 0 and r["tokens"] >= 2 and not r["errors"]
+        assert len(r["differing"]) == round(2 * (1 - r["identical"]))
+        assert all(d["margin_top1_top2"] >= 0 and d["position"] >= 0 for d in r["differing"])
+    assert "hf-prompt-lookup" in capsys.readouterr().out
