@@ -146,14 +146,14 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
             differs.append(r.name)
         badge = f' <span class="badge">differs from {e(g.name)}</span>' if diff else ""
         if src_ids is None:
-            parts.append(f'<div class="run"><div class="runhead"><b>{e(r.name)}</b>{badge}</div>'
+            parts.append(f'<div class="run" data-run="{e(r.name)}"><div class="runhead"><b>{e(r.name)}</b>{badge}</div>'
                          f'<span class="out">{e(text)}</span></div>')
             continue
         steps = steps_from(r.algo.name, r.traces[i], source=src_ids, eos_id=tokenizer.eos_id)
         facts = f"{r.calls[i]} call(s)" if r.calls[i] is not None else ""
         if r.times[i] is not None:
             facts += f", {1000 * r.times[i]:.1f} ms"
-        parts.append(f'<details class="run"{" open" if n == 0 else ""}><summary><b>{e(r.name)}</b>{badge} '
+        parts.append(f'<details class="run" data-run="{e(r.name)}"{" open" if n == 0 else ""}><summary><b>{e(r.name)}</b>{badge} '
                      f'<span class="facts">{e(facts)}</span><span class="out">{e(text)}</span></summary>'
                      f"{steps_html(r.algo.name, steps, piece)}</details>")
     refs_html = "".join(f'<div class="ref"><span class="lab">ref</span>{e(x)}</div>' for x in refs)
@@ -181,8 +181,8 @@ def steps_html(algo: str, steps: list[Step], piece) -> str:
                         f'<span class="how">{s.accepted} of {len(s.drafted)} drafted tokens accepted</span></div>')
             continue
         if algo in ("bild", "speculative"):
-            how = (f"S wrote {len(s.drafted)}, L accepted {s.accepted}" if s.verified
-                   else f"S wrote {len(s.drafted)} after the last L call")
+            how = (f"S wrote {len(s.drafted)}, L accepted {s.accepted}" if s.verified and s.drafted
+                   else "nothing from S" if s.verified else f"S wrote {len(s.drafted)} after the last L call")
             how += ", rollback" if s.rollback else ""
             how += ", L wrote 1" if s.own is not None else ""
             body = (f'<span class="who">S</span>{acc}{rej}' if s.drafted else "") + (f'<span class="who">L</span>{own}' if own else "")
@@ -221,17 +221,18 @@ def beam_html(steps: list[Step], piece) -> str:
 # ---------------------------------------------------------------- charts (matplotlib, inline SVG)
 
 def svg(fig, name: str, caption: str) -> str:
-    """The figure as an inline <svg> (text kept as text, ids salted per chart so that several charts
-    on one page never share one), in a <figure> with its caption."""
+    """The figure as an inline <svg> (text kept as text, every id prefixed with the chart's name so
+    that several charts on one page never share one), in a <figure> with its caption."""
     import matplotlib
     import matplotlib.pyplot as plt
     buf = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": name}):
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "refdec"}):
         fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     plt.close(fig)
     text = buf.getvalue()
     text = text[text.index("<svg"):]  # drop the XML declaration and doctype
     text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
+    text = re.sub(r'(\bid="|url\(#|href="#)([^")]+)', rf"\1{name}-\2", text)  # one id space per chart
     return f'<figure>{text}<figcaption>{html.escape(caption)}</figcaption></figure>'
 
 
@@ -296,8 +297,9 @@ def chart_edit_buckets(checks: list[dict]) -> str:
     ax.set_ylabel("speedup over greedy")
     ax.margins(y=0.2)
     if len(checks) > 1:
-        ax.legend(frameon=False, fontsize=8)
-    return svg(fig, "edit", "Speedup by edit ratio: the less of the source the output changes, the more can be copied.")
+        ax.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    return svg(fig, "edit", "Speedup over greedy by the edit ratio of the output (how much of the source it changes), "
+                            "from per-sentence times at batch size 1; n = sentences in the bucket.")
 
 
 def chart_tokens_per_call(runs: list) -> str:
