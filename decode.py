@@ -245,7 +245,8 @@ def run(args) -> int:
         from refdec import htmlreport
         htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r['algo'] for r in rows)} on {args.task}",
                               facts=page_facts(args, loader, len(lines), interrupted), rows=rows, matrix=matrix, checks=checks,
-                              sources=lines, refs=refs, ids=ids, runs=runs, tokenizer=loader.tokenizer)
+                              sources=lines, refs=refs, ids=ids, runs=runs, tokenizer=loader.tokenizer,
+                              batch_size=args.batch_size)
     print(text, file=sys.stderr if not args.output else sys.stdout)
     return 130 if interrupted else 0
 

@@ -43,9 +43,10 @@ def write_page(path: str, **kw) -> None:
 
 
 def build_page(*, title: str, facts: dict, rows: list[dict], matrix: list[list[float]] | None, checks: list[dict],
-               sources: list[str], refs: list[list[str]], ids: list, runs: list, tokenizer) -> str:
+               sources: list[str], refs: list[list[str]], ids: list, runs: list, tokenizer, batch_size: int = 1) -> str:
     """The page for runs decoded on `sources` (`ids` their token ids, None for an empty line), with
-    the figures of decode.py's summarise (rows, matrix, checks). `facts`: name -> value lines of
+    the figures of decode.py's summarise (rows, matrix, checks); a sentence's time is its own at
+    batch size 1, its batch's average otherwise. `facts`: name -> value lines of
     the header (task, model, command ...). Every run must have been decoded with traces."""
     e = html.escape
     greedy_of = {id(r): next((g for g in runs if g.algo.name == "greedy" and g is not r
@@ -66,7 +67,7 @@ def build_page(*, title: str, facts: dict, rows: list[dict], matrix: list[list[f
 {legend_html()}""")
     piece = token_pieces(tokenizer)
     for i, line in enumerate(sources):
-        body.append(sentence_html(i, line, [r[i] for r in refs], ids[i], runs, greedy_of, tokenizer, piece))
+        body.append(sentence_html(i, line, [r[i] for r in refs], ids[i], runs, greedy_of, tokenizer, piece, batch_size))
     return PAGE.format(title=e(title), style=STYLE, script=SCRIPT, body="\n".join(body))
 
 
@@ -133,7 +134,8 @@ def chips(tokens, part: str, piece) -> str:
     return "".join(out)
 
 
-def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greedy_of: dict, tokenizer, piece) -> str:
+def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greedy_of: dict, tokenizer, piece,
+                  batch_size: int) -> str:
     e = html.escape
     differs = []
     parts = []
@@ -145,14 +147,14 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
         if diff:
             differs.append(r.name)
         badge = f' <span class="badge">differs from {e(g.name)}</span>' if diff else ""
-        if src_ids is None:
+        if src_ids is None or r.traces[i] is None:  # an empty line, or a batch the run failed on (warned)
             parts.append(f'<div class="run" data-run="{e(r.name)}"><div class="runhead"><b>{e(r.name)}</b>{badge}</div>'
                          f'<span class="out">{e(text)}</span></div>')
             continue
         steps = steps_from(r.algo.name, r.traces[i], source=src_ids, eos_id=tokenizer.eos_id)
-        facts = f"{r.calls[i]} call(s)" if r.calls[i] is not None else ""
+        facts = f"{sum(s.verified for s in steps)} call(s)"
         if r.times[i] is not None:
-            facts += f", {1000 * r.times[i]:.1f} ms"
+            facts += f", {1000 * r.times[i]:.1f} ms" if batch_size == 1 else f", {1000 * r.times[i]:.1f} ms (batch average)"
         parts.append(f'<details class="run" data-run="{e(r.name)}"{" open" if n == 0 else ""}><summary><b>{e(r.name)}</b>{badge} '
                      f'<span class="facts">{e(facts)}</span><span class="out">{e(text)}</span></summary>'
                      f"{steps_html(r.algo.name, steps, piece)}</details>")
