@@ -60,9 +60,11 @@ def build_page(*, title: str, facts: dict, rows: list[dict], matrix: list[list[f
         body += ["<h2>Charts</h2>", '<div class="charts">' + "".join(charts) + "</div>"]
     filters = "".join(f'<option value="{e(r.name)}">{e(r.name)} differs from greedy</option>'
                       for r in runs if greedy_of[id(r)] is not None)
+    if filters:
+        filters = '<option value="*">any run differs from greedy</option>' + filters
     body.append(f"""<h2>Sentences</h2>
 <div class="controls"><input id="q" type="search" placeholder="search the sources, references and outputs" autocomplete="off">
-<select id="only"><option value="">all sentences</option>{'<option value="*">any run differs from greedy</option>' + filters if filters else ''}</select>
+<select id="only"><option value="">all sentences</option>{filters}</select>
 <span id="count"></span></div>
 {legend_html()}""")
     piece = token_pieces(tokenizer)
@@ -154,8 +156,9 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
         steps = steps_from(r.algo.name, r.traces[i], source=src_ids, eos_id=tokenizer.eos_id)
         facts = f"{sum(s.verified for s in steps)} call(s)"
         if r.times[i] is not None:
-            facts += f", {1000 * r.times[i]:.1f} ms" if batch_size == 1 else f", {1000 * r.times[i]:.1f} ms (batch average)"
-        parts.append(f'<details class="run" data-run="{e(r.name)}"{" open" if n == 0 else ""}><summary><b>{e(r.name)}</b>{badge} '
+            facts += f", {1000 * r.times[i]:.1f} ms" + ("" if batch_size == 1 else " (batch average)")
+        parts.append(f'<details class="run" data-run="{e(r.name)}"{" open" if n == 0 else ""}>'
+                     f'<summary><b>{e(r.name)}</b>{badge} '
                      f'<span class="facts">{e(facts)}</span><span class="out">{e(text)}</span></summary>'
                      f"{steps_html(r.algo.name, steps, piece)}</details>")
     refs_html = "".join(f'<div class="ref"><span class="lab">ref</span>{e(x)}</div>' for x in refs)
@@ -187,7 +190,8 @@ def steps_html(algo: str, steps: list[Step], piece) -> str:
                    else "nothing from S" if s.verified else f"S wrote {len(s.drafted)} after the last L call")
             how += ", rollback" if s.rollback else ""
             how += ", L wrote 1" if s.own is not None else ""
-            body = (f'<span class="who">S</span>{acc}{rej}' if s.drafted else "") + (f'<span class="who">L</span>{own}' if own else "")
+            body = ((f'<span class="who">S</span>{acc}{rej}' if s.drafted else "")
+                    + (f'<span class="who">L</span>{own}' if own else ""))
         else:
             where = f" (from source token {s.origin})" if s.origin is not None else ""
             how = (f"{len(s.drafted)} {DRAFTED_FROM[s.drafted_by]}{where}, {s.accepted} accepted" if s.drafted

@@ -158,16 +158,18 @@ def trace_text(algo: str, index: int, dicts: list[dict], tokenizer, *, source: l
         for it, s in enumerate(steps, 1):
             how = (f"{len(s.drafted)} drafted from source token {s.origin}, {s.accepted} accepted"
                    if s.drafted else "nothing to draft: a greedy step")
-            body = (paint("accepted", f"[{text(s.drafted[:s.accepted])}]") + " " if s.accepted else "") + paint("own", own(s))
+            body = ((paint("accepted", f"[{text(s.drafted[:s.accepted])}]") + " " if s.accepted else "")
+                    + paint("own", own(s)))
             lines.append(f"  {it:3d}  {body}    {paint('note', f'({how})')}")
         return "\n".join(lines)
     if algo == "gad":  # like table 17 of the GAD paper: D = the drafter's block, V = what verification kept
         lines = [f"{head} {len(steps)} iterations"]
         for it, s in enumerate(steps, 1):
             kept = s.drafted[:s.accepted]
-            draft = (paint("accepted", text(kept)) + (" " if kept and s.rejected else "") + paint("rejected", text(s.rejected))
-                     if colour else text(s.drafted))
-            lines.append(f"  {it:3d} D: {draft}")
+            full, head = text(s.drafted), text(kept)
+            if not full.startswith(head):  # a character split between the two parts: paint none of it
+                head = ""
+            lines.append(f"  {it:3d} D: {paint('accepted', head)}{paint('rejected', full[len(head):])}")
             lines.append(f"      V: {paint('accepted', '[' + text(kept) + ']')} {paint('own', own(s))}"
                          f"    {paint('note', f'({s.accepted} of {len(s.drafted)} drafted tokens accepted)')}")
         return "\n".join(lines)

@@ -228,6 +228,24 @@ def test_trace_text_colour_is_the_plain_text_painted(tokenizer):
         colour = trace_text("iad", b, r.trace[b], tokenizer, source=ids, colour=True)
         assert "\x1b[" not in plain and strip_colour(colour) == plain
         assert COLOURS["accepted"] in colour or COLOURS["own"] in colour
+    a, b, c, d, x = tokenizer.encode("the house is very red")[:5]
+    traces = {  # every format, with accepted, rejected and eos-ended steps
+        "gad": [{"draft": [a, b, c, d], "accepted": 2, "tokens": [a, b, x]},
+                {"draft": [d, EOS_ID], "accepted": 2, "tokens": [d, EOS_ID]}],
+        "blockwise": [{"proposed": [], "accepted": 0, "tokens": [a]}, {"proposed": [b, c], "accepted": 1, "tokens": [b, x]}],
+        "bild": [{"small": [a, b, c], "kept": 1, "large": x, "rollback": True},
+                 {"small": [d, EOS_ID], "kept": 2, "large": None, "rollback": False}],
+        "speculative": [{"small": [a, b], "kept": 2, "large": c}, {"small": [d, EOS_ID], "kept": 2, "large": EOS_ID}],
+        "greedy": [{"step": 0, "token": a, "cache_len": 0}, {"step": 1, "token": EOS_ID, "cache_len": 1}],
+        "beam": [{"step": 0, "beams": [[a], [b]], "scores": [-1.0, -2.0]}],
+    }
+    for algo, dicts in traces.items():
+        plain = trace_text(algo, 0, dicts, tokenizer)
+        colour = trace_text(algo, 0, dicts, tokenizer, colour=True)
+        assert "\x1b[" not in plain and strip_colour(colour) == plain, algo
+    gad = trace_text("gad", 0, traces["gad"], tokenizer, colour=True)
+    assert COLOURS["rejected"] in gad and COLOURS["accepted"] in gad and COLOURS["own"] in gad
+    assert "rollback x2" in trace_text("bild", 0, traces["bild"], tokenizer)
 
 
 def test_colour_enabled_follows_the_terminal_and_no_color(monkeypatch):
