@@ -104,10 +104,11 @@ def summary_html(rows: list[dict], matrix, checks: list[dict]) -> str:
 
 def legend_html() -> str:
     chips = "".join(f'<span class="tok {k}">{html.escape(v)}</span> ' for k, v in PARTS.items())
-    return (f'<p class="legend">{chips} &nbsp; Each line is one iteration (one call of the model whose output is '
-            f"produced); a drafted token is copied from the source (IAD), drafted by the drafter (GAD), proposed "
-            f"by the heads (blockwise) or written by the small model (BiLD, speculative: S, and L for the large "
-            f"model's own token).</p>")
+    return (f'<p class="legend">{chips} &nbsp; Each numbered row is one iteration: one call of the model whose '
+            f"output is produced (GAD: the drafter's block D, then what verification kept V). A drafted token is "
+            f"copied from the source (IAD), drafted by the drafter (GAD), proposed by the heads (blockwise) or "
+            f"written by the small model S (BiLD, speculative decoding; L marks the large model's own token). "
+            f"Beam search: the token each live beam added at each step, best beam first.</p>")
 
 
 def token_pieces(tokenizer):
@@ -139,6 +140,9 @@ def chips(tokens, part: str, piece) -> str:
 def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greedy_of: dict, tokenizer, piece,
                   batch_size: int) -> str:
     e = html.escape
+    if src_ids is None:
+        return (f'<section class="sent" id="s{i + 1}" data-differs="[]"><div class="src"><a class="n" href="#s{i + 1}">'
+                f'{i + 1}</a><i>(blank line: every run writes an empty line)</i></div></section>')
     differs = []
     parts = []
     for n, r in enumerate(runs):
@@ -149,9 +153,9 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
         if diff:
             differs.append(r.name)
         badge = f' <span class="badge">differs from {e(g.name)}</span>' if diff else ""
-        if src_ids is None or r.traces[i] is None:  # an empty line, or a batch the run failed on (warned)
+        if r.traces[i] is None:  # a batch the run failed on (warned): an empty output line
             parts.append(f'<div class="run" data-run="{e(r.name)}"><div class="runhead"><b>{e(r.name)}</b>{badge}</div>'
-                         f'<span class="out">{e(text)}</span></div>')
+                         f'<span class="out"><i>(no output: decoding this batch failed)</i></span></div>')
             continue
         steps = steps_from(r.algo.name, r.traces[i], source=src_ids, eos_id=tokenizer.eos_id)
         facts = f"{sum(s.verified for s in steps)} call(s)"
@@ -162,7 +166,7 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
                      f'<span class="facts">{e(facts)}</span><span class="out">{e(text)}</span></summary>'
                      f"{steps_html(r.algo.name, steps, piece)}</details>")
     refs_html = "".join(f'<div class="ref"><span class="lab">ref</span>{e(x)}</div>' for x in refs)
-    src = e(line) if line.strip() else '<i>(empty line)</i>'
+    src = e(line)
     return (f'<section class="sent" id="s{i + 1}" data-differs="{e(json.dumps(differs))}">'
             f'<div class="src"><a class="n" href="#s{i + 1}">{i + 1}</a>{src}</div>{refs_html}{"".join(parts)}</section>')
 
@@ -321,6 +325,8 @@ def chart_tokens_per_call(runs: list) -> str:
         ax.hist(r.stats.accepted, bins=bins, weights=[100 / len(r.stats.accepted)] * len(r.stats.accepted),
                 histtype="stepfilled" if len(runs) == 1 else "step", linewidth=1.4, alpha=0.85 if len(runs) == 1 else 1,
                 color=PALETTE[n % len(PALETTE)], label=f"{r.name} (mean {r.stats.mean_accepted:.2f})")
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("tokens committed by one call")
     ax.set_ylabel("% of calls")
     ax.set_xlim(0.5, top + 0.5)

@@ -125,7 +125,7 @@ def test_page_draws_each_iteration_of_the_trace(iad_page):
         greedy_block = run_block(secs[i], "greedy")
         steps = int(re.search(r"(\d+) iterations, one token each", greedy_block).group(1))
         assert greedy_block.count('class="tok own') == steps
-    assert "<details" not in secs[2] and "(empty line)" in secs[2]  # the empty line has no trace
+    assert "<details" not in secs[2] and "(blank line" in secs[2]  # the empty line has no trace
 
 
 def test_html_with_second_model_algorithms(trained_tiny, tiny_extras, tmp_path):
