@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reference file aligned with --input (repeat for several references)")
     io.add_argument("--limit", type=int, metavar="N", help="decode only the first N lines")
     io.add_argument("--report", metavar="FILE", help="write all figures as JSON")
-    io.add_argument("--trace", action="store_true", help="print how each sentence was decoded (stderr)")
+    io.add_argument("--trace", action="store_true", help="print how each sentence was decoded (stderr; coloured "
+                    "in a terminal unless NO_COLOR is set)")
+    io.add_argument("--html", metavar="FILE", help="write a self-contained HTML page: the table, charts, and every "
+                    "sentence's decoding drawn step by step (collects traces; needs matplotlib)")
     io.add_argument("--quiet", action="store_true", help="no progress lines")
     m = p.add_argument_group("models")
     m.add_argument("--model", metavar="PATH", help="checkpoint whose output is produced "
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     remember_sigint()
     try:
         args = build_parser().parse_args(argv)
+        args.argv = sys.argv[1:] if argv is None else list(argv)  # the --html page's header quotes it
         raise_if_interrupted()
         return run(args)
     except KeyboardInterrupt:  # before decoding started, or while the figures were computed
@@ -237,9 +241,17 @@ def run(args) -> int:
                                    "other_busy_cores": busy.others()}})
         runner.write_report(args.report, report)
     if args.trace:
+        from refdec.trace import colour_enabled, trace_text
+        colour = colour_enabled(sys.stderr)
         for i, steps in enumerate(runs[0].traces):
             if steps is not None:
-                print(algo_trace(args.algo, i, steps, loader.tokenizer), file=sys.stderr)
+                print(trace_text(args.algo, i, steps, loader.tokenizer, source=ids[i], colour=colour), file=sys.stderr)
+    if args.html:
+        from refdec import htmlreport
+        htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r['algo'] for r in rows)} on {args.task}",
+                              facts=page_facts(args, loader, len(lines), interrupted), rows=rows, matrix=matrix, checks=checks,
+                              sources=lines, refs=refs, ids=ids, runs=runs, tokenizer=loader.tokenizer,
+                              batch_size=args.batch_size)
     print(text, file=sys.stderr if not args.output else sys.stdout)
     return 130 if interrupted else 0
 
@@ -266,7 +278,7 @@ def check_options(args, algo, compares: list) -> tuple[dict, list[dict]]:
     if args.ref and not args.input:
         raise UsageError("--ref needs --input (the default test set brings its own references)")
     knobs = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in KNOB_DEFAULTS.items()}
-    knobs["trace"] = args.trace
+    knobs["trace"] = args.trace or bool(args.html)  # the page draws every sentence from its trace
     given = {k for k in KNOB_DEFAULTS if getattr(args, k) is not None}
     check_knobs(knobs, given)
     run_knobs = []
@@ -305,6 +317,10 @@ def check_machine(args) -> None:
         runner.check_writable(args.output, "--output", not_paths=read)
     if args.report:
         runner.check_writable(args.report, "--report", not_paths={**read, "--output": args.output})
+    if args.html:
+        from refdec.htmlreport import check_available
+        check_available()
+        runner.check_writable(args.html, "--html", not_paths={**read, "--output": args.output, "--report": args.report})
 
 
 def read_input(args) -> tuple[list[str], list[list[str]]]:
@@ -558,56 +574,17 @@ def label(algo: str, path: Path, with_model: bool, over: dict | None = None) -> 
     return name
 
 
-def algo_trace(algo: str, index: int, steps: list[dict], tokenizer) -> str:
-    """How sentence `index` was decoded: greedy lists its one-by-one tokens, beam the best beam per step,
-    the draft-then-verify decoders what was drafted and what was kept, iteration by iteration."""
-    def text(ids):  # readable text of a span; eos shown as </s>
-        ids = list(ids)
-        cut = ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids
-        return tokenizer.decode(cut) + (" </s>" if len(cut) < len(ids) else "")
+def page_facts(args, loader, n: int, interrupted: bool) -> dict:
+    """The --html page's header: what was decoded, with which model and command."""
+    import shlex
 
-    if algo == "greedy":
-        toks = tokenizer.tokens(s["token"] for s in steps)
-        return f"[{index + 1}] {len(steps)} iterations, one token each: " + " ".join(toks)
-    if algo == "beam":
-        last = steps[-1] if steps else {"beams": [[]]}
-        return f"[{index + 1}] {len(steps)} steps; best live beam at the end: " + " ".join(tokenizer.tokens(last["beams"][0]))
-    if algo == "iad":
-        # Like table 2 of the SAD paper: one line per iteration (one verifier call); a copied span
-        # that the model accepted in parallel is in brackets, the token the model chose itself
-        # (at the bifurcation, or in a plain greedy step) follows it.
-        n_tok = sum(len(s["tokens"]) for s in steps)
-        lines = [f"[{index + 1}] {len(steps)} iterations for {n_tok} tokens"]
-        for it, s in enumerate(steps, 1):
-            acc = s["accepted"]
-            how = (f"{s['drafted']} drafted from source token {s['match']}, {acc} accepted"
-                   if s["drafted"] else "nothing to draft: a greedy step")
-            body = (f"[{text(s['tokens'][:acc])}] " if acc else "") + text(s["tokens"][acc:])
-            lines.append(f"  {it:3d}  {body}    ({how})")
-        return "\n".join(lines)
-    if algo == "gad":  # like table 17 of the GAD paper: D = the drafter's block, V = what verification kept
-        lines = [f"[{index + 1}] {len(steps)} iterations"]
-        for it, s in enumerate(steps, 1):
-            kept = min(s["accepted"], len(s["tokens"]))  # drafted tokens past an accepted eos are not committed
-            lines.append(f"  {it:3d} D: {text(s['draft'])}")
-            lines.append(f"      V: [{text(s['tokens'][:kept])}] {text(s['tokens'][kept:])}"
-                         f"    ({kept} of {len(s['draft'])} drafted tokens accepted)")
-        return "\n".join(lines)
-    if algo == "blockwise":  # like section 7.4: the tokens each step added; [ ] = accepted proposals
-        return f"[{index + 1}] {len(steps)} steps: " + " | ".join(
-            (f"[{text(s['tokens'][:s['accepted']])}]" if s["accepted"] else "") + text(s["tokens"][s["accepted"]:])
-            for s in steps)
-    if algo in ("bild", "speculative"):  # like figure 9 of the BiLD paper: who wrote each token
-        parts = []
-        for s in steps:
-            if s["kept"]:
-                parts.append("S(" + text(s["small"][:s["kept"]]) + ")")
-            if s.get("rollback"):
-                parts.append(f"rollback x{len(s['small']) - s['kept']}")
-            if s["large"] is not None:
-                parts.append("L(" + text([s["large"]]) + ")")
-        return f"[{index + 1}] " + " ".join(parts) + "   (S = small model, L = large model)"
-    return f"[{index + 1}] {steps}"
+    import torch
+
+    from refdec.data import DATA_DIR
+    return {"task": args.task, "model": str(loader.main_path), "input": args.input or f"{DATA_DIR / args.task}/test.src.gz",
+            "sentences": f"{n}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
+            "batch size": args.batch_size, "device": f"{args.device}, {args.dtype}, {torch.get_num_threads()} thread(s)",
+            "command": shlex.join(["python", "decode.py", *args.argv])}
 
 
 if __name__ == "__main__":

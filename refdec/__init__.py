@@ -12,6 +12,8 @@ The pieces, bottom up:
     decoding/     one decoder per file, all returning a DecodeResult
     metrics.py    BLEU, chrF and an edit-level GEC F0.5
     runner.py     what decode.py does: decode a file, compare, time, report
+    trace.py      Step, one record per decoding iteration for every decoder, and the --trace text
+    htmlreport.py decode.py --html: a self-contained page of a run (matplotlib charts, inline SVG)
 """
 
 __version__ = "0.1.0"

@@ -341,6 +341,15 @@ def summary_row(run: Run, metrics: dict) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
+    cells = table_cells(rows)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def table_cells(rows: list[dict]) -> list[list[str]]:
+    """The summary table as text cells, its header first: the columns some row has a figure for."""
     cols = [("algo", "algo", "{}"), ("n", "sent", "{}"), ("seconds", "seconds", "{:.2f}"),
             ("ms_per_token", "ms/tok", "{:.2f}"), ("tokens", "tokens", "{}"), ("verifier_calls", "verif.calls", "{}"),
             ("calls_per_sentence", "calls/sent", "{:.2f}"),
@@ -350,11 +359,7 @@ def format_table(rows: list[dict]) -> str:
             ("identical", f"identical to {rows[0]['algo']}", "{:.4f}")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     show = lambda fmt, v: fmt(v) if callable(fmt) else fmt.format(v)  # noqa: E731
-    cells = [[c[1] for c in cols]] + [[show(c[2], r[c[0]]) if c[0] in r else "" for c in cols] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return [[c[1] for c in cols]] + [[show(c[2], r[c[0]]) if c[0] in r else "" for c in cols] for r in rows]
 
 
 def relative_speed(seconds_ratio: float) -> str:

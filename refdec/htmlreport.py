@@ -1,0 +1,450 @@
+"""decode.py --html: one self-contained HTML page of a decoding run.
+
+The page holds the summary table (the rows decode.py prints), the speedup matrix and lossless
+checks, charts drawn with matplotlib and inlined as SVG (speedup by edit ratio, tokens committed per
+verifier call, time per module, quality against speed), and every sentence with each run's output
+and its decoding drawn iteration by iteration from the trace (refdec.trace.Step): the drafted tokens
+that were accepted, the verifier's own token at the bifurcation, the drafted tokens it rejected, and
+who wrote what (BiLD's small and large model, GAD's draft and verify lines). A text box searches the
+sentences and a menu keeps those where a run's output differs from greedy decoding of its model.
+
+Nothing is loaded from elsewhere: styles, script and figures are all inline. matplotlib is imported
+only here, so the library and decode.py without --html run without it.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import re
+
+import torch
+
+from . import runner
+from .trace import Step, steps_from
+
+PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
+DRAFTED_FROM = {"source": "copied from the source", "drafter": "drafted by the drafter",
+                "heads": "proposed by the heads", "small": "written by the small model"}
+
+
+def check_available() -> None:
+    """--html draws its charts with matplotlib: refuse before any decoding if it is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise runner.UsageError("--html needs matplotlib (pip install -r requirements.txt)") from None
+
+
+def write_page(path: str, **kw) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(build_page(**kw))
+
+
+def build_page(*, title: str, facts: dict, rows: list[dict], matrix: list[list[float]] | None, checks: list[dict],
+               sources: list[str], refs: list[list[str]], ids: list, runs: list, tokenizer, batch_size: int = 1) -> str:
+    """The page for runs decoded on `sources` (`ids` their token ids, None for an empty line), with
+    the figures of decode.py's summarise (rows, matrix, checks); a sentence's time is its own at
+    batch size 1, its batch's average otherwise. `facts`: name -> value lines of
+    the header (task, model, command ...). Every run must have been decoded with traces."""
+    e = html.escape
+    greedy_of = {id(r): next((g for g in runs if g.algo.name == "greedy" and g is not r
+                              and g.models["model"] is r.models["model"]), None) for r in runs}
+    charts = [c for c in (chart_quality_speed(rows), chart_edit_buckets(checks), chart_tokens_per_call(runs),
+                          chart_module_time(rows)) if c]
+    body = [f"<header><h1>{e(title)}</h1><dl>"
+            + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in facts.items()) + "</dl></header>",
+            "<h2>Summary</h2>", summary_html(rows, matrix, checks)]
+    if charts:
+        body += ["<h2>Charts</h2>", '<div class="charts">' + "".join(charts) + "</div>"]
+    filters = "".join(f'<option value="{e(r.name)}">{e(r.name)} differs from greedy</option>'
+                      for r in runs if greedy_of[id(r)] is not None)
+    if filters:
+        filters = '<option value="*">any run differs from greedy</option>' + filters
+    body.append(f"""<h2>Sentences</h2>
+<div class="controls"><input id="q" type="search" placeholder="search the sources, references and outputs" autocomplete="off">
+<select id="only"><option value="">all sentences</option>{filters}</select>
+<span id="count"></span></div>
+{legend_html()}""")
+    piece = token_pieces(tokenizer)
+    for i, line in enumerate(sources):
+        body.append(sentence_html(i, line, [r[i] for r in refs], ids[i], runs, greedy_of, tokenizer, piece, batch_size))
+    return PAGE.format(title=e(title), style=STYLE, script=SCRIPT, body="\n".join(body))
+
+
+def summary_html(rows: list[dict], matrix, checks: list[dict]) -> str:
+    e = html.escape
+    cells = runner.table_cells(rows)
+    out = ['<table class="num"><thead><tr>' + "".join(f"<th>{e(c)}</th>" for c in cells[0]) + "</tr></thead><tbody>"]
+    out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in cells[1:]]
+    out.append("</tbody></table>")
+    if matrix:
+        names = [r["algo"] for r in rows]
+        out.append('<table class="num"><caption>speedup of row over column</caption><thead><tr><th></th>'
+                   + "".join(f"<th>{e(n)}</th>" for n in names) + "</tr></thead><tbody>"
+                   + "".join(f"<tr><th>{e(n)}</th>" + "".join(f"<td>{v:.2f}x</td>" for v in line) + "</tr>"
+                             for n, line in zip(names, matrix)) + "</tbody></table>")
+    for c in checks:
+        div = c["divergences"]
+        links = ", ".join(f'<a href="#s{d["line"]}">line {d["line"]}</a> (token {d["position"]}, top-1/top-2 '
+                          f'margin {d["margin_top1_top2"]:.3g})' for d in div)
+        out.append(f'<p class="check"><b>{e(c["algo"])}</b> vs <b>{e(c["greedy"])}</b>: '
+                   f'{c["identical"]:.4f} identical, {len(div)} line(s) differ' + (f": {links}" if div else "") + "</p>")
+        if c.get("edit_buckets"):
+            head = ("edit ratio", "sentences", f"{c['algo']} calls/sent", f"speedup over {c['greedy']}",
+                    "median per sentence")
+            out.append('<table class="num"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr></thead><tbody>"
+                       + "".join(f"<tr><td>{e(b['edit_ratio'])}</td><td>{b['sentences']}</td>"
+                                 f"<td>{b['calls_per_sentence']:.2f}</td><td>{b['speedup']:.2f}x</td>"
+                                 f"<td>{b['median_sentence_speedup']:.2f}x</td></tr>" for b in c["edit_buckets"])
+                       + "</tbody></table>")
+    return "\n".join(out)
+
+
+def legend_html() -> str:
+    chips = "".join(f'<span class="tok {k}">{html.escape(v)}</span> ' for k, v in PARTS.items())
+    return (f'<p class="legend">{chips} &nbsp; Each numbered row is one iteration: one call of the model whose '
+            f"output is produced (GAD: the drafter's block D, then what verification kept V). A drafted token is "
+            f"copied from the source (IAD), drafted by the drafter (GAD), proposed by the heads (blockwise) or "
+            f"written by the small model S (BiLD, speculative decoding; L marks the large model's own token). "
+            f"Beam search: the token each live beam added at each step, best beam first.</p>")
+
+
+def token_pieces(tokenizer):
+    """token id -> its text for a token chip: the token decoded alone (a leading space shown as a
+    gap), or its byte-level symbol when it is part of a multi-byte character."""
+    memo: dict[int, tuple[str, bool]] = {}
+
+    def piece(t: int) -> tuple[str, bool]:
+        if t not in memo:
+            if t == tokenizer.eos_id:
+                memo[t] = ("</s>", True)
+            else:
+                text = tokenizer.decode([t])
+                if "\ufffd" in text or not text:
+                    text = tokenizer.tokens([t])[0]
+                memo[t] = (text.lstrip(" ") or text, text.startswith(" "))
+        return memo[t]
+    return piece
+
+
+def chips(tokens, part: str, piece) -> str:
+    out = []
+    for t in tokens:
+        text, space = piece(t)
+        out.append(f'<span class="tok {part}{" sp" if space else ""}">{html.escape(text)}</span>')
+    return "".join(out)
+
+
+def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greedy_of: dict, tokenizer, piece,
+                  batch_size: int) -> str:
+    e = html.escape
+    if src_ids is None:
+        return (f'<section class="sent" id="s{i + 1}" data-differs="[]"><div class="src"><a class="n" href="#s{i + 1}">'
+                f'{i + 1}</a><i>(blank line: every run writes an empty line)</i></div></section>')
+    differs = []
+    parts = []
+    for n, r in enumerate(runs):
+        out = r.outputs[i]
+        text = runner.text_line(tokenizer, out)[0]
+        g = greedy_of[id(r)]
+        diff = g is not None and out is not None and g.outputs[i] is not None and not torch.equal(out, g.outputs[i])
+        if diff:
+            differs.append(r.name)
+        badge = f' <span class="badge">differs from {e(g.name)}</span>' if diff else ""
+        if r.traces[i] is None:  # a batch the run failed on (warned): an empty output line
+            parts.append(f'<div class="run" data-run="{e(r.name)}"><div class="runhead"><b>{e(r.name)}</b>{badge}</div>'
+                         f'<span class="out"><i>(no output: decoding this batch failed)</i></span></div>')
+            continue
+        steps = steps_from(r.algo.name, r.traces[i], source=src_ids, eos_id=tokenizer.eos_id)
+        facts = f"{sum(s.verified for s in steps)} call(s)"
+        if r.times[i] is not None:
+            facts += f", {1000 * r.times[i]:.1f} ms" + ("" if batch_size == 1 else " (batch average)")
+        parts.append(f'<details class="run" data-run="{e(r.name)}"{" open" if n == 0 else ""}>'
+                     f'<summary><b>{e(r.name)}</b>{badge} '
+                     f'<span class="facts">{e(facts)}</span><span class="out">{e(text)}</span></summary>'
+                     f"{steps_html(r.algo.name, steps, piece)}</details>")
+    refs_html = "".join(f'<div class="ref"><span class="lab">ref</span>{e(x)}</div>' for x in refs)
+    src = e(line)
+    return (f'<section class="sent" id="s{i + 1}" data-differs="{e(json.dumps(differs))}">'
+            f'<div class="src"><a class="n" href="#s{i + 1}">{i + 1}</a>{src}</div>{refs_html}{"".join(parts)}</section>')
+
+
+def steps_html(algo: str, steps: list[Step], piece) -> str:
+    """A run's decoding of one sentence, one row per iteration."""
+    if algo == "greedy":
+        return (f'<div class="steps"><div class="it"><span class="k">{len(steps)} iterations, one token each</span>'
+                f'<span class="toks">{chips([s.own for s in steps], "own", piece)}</span></div></div>')
+    if algo == "beam":
+        return beam_html(steps, piece)
+    rows = []
+    for n, s in enumerate(steps, 1):
+        acc = chips(s.drafted[:s.accepted], "accepted", piece)
+        own = chips([s.own], "own", piece) if s.own is not None else ""
+        rej = chips(s.rejected, "rejected", piece)
+        if algo == "gad":
+            rows.append(f'<div class="it"><span class="k">{n}</span><span class="dv">D</span>'
+                        f'<span class="toks">{acc}{rej}</span></div>'
+                        f'<div class="it"><span class="k"></span><span class="dv">V</span><span class="toks">{acc}{own}</span>'
+                        f'<span class="how">{s.accepted} of {len(s.drafted)} drafted tokens accepted</span></div>')
+            continue
+        if algo in ("bild", "speculative"):
+            how = (f"S wrote {len(s.drafted)}, L accepted {s.accepted}" if s.verified and s.drafted
+                   else "nothing from S" if s.verified else f"S wrote {len(s.drafted)} after the last L call")
+            how += ", rollback" if s.rollback else ""
+            how += ", L wrote 1" if s.own is not None else ""
+            body = ((f'<span class="who">S</span>{acc}{rej}' if s.drafted else "")
+                    + (f'<span class="who">L</span>{own}' if own else ""))
+        else:
+            where = f" (from source token {s.origin})" if s.origin is not None else ""
+            how = (f"{len(s.drafted)} {DRAFTED_FROM[s.drafted_by]}{where}, {s.accepted} accepted" if s.drafted
+                   else "nothing drafted: one token")
+            body = acc + own + rej
+        rows.append(f'<div class="it"><span class="k">{n}</span><span class="toks">{body}</span>'
+                    f'<span class="how">{html.escape(how)}</span></div>')
+    return '<div class="steps">' + "".join(rows) + "</div>"
+
+
+def beam_html(steps: list[Step], piece) -> str:
+    """Beam search as a grid: one column per step, one row per live beam (best first), each cell the
+    token that beam added at that step; the final best beam's cells are marked."""
+    if not steps:
+        return '<div class="steps"></div>'
+    width = max(len(s.beams) for s in steps)
+    head = "".join(f"<th>{n}</th>" for n in range(1, len(steps) + 1))
+    body = []
+    for k in range(width):
+        cells = []
+        for s in steps:
+            if k < len(s.beams) and s.beams[k] and s.scores[k] != float("-inf"):
+                text, _ = piece(s.beams[k][-1])
+                cells.append(f'<td class="{"own" if k == 0 else ""}">{html.escape(text)}</td>')
+            else:
+                cells.append("<td></td>")
+        body.append(f"<tr><th>{k + 1}</th>{''.join(cells)}</tr>")
+    return (f'<div class="steps beam"><span class="how">{len(steps)} steps; the token each live beam (rank 1 = best) '
+            f'added at each step</span><table><thead><tr><th>beam</th>{head}</tr></thead><tbody>{"".join(body)}'
+            f"</tbody></table></div>")
+
+
+# ---------------------------------------------------------------- charts (matplotlib, inline SVG)
+
+def svg(fig, name: str, caption: str) -> str:
+    """The figure as an inline <svg> (text kept as text, every id prefixed with the chart's name so
+    that several charts on one page never share one), in a <figure> with its caption."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    buf = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "refdec"}):
+        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(fig)
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]  # drop the XML declaration and doctype
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
+    text = re.sub(r'(\bid="|url\(#|href="#)([^")]+)', rf"\1{name}-\2", text)  # one id space per chart
+    return f'<figure>{text}<figcaption>{html.escape(caption)}</figcaption></figure>'
+
+
+def figure(w: float = 5.2, h: float = 3.2):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(w, h))
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.grid(axis="y", color="#e5e5e5", linewidth=0.8)
+    ax.set_axisbelow(True)
+    return fig, ax
+
+
+PALETTE = ["#3b6fb6", "#e07b39", "#4c9a5b", "#b0478f", "#8c7a3a", "#5aa9b8", "#c44e52", "#7f7f7f"]
+
+
+def chart_quality_speed(rows: list[dict]) -> str:
+    """BLEU (and F0.5 on GEC tasks) against speed relative to the first row, one point per run."""
+    if len(rows) < 2 or not all(r.get("bleu") is not None and r["seconds"] > 0 for r in rows):
+        return ""
+    import matplotlib.pyplot as plt
+    metrics = [("bleu", "BLEU")] + ([("gec_f05", "F0.5")] if all("gec_f05" in r for r in rows) else [])
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
+    base = rows[0]["seconds"]
+    for ax, (key, name) in zip(axes[0], metrics):
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(color="#e5e5e5", linewidth=0.8)
+        ax.set_axisbelow(True)
+        for n, r in enumerate(rows):
+            x = base / r["seconds"]
+            ax.scatter([x], [r[key]], s=50, color=PALETTE[n % len(PALETTE)], zorder=3, label=r["algo"],
+                       marker="os^Dvp<>"[n % 8])
+        ax.set_xlabel(f"speed relative to {rows[0]['algo']} (higher is faster)")
+        ax.set_ylabel(name)
+        ax.margins(x=0.25, y=0.25)
+    axes[0][0].legend(frameon=False, fontsize=8)
+    return svg(fig, "quality", "Quality against speed: one point per run, all timed in one process.")
+
+
+def chart_edit_buckets(checks: list[dict]) -> str:
+    """Speedup over greedy by the output's edit ratio (the lossless checks' buckets, batch size 1)."""
+    checks = [c for c in checks if c.get("edit_buckets")]
+    if not checks:
+        return ""
+    labels = []
+    for c in checks:
+        labels += [b["edit_ratio"] for b in c["edit_buckets"] if b["edit_ratio"] not in labels]
+    fig, ax = figure()
+    width = 0.8 / len(checks)
+    for n, c in enumerate(checks):
+        by = {b["edit_ratio"]: b for b in c["edit_buckets"]}
+        xs = [labels.index(k) + (n - (len(checks) - 1) / 2) * width for k in by]
+        bars = ax.bar(xs, [b["speedup"] for b in by.values()], width * 0.92, color=PALETTE[n % len(PALETTE)],
+                      label=f"{c['algo']} over {c['greedy']}")
+        for bar, b in zip(bars, by.values()):
+            ax.annotate(f"{b['speedup']:.2f}x\nn={b['sentences']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+    ax.axhline(1, color="#999", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel("edit ratio of the output (word edits / source words)")
+    ax.set_ylabel("speedup over greedy")
+    ax.margins(y=0.2)
+    if len(checks) > 1:
+        ax.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    return svg(fig, "edit", "Speedup over greedy by the edit ratio of the output (how much of the source it changes), "
+                            "from per-sentence times at batch size 1; n = sentences in the bucket.")
+
+
+def chart_tokens_per_call(runs: list) -> str:
+    """How many tokens each verifier call committed (draft-then-verify runs; greedy and beam commit
+    one per call)."""
+    runs = [r for r in runs if r.stats.accepted and max(r.stats.accepted) > 1]
+    if not runs:
+        return ""
+    fig, ax = figure()
+    top = max(max(r.stats.accepted) for r in runs)
+    bins = [b - 0.5 for b in range(1, top + 2)]
+    for n, r in enumerate(runs):
+        ax.hist(r.stats.accepted, bins=bins, weights=[100 / len(r.stats.accepted)] * len(r.stats.accepted),
+                histtype="stepfilled" if len(runs) == 1 else "step", linewidth=1.4, alpha=0.85 if len(runs) == 1 else 1,
+                color=PALETTE[n % len(PALETTE)], label=f"{r.name} (mean {r.stats.mean_accepted:.2f})")
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("tokens committed by one call")
+    ax.set_ylabel("% of calls")
+    ax.set_xlim(0.5, top + 0.5)
+    ax.legend(frameon=False, fontsize=8)
+    return svg(fig, "calls", "Tokens committed per verifier call: each call commits its accepted draft and one token of its own.")
+
+
+def chart_module_time(rows: list[dict]) -> str:
+    """Seconds per part of the model (rows with module_seconds: GAD's encoders, drafter and verifier)."""
+    rows = [r for r in rows if r.get("module_seconds")]
+    if not rows:
+        return ""
+    parts = list(dict.fromkeys(k for r in rows for k in r["module_seconds"]))
+    fig, ax = figure(5.2, 0.7 + 0.45 * len(rows))
+    ax.grid(axis="y", visible=False)
+    ax.grid(axis="x", color="#e5e5e5", linewidth=0.8)
+    left = [0.0] * len(rows)
+    for n, part in enumerate(parts):
+        vals = [r["module_seconds"].get(part, 0.0) for r in rows]
+        ax.barh(range(len(rows)), vals, left=left, color=PALETTE[n % len(PALETTE)], label=part, height=0.6)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_yticks(range(len(rows)), [r["algo"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.legend(frameon=False, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 / len(rows)))
+    return svg(fig, "modules", "Time per module, summed over the sentences (the rest of a run's time is the loop around them).")
+
+
+# ---------------------------------------------------------------- page
+
+STYLE = """
+:root { --acc: #d7f0da; --acc-t: #17602a; --own: #d6e6ff; --own-t: #0b3f91; --rej: #fbe0e0; --rej-t: #a12121;
+        --line: #e4e4e4; --muted: #6b6b6b; }
+* { box-sizing: border-box; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Noto Sans", sans-serif; color: #1d1d1d;
+       margin: 0 auto; max-width: 1180px; padding: 20px 28px 60px; background: #fbfbfa; }
+h1 { font-size: 22px; margin: 0 0 8px; } h2 { font-size: 17px; margin: 28px 0 10px; border-bottom: 1px solid var(--line); padding-bottom: 4px; }
+header dl { display: grid; grid-template-columns: max-content 1fr; gap: 2px 14px; margin: 0; font-size: 13px; }
+header dt { color: var(--muted); } header dd { margin: 0; font-family: ui-monospace, Menlo, Consolas, monospace; word-break: break-all; }
+table { border-collapse: collapse; margin: 8px 0 14px; background: #fff; font-size: 13px; }
+th, td { border: 1px solid var(--line); padding: 3px 8px; }
+thead th { background: #f2f2f0; font-weight: 600; }
+table.num td { text-align: right; font-variant-numeric: tabular-nums; } table.num td:first-child { text-align: left; font-weight: 600; }
+caption { text-align: left; color: var(--muted); padding-bottom: 2px; }
+.check { margin: 6px 0; } .check a { color: var(--own-t); }
+.charts { display: flex; flex-wrap: wrap; gap: 16px; align-items: flex-start; }
+figure { margin: 0; background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 10px; flex: 0 1 auto; max-width: 100%; }
+figure svg { max-width: 100%; height: auto; display: block; }
+figcaption { max-width: 520px; }
+figcaption { color: var(--muted); font-size: 12px; margin-top: 4px; }
+.controls { position: sticky; top: 0; background: #fbfbfa; padding: 8px 0; display: flex; gap: 10px; align-items: center; z-index: 2;
+            border-bottom: 1px solid var(--line); }
+#q { flex: 1; font: inherit; padding: 6px 10px; border: 1px solid #c9c9c9; border-radius: 5px; }
+#only { font: inherit; padding: 5px; } #count { color: var(--muted); font-size: 13px; white-space: nowrap; }
+.legend { font-size: 13px; color: var(--muted); }
+.sent { background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 10px 14px; margin: 10px 0; }
+.src { font-size: 15px; } .src .n { display: inline-block; min-width: 2.4em; color: var(--muted); text-decoration: none; font-size: 13px; }
+.ref { color: #3d3d3d; font-size: 13px; margin-left: 2.4em; } .lab { color: var(--muted); font-size: 11px; margin-right: 6px; text-transform: uppercase; }
+.run { margin: 6px 0 0 2.4em; border-left: 3px solid var(--line); padding-left: 10px; }
+.run summary { cursor: pointer; } .run summary::marker { color: var(--muted); }
+.runhead { font-size: 13px; }
+.out { display: block; margin: 1px 0 2px; }
+.facts { color: var(--muted); font-size: 12px; margin-left: 6px; }
+.badge { background: #fff1d6; color: #8a5a00; border: 1px solid #f0d399; border-radius: 10px; font-size: 11px; padding: 0 7px; margin-left: 6px; }
+.steps { margin: 4px 0 8px; font-size: 13px; }
+.it { display: flex; align-items: baseline; gap: 8px; padding: 1px 0; }
+.it .k { color: var(--muted); min-width: 2.2em; text-align: right; font-variant-numeric: tabular-nums; font-size: 12px; flex: none; }
+.it .dv, .who { font-weight: 700; color: var(--muted); font-size: 11px; flex: none; }
+.who { margin: 0 3px 0 6px; } .who:first-child { margin-left: 0; }
+.toks { display: flex; flex-wrap: wrap; gap: 2px 0; align-items: baseline; }
+.how { color: var(--muted); font-size: 12px; margin-left: auto; padding-left: 12px; white-space: nowrap; }
+.tok { display: inline-block; padding: 0 2px; margin-right: 1px; border-radius: 2px; white-space: pre; font-size: 13px; line-height: 1.5; }
+.tok.sp { margin-left: 6px; }
+.tok.accepted { background: var(--acc); color: var(--acc-t); }
+.tok.own { background: var(--own); color: var(--own-t); font-weight: 700; box-shadow: inset 0 0 0 1px #9dbdf0; }
+.tok.rejected { background: var(--rej); color: var(--rej-t); text-decoration: line-through; opacity: .85; }
+.legend .tok.sp { margin-left: 0; }
+.beam { overflow-x: auto; } .beam table { margin: 4px 0; } .beam th, .beam td { padding: 1px 5px; font-size: 12px; white-space: pre; }
+.beam th { color: var(--muted); font-weight: 500; background: #f7f7f5; } .beam td.own { background: var(--own); color: var(--own-t); font-weight: 600; }
+.hidden { display: none; }
+"""
+
+SCRIPT = """
+(function () {
+  var q = document.getElementById('q'), only = document.getElementById('only'), count = document.getElementById('count');
+  var sents = Array.prototype.slice.call(document.querySelectorAll('.sent'));
+  var texts = sents.map(function (s) {
+    return Array.prototype.map.call(s.querySelectorAll('.src, .ref, .out'), function (x) { return x.textContent; })
+      .join('\\n').toLowerCase();
+  });
+  var differs = sents.map(function (s) { return JSON.parse(s.getAttribute('data-differs')); });
+  function update() {
+    var words = q.value.toLowerCase().split(/\\s+/).filter(Boolean), want = only.value, shown = 0;
+    sents.forEach(function (s, i) {
+      var ok = words.every(function (w) { return texts[i].indexOf(w) >= 0; }) &&
+               (!want || (want === '*' ? differs[i].length > 0 : differs[i].indexOf(want) >= 0));
+      s.classList.toggle('hidden', !ok);
+      if (ok) shown++;
+    });
+    count.textContent = shown + ' of ' + sents.length + ' sentences';
+  }
+  q.addEventListener('input', update);
+  only.addEventListener('change', update);
+  update();
+})();
+"""
+
+PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>{style}</style>
+</head>
+<body>
+{body}
+<script>{script}</script>
+</body>
+</html>
+"""

@@ -1,0 +1,190 @@
+"""One record per decoding iteration, whatever the algorithm, and the text form of a sentence's trace.
+
+Every decoder returns, on request, a list of dicts per sentence, each in its own shape (the keys
+are listed in `steps_from`). `steps_from` turns them into `Step`s, which describe an iteration the
+same way for all of them:
+
+    drafted    what was proposed to the verifier in this call: the source span IAD copies, GAD's
+               drafter block, blockwise's proposal heads, the small model's tokens (BiLD,
+               speculative decoding); empty for greedy and beam search
+    accepted   how many leading drafted tokens were committed
+    own        the verifier's own token committed after them: at the bifurcation, or the free
+               token when the whole draft passed, or greedy's token; None when the step ended on
+               a drafted eos (or, for BiLD's last run, when the large model never checked it)
+    rejected   drafted[accepted:], the drafted tokens that were not committed
+
+`trace_text` is what `decode.py --trace` prints: plain text, or the same text with ANSI colours
+(`colour_enabled` decides for a stream).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from .config import EOS_ID
+
+DRAFTED_BY = {"iad": "source", "gad": "drafter", "blockwise": "heads", "bild": "small", "speculative": "small"}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One iteration (one verifier call; for BiLD's last run, the small model's unchecked tokens)."""
+
+    drafted: tuple[int, ...] = ()
+    accepted: int = 0
+    own: int | None = None
+    drafted_by: str = ""  # "source", "drafter", "heads", "small", or "" when nothing is drafted
+    origin: int | None = None  # IAD: the source position the draft was copied from
+    rollback: bool = False  # BiLD: the large model rejected some of the small model's tokens
+    verified: bool = True  # False: BiLD's final small-model tokens, which no large-model call checked
+    beams: tuple[tuple[int, ...], ...] = ()  # beam search: the live beams after this step, best first
+    scores: tuple[float, ...] = ()  # ... and their scores
+
+    @property
+    def rejected(self) -> tuple[int, ...]:
+        return self.drafted[self.accepted:]
+
+    @property
+    def committed(self) -> tuple[int, ...]:
+        """The tokens this iteration added to the output (beam search commits none until the end)."""
+        return self.drafted[:self.accepted] + ((self.own,) if self.own is not None else ())
+
+
+def steps_from(algo: str, dicts: list[dict], *, source: list[int] | None = None, eos_id: int = EOS_ID) -> list[Step]:
+    """A decoder's trace dicts for one sentence -> its Steps. The dicts' keys per algorithm:
+
+        greedy       step, token, cache_len
+        beam         step, beams (live prefixes, best first), scores
+        iad          match (source position or None), drafted (a count), accepted, tokens (committed)
+        gad          draft, accepted, tokens
+        blockwise    proposed, accepted, tokens
+        bild         small, kept, large (None: the final run), rollback
+        speculative  small, kept, large
+
+    IAD records where it copied from and how much, not the tokens: `source` (the sentence's source
+    ids, without eos) gives them back, and must then match what the verifier accepted. `accepted`
+    in iad/gad/blockwise counts drafted tokens that passed before the eos and length cuts; a Step
+    counts those committed."""
+    if algo == "greedy":
+        return [Step(own=d["token"]) for d in dicts]
+    if algo == "beam":
+        return [Step(beams=tuple(map(tuple, d["beams"])), scores=tuple(d["scores"])) for d in dicts]
+    if algo in ("iad", "gad", "blockwise"):
+        out = []
+        for d in dicts:
+            tokens = list(d["tokens"])
+            if algo == "iad":
+                if d["drafted"] and source is None:
+                    raise ValueError("an IAD trace needs the source ids to show what was drafted")
+                start = d["match"] or 0
+                drafted = tuple((list(source or []) + [eos_id])[start:start + d["drafted"]]) if d["drafted"] else ()
+                if len(drafted) != d["drafted"]:
+                    raise ValueError(f"IAD drafted {d['drafted']} tokens from source position {d['match']}, "
+                                     f"past the end of the given source")
+            else:
+                drafted = tuple(d["draft" if algo == "gad" else "proposed"])
+            kept = min(d["accepted"], len(tokens))  # drafted tokens past an accepted eos are not committed
+            if list(drafted[:kept]) != tokens[:kept]:
+                raise ValueError(f"{algo} trace: the committed tokens do not start with the accepted draft "
+                                 f"(is the source the one decoded?)")
+            out.append(Step(drafted=drafted, accepted=kept, own=tokens[kept] if len(tokens) > kept else None,
+                            drafted_by=DRAFTED_BY[algo] if drafted else "",
+                            origin=d["match"] if algo == "iad" else None))
+        return out
+    if algo in ("bild", "speculative"):
+        out = []
+        for d in dicts:
+            small, kept, large = tuple(d["small"]), d["kept"], d["large"]
+            if kept == len(small) and small and small[-1] == eos_id:
+                large = None  # the small model's eos was accepted: the call committed it, nothing of its own
+            out.append(Step(drafted=small, accepted=kept, own=large, drafted_by="small" if small else "",
+                            rollback=bool(d.get("rollback")), verified=d["large"] is not None))
+        return out
+    raise ValueError(f"no trace format for algorithm {algo!r}")
+
+
+# ANSI colours of the trace's parts in a terminal.
+COLOURS = {"accepted": "\x1b[32m", "own": "\x1b[1;36m", "rejected": "\x1b[31m", "note": "\x1b[2m"}
+RESET = "\x1b[0m"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def colour_enabled(stream) -> bool:
+    """Colour for a terminal, plain text when piped or redirected, and whenever NO_COLOR is set
+    (no-color.org) or TERM is dumb."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def strip_colour(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+def trace_text(algo: str, index: int, dicts: list[dict], tokenizer, *, source: list[int] | None = None,
+               colour: bool = False) -> str:
+    """How sentence `index` was decoded: greedy lists its one-by-one tokens, beam the best beam per
+    step, the draft-then-verify decoders what was drafted and what was kept, iteration by iteration.
+    With `colour`, the same text with the accepted span, the verifier's tokens and the rejected ones
+    in ANSI colours."""
+    steps = steps_from(algo, dicts, source=source, eos_id=tokenizer.eos_id)
+
+    def paint(part: str, s: str) -> str:
+        return f"{COLOURS[part]}{s}{RESET}" if colour and s else s
+
+    def text(ids):  # readable text of a span; eos shown as </s>
+        ids = list(ids)
+        cut = ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids
+        return tokenizer.decode(cut) + (" </s>" if len(cut) < len(ids) else "")
+
+    def own(s: Step) -> str:
+        return text([s.own]) if s.own is not None else ""
+
+    head = f"[{index + 1}]"
+    if algo == "greedy":
+        return (f"{head} {len(steps)} iterations, one token each: "
+                + " ".join(paint("own", t) for t in tokenizer.tokens(s.own for s in steps)))
+    if algo == "beam":
+        best = steps[-1].beams[0] if steps else ()
+        return f"{head} {len(steps)} steps; best live beam at the end: " + " ".join(tokenizer.tokens(best))
+    if algo == "iad":
+        # Like table 2 of the SAD paper: one line per iteration (one verifier call); a copied span
+        # that the model accepted in parallel is in brackets, the token the model chose itself
+        # (at the bifurcation, or in a plain greedy step) follows it.
+        lines = [f"{head} {len(steps)} iterations for {sum(len(s.committed) for s in steps)} tokens"]
+        for it, s in enumerate(steps, 1):
+            how = (f"{len(s.drafted)} drafted from source token {s.origin}, {s.accepted} accepted"
+                   if s.drafted else "nothing to draft: a greedy step")
+            body = ((paint("accepted", f"[{text(s.drafted[:s.accepted])}]") + " " if s.accepted else "")
+                    + paint("own", own(s)))
+            lines.append(f"  {it:3d}  {body}    {paint('note', f'({how})')}")
+        return "\n".join(lines)
+    if algo == "gad":  # like table 17 of the GAD paper: D = the drafter's block, V = what verification kept
+        lines = [f"{head} {len(steps)} iterations"]
+        for it, s in enumerate(steps, 1):
+            kept = s.drafted[:s.accepted]
+            full, head = text(s.drafted), text(kept)
+            if not full.startswith(head):  # a character split between the two parts: paint none of it
+                head = ""
+            lines.append(f"  {it:3d} D: {paint('accepted', head)}{paint('rejected', full[len(head):])}")
+            lines.append(f"      V: {paint('accepted', '[' + text(kept) + ']')} {paint('own', own(s))}"
+                         f"    {paint('note', f'({s.accepted} of {len(s.drafted)} drafted tokens accepted)')}")
+        return "\n".join(lines)
+    if algo == "blockwise":  # like section 7.4: the tokens each step added; [ ] = accepted proposals
+        return f"{head} {len(steps)} steps: " + " | ".join(
+            (paint("accepted", f"[{text(s.drafted[:s.accepted])}]") if s.accepted else "") + paint("own", own(s))
+            for s in steps)
+    if algo in ("bild", "speculative"):  # like figure 9 of the BiLD paper: who wrote each token
+        parts = []
+        for s in steps:
+            if s.accepted:
+                parts.append(paint("accepted", "S(" + text(s.drafted[:s.accepted]) + ")"))
+            if s.rollback:
+                parts.append(paint("rejected", f"rollback x{len(s.rejected)}"))
+            if s.own is not None:
+                parts.append(paint("own", "L(" + own(s) + ")"))
+        return f"{head} " + " ".join(parts) + "   " + paint("note", "(S = small model, L = large model)")
+    raise ValueError(f"no trace format for algorithm {algo!r}")

@@ -1,0 +1,363 @@
+"""decode.py --html and the trace Steps behind it: a well-formed, self-contained page that holds every
+sentence and its decoding; --trace coloured in a terminal and plain otherwise."""
+
+from __future__ import annotations
+
+import html
+import os
+import pty
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, copy_model, random_src, run_py, tiny_model
+from refdec.config import EOS_ID
+from refdec.decoding import bild, greedy, iad, speculative
+from refdec.tokenizer import Tokenizer
+from refdec.trace import COLOURS, Step, colour_enabled, steps_from, strip_colour, trace_text
+
+DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet", "--warmup", "0"]
+LINES = ["The file could not be opened.", "", "Click <b>OK</b> & \"close\" the dialog.", "Hello world.",
+         "Is this the right folder?"]
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+class TagBalance(HTMLParser):
+    """Every start tag closed by its own end tag, in order (void elements and <x/> need none)."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack, self.errors, self.ids = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.ids += [v for k, v in attrs if k == "id"]
+        if tag not in VOID:
+            self.stack.append((tag, self.getpos()))
+
+    def handle_startendtag(self, tag, attrs):
+        self.ids += [v for k, v in attrs if k == "id"]
+
+    def handle_endtag(self, tag):
+        if tag in VOID:
+            return
+        if not self.stack or self.stack[-1][0] != tag:
+            self.errors.append(f"</{tag}> at {self.getpos()} closes {self.stack[-1] if self.stack else 'nothing'}")
+            return
+        self.stack.pop()
+
+
+def check_page(page: str) -> None:
+    p = TagBalance()
+    p.feed(page)
+    p.close()
+    assert not p.errors, p.errors[:5]
+    assert not p.stack, f"unclosed: {p.stack[:5]}"
+    assert page.startswith("<!DOCTYPE html>")
+    assert len(p.ids) == len(set(p.ids)), "an id is used twice (several inline SVGs must not share one)"
+    # Self-contained: nothing fetched from elsewhere.
+    assert not re.search(r"<script[^>]*\ssrc\s*=", page, re.I)
+    assert not re.search(r"<link[\s>]", page, re.I)
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
+    assert not re.search(r"@import|url\(\s*['\"]?\s*(https?:)?//", page, re.I)
+
+
+def sections(page: str) -> dict[int, str]:
+    parts = re.split(r'<section class="sent" id="s(\d+)"', page)[1:]
+    return {int(n): body for n, body in zip(parts[::2], parts[1::2])}
+
+
+def run_block(section: str, run: str) -> str:
+    m = re.search(rf'<details class="run" data-run="{re.escape(run)}"[^>]*>(.*?)</details>', section, re.S)
+    assert m, f"no {run} block"
+    return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def iad_page(trained_tiny, tmp_path_factory):
+    """An IAD run beside greedy and beam, with --trace, on lines with an empty one and HTML characters."""
+    d = tmp_path_factory.mktemp("html")
+    (d / "in.txt").write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    (d / "ref.txt").write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "iad", "--compare", "greedy,beam",
+               "--input", str(d / "in.txt"), "--ref", str(d / "ref.txt"), "--max-len", "12", "--trace",
+               "--html", str(d / "page.html"))
+    assert r.returncode == 0, r.stderr.decode()
+    return d / "page.html", r.stderr.decode(), r.stdout.decode()
+
+
+def test_page_is_well_formed_self_contained_and_holds_every_sentence(iad_page):
+    path, err, out = iad_page
+    page = path.read_text(encoding="utf-8")
+    check_page(page)
+    secs = sections(page)
+    assert sorted(secs) == list(range(1, len(LINES) + 1))
+    for i, line in enumerate(LINES, 1):
+        if line:
+            assert html.escape(line) in secs[i]
+    assert "<b>OK</b>" not in page  # escaped, never markup
+    for out_line, i in zip(out.splitlines(), range(1, len(LINES) + 1)):
+        assert html.escape(out_line) in secs[i]
+    # The summary table's rows, as printed.
+    for name in ("iad", "greedy", "beam"):
+        assert f"<td>{name}@" in page or f"<td>{name}</td>" in page
+    assert page.count("<svg") >= 2  # charts: quality against speed, speedup by edit ratio, tokens per call
+
+
+def test_page_draws_each_iteration_of_the_trace(iad_page):
+    """The IAD block of each sentence has one row per iteration that --trace printed, and greedy's
+    one own token per step: the output's tokens and eos."""
+    path, err, _ = iad_page
+    secs = sections(path.read_text(encoding="utf-8"))
+    printed = {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"^\[(\d+)\] (\d+) iterations for", err, re.M)}
+    assert sorted(printed) == [i for i, line in enumerate(LINES, 1) if line]
+    for i, n in printed.items():
+        block = run_block(secs[i], "iad")
+        assert block.count('<div class="it">') == n
+        assert 'class="tok own' in block or 'class="tok accepted' in block
+        greedy_block = run_block(secs[i], "greedy")
+        steps = int(re.search(r"(\d+) iterations, one token each", greedy_block).group(1))
+        assert greedy_block.count('class="tok own') == steps
+    assert "<details" not in secs[2] and "(blank line" in secs[2]  # the empty line has no trace
+
+
+def test_html_with_second_model_algorithms(trained_tiny, tiny_extras, tmp_path):
+    """GAD's draft/verify lines, BiLD's and speculative decoding's S/L marks, blockwise's heads and
+    GAD's time per module."""
+    page_path = tmp_path / "p.html"
+    r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "gad", "--drafter",
+               str(tiny_extras["drafter"]), "--small", str(trained_tiny / "model.pt"), "--limit", "3", "--max-len", "10",
+               "--compare", f"bild,speculative,blockwise@{tiny_extras['heads']},greedy", "--html", str(page_path))
+    assert r.returncode == 0, r.stderr.decode()
+    page = page_path.read_text(encoding="utf-8")
+    check_page(page)
+    secs = sections(page)
+    assert sorted(secs) == [1, 2, 3]
+    gad_block = run_block(secs[1], "gad@" + trained_tiny.name)
+    assert gad_block.count('class="dv">D<') == gad_block.count('class="dv">V<') > 0
+    for name in ("bild", "speculative"):
+        assert re.search(r'class="who">[SL]<', run_block(secs[1], f"{name}@{trained_tiny.name}"))
+    assert "proposed by the heads" in run_block(secs[1], f"blockwise@{tiny_extras['heads'].parent.name}") \
+        or "nothing drafted" in run_block(secs[1], f"blockwise@{tiny_extras['heads'].parent.name}")
+    assert "verifier decoder" in page  # the module-time chart (SVG text)
+    assert '<option value="gad@' in page  # the differs-from-greedy filter names the lossless run
+
+
+def test_html_path_is_checked_before_decoding(trained_tiny, tmp_path):
+    r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "greedy", "--limit", "1",
+               "--html", str(tmp_path / "missing" / "p.html"))
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and err.startswith("error: --html") and len(err.splitlines()) == 1, err
+    r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "greedy", "--limit", "1",
+               "--report", str(tmp_path / "same"), "--html", str(tmp_path / "same"))
+    assert r.returncode == 2 and "also the --report" in r.stderr.decode()
+
+
+def test_library_and_decode_import_without_matplotlib():
+    """matplotlib is imported only when a page is drawn."""
+    code = ("import sys, builtins\nreal = builtins.__import__\n"
+            "def imp(name, *a, **k):\n    if name.split('.')[0] == 'matplotlib': raise ImportError(name)\n"
+            "    return real(name, *a, **k)\nbuiltins.__import__ = imp\n"
+            "import refdec.runner, refdec.trace, refdec.htmlreport, decode\n"
+            "decode.build_parser()\ntry:\n    refdec.htmlreport.check_available()\nexcept refdec.runner.UsageError as e:\n"
+            "    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "refused: --html needs matplotlib" in r.stdout
+
+
+# ---------------------------------------------------------------- Steps and the --trace text
+
+@pytest.fixture(scope="module")
+def tokenizer(trained_tiny) -> Tokenizer:
+    return Tokenizer.load(trained_tiny / "tokenizer.json")
+
+
+def output_with_eos(tokens: torch.Tensor, max_len: int) -> list[int]:
+    return tokens.tolist() + ([EOS_ID] if len(tokens) < max_len else [])
+
+
+def test_steps_commit_exactly_the_output():
+    """For every algorithm, the Steps' committed tokens, in order, are the output (and its eos); the
+    accepted span is the head of the drafted tokens and the rejected ones the rest."""
+    m, other = copy_model(), tiny_model(4, vocab=16)
+    src = random_src(2, 4, 16, min_len=3, max_len=10)
+    ids = [row[row.ne(0)].tolist()[:-1] for row in src]  # without the eos
+    runs = {"greedy": greedy(m, src, max_len=20, trace=True),
+            "iad": iad(m, src, max_len=20, trace=True, max_draft=5),
+            "bild": bild(m, other, src, max_len=20, fallback_threshold=0.2, rollback_threshold=1.0, trace=True),
+            "speculative": speculative(m, other, src, max_len=20, gamma=3, trace=True)}
+    seen_rejected = set()
+    for algo, r in runs.items():
+        for b in range(len(src)):
+            steps = steps_from(algo, r.trace[b], source=ids[b])
+            assert all(isinstance(s, Step) for s in steps)
+            assert [t for s in steps for t in s.committed] == output_with_eos(r.tokens[b], 20), (algo, b)
+            for s in steps:
+                assert s.drafted[:s.accepted] + s.rejected == s.drafted
+                if s.rejected and s.own is not None and algo != "bild":
+                    assert s.rejected[0] != s.own  # the bifurcation: the verifier chose another token
+                if s.rejected:
+                    seen_rejected.add(algo)
+    assert {"iad", "speculative"} <= seen_rejected  # the cases above do reject drafted tokens
+    with pytest.raises(ValueError, match="source"):
+        steps_from("iad", [d for d in runs["iad"].trace[0] if d["drafted"]])
+    with pytest.raises(ValueError, match="no trace format"):
+        steps_from("nope", [])
+
+
+def test_speculative_step_ending_on_the_small_models_eos_has_no_large_token():
+    (s,) = steps_from("speculative", [{"small": [7, EOS_ID], "kept": 2, "large": EOS_ID}])
+    assert s.own is None and s.committed == (7, EOS_ID)
+
+
+def test_trace_text_colour_is_the_plain_text_painted(tokenizer):
+    m = copy_model()
+    src = random_src(5, 3, 16, min_len=4, max_len=10)
+    r = iad(m, src, max_len=20, trace=True)
+    for b in range(3):
+        ids = src[b][src[b].ne(0)].tolist()[:-1]
+        plain = trace_text("iad", b, r.trace[b], tokenizer, source=ids)
+        colour = trace_text("iad", b, r.trace[b], tokenizer, source=ids, colour=True)
+        assert "\x1b[" not in plain and strip_colour(colour) == plain
+        assert COLOURS["accepted"] in colour or COLOURS["own"] in colour
+    a, b, c, d, x = tokenizer.encode("the house is very red")[:5]
+    traces = {  # every format, with accepted, rejected and eos-ended steps
+        "gad": [{"draft": [a, b, c, d], "accepted": 2, "tokens": [a, b, x]},
+                {"draft": [d, EOS_ID], "accepted": 2, "tokens": [d, EOS_ID]}],
+        "blockwise": [{"proposed": [], "accepted": 0, "tokens": [a]}, {"proposed": [b, c], "accepted": 1, "tokens": [b, x]}],
+        "bild": [{"small": [a, b, c], "kept": 1, "large": x, "rollback": True},
+                 {"small": [d, EOS_ID], "kept": 2, "large": None, "rollback": False}],
+        "speculative": [{"small": [a, b], "kept": 2, "large": c}, {"small": [d, EOS_ID], "kept": 2, "large": EOS_ID}],
+        "greedy": [{"step": 0, "token": a, "cache_len": 0}, {"step": 1, "token": EOS_ID, "cache_len": 1}],
+        "beam": [{"step": 0, "beams": [[a], [b]], "scores": [-1.0, -2.0]}],
+    }
+    for algo, dicts in traces.items():
+        plain = trace_text(algo, 0, dicts, tokenizer)
+        colour = trace_text(algo, 0, dicts, tokenizer, colour=True)
+        assert "\x1b[" not in plain and strip_colour(colour) == plain, algo
+    gad = trace_text("gad", 0, traces["gad"], tokenizer, colour=True)
+    assert COLOURS["rejected"] in gad and COLOURS["accepted"] in gad and COLOURS["own"] in gad
+    assert "rollback x2" in trace_text("bild", 0, traces["bild"], tokenizer)
+
+
+def test_colour_enabled_follows_the_terminal_and_no_color(monkeypatch):
+    class Stream:
+        def __init__(self, tty):
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    assert colour_enabled(Stream(True)) and not colour_enabled(Stream(False))
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not colour_enabled(Stream(True))
+
+
+def stderr_through_a_terminal(args: list[str], env: dict) -> str:
+    """Run decode.py with stderr on a pseudo-terminal; what it wrote there."""
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=slave,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", **env})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    p.wait(timeout=300)
+    os.close(master)
+    assert p.returncode == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode("utf-8", errors="replace").replace("\r\n", "\n")
+
+
+def test_trace_is_coloured_in_a_terminal_and_plain_when_piped_or_no_color(trained_tiny):
+    args = [*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "iad", "--limit", "2", "--max-len", "8",
+            "--trace"]
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    piped = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, timeout=300,
+                           env={**env, "OMP_NUM_THREADS": "1"}).stderr.decode()
+    tty = stderr_through_a_terminal(args, {})
+    no_color = stderr_through_a_terminal(args, {"NO_COLOR": "1"})
+    trace_lines = lambda text: [x for x in text.splitlines() if x.startswith(("[", "  "))]  # noqa: E731
+    assert "\x1b[" not in piped and "\x1b[" not in no_color
+    assert "\x1b[" in tty
+    assert trace_lines(strip_colour(tty)) == trace_lines(piped) == trace_lines(no_color)
+    assert trace_lines(piped)
+
+
+# ---------------------------------------------------------------- the page in a browser
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
+    """Width, height and the rows of an 8-bit RGB or RGBA PNG, unfiltered (zlib alone)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    width, height, depth, colour_type = header[:4]
+    assert depth == 8 and colour_type in (2, 6), header
+    bpp = 3 if colour_type == 2 else 4
+    raw, stride, rows, prev = zlib.decompress(idat), width * bpp, [], bytearray(width * bpp)
+    for y in range(height):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for x in range(stride):
+            a = line[x - bpp] if x >= bpp else 0
+            b, c = prev[x], (prev[x - bpp] if x >= bpp else 0)
+            if f == 1:
+                line[x] = (line[x] + a) & 255
+            elif f == 2:
+                line[x] = (line[x] + b) & 255
+            elif f == 3:
+                line[x] = (line[x] + (a + b) // 2) & 255
+            elif f == 4:
+                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
+                line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return width, height, [bytes(r[i:i + 3]) for r in rows for i in range(0, stride, bpp)]
+
+
+@pytest.mark.skipif(not any(shutil.which(b) for b in BROWSERS), reason="no chromium or chrome on PATH")
+def test_page_renders_in_headless_chromium(iad_page, tmp_path):
+    """The page paints (text, coloured token chips, charts: many colours, far from blank) and its
+    script runs (it writes the sentence count)."""
+    path = iad_page[0]
+    browser = next(shutil.which(b) for b in BROWSERS if shutil.which(b))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'prof'}"]
+    shot = tmp_path / "page.png"
+    subprocess.run([browser, *flags, "--window-size=1280,1800", f"--screenshot={shot}", path.as_uri()],
+                   capture_output=True, timeout=120)
+    assert shot.exists()
+    width, height, pixels = png_pixels(shot)
+    assert (width, height) == (1280, 1800)
+    colours = {}
+    for p in pixels:
+        colours[p] = colours.get(p, 0) + 1
+    background = max(colours.values())
+    assert len(colours) > 200, f"only {len(colours)} colours"
+    assert background < 0.97 * len(pixels), "the page is almost one colour"
+    dom = subprocess.run([browser, *flags, "--dump-dom", path.as_uri()], capture_output=True, timeout=120).stdout.decode()
+    assert f"{len(LINES)} of {len(LINES)} sentences" in dom
