@@ -351,7 +351,7 @@ def load_runs(args, algo, compares: list, knobs: dict, run_knobs: list[dict], dt
     from refdec.decoding import ALGORITHMS
     from refdec.loading import SECOND_MODEL_DIRS, RunLoader
     from refdec.runner import UsageError
-    model_path = Path(args.model) if args.model else REPO / "checkpoints" / algo.model_dir.format(task=args.task) / "model.pt"
+    model_path = Path(args.model) if args.model else REPO / "checkpoints" / algo.checkpoint_dir(args.task) / "model.pt"
     if not args.model and not model_path.exists():
         raise UsageError(f"no checkpoint at {model_path}; {shipped_for(algo)}; train one (README, 'Training') "
                          f"or pass --model")
@@ -465,7 +465,7 @@ def own_default(other, first, task: str) -> str | None:
     file, whose base model it is, so the lossless check compares the two on one model)."""
     if other.model_dir in (first.model_dir, "{task}"):
         return None
-    path = REPO / "checkpoints" / other.model_dir.format(task=task) / "model.pt"
+    path = REPO / "checkpoints" / other.checkpoint_dir(task) / "model.pt"
     if not path.exists():
         from refdec.runner import UsageError
         raise UsageError(f"--compare {other.name}: no checkpoint at {path}; {shipped_for(other)}")
@@ -476,8 +476,8 @@ def shipped_for(algo) -> str:
     """Which tasks have a shipped checkpoint for `algo` (and its second models): said when one is missing."""
     from refdec.data import TASKS
     second = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
-    dirs = [algo.model_dir] + [second[r] for r in algo.roles if r in second]
-    tasks = [t for t in TASKS if all((REPO / "checkpoints" / d.format(task=t) / "model.pt").exists() for d in dirs)]
+    tasks = [t for t in TASKS if all((REPO / "checkpoints" / d / "model.pt").exists() for d in
+                                     [algo.checkpoint_dir(t)] + [second[r].format(task=t) for r in algo.roles if r in second])]
     return (f"--algo {algo.name} has shipped models for --task {' and '.join(tasks)}" if tasks
             else f"no task has shipped models for --algo {algo.name}")
 
