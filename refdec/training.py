@@ -163,8 +163,60 @@ class Objective(torch.nn.Module):
         """What greedy decoding of the dev set runs: the model, on the frozen encoder if it has one."""
         return SharedEncoder(self.model, self.frozen_encoder[0]) if self.frozen_encoder else self.model
 
+    def checkpoint_entries(self, half: bool) -> dict:
+        """What a checkpoint carries beside the model to be decoded in this mode (none for a plain model)."""
+        return {}
+
     def smoothed(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return smoothed_loss(logits, target, self.cfg.label_smoothing, self.model.cfg.pad_id)
+
+
+    @torch.no_grad()
+    def evaluate(self, tok: Tokenizer, dev: data_mod.Split, device: torch.device) -> dict:
+        """Teacher-forced dev loss (no smoothing) over the dev set, and BLEU of greedy decoding of its
+        first sentences. With proposal heads: dev_loss is the mean over the trained heads, and the
+        sentences are decoded blockwise (exact mode: the same output as greedy) for the mean
+        accepted block size."""
+        m, heads = self.model, self.heads
+        self.eval()
+        src, batches = dev_batches(tok, dev, min(self.cfg.max_train_len, m.cfg.max_positions - 1), device)
+        which = self.trained_heads or [1]
+        total, count = [0.0] * len(which), [0] * len(which)
+        for s, ti, to in batches:
+            hidden = self.hidden(s, ti)
+            for j, i in enumerate(which):
+                target = head_targets(to, i)
+                logits = head_logits(m, heads, hidden, i)
+                total[j] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                            ignore_index=tok.pad_id, reduction="sum").item()
+                count[j] += target.ne(tok.pad_id).sum().item()
+        n = min(self.cfg.eval_sentences, len(src))
+        hyps, calls, produced = [], 0, 0
+        for i in range(0, n, 32):
+            rows = src[i:min(i + 32, n)]
+            x = data_mod.source_tensor(rows).to(device)
+            max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
+            res = (greedy(self.decoding_model(), x, max_len=max_len) if heads is None
+                   else blockwise(m, heads, x, max_len=max_len))
+            hyps += [tok.decode(t.tolist()) for t in res.tokens]
+            calls, produced = calls + res.stats.verifier_calls, produced + res.stats.tokens
+        self.train()
+        out = {"dev_loss": sum(t / max(c, 1) for t, c in zip(total, count)) / len(which),
+               "dev_bleu": corpus_bleu(hyps, dev.tgt[:n])}
+        if heads is not None:
+            out["dev_loss_per_head"] = {str(i): t / max(c, 1) for i, t, c in zip(which, total, count)}
+            out["dev_mean_accepted"] = produced / max(calls, 1)
+        return out
+
+
+def dev_batches(tok: Tokenizer, dev: data_mod.Split, limit: int, device: torch.device):
+    """The dev sources' token ids cut to `limit` tokens, and an iterator over teacher-forcing
+    batches (src, tgt_in, tgt_out) of the dev pairs, 8000 tokens each at most."""
+    src = [s[:limit] for s in tok.encode_batch(dev.src)]
+    tgt = [t[:limit] for t in tok.encode_batch(dev.tgt)]
+    batches = (tuple(x.to(device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
+               for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None))
+    return src, batches
 
 
 class CrossEntropyLoss(Objective):
@@ -199,6 +251,9 @@ class EarlyExitLoss(Objective):
         return 0.5 * (self.smoothed(self.model.project(final), tgt_out)
                       + self.smoothed(self.model.project(early), tgt_out))
 
+    def checkpoint_entries(self, half: bool) -> dict:
+        return {"early_exit": self.cfg.early_exit}
+
 
 class ProposalHeadsLoss(Objective):
     """Blockwise parallel decoding's proposal heads: the loss of one random head (head_loss random),
@@ -216,6 +271,9 @@ class ProposalHeadsLoss(Objective):
         losses = [self.smoothed(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i))
                   for i in self.chosen_heads()]
         return sum(losses) / len(losses)
+
+    def checkpoint_entries(self, half: bool) -> dict:
+        return {"proposal": proposal_state(self.heads, half)}
 
     def chosen_heads(self) -> list[int]:
         """This batch's heads; random ones drawn from torch's generator, whose state last.pt keeps."""
@@ -239,6 +297,28 @@ class DrafterLoss(Objective):
         ratio = glancing_ratio(self.step, cfg.glancing_start, cfg.glancing_end, cfg.glancing_decay_steps)
         inp, target = glance(inp, gold, pred.argmax(dim=-1), ratio)
         return self.smoothed(self.model.project(self.hidden(src, inp, block)), target)
+
+    @torch.no_grad()
+    def evaluate(self, tok: Tokenizer, dev: data_mod.Split, device: torch.device) -> dict:
+        """The drafter's dev loss and top-1 accuracy on the block, at prefix lengths drawn from a fixed
+        seed (the same blocks at every evaluation), without glancing."""
+        self.eval()
+        _, batches = dev_batches(tok, dev, min(self.cfg.max_train_len, self.model.cfg.max_positions - 1), device)
+        gen = torch.Generator().manual_seed(1234)
+        loss = correct = count = 0.0
+        for s, _, to in batches:
+            inp, gold, block = self.drafter_batch(to, gen)
+            logits = self.model.project(self.hidden(s, inp, block))
+            loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), gold.reshape(-1),
+                                    ignore_index=tok.pad_id, reduction="sum").item()
+            on = gold.ne(tok.pad_id)
+            correct += (logits.argmax(-1).eq(gold) & on).sum().item()
+            count += on.sum().item()
+        self.train()
+        return {"dev_loss": loss / max(count, 1), "dev_block_accuracy": correct / max(count, 1)}
+
+    def checkpoint_entries(self, half: bool) -> dict:
+        return {"drafter": {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout}}
 
     def drafter_batch(self, tgt_out: torch.Tensor, generator: torch.Generator | None = None):
         """Block inputs for every row: a random prefix length p in 0 .. len(y), then k masks."""
@@ -450,69 +530,9 @@ class Trainer:
                  f"{self.elapsed / 60:.1f} min trained)")
 
     # -- evaluation --------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Teacher-forced dev loss (no smoothing) over the dev set, and BLEU of greedy decoding of its
-        first sentences. With proposal heads: dev_loss is the mean over the trained heads, and the
-        sentences are decoded blockwise (exact mode: the same output as greedy) for the mean
-        accepted block size."""
-        if self.cfg.drafter_k:
-            return self.evaluate_drafter()
-        m, heads = self.model, self.heads
-        self.objective.eval()
-        limit = min(self.cfg.max_train_len, m.cfg.max_positions - 1)
-        src = [s[:limit] for s in self.tok.encode_batch(self.dev.src)]
-        tgt = [t[:limit] for t in self.tok.encode_batch(self.dev.tgt)]
-        which = self.objective.trained_heads or [1]
-        total, count = [0.0] * len(which), [0] * len(which)
-        for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None):
-            s, ti, to = (x.to(self.device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
-            hidden = self.objective.hidden(s, ti)
-            for j, i in enumerate(which):
-                target = head_targets(to, i)
-                logits = head_logits(m, heads, hidden, i)
-                total[j] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                                            ignore_index=self.tok.pad_id, reduction="sum").item()
-                count[j] += target.ne(self.tok.pad_id).sum().item()
-        n = min(self.cfg.eval_sentences, len(src))
-        hyps, calls, produced = [], 0, 0
-        for i in range(0, n, 32):
-            rows = src[i:min(i + 32, n)]
-            x = data_mod.source_tensor(rows).to(self.device)
-            max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
-            res = (greedy(self.objective.decoding_model(), x, max_len=max_len) if heads is None
-                   else blockwise(m, heads, x, max_len=max_len))
-            hyps += [self.tok.decode(t.tolist()) for t in res.tokens]
-            calls, produced = calls + res.stats.verifier_calls, produced + res.stats.tokens
-        self.objective.train()
-        out = {"dev_loss": sum(t / max(c, 1) for t, c in zip(total, count)) / len(which),
-               "dev_bleu": corpus_bleu(hyps, self.dev.tgt[:n])}
-        if heads is not None:
-            out["dev_loss_per_head"] = {str(i): t / max(c, 1) for i, t, c in zip(which, total, count)}
-            out["dev_mean_accepted"] = produced / max(calls, 1)
-        return out
-
-    @torch.no_grad()
-    def evaluate_drafter(self) -> dict:
-        """The drafter's dev loss and top-1 accuracy on the block, at prefix lengths drawn from a fixed
-        seed (the same blocks at every evaluation), without glancing."""
-        self.objective.eval()
-        limit = min(self.cfg.max_train_len, self.model.cfg.max_positions - 1)
-        src = [s[:limit] for s in self.tok.encode_batch(self.dev.src)]
-        tgt = [t[:limit] for t in self.tok.encode_batch(self.dev.tgt)]
-        gen = torch.Generator().manual_seed(1234)
-        loss = correct = count = 0.0
-        for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None):
-            s, _, to = (x.to(self.device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
-            inp, gold, block = self.objective.drafter_batch(to, gen)
-            logits = self.model.project(self.objective.hidden(s, inp, block))
-            loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), gold.reshape(-1),
-                                    ignore_index=self.tok.pad_id, reduction="sum").item()
-            on = gold.ne(self.tok.pad_id)
-            correct += (logits.argmax(-1).eq(gold) & on).sum().item()
-            count += on.sum().item()
-        self.objective.train()
-        return {"dev_loss": loss / max(count, 1), "dev_block_accuracy": correct / max(count, 1)}
+        """The run's mode's dev scores (Objective.evaluate, DrafterLoss.evaluate)."""
+        return self.objective.evaluate(self.tok, self.dev, self.device)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _meta(self, extra: dict | None = None) -> dict:
@@ -520,12 +540,7 @@ class Trainer:
 
     def _ckpt(self, meta: dict, half: bool = False) -> dict:
         ck = make_checkpoint(self.model, self.cfg.task, self.tok, self.step, meta, half=half)
-        if self.heads is not None:
-            ck["proposal"] = proposal_state(self.heads, half)
-        if self.cfg.drafter_k:
-            ck["drafter"] = {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout}
-        if self.cfg.early_exit:
-            ck["early_exit"] = self.cfg.early_exit
+        ck.update(self.objective.checkpoint_entries(half))
         if self.cfg.encoder_from:  # where the encoder is, from this checkpoint's folder, and which file it was
             ck["shared_encoder"] = {"path": os.path.relpath(self.cfg.encoder_from, self.out),
                                     "sha256": self.encoder_sha256}
