@@ -65,7 +65,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run: the task, the model shape, and the optimisation schedule."""
+    """One training run: the task, the model shape, and the optimisation schedule.
+
+    The fields are flat, each mode's options beside the rest: they are train.py's flags, the
+    PRESETS' keywords and the keys of the configuration stored in every checkpoint (which --resume
+    compares). The rules between them are checked per mode (_check_heads, _check_drafter, ...), and
+    an option of a mode that is off must keep its field's default (_changed)."""
 
     task: str
     out_dir: str

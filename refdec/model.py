@@ -520,6 +520,8 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
     def early_exit_hidden(self, src: torch.Tensor, tgt: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_hidden's final states and, through the same final norm, the states after the first
         `layers` decoder layers (an early exit's, BiLD's small model): (final, early), each (B, T, D)."""
+        if not 1 <= layers < self.cfg.dec_layers:
+            raise ValueError(f"an early exit needs 1 <= layers < {self.cfg.dec_layers}, got {layers}")
         early = None
         for i, x in enumerate(self._decoder_layers(src, tgt), start=1):
             if i == layers:

@@ -20,6 +20,11 @@ run resumes it (its stored configuration, task and vocabulary must then agree wi
 beyond the schedule fields of RESUMABLE_CHANGES) or is told to overwrite it. Ctrl-C (SIGINT) ends
 the run after the current update with last.pt saved, so --resume continues it exactly.
 
+Each mode trains on a loss of its own, chosen once per run (`build_objective`): CrossEntropyLoss
+(a plain model), DistillationLoss (kd_from), EarlyExitLoss (early_exit), ProposalHeadsLoss
+(proposal_k) and DrafterLoss (drafter_k); each also evaluates on the dev set and names what its
+checkpoints carry beside the model.
+
 With `proposal_k` the run trains the proposal heads of blockwise parallel decoding (refdec.proposal)
 on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
 on one randomly drawn head's loss per batch (the paper's unbiased estimate) or the mean over heads.
@@ -49,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import data as data_mod
-from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, model_state, save_atomic
+from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, save_atomic
 from .config import ModelConfig, TrainConfig
 from .decoding.blockwise import blockwise
 from .decoding.greedy import greedy
