@@ -108,7 +108,7 @@ def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int,
     return out, calls
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="mt-en-de", choices=sorted(data_mod.TASKS),
                    help="task whose test set and shipped checkpoints to use (default mt-en-de)")
@@ -124,7 +124,67 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up sentences (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the scripted drafts' choices (default 0)")
     p.add_argument("--report", help="write the figures as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def load_models(args, path: Path) -> dict:
+    """The verifier (`model`, with its `tokenizer`), the drafter (None for free drafts only; `spec`:
+    its layout), the small model (or None) and the test `split`; CheckpointError, FileNotFoundError
+    or ValueError on a file that cannot serve."""
+    shipped_drafter = REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
+    if args.drafter == "none" or (args.drafter is None and not shipped_drafter.exists()):
+        drafter_path = None  # free drafts only
+    else:
+        drafter_path = Path(args.drafter) if args.drafter else shipped_drafter
+    model, tokenizer, _ = load_model(path, task=args.task)
+    drafter, spec = None, {}
+    if drafter_path is not None:
+        drafter, _, ck = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model})
+        if "drafter" not in ck:
+            raise CheckpointError(f"{drafter_path} is not a GAD drafter (train.py --drafter-k)")
+        spec = ck["drafter"]
+    small = load_model(args.small, task=args.task, loaded={file_sha256(path): model})[0] if args.small else None
+    return {"model": model, "tokenizer": tokenizer, "drafter": drafter, "drafter_path": drafter_path, "spec": spec,
+            "small": small, "split": data_mod.load_split(args.task, "test")}
+
+
+def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng: random.Random) -> tuple[dict, int]:
+    """Each run on every sentence, the order rotating sentence by sentence: per run its seconds,
+    calls, tokens and outputs identical to greedy's, summed over the sentences after the first
+    `warmup`; and how many those are."""
+    model, drafter, small = m["model"], m["drafter"], m["small"]
+    totals = {r[0]: {"seconds": 0.0, "calls": 0, "tokens": 0, "same": 0} for r in runs}
+    n = 0
+    t_start = time.perf_counter()
+    for i, s in enumerate(ids):
+        src = data_mod.source_tensor([s])
+        max_len = max_len_for([s], None, model.cfg.max_positions)
+        y, _ = greedy_output(model, src, max_len)
+        timed = i >= warmup
+        order = runs[i % len(runs):] + runs[:i % len(runs)]
+        for name, k, rate, cost in order:
+            t0 = time.perf_counter()
+            if k is None:
+                out, c = greedy_output(model, src, max_len)
+            else:
+                out, c = scripted_gad(model, src, y, k=k, accept=rate, max_len=max_len, rng=rng,
+                                      drafter=drafter if cost == "drafter" else None,
+                                      layout=m["spec"].get("layout", "causal"), small=small if cost == "small" else None)
+            dt = time.perf_counter() - t0
+            if timed:
+                t = totals[name]
+                t["seconds"] += dt
+                t["calls"] += c
+                t["tokens"] += len(out)
+                t["same"] += int(out == y)
+        n += int(timed)
+        if timed and n % 50 == 0:
+            print(f"  {n} sentences, {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+    return totals, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         ks = [int(x) for x in args.k.split(",")]
         rates = [float(x) for x in args.accept.split(",")]
@@ -136,68 +196,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
-    shipped_drafter = REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
-    if args.drafter == "none" or (args.drafter is None and not shipped_drafter.exists()):
-        drafter_path = None  # free drafts only
-    else:
-        drafter_path = Path(args.drafter) if args.drafter else shipped_drafter
     try:
-        model, tokenizer, _ = load_model(path, task=args.task)
-        drafter, spec = None, {}
-        if drafter_path is not None:
-            drafter, _, ck = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model})
-            if "drafter" not in ck:
-                raise CheckpointError(f"{drafter_path} is not a GAD drafter (train.py --drafter-k)")
-            spec = ck["drafter"]
-        small = load_model(args.small, task=args.task, loaded={file_sha256(path): model})[0] if args.small else None
-        split = data_mod.load_split(args.task, "test")
+        m = load_models(args, path)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ids = [s for s in source_ids(tokenizer, split.src[:args.limit + args.warmup], model.cfg.max_positions) if s]
-    costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if drafter is not None else []) \
-        + ([("+ small model", "small")] if small is not None else [])
+    model = m["model"]
+    ids = [s for s in source_ids(m["tokenizer"], m["split"].src[:args.limit + args.warmup], model.cfg.max_positions) if s]
+    costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if m["drafter"] is not None else []) \
+        + ([("+ small model", "small")] if m["small"] is not None else [])
     runs = [("greedy", None, None, None)] + [(f"k={k} accept={r:g} {name}", k, r, cost)
                                              for k in ks for r in rates for name, cost in costs]
-    seconds = {r[0]: 0.0 for r in runs}
-    calls = {r[0]: 0 for r in runs}
-    tokens = {r[0]: 0 for r in runs}
-    same = {r[0]: 0 for r in runs}
-    rng = random.Random(args.seed)
-    n = 0
-    t_start = time.perf_counter()
-    for i, s in enumerate(ids):
-        src = data_mod.source_tensor([s])
-        max_len = max_len_for([s], None, model.cfg.max_positions)
-        y, _ = greedy_output(model, src, max_len)
-        timed = i >= args.warmup
-        order = runs[i % len(runs):] + runs[:i % len(runs)]
-        for name, k, rate, cost in order:
-            t0 = time.perf_counter()
-            if k is None:
-                out, c = greedy_output(model, src, max_len)
-            else:
-                out, c = scripted_gad(model, src, y, k=k, accept=rate, max_len=max_len, rng=rng,
-                                      drafter=drafter if cost == "drafter" else None,
-                                      layout=spec.get("layout", "causal"), small=small if cost == "small" else None)
-            dt = time.perf_counter() - t0
-            if timed:
-                seconds[name] += dt
-                calls[name] += c
-                tokens[name] += len(out)
-                same[name] += int(out == y)
-        n += int(timed)
-        if timed and n % 50 == 0:
-            print(f"  {n} sentences, {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+    totals, n = time_runs(runs, ids, m, args.warmup, random.Random(args.seed))
     if n == 0:
         print("error: no sentence left to time after the warm-up (raise --limit)", file=sys.stderr)
         return 2
-    g = seconds["greedy"]
+    report(args, path, m, runs, totals, n)
+    return 0
+
+
+def report(args, path: Path, m: dict, runs: list[tuple], totals: dict, n: int) -> None:
+    """One row per run on stdout; with --report, the same as JSON."""
+    g = totals["greedy"]["seconds"]
     rows = [{"run": name, "k": k, "accept": rate, "drafter": cost == "drafter", "small": cost == "small",
-             "seconds": seconds[name],
-             "calls_per_sentence": calls[name] / n, "tokens_per_call": tokens[name] / max(calls[name], 1),
-             "speed_over_greedy": g / seconds[name] if seconds[name] else 0.0, "identical": same[name] / n}
+             "seconds": totals[name]["seconds"],
+             "calls_per_sentence": totals[name]["calls"] / n,
+             "tokens_per_call": totals[name]["tokens"] / max(totals[name]["calls"], 1),
+             "speed_over_greedy": g / totals[name]["seconds"] if totals[name]["seconds"] else 0.0,
+             "identical": totals[name]["same"] / n}
             for name, k, rate, cost in runs]
+    drafter, drafter_path, small = m["drafter"], m["drafter_path"], m["small"]
     print(f"{n} sentences of the {args.task} test set, {args.threads} threads, model {path}"
           + (f", drafter {drafter_path}" if drafter is not None else "") + (f", small {args.small}" if small else ""))
     print(f"{'run':>32}  {'seconds':>8}  {'calls/sent':>10}  {'tokens/call':>11}  {'speed':>6}  {'identical':>9}")
@@ -211,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
             **({"small": args.small} if small is not None else {}),
             "sentences": n, "threads": args.threads, "seed": args.seed, "rows": rows,
             "torch": torch.__version__}, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -82,7 +82,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run: the task, the model shape, and the optimisation schedule."""
+    """One training run: the task, the model shape, and the optimisation schedule.
+
+    The fields are flat, each mode's options beside the rest: they are train.py's flags, the
+    PRESETS' keywords and the keys of the configuration stored in every checkpoint (which --resume
+    compares). The rules between them are checked per mode (_check_heads, _check_drafter, ...), and
+    an option of a mode that is off must keep its field's default (_changed)."""
 
     task: str
     out_dir: str
@@ -147,6 +152,19 @@ class TrainConfig:
             raise ValueError("tokenizer_from and init_from exclude each other: the starting model brings its vocabulary")
         if self.pick not in ("dev-loss", "last"):
             raise ValueError(f"pick must be dev-loss or last, not {self.pick!r}")
+        self._check_heads()
+        self._check_drafter()
+        self._check_early_exit()
+        self._check_shared_encoder()
+        self._check_distillation()
+
+    def _changed(self, *names: str) -> bool:
+        """Whether any of the fields `names` differs from its default (an option of a mode that is off)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return any(getattr(self, n) != defaults[n] for n in names)
+
+    def _check_heads(self) -> None:
+        """Proposal heads (proposal_k and the options that shape them)."""
         if self.head_loss not in ("random", "mean", "base+random"):
             raise ValueError(f"head_loss must be random, mean or base+random, not {self.head_loss!r}")
         if self.head_loss == "base+random" and self.freeze_base:
@@ -155,27 +173,37 @@ class TrainConfig:
             raise ValueError("proposal_k must be 0 (no heads) or at least 2")
         if self.freeze_base and not self.proposal_k:
             raise ValueError("freeze_base needs proposal_k: a frozen model without heads has nothing to train")
+        if not self.proposal_k and self._changed("proposal_d_ff", "head_loss"):
+            raise ValueError("proposal_d_ff and head_loss need proposal_k (they shape the proposal heads)")
+
+    def _check_drafter(self) -> None:
+        """The block drafter (drafter_k, its layout and the glancing schedule)."""
         if self.drafter_k < 0 or (self.drafter_k and self.proposal_k):
             raise ValueError("drafter_k must be 0 or positive, and a drafter cannot also train proposal heads")
-        if self.early_exit < 0 or (self.early_exit and (self.drafter_k or self.proposal_k)):
-            raise ValueError("early_exit must be 0 or positive, and cannot be combined with a drafter or heads")
-        if not self.proposal_k and (self.proposal_d_ff or self.head_loss != "random"):
-            raise ValueError("proposal_d_ff and head_loss need proposal_k (they shape the proposal heads)")
-        if not self.drafter_k and (self.drafter_layout != "causal" or (self.glancing_start, self.glancing_end,
-                                   self.glancing_decay_steps) != (0.5, 0.3, 3000)):
+        if not self.drafter_k and self._changed("drafter_layout", "glancing_start", "glancing_end",
+                                                "glancing_decay_steps"):
             raise ValueError("drafter_layout and the glancing options need drafter_k (they shape the drafter)")
         if self.drafter_layout not in ("causal", "bidirectional"):
             raise ValueError(f"drafter_layout must be causal or bidirectional, not {self.drafter_layout!r}")
+
+    def _check_early_exit(self) -> None:
+        if self.early_exit < 0 or (self.early_exit and (self.drafter_k or self.proposal_k)):
+            raise ValueError("early_exit must be 0 or positive, and cannot be combined with a drafter or heads")
+
+    def _check_shared_encoder(self) -> None:
+        """A decoder on encoder_from's frozen encoder, the only kind of model without an encoder."""
         if self.encoder_from and (self.enc_layers or self.init_from or self.tokenizer_from
                                   or self.proposal_k or self.early_exit):
             raise ValueError("encoder_from needs enc_layers 0 (the encoder is the other model's), brings its "
                              "vocabulary (no init_from or tokenizer_from) and trains a plain decoder or a drafter")
-        if self.kd_from and (self.drafter_k or self.proposal_k or self.early_exit):
-            raise ValueError("kd_from distils a plain model: not with a drafter, proposal heads or an early exit")
-        if not 0.0 <= self.kd_weight <= 1.0 or (self.kd_weight != 0.5 and not self.kd_from):
-            raise ValueError("kd_weight is a weight in [0, 1] and needs kd_from (the teacher)")
         if not self.encoder_from and self.enc_layers < 1:
             raise ValueError("enc_layers 0 needs encoder_from: the checkpoint whose encoder the model reads")
+
+    def _check_distillation(self) -> None:
+        if self.kd_from and (self.drafter_k or self.proposal_k or self.early_exit):
+            raise ValueError("kd_from distils a plain model: not with a drafter, proposal heads or an early exit")
+        if not 0.0 <= self.kd_weight <= 1.0 or (self._changed("kd_weight") and not self.kd_from):
+            raise ValueError("kd_weight is a weight in [0, 1] and needs kd_from (the teacher)")
 
     def _check_ranges(self) -> None:
         """Every number within what training can use: a bad value is one clear error, not a crash or

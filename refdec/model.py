@@ -9,8 +9,16 @@ Three entry points, one return type each:
     forward(src, tgt)                -> logits   (B, T, V), training, no cache: the uncached reference
                                                  that the cached path is tested against
 
-`decode_hidden` / `project` split `decode` into the decoder stack and the vocabulary projection
-for decoders that add heads on top of the last hidden state (blockwise parallel decoding).
+Secondary: the parts each entry point is made of, for callers that need what lies between them
+(heads on the last hidden state, a decoder on another model's encoder, training losses):
+
+    encode  = attach(encode_states(src))              the encoder alone; its states -> a decoder's Memory
+    decode  = project(decode_hidden(...), memory)     the decoder stack; the vocabulary projection
+    forward = project(forward_hidden(src, tgt))       the same, teacher-forced
+    early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
+
+Two switches per model, each set on all of its layers at once: `set_row_invariant` (bitwise
+call-shape-independent logits) and `set_few_row_route` (the CPU few-row matrix product, below).
 Shape letters: B batch, S source length, T target length, q new positions, L cached positions,
 H heads, Dh head dim, D d_model, V vocabulary.
 """
@@ -115,7 +123,8 @@ class Memory:
 # docs/cpu-cost.md).
 # Beyond 16 rows (an encoder pass) it loses, so the route depends on the row count. Same products,
 # possibly summed in another order: float32 logits may differ in the last bits between routes.
-# refdec.stepcost sets FEW_ROWS to range(0) to time the plain route.
+# The route is on by default and switched per model (`set_few_row_route`: refdec.stepcost times
+# both routes on one model).
 FEW_ROWS = range(2, 17)
 
 
@@ -124,9 +133,10 @@ def few_row_route(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not torch.is_grad_enabled() and x.numel() // x.shape[-1] in FEW_ROWS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., D) @ weight (O, D).T + bias (O,) -> (..., O); F.linear except for few rows on CPU."""
-    if not few_row_route(x):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = True) -> torch.Tensor:
+    """x (..., D) @ weight (O, D).T + bias (O,) -> (..., O); F.linear except for few rows on CPU
+    (`few_rows` False: F.linear always)."""
+    if not (few_rows and few_row_route(x)):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).t()  # (D, r)
     y = weight @ rows if bias is None else torch.addmm(bias[:, None], weight, rows)  # (O, r)
@@ -160,6 +170,21 @@ def set_row_invariant(module: nn.Module, on: bool = True) -> nn.Module:
     for m in module.modules():
         if isinstance(m, RowInvariant):
             m.row_invariant = on
+    return module
+
+
+class FewRowRoute:
+    """Marks a layer whose products may take the few-row route; `set_few_row_route` switches it per model."""
+
+    few_rows = True
+
+
+def set_few_row_route(module: nn.Module, on: bool = True) -> nn.Module:
+    """Let the linear layers and the vocabulary projection of `module` take the few-row route of
+    `linear` (on, the default) or always F.linear (off), and return it. Other models are untouched."""
+    for m in module.modules():
+        if isinstance(m, FewRowRoute):
+            m.few_rows = on
     return module
 
 
@@ -212,12 +237,14 @@ def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked
     return out
 
 
-class Linear(nn.Linear, RowInvariant):
+class Linear(nn.Linear, RowInvariant, FewRowRoute):
     """nn.Linear (same parameters and state-dict keys) whose forward is `linear` above, or
     `rowwise_linear` in row-invariant mode."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rowwise_linear if self.row_invariant else linear)(x, self.weight, self.bias)
+        if self.row_invariant:
+            return rowwise_linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.few_rows)
 
 
 class LayerNorm(nn.LayerNorm, RowInvariant):
@@ -345,7 +372,7 @@ class DecoderLayer(nn.Module):
         return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff)
 
 
-class Transformer(nn.Module, RowInvariant):
+class Transformer(nn.Module, RowInvariant, FewRowRoute):
     """Encoder-decoder Transformer; see the module docstring for the entry points."""
 
     def __init__(self, cfg: ModelConfig):
@@ -421,7 +448,7 @@ class Transformer(nn.Module, RowInvariant):
             W_t = memory.projection(W, self._transposed)
             if W_t is not None:
                 return hidden @ W_t
-        return linear(hidden, W, None)
+        return linear(hidden, W, None, self.few_rows)
 
     def _transposed(self, W: torch.Tensor) -> torch.Tensor:
         """W.t() as a contiguous copy, kept beside the values it was made from and checked against
@@ -434,7 +461,7 @@ class Transformer(nn.Module, RowInvariant):
             self.__dict__["_projection_copy"] = kept
         return kept[1]
 
-    # -- entry points -----------------------------------------------------------------------------
+    # -- entry points, and (secondary) the parts they are made of -------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:
         """src (B, S) token ids, right-padded with pad_id -> Memory."""
         return self.attach(*self.encode_states(src))
@@ -520,11 +547,28 @@ class Transformer(nn.Module, RowInvariant):
         return self.project(self.forward_hidden(src, tgt))
 
     def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
-                       early_exit: int | None = None, memory: Memory | None = None):
+                       memory: Memory | None = None) -> torch.Tensor:
         """forward() before the vocabulary projection: final decoder states (B, T, D). `self_block`
         (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's training).
-        With early_exit = n, also the states after the first n layers through the same final norm:
-        returns (final, early). `memory` replaces encode(src) (a decoder on another model's encoder)."""
+        `memory` replaces encode(src) (a decoder on another model's encoder)."""
+        for x in self._decoder_layers(src, tgt, self_block, memory):
+            pass
+        return self.dec_norm(x)
+
+    def early_exit_hidden(self, src: torch.Tensor, tgt: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_hidden's final states and, through the same final norm, the states after the first
+        `layers` decoder layers (an early exit's, BiLD's small model): (final, early), each (B, T, D)."""
+        if not 1 <= layers < self.cfg.dec_layers:
+            raise ValueError(f"an early exit needs 1 <= layers < {self.cfg.dec_layers}, got {layers}")
+        early = None
+        for i, x in enumerate(self._decoder_layers(src, tgt), start=1):
+            if i == layers:
+                early = self.dec_norm(x)
+        return self.dec_norm(x), early
+
+    def _decoder_layers(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
+                        memory: Memory | None = None):
+        """Teacher forcing without a cache: the residual stream (B, T, D) after each decoder layer."""
         if memory is None:
             memory = self.encode(src)
         forced = len(self.cfg.decoder_prefix)
@@ -536,12 +580,9 @@ class Transformer(nn.Module, RowInvariant):
         if self_block is None:
             self_block = causal_block(tgt.shape[1], 0, x.device)
         src_block = memory.src_block
-        early = None
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)
-            if early_exit is not None and i + 1 == early_exit:
-                early = self.dec_norm(x[:, forced:])
-        return self.dec_norm(x[:, forced:]) if early_exit is None else (self.dec_norm(x[:, forced:]), early)
+            yield x[:, forced:]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import model as model_module
+from .model import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
         print(f"error: --src/--prefix/--q exceed the model's {model.cfg.max_positions} positions", file=sys.stderr)
         return 2
-    routes = {"few-row": model_module.FEW_ROWS, "plain": range(0)}
+    routes = {"few-row": True, "plain": False}
     samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}
     W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
     W_t = W.t().contiguous()
@@ -81,30 +81,27 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         memory = model.encode(torch.full((1, args.src), 11))
         h = torch.randn(1, 1, model.cfg.d_model)
-        try:
-            for route, rows in routes.items():  # warm-up
-                model_module.FEW_ROWS = rows
+        for route, on in routes.items():  # warm-up
+            set_few_row_route(model, on)
+            for q in qs:
+                time_decode(model, memory, args.prefix, q, 3)
+        for _ in range(args.rounds):
+            for route, on in routes.items():
+                set_few_row_route(model, on)
                 for q in qs:
-                    time_decode(model, memory, args.prefix, q, 3)
-            for _ in range(args.rounds):
-                for route, rows in routes.items():
-                    model_module.FEW_ROWS = rows
-                    for q in qs:
-                        samples[route, q].append(time_decode(model, memory, args.prefix, q, 5))
-                for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        h @ w
-                    proj[name].append((time.perf_counter() - t0) / 10)
-        finally:
-            model_module.FEW_ROWS = routes["few-row"]
+                    samples[route, q].append(time_decode(model, memory, args.prefix, q, 5))
+            for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    h @ w
+                proj[name].append((time.perf_counter() - t0) / 10)
     med = {key: statistics.median(v) for key, v in samples.items()}
     rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
              "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]]} for q in qs]
     print(f"decoder call appending q tokens to a cache of {args.prefix}, source of {args.src}, "
           f"{args.threads} threads, {path}")
-    print(f"few-row route: linear layers compute (W @ x.T).T for {model_module.FEW_ROWS.start}-"
-          f"{model_module.FEW_ROWS.stop - 1} rows (refdec's default); plain: x @ W.T throughout")
+    print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
+          f"rows (refdec's default); plain: x @ W.T throughout")
     print("    q   ms/call   cost(q)/cost(q=%d)   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0]))
     for r in rows:
         print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}")

@@ -20,6 +20,11 @@ run resumes it (its stored configuration, task and vocabulary must then agree wi
 beyond the schedule fields of RESUMABLE_CHANGES) or is told to overwrite it. Ctrl-C (SIGINT) ends
 the run after the current update with last.pt saved, so --resume continues it exactly.
 
+Each mode trains on a loss of its own, chosen once per run (`build_objective`): CrossEntropyLoss
+(a plain model), DistillationLoss (kd_from), EarlyExitLoss (early_exit), ProposalHeadsLoss
+(proposal_k) and DrafterLoss (drafter_k); each also evaluates on the dev set and names what its
+checkpoints carry beside the model.
+
 With `proposal_k` the run trains the proposal heads of blockwise parallel decoding (refdec.proposal)
 on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
 on one randomly drawn head's loss per batch (the paper's unbiased estimate) or the mean over heads.
@@ -49,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import data as data_mod
-from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, model_state, save_atomic
+from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, save_atomic
 from .config import ModelConfig, TrainConfig
 from .decoding.blockwise import blockwise
 from .decoding.greedy import greedy
@@ -137,51 +142,18 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, keep: t
 
 
 class Objective(torch.nn.Module):
-    """The training loss as one module (what DistributedDataParallel wraps): the model's label-smoothed
-    cross-entropy, or, with proposal heads, that of one random head or the mean over heads."""
+    """A training mode's loss as one module (what DistributedDataParallel wraps), chosen once per run
+    by `build_objective`: one subclass per mode, each with its own forward(src, tgt_in, tgt_out)."""
 
-    def __init__(self, model: Transformer, heads: ProposalHeads | None, cfg: TrainConfig,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None):
+    def __init__(self, model: Transformer, cfg: TrainConfig, encoder: Transformer | None = None):
         super().__init__()
-        self.model, self.heads, self.cfg = model, heads, cfg
+        self.model, self.cfg = model, cfg
+        self.heads: ProposalHeads | None = None  # trained proposal heads beside the model (ProposalHeadsLoss)
+        self.trained_heads: list[int] = []  # which heads evaluation reports (none: the model alone)
         # encoder_from: the other model's encoder, frozen and in eval mode. Kept in a tuple, not as a
         # submodule: its weights are not trained, saved, or switched to training mode with the rest.
         self.frozen_encoder = (encoder,) if encoder is not None else ()
-        self.teacher = (teacher,) if teacher is not None else ()  # kd_from, the same way
-        self.step = 0  # set by the trainer: the glancing ratio decays with it
-        # Head 1 is the base model itself: trained only when the base is not frozen.
-        self.trained_heads = [] if heads is None else list(range(2 if cfg.freeze_base else 1, heads.k + 1))
-
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
-        eps, pad = self.cfg.label_smoothing, self.model.cfg.pad_id
-        if self.cfg.drafter_k:
-            return self.drafter_loss(src, tgt_out)
-        if self.cfg.early_exit:
-            final, early = self.model.forward_hidden(src, tgt_in, early_exit=self.cfg.early_exit)
-            return 0.5 * (smoothed_loss(self.model.project(final), tgt_out, eps, pad)
-                          + smoothed_loss(self.model.project(early), tgt_out, eps, pad))
-        if self.heads is None:
-            logits = self.model.project(self.hidden(src, tgt_in))
-            loss = smoothed_loss(logits, tgt_out, eps, pad)
-            if not self.teacher:
-                return loss
-            with torch.no_grad():
-                soft = torch.softmax(self.teacher[0](src, tgt_in).float(), dim=-1)  # (B, T, V)
-            w = self.cfg.kd_weight
-            return (1 - w) * loss + w * soft_cross_entropy(logits, soft, tgt_out.ne(pad))
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
-            hidden = self.model.forward_hidden(src, tgt_in)
-        if self.cfg.head_loss == "random":  # drawn from torch's generator, whose state last.pt keeps
-            chosen = [self.trained_heads[int(torch.randint(len(self.trained_heads), ()))]]
-        elif self.cfg.head_loss == "base+random":  # head 1 (the base) always, one of heads 2..k beside it
-            far = [i for i in self.trained_heads if i > 1]
-            chosen = [1, far[int(torch.randint(len(far), ()))]]
-        else:
-            chosen = self.trained_heads
-        losses = [smoothed_loss(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i), eps, pad)
-                  for i in chosen]
-        return sum(losses) / len(losses)
-
+        self.step = 0  # set by the trainer: the drafter's glancing ratio decays with it
 
     def hidden(self, src: torch.Tensor, tgt_in: torch.Tensor, self_block: torch.Tensor | None = None) -> torch.Tensor:
         """The model's final decoder states, on its own encoder or on the frozen one of encoder_from
@@ -196,6 +168,163 @@ class Objective(torch.nn.Module):
         """What greedy decoding of the dev set runs: the model, on the frozen encoder if it has one."""
         return SharedEncoder(self.model, self.frozen_encoder[0]) if self.frozen_encoder else self.model
 
+    def checkpoint_entries(self, half: bool) -> dict:
+        """What a checkpoint carries beside the model to be decoded in this mode (none for a plain model)."""
+        return {}
+
+    def smoothed(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return smoothed_loss(logits, target, self.cfg.label_smoothing, self.model.cfg.pad_id)
+
+
+    @torch.no_grad()
+    def evaluate(self, tok: Tokenizer, dev: data_mod.Split, device: torch.device) -> dict:
+        """Teacher-forced dev loss (no smoothing) over the dev set, and BLEU of greedy decoding of its
+        first sentences. With proposal heads: dev_loss is the mean over the trained heads, and the
+        sentences are decoded blockwise (exact mode: the same output as greedy) for the mean
+        accepted block size."""
+        m, heads = self.model, self.heads
+        self.eval()
+        src, batches = dev_batches(tok, dev, min(self.cfg.max_train_len, m.cfg.max_positions - 1), device)
+        which = self.trained_heads or [1]
+        total, count = [0.0] * len(which), [0] * len(which)
+        for s, ti, to in batches:
+            hidden = self.hidden(s, ti)
+            for j, i in enumerate(which):
+                target = head_targets(to, i)
+                logits = head_logits(m, heads, hidden, i)
+                total[j] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                            ignore_index=tok.pad_id, reduction="sum").item()
+                count[j] += target.ne(tok.pad_id).sum().item()
+        n = min(self.cfg.eval_sentences, len(src))
+        hyps, calls, produced = [], 0, 0
+        for i in range(0, n, 32):
+            rows = src[i:min(i + 32, n)]
+            x = data_mod.source_tensor(rows).to(device)
+            max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
+            res = (greedy(self.decoding_model(), x, max_len=max_len) if heads is None
+                   else blockwise(m, heads, x, max_len=max_len))
+            hyps += [tok.decode(t.tolist()) for t in res.tokens]
+            calls, produced = calls + res.stats.verifier_calls, produced + res.stats.tokens
+        self.train()
+        out = {"dev_loss": sum(t / max(c, 1) for t, c in zip(total, count)) / len(which),
+               "dev_bleu": corpus_bleu(hyps, dev.tgt[:n])}
+        if heads is not None:
+            out["dev_loss_per_head"] = {str(i): t / max(c, 1) for i, t, c in zip(which, total, count)}
+            out["dev_mean_accepted"] = produced / max(calls, 1)
+        return out
+
+
+def dev_batches(tok: Tokenizer, dev: data_mod.Split, limit: int, device: torch.device):
+    """The dev sources' token ids cut to `limit` tokens, and an iterator over teacher-forcing
+    batches (src, tgt_in, tgt_out) of the dev pairs, 8000 tokens each at most."""
+    src = [s[:limit] for s in tok.encode_batch(dev.src)]
+    tgt = [t[:limit] for t in tok.encode_batch(dev.tgt)]
+    batches = (tuple(x.to(device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
+               for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None))
+    return src, batches
+
+
+class CrossEntropyLoss(Objective):
+    """A plain model (on its own encoder or a frozen one): the label-smoothed cross-entropy."""
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        return self.smoothed(self.model.project(self.hidden(src, tgt_in)), tgt_out)
+
+
+class DistillationLoss(Objective):
+    """Word-level distillation (kd_from): (1 - kd_weight) x the label-smoothed cross-entropy +
+    kd_weight x the cross-entropy to the teacher's next-token distributions."""
+
+    def __init__(self, model: Transformer, cfg: TrainConfig, teacher: Transformer, encoder: Transformer | None = None):
+        super().__init__(model, cfg, encoder)
+        self.teacher = (teacher,)  # frozen, kept out of the submodules as the frozen encoder is
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        logits = self.model.project(self.hidden(src, tgt_in))
+        loss = self.smoothed(logits, tgt_out)
+        with torch.no_grad():
+            soft = torch.softmax(self.teacher[0](src, tgt_in).float(), dim=-1)  # (B, T, V)
+        w = self.cfg.kd_weight
+        return (1 - w) * loss + w * soft_cross_entropy(logits, soft, tgt_out.ne(self.model.cfg.pad_id))
+
+
+class EarlyExitLoss(Objective):
+    """BiLD's early exit: the mean of the full model's loss and that of its first early_exit layers."""
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        final, early = self.model.early_exit_hidden(src, tgt_in, self.cfg.early_exit)
+        return 0.5 * (self.smoothed(self.model.project(final), tgt_out)
+                      + self.smoothed(self.model.project(early), tgt_out))
+
+    def checkpoint_entries(self, half: bool) -> dict:
+        return {"early_exit": self.cfg.early_exit}
+
+
+class ProposalHeadsLoss(Objective):
+    """Blockwise parallel decoding's proposal heads: the loss of one random head (head_loss random),
+    of the base and one random far head (base+random), or the mean over heads (mean)."""
+
+    def __init__(self, model: Transformer, heads: ProposalHeads, cfg: TrainConfig):
+        super().__init__(model, cfg)
+        self.heads = heads
+        # Head 1 is the base model itself: trained only when the base is not frozen.
+        self.trained_heads = list(range(2 if cfg.freeze_base else 1, heads.k + 1))
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
+            hidden = self.model.forward_hidden(src, tgt_in)
+        losses = [self.smoothed(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i))
+                  for i in self.chosen_heads()]
+        return sum(losses) / len(losses)
+
+    def checkpoint_entries(self, half: bool) -> dict:
+        return {"proposal": proposal_state(self.heads, half)}
+
+    def chosen_heads(self) -> list[int]:
+        """This batch's heads; random ones drawn from torch's generator, whose state last.pt keeps."""
+        if self.cfg.head_loss == "random":
+            return [self.trained_heads[int(torch.randint(len(self.trained_heads), ()))]]
+        if self.cfg.head_loss == "base+random":  # head 1 (the base) always, one of heads 2..k beside it
+            far = [i for i in self.trained_heads if i > 1]
+            return [1, far[int(torch.randint(len(far), ()))]]
+        return self.trained_heads
+
+
+class DrafterLoss(Objective):
+    """GAD's block drafter: L_NAR with glancing (GLAT). Predict the block, reveal gold tokens where it
+    was wrong, learn the rest."""
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        inp, gold, block = self.drafter_batch(tgt_out)
+        with torch.no_grad():
+            pred = self.model.project(self.hidden(src, inp, block))
+        cfg = self.cfg
+        ratio = glancing_ratio(self.step, cfg.glancing_start, cfg.glancing_end, cfg.glancing_decay_steps)
+        inp, target = glance(inp, gold, pred.argmax(dim=-1), ratio)
+        return self.smoothed(self.model.project(self.hidden(src, inp, block)), target)
+
+    @torch.no_grad()
+    def evaluate(self, tok: Tokenizer, dev: data_mod.Split, device: torch.device) -> dict:
+        """The drafter's dev loss and top-1 accuracy on the block, at prefix lengths drawn from a fixed
+        seed (the same blocks at every evaluation), without glancing."""
+        self.eval()
+        _, batches = dev_batches(tok, dev, min(self.cfg.max_train_len, self.model.cfg.max_positions - 1), device)
+        gen = torch.Generator().manual_seed(1234)
+        loss = correct = count = 0.0
+        for s, _, to in batches:
+            inp, gold, block = self.drafter_batch(to, gen)
+            logits = self.model.project(self.hidden(s, inp, block))
+            loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), gold.reshape(-1),
+                                    ignore_index=tok.pad_id, reduction="sum").item()
+            on = gold.ne(tok.pad_id)
+            correct += (logits.argmax(-1).eq(gold) & on).sum().item()
+            count += on.sum().item()
+        self.train()
+        return {"dev_loss": loss / max(count, 1), "dev_block_accuracy": correct / max(count, 1)}
+
+    def checkpoint_entries(self, half: bool) -> dict:
+        return {"drafter": {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout}}
+
     def drafter_batch(self, tgt_out: torch.Tensor, generator: torch.Generator | None = None):
         """Block inputs for every row: a random prefix length p in 0 .. len(y), then k masks."""
         pad = self.model.cfg.pad_id
@@ -203,15 +332,39 @@ class Objective(torch.nn.Module):
         ps = [int(torch.randint(len(y) + 1, (), generator=generator)) for y in ys]
         return (t.to(tgt_out.device) for t in block_batch(ys, self.cfg.drafter_k, ps, self.cfg.drafter_layout))
 
-    def drafter_loss(self, src: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
-        """L_NAR with glancing: predict the block, reveal gold tokens where it was wrong, learn the rest."""
-        inp, gold, block = self.drafter_batch(tgt_out)
-        with torch.no_grad():
-            pred = self.model.project(self.hidden(src, inp, block))
-        ratio = glancing_ratio(self.step, self.cfg.glancing_start, self.cfg.glancing_end, self.cfg.glancing_decay_steps)
-        inp, target = glance(inp, gold, pred.argmax(dim=-1), ratio)
-        logits = self.model.project(self.hidden(src, inp, block))
-        return smoothed_loss(logits, target, self.cfg.label_smoothing, self.model.cfg.pad_id)
+
+def build_objective(cfg: TrainConfig, model: Transformer, heads: ProposalHeads | None = None,
+                    encoder: Transformer | None = None, teacher: Transformer | None = None) -> Objective:
+    """The loss of the run's mode (TrainConfig's rules let at most one of them be on)."""
+    if cfg.drafter_k:
+        return DrafterLoss(model, cfg, encoder)
+    if cfg.early_exit:
+        return EarlyExitLoss(model, cfg)
+    if heads is not None:
+        return ProposalHeadsLoss(model, heads, cfg)
+    if teacher is not None:
+        return DistillationLoss(model, cfg, teacher, encoder)
+    return CrossEntropyLoss(model, cfg, encoder)
+
+
+def frozen_model(ck: dict, device: torch.device) -> Transformer:
+    """A checkpoint's model in float32 and eval mode, its weights frozen (an encoder or a teacher)."""
+    model = Transformer(ModelConfig.from_dict(ck["model_config"]))
+    model.load_state_dict({k: v.float() for k, v in ck["model"].items()})
+    return model.to(device).eval().requires_grad_(False)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, base: dict | None = None, encoder: Transformer | None = None,
+                device: torch.device | str = "cpu") -> Transformer:
+    """The model a run trains: a new one of cfg's shape (reading `encoder`'s states, the frozen encoder
+    of encoder_from, if given), or that of the init_from checkpoint `base` with cfg's dropout."""
+    if encoder is not None:
+        return Transformer(cfg.model_config(vocab_size, d_memory=encoder.cfg.d_model)).to(device)
+    if base is not None:
+        model = Transformer(replace(ModelConfig.from_dict(base["model_config"]), dropout=cfg.dropout))
+        model.load_state_dict({k: v.float() for k, v in base["model"].items()})
+        return model.to(device)
+    return Transformer(cfg.model_config(vocab_size)).to(device)
 
 
 class Trainer:
@@ -261,8 +414,36 @@ class Trainer:
         return last
 
     def prepare(self) -> None:
+        """Everything before the first update: out_dir, data, vocabulary, models, loss and optimizer,
+        and on --resume the state of last.pt."""
         cfg = self.cfg
         last = self.claim_out_dir()
+        pairs = self._load_data()
+        base_path = cfg.init_from or cfg.encoder_from  # a starting model, or the model whose encoder is read
+        base = load_checkpoint(base_path) if base_path else None
+        if base is not None and base.get("task") != cfg.task:
+            raise ValueError(f"{base_path} was trained for {base.get('task')}, not {cfg.task}")
+        self._prepare_tokenizer(pairs, base, base_path)
+        self._encode_training_pairs(pairs)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self._build_models(base)
+        self.objective = build_objective(cfg, self.model, self.heads, self.encoder_model, self.teacher)
+        params = [p for p in self.objective.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
+        self.step, self.epoch, self.batch_in_epoch, self.elapsed = 0, 0, 0, 0.0
+        self.best_loss = float("inf")
+        self.snapshots: list[str] = []
+        if last is not None:
+            self._load_last(last)
+        # Head 1 (the base) is skipped in some batches when drawn at random: those weights get no gradient.
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective, find_unused_parameters=self.heads is not None)
+                    if self.world > 1 else self.objective)
+        self._log_models()
+
+    def _load_data(self) -> list[tuple[str, str]]:
+        """The dev set (self.dev) and the training pairs, each cut to train_limit / dev_limit when set."""
+        cfg = self.cfg
         data_dir = cfg.data_dir or data_mod.DATA_DIR
         train = data_mod.load_split(cfg.task, "train", data_dir)
         self.dev = data_mod.load_split(cfg.task, "dev", data_dir)
@@ -270,13 +451,12 @@ class Trainer:
             n = cfg.dev_limit
             self.dev = data_mod.Split(self.dev.src[:n], [r[:n] for r in self.dev.refs], self.dev.docs[:n])
         pairs = list(zip(train.src, train.tgt))
-        if cfg.train_limit:
-            pairs = pairs[: cfg.train_limit]
-        tok_path = self.out / "tokenizer.json"
-        base_path = cfg.init_from or cfg.encoder_from  # a starting model, or the model whose encoder is read
-        base = load_checkpoint(base_path) if base_path else None
-        if base is not None and base.get("task") != cfg.task:
-            raise ValueError(f"{base_path} was trained for {base.get('task')}, not {cfg.task}")
+        return pairs[: cfg.train_limit] if cfg.train_limit else pairs
+
+    def _prepare_tokenizer(self, pairs: list[tuple[str, str]], base: dict | None, base_path: str) -> None:
+        """out_dir/tokenizer.json (rank 0 writes it once): the starting model's (or the encoder's), the
+        tokenizer_from file, or a new BPE trained on the pairs; then self.tok reads it."""
+        cfg, tok_path = self.cfg, self.out / "tokenizer.json"
         if self._is_main() and not tok_path.exists():
             self.out.mkdir(parents=True, exist_ok=True)
             if base is not None:  # the starting model (or the encoder's) brings its vocabulary
@@ -291,6 +471,10 @@ class Trainer:
         self.tok = Tokenizer.load(tok_path)
         if base is not None and base.get("tokenizer_sha256") != self.tok.sha256:
             raise ValueError(f"{tok_path} is not the vocabulary of {base_path}")
+
+    def _encode_training_pairs(self, pairs: list[tuple[str, str]]) -> None:
+        """Token ids of the pairs that fit (self.src_ids, self.tgt_ids) and their lengths (self.lengths)."""
+        cfg = self.cfg
         src_ids = self.tok.encode_batch([s for s, _ in pairs])
         tgt_ids = self.tok.encode_batch([t for _, t in pairs])
         limit = min(cfg.max_train_len, cfg.max_positions - 1)
@@ -302,25 +486,16 @@ class Trainer:
                  f"{n_tok} tokens; dev: {len(self.dev)} pairs")
         self.lengths = [(len(s), len(t)) for s, t in zip(self.src_ids, self.tgt_ids)]
 
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        self.encoder_model = None
-        if cfg.encoder_from:  # a new decoder on the frozen encoder of that model
-            enc_cfg = ModelConfig.from_dict(base["model_config"])
-            self.encoder_model = Transformer(enc_cfg)
-            self.encoder_model.load_state_dict({k: v.float() for k, v in base["model"].items()})
-            self.encoder_model.to(self.device).eval().requires_grad_(False)
-            self.encoder_sha256 = file_sha256(cfg.encoder_from)
-            self.model = Transformer(cfg.model_config(self.tok.vocab_size, d_memory=enc_cfg.d_model)).to(self.device)
-        elif base is not None:  # its shape, with this run's dropout
-            # Heads on a frozen base ship without the base's weights: model.pt names this file instead.
-            self.base_sha256 = file_sha256(cfg.init_from) if cfg.proposal_k and cfg.freeze_base else None
-            mcfg = replace(ModelConfig.from_dict(base["model_config"]), dropout=cfg.dropout)
-            self.model = Transformer(mcfg)
-            self.model.load_state_dict({k: v.float() for k, v in base["model"].items()})
-            self.model.to(self.device)
-        else:
-            self.model = Transformer(cfg.model_config(self.tok.vocab_size)).to(self.device)
+    def _build_models(self, base: dict | None) -> None:
+        """The frozen encoder of encoder_from, the model, its proposal heads and the teacher of kd_from
+        (in this order: each new one draws its initial weights from torch's generator)."""
+        cfg = self.cfg
+        self.encoder_model = frozen_model(base, self.device) if cfg.encoder_from else None
+        self.encoder_sha256 = file_sha256(cfg.encoder_from) if cfg.encoder_from else None
+        # Heads on a frozen base ship without the base's weights: model.pt names this file instead.
+        self.base_sha256 = file_sha256(cfg.init_from) if cfg.init_from and cfg.proposal_k and cfg.freeze_base else None
+        self.model = build_model(cfg, self.tok.vocab_size, base if cfg.init_from else None, self.encoder_model,
+                                 self.device)
         if cfg.early_exit and not cfg.early_exit < self.model.cfg.dec_layers:
             raise ValueError(f"early_exit={cfg.early_exit} needs more than {cfg.early_exit} decoder layers")
         self.heads = None
@@ -334,21 +509,10 @@ class Trainer:
             t_ck = load_checkpoint(cfg.kd_from)
             if t_ck.get("tokenizer_sha256") != self.tok.sha256 or t_ck.get("task") != cfg.task:
                 raise ValueError(f"the teacher {cfg.kd_from} is not on this run's task and vocabulary")
-            self.teacher = Transformer(ModelConfig.from_dict(t_ck["model_config"]))
-            self.teacher.load_state_dict({k: v.float() for k, v in t_ck["model"].items()})
-            self.teacher.to(self.device).eval().requires_grad_(False)
-        self.objective = Objective(self.model, self.heads, cfg, self.encoder_model, self.teacher)
-        params = [p for p in self.objective.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
-        self.step, self.epoch, self.batch_in_epoch, self.elapsed = 0, 0, 0, 0.0
-        self.best_loss = float("inf")
-        self.snapshots: list[str] = []
-        if last is not None:
-            self._load_last(last)
-        # Head 1 (the base) is skipped in some batches when drawn at random: those weights get no gradient.
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective, find_unused_parameters=self.heads is not None)
-                    if self.world > 1 else self.objective)
-        mc = self.model.cfg
+            self.teacher = frozen_model(t_ck, self.device)
+
+    def _log_models(self) -> None:
+        cfg, mc = self.cfg, self.model.cfg
         self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, {mc.enc_layers}+{mc.dec_layers} "
                  f"layers, d_model {mc.d_model}; {self.world} process(es) on {self.device}"
                  + (f"; reads the frozen encoder of {cfg.encoder_from}" if cfg.encoder_from else "")
@@ -371,69 +535,9 @@ class Trainer:
                  f"{self.elapsed / 60:.1f} min trained)")
 
     # -- evaluation --------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Teacher-forced dev loss (no smoothing) over the dev set, and BLEU of greedy decoding of its
-        first sentences. With proposal heads: dev_loss is the mean over the trained heads, and the
-        sentences are decoded blockwise (exact mode: the same output as greedy) for the mean
-        accepted block size."""
-        if self.cfg.drafter_k:
-            return self.evaluate_drafter()
-        m, heads = self.model, self.heads
-        self.objective.eval()
-        limit = min(self.cfg.max_train_len, m.cfg.max_positions - 1)
-        src = [s[:limit] for s in self.tok.encode_batch(self.dev.src)]
-        tgt = [t[:limit] for t in self.tok.encode_batch(self.dev.tgt)]
-        which = self.objective.trained_heads or [1]
-        total, count = [0.0] * len(which), [0] * len(which)
-        for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None):
-            s, ti, to = (x.to(self.device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
-            hidden = self.objective.hidden(s, ti)
-            for j, i in enumerate(which):
-                target = head_targets(to, i)
-                logits = head_logits(m, heads, hidden, i)
-                total[j] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                                            ignore_index=self.tok.pad_id, reduction="sum").item()
-                count[j] += target.ne(self.tok.pad_id).sum().item()
-        n = min(self.cfg.eval_sentences, len(src))
-        hyps, calls, produced = [], 0, 0
-        for i in range(0, n, 32):
-            rows = src[i:min(i + 32, n)]
-            x = data_mod.source_tensor(rows).to(self.device)
-            max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
-            res = (greedy(self.objective.decoding_model(), x, max_len=max_len) if heads is None
-                   else blockwise(m, heads, x, max_len=max_len))
-            hyps += [self.tok.decode(t.tolist()) for t in res.tokens]
-            calls, produced = calls + res.stats.verifier_calls, produced + res.stats.tokens
-        self.objective.train()
-        out = {"dev_loss": sum(t / max(c, 1) for t, c in zip(total, count)) / len(which),
-               "dev_bleu": corpus_bleu(hyps, self.dev.tgt[:n])}
-        if heads is not None:
-            out["dev_loss_per_head"] = {str(i): t / max(c, 1) for i, t, c in zip(which, total, count)}
-            out["dev_mean_accepted"] = produced / max(calls, 1)
-        return out
-
-    @torch.no_grad()
-    def evaluate_drafter(self) -> dict:
-        """The drafter's dev loss and top-1 accuracy on the block, at prefix lengths drawn from a fixed
-        seed (the same blocks at every evaluation), without glancing."""
-        self.objective.eval()
-        limit = min(self.cfg.max_train_len, self.model.cfg.max_positions - 1)
-        src = [s[:limit] for s in self.tok.encode_batch(self.dev.src)]
-        tgt = [t[:limit] for t in self.tok.encode_batch(self.dev.tgt)]
-        gen = torch.Generator().manual_seed(1234)
-        loss = correct = count = 0.0
-        for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None):
-            s, _, to = (x.to(self.device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
-            inp, gold, block = self.objective.drafter_batch(to, gen)
-            logits = self.model.project(self.objective.hidden(s, inp, block))
-            loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), gold.reshape(-1),
-                                    ignore_index=self.tok.pad_id, reduction="sum").item()
-            on = gold.ne(self.tok.pad_id)
-            correct += (logits.argmax(-1).eq(gold) & on).sum().item()
-            count += on.sum().item()
-        self.objective.train()
-        return {"dev_loss": loss / max(count, 1), "dev_block_accuracy": correct / max(count, 1)}
+        """The run's mode's dev scores (Objective.evaluate, DrafterLoss.evaluate)."""
+        return self.objective.evaluate(self.tok, self.dev, self.device)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _meta(self, extra: dict | None = None) -> dict:
@@ -441,12 +545,7 @@ class Trainer:
 
     def _ckpt(self, meta: dict, half: bool = False) -> dict:
         ck = make_checkpoint(self.model, self.cfg.task, self.tok, self.step, meta, half=half)
-        if self.heads is not None:
-            ck["proposal"] = proposal_state(self.heads, half)
-        if self.cfg.drafter_k:
-            ck["drafter"] = {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout}
-        if self.cfg.early_exit:
-            ck["early_exit"] = self.cfg.early_exit
+        ck.update(self.objective.checkpoint_entries(half))
         if self.cfg.encoder_from:  # where the encoder is, from this checkpoint's folder, and which file it was
             ck["shared_encoder"] = {"path": os.path.relpath(self.cfg.encoder_from, self.out),
                                     "sha256": self.encoder_sha256}

@@ -155,7 +155,7 @@ def test_early_exit_is_the_first_layers_with_the_shared_head():
     src = random_src(4, 1, 40, min_len=5, max_len=5)
     tgt = torch.tensor([[1, 7, 8, 9, 10, 11]])
     with torch.inference_mode():
-        _, early = m.forward_hidden(src, tgt, early_exit=1)
+        _, early = m.early_exit_hidden(src, tgt, 1)
         ref = m.project(early)
         cache = small.new_cache(1, 8)
         got = torch.cat([small.decode(tgt[:, :2], small.encode(src), cache),

@@ -167,12 +167,38 @@ def test_model_linears_take_the_route():
         assert linears and all(isinstance(m, M.Linear) for m in linears)
 
 
+def test_few_row_route_is_switched_per_model():
+    """set_few_row_route: off, a model's inference takes F.linear everywhere, so a 4-token decoder
+    call gives bitwise the logits of the plain route (the one taken with gradients on); on (the
+    default), its linear layers and projection take (W @ x.T).T; another model is untouched."""
+    from refdec.model import Linear, set_few_row_route
+    m, other = tiny_model(3, vocab=40), tiny_model(4, vocab=40)
+    src, tgt = random_src(3, 1, 40), torch.tensor([[BOS_ID, 7, 8, 9]])
+
+    def logits(grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return m.decode(tgt, m.encode(src), m.new_cache(1)).detach()
+
+    assert m.few_rows and all(layer.few_rows for layer in m.modules() if isinstance(layer, Linear))
+    assert set_few_row_route(m, False) is m
+    assert not m.few_rows and not any(layer.few_rows for layer in m.modules() if isinstance(layer, Linear))
+    assert other.few_rows and all(layer.few_rows for layer in other.modules() if isinstance(layer, Linear))
+    assert torch.equal(logits(False), logits(True))
+    x = torch.randn(1, 4, m.cfg.d_model, dtype=torch.float64)
+    w1 = m.decoder[0].ff.w1
+    with torch.no_grad():
+        assert torch.equal(w1(x), torch.nn.functional.linear(x, w1.weight, w1.bias))
+        set_few_row_route(m)
+        assert m.few_rows
+        assert torch.equal(w1(x), torch.addmm(w1.bias[:, None], w1.weight, x[0].t()).t()[None])
+    torch.testing.assert_close(logits(False), logits(True), rtol=1e-12, atol=1e-12)
+
+
 def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
-    """refdec.stepcost: a cost per q for the few-row and for the plain route, both one-row projection
-    timings, and the default route restored afterwards."""
+    """refdec.stepcost: a cost per q for the few-row and for the plain route, and both one-row
+    projection timings."""
     import json
 
-    from refdec import model as M
     from refdec.stepcost import main
     rep = tmp_path / "cost.json"
     assert main(["--model", str(trained_tiny / "model.pt"), "--q", "1,2,4", "--rounds", "2", "--threads", "1",
@@ -182,4 +208,3 @@ def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
     assert all(c["ms"] > 0 and c["plain_ms"] > 0 for c in r["calls"])
     assert r["calls"][0]["ratio"] == 1.0 and r["calls"][0]["plain_ratio"] == 1.0
     assert set(r["projection_ms"]) == {"strided W.t()", "contiguous copy"}
-    assert M.FEW_ROWS == range(2, 17)

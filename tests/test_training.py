@@ -171,12 +171,12 @@ def test_base_plus_random_head_loss_always_trains_the_base():
     from refdec.config import PRESETS
     from refdec.model import Transformer
     from refdec.proposal import ProposalHeads, head_logits, head_targets
-    from refdec.training import Objective, smoothed_loss
+    from refdec.training import ProposalHeadsLoss, smoothed_loss
     torch.manual_seed(0)
     cfg = PRESETS["tiny"].replace(proposal_k=4, head_loss="base+random", dropout=0.0)
     model = Transformer(cfg.model_config(40)).double().eval()
     heads = ProposalHeads(model.cfg.d_model, 16, 4).double().eval()
-    obj = Objective(model, heads, cfg)
+    obj = ProposalHeadsLoss(model, heads, cfg)
     src, tgt = torch.randint(5, 40, (3, 7)), torch.randint(5, 40, (3, 9))
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
     with torch.no_grad():
@@ -273,3 +273,53 @@ def test_word_level_distillation_trains_against_a_teacher(trained_tiny, tmp_path
                str(trained_tiny / "model.pt"), "--kd-from", str(other / "model.pt"))
     err = r.stderr.decode()
     assert r.returncode != 0 and "not on this run's task and vocabulary" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("mode", ["plain", "distillation", "early-exit", "heads", "drafter"])
+def test_each_mode_trains_on_its_own_loss(mode):
+    """build_objective picks one loss per mode, and each is the formula its docstring gives (bitwise,
+    on a float64 model in eval mode): the label-smoothed cross-entropy, its mix with the teacher's
+    distributions, the mean of the full and the early-exit loss, the mean over proposal heads, and
+    the drafter's loss on its block (glancing ratio 0: nothing revealed)."""
+    from refdec.config import PRESETS
+    from refdec.proposal import ProposalHeads, head_logits, head_targets
+    from refdec.training import (CrossEntropyLoss, DistillationLoss, DrafterLoss, EarlyExitLoss, ProposalHeadsLoss,
+                                 build_model, build_objective, smoothed_loss, soft_cross_entropy)
+    changes = {"plain": {}, "distillation": {"kd_from": "teacher.pt", "kd_weight": 0.3}, "early-exit": {"early_exit": 1},
+               "heads": {"proposal_k": 3, "head_loss": "mean"},
+               "drafter": {"drafter_k": 3, "glancing_start": 0.0, "glancing_end": 0.0}}[mode]
+    cfg = PRESETS["tiny"].replace(dec_layers=2, **changes)
+    torch.manual_seed(0)
+    model = build_model(cfg, 40).double().eval()
+    heads = ProposalHeads(model.cfg.d_model, 16, 3).double().eval() if mode == "heads" else None
+    teacher = tiny_model(1, vocab=40) if mode == "distillation" else None
+    obj = build_objective(cfg, model, heads, teacher=teacher)
+    expected_type = {"plain": CrossEntropyLoss, "distillation": DistillationLoss, "early-exit": EarlyExitLoss,
+                     "heads": ProposalHeadsLoss, "drafter": DrafterLoss}[mode]
+    assert type(obj) is expected_type
+    src, tgt = torch.randint(5, 40, (3, 7)), torch.randint(5, 40, (3, 9))
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+
+    def ce(logits, target):
+        return smoothed_loss(logits, target, cfg.label_smoothing, 0)
+
+    torch.manual_seed(1)
+    got = obj(src, tgt_in, tgt_out)
+    torch.manual_seed(1)
+    if mode in ("plain", "distillation"):
+        logits = model(src, tgt_in)
+        want = ce(logits, tgt_out)
+        if mode == "distillation":
+            soft = torch.softmax(teacher(src, tgt_in).float(), dim=-1)
+            want = 0.7 * want + 0.3 * soft_cross_entropy(logits, soft, tgt_out.ne(0))
+    elif mode == "early-exit":
+        final, early = model.early_exit_hidden(src, tgt_in, 1)
+        want = 0.5 * (ce(model.project(final), tgt_out) + ce(model.project(early), tgt_out))
+        assert torch.equal(final, model.forward_hidden(src, tgt_in))
+    elif mode == "heads":
+        hidden = model.forward_hidden(src, tgt_in)
+        want = sum(ce(head_logits(model, heads, hidden, i), head_targets(tgt_out, i)) for i in (1, 2, 3)) / 3
+    else:
+        inp, gold, block = obj.drafter_batch(tgt_out)
+        want = ce(model.project(model.forward_hidden(src, inp, block)), gold)
+    assert torch.equal(got, want), (got, want)
