@@ -437,7 +437,7 @@ class Transformer(nn.Module, RowInvariant):
         return Memory(states, src_pad, [layer.cross_attn.project_kv(states) for layer in self.decoder])
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
-                      open_from: int | None = None, layers: int | None = None,
+                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
                       real: torch.Tensor | None = None) -> torch.Tensor:
         """tgt_new (B, q) tokens at positions [cache.lengths[b], cache.lengths[b] + q) of row b ->
         final states (B, q, D).
@@ -448,15 +448,19 @@ class Transformer(nn.Module, RowInvariant):
         causal. `layers` = n runs only the first n decoder layers (an early exit; `cache` then has n
         layers), followed by the same final norm. `real` (B,): how many of the q tokens of each row
         are real, the rest right padding of a ragged batch (their positions may run past the table;
-        the caller truncates them away)."""
+        the caller truncates them away). `open_from` may also be (B,), one per row: row b's block
+        runs from open_from[b] to its last real token, and its padding stays out of it."""
         q_len = tgt_new.shape[1]
-        if cache.ragged:
+        if cache.ragged or torch.is_tensor(open_from):
             offset = cache.lengths  # (B,)
             # Query i of row b sees keys 0 .. lengths[b] + i and nothing else: past them lie another
             # row's longer history or this row's rejected tail, which must not enter its softmax.
-            last_key = offset[:, None] + torch.arange(q_len, device=offset.device)  # (B, q)
-            if open_from is not None:
-                last_key[:, open_from:] = offset[:, None] + q_len - 1
+            steps = torch.arange(q_len, device=offset.device)
+            last_key = offset[:, None] + steps  # (B, q)
+            if open_from is not None:  # row b's open block ends at its last real token
+                width = torch.full_like(offset, q_len) if real is None else real.to(offset.device)
+                opened = steps[None, :] >= torch.as_tensor(open_from, device=offset.device).reshape(-1, 1)
+                last_key = torch.where(opened, (offset + width - 1)[:, None], last_key)
             keys = torch.arange(cache.end + q_len, device=offset.device)
             self_block = (keys > last_key[:, :, None])[:, None]  # (B, 1, q, end + q)
         else:
@@ -524,7 +528,7 @@ class EarlyExit(nn.Module):
         p = self.base.tgt_embed.weight
         return KVCache(self.layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None,
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,
                       real: torch.Tensor | None = None) -> torch.Tensor:
         return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers, real=real)
 
@@ -564,7 +568,7 @@ class SharedEncoder(nn.Module):
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         return self.small.new_cache(batch, capacity)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None,
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,
                       real: torch.Tensor | None = None) -> torch.Tensor:
         return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from, real=real)
 
