@@ -311,9 +311,12 @@ class DecoderLayer(nn.Module):
         self.sub3 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
 
     def forward(self, x: torch.Tensor, cross_kv: tuple[torch.Tensor, torch.Tensor], src_block: torch.Tensor,
-                self_kv, self_block: torch.Tensor) -> torch.Tensor:
+                self_kv, self_block: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D). `self_kv(h)` returns the self-attention keys/values for the new states h:
-        from the cache (incremental) or from h alone (training)."""
+        from the cache (incremental) or from h alone (training). `real` (B, q) bool, True at the real
+        positions of a right-padded ragged batch: the feed-forward sublayer, position by position,
+        runs on those alone (a padded position's state is never read: causal attention keeps it
+        out of every real one, and the caller cuts it)."""
         def self_attn(h):
             k, v = self_kv(h)
             return self.self_attn.attend(h, k, v, self_block)
@@ -321,7 +324,12 @@ class DecoderLayer(nn.Module):
         def cross_attn(h):
             return self.cross_attn.attend(h, cross_kv[0], cross_kv[1], src_block)
 
-        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff)
+        def packed_ff(h):
+            out = torch.zeros_like(h)
+            out[real] = self.ff(h[real])
+            return out
+
+        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff if real is None else packed_ff)
 
 
 class Transformer(nn.Module, RowInvariant):
@@ -471,9 +479,10 @@ class Transformer(nn.Module, RowInvariant):
                 self_block[open_from:] = False
         x = self._embed(self.tgt_embed, tgt_new, offset, real)
         src_block = memory.src_block
+        rows = None if real is None else torch.arange(q_len, device=x.device)[None, :] < real.to(x.device)[:, None]
         for i, layer in enumerate(self.decoder[:layers]):
             x = layer(x, memory.cross_kv[i], src_block,
-                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block)
+                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, rows)
         cache.advance(q_len)
         return self.dec_norm(x)
 

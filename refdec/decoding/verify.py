@@ -112,10 +112,12 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
                        dtype=torch.long, device=memory.states.device)  # (B, width)
     real = None if min(widths) == width else torch.tensor(widths, device=inp.device)
     hidden = model.decode_hidden(inp, memory, cache, real=real)  # (B, width, D)
-    logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
-    best = logits.argmax(dim=-1)  # (B, width): the lowest id among equal maxima, as greedy's argmax
-    agree = inp[:, 1:].eq(best[:, :-1]).tolist()  # (B, width - 1)
-    best = best.tolist()
+    if real is None:
+        logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
+    else:  # only real positions are projected (the projection is the widest product); rows split again
+        flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < real[:, None]][None])[0]
+        logits = flat.split(widths)  # row b: (widths[b], V)
+    best = [row.argmax(dim=-1).tolist() for row in logits]  # the lowest id among equal maxima, as greedy's argmax
     out, keep = [], []
     for b, (draft, w) in enumerate(zip(drafts, widths)):
         m = w - 1
@@ -123,16 +125,16 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
         if not draft:
             ok = []
         elif rule is None:
-            ok = agree[b][:m]
+            ok = [d == p for d, p in zip(draft, best[b])]
         else:
-            ok = rule(logits[b, :m], inp[b, 1:w]).tolist()
+            ok = rule(logits[b][:m], inp[b, 1:w]).tolist()
         n = next((i for i, good in enumerate(ok) if not good), len(ok))
-        tokens = draft[:n] + [best[b][n] if pick is None else pick(logits[b, n], n, n < len(draft))]
+        tokens = draft[:n] + [best[b][n] if pick is None else pick(logits[b][n], n, n < len(draft))]
         if eos_id in tokens:
             tokens = tokens[: tokens.index(eos_id) + 1]
         tokens = tokens[:budgets[b]]
         keep.append(int(base[b]) + len(tokens))  # last, d_1 .. d_(c-1): the committed output minus its new last token
-        out.append(Verified(tokens, n, logits[b, :w], hidden[b, :w]))
+        out.append(Verified(tokens, n, logits[b][:w], hidden[b, :w]))
     cache.truncate(keep[0] if len(keep) == 1 else keep)
     return out
 
