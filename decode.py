@@ -222,8 +222,12 @@ def run(args) -> int:
     complete = decode_to_output(args, runs, models, ids, loader, busy)
     interrupted = complete < len(lines)
     if interrupted:  # the figures cover the lines every run finished, which are also the lines written
+        bucketed = max(r.batch_size for r in runs) > 1  # batches of neighbours in length, not in input order
         runner.warn(f"interrupted after {complete} of {len(lines)} input lines: those lines are written"
-                    + (f" to {args.output}" if args.output else "") + "; the figures below cover them alone")
+                    + (f" to {args.output}" if args.output else "")
+                    + ("; the scores below cover them alone, the times and counts every batch finished (batches are "
+                       "formed by length, so some of those lines come later in the input)" if bucketed
+                       else "; the figures below cover them alone"))
         lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
         for r in runs:
             r.outputs, r.traces = r.outputs[:complete], r.traces[:complete]

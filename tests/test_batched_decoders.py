@@ -196,3 +196,67 @@ def test_batched_follower_equals_a_follower_per_row():
         got = batched.next_logits([seqs[2], seqs[0]])
         assert torch.equal(got[0], alone_f[2].next_logits([seqs[2]])[0])
         assert torch.equal(got[1], alone_f[0].next_logits([seqs[0]])[0])
+
+
+# -- decode.py: length buckets, per-run batch sizes ----------------------------------------------------
+def load_cli():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("decode_cli", Path(__file__).resolve().parent.parent / "decode.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order():
+    """Guards the runner's bucketing (a batch of far-apart lengths, an output put back on the wrong
+    line, lines handed on out of order) and per-run batch sizes (a run at batch 1 given another
+    output budget than a run at batch 3 for the same line): lines are decoded in chunks of the
+    largest batch, sorted by length, each run in its own batch size; outputs land on their own lines
+    and are handed on in input order, empty lines included."""
+    from refdec import runner
+    from refdec.decoding import Algorithm, DecodeResult, DecodeStats
+    seen = {1: [], 3: []}
+
+    def fake(size):
+        def run(models, src, max_len, knobs):
+            lens = src.ne(0).sum(dim=1).tolist()
+            seen[size].append((lens, max_len))
+            return DecodeResult([torch.tensor([n, max_len]) for n in lens], DecodeStats(sentences=len(lens)))
+        return run
+
+    ids = [[5] * n if n else None for n in (4, 1, 0, 7, 2, 9, 3, 0, 5, 6)]
+    runs = [runner.Run(Algorithm(f"b{n}", fake(n), "fake"), {}, batch_size=n) for n in (1, 3)]
+    handed = []
+    done = runner.decode_lines(runs, {}, ids, batch_size=1, max_len=None, max_positions=64, device="cpu", warmup=0,
+                               progress=False, on_line=lambda i, t: handed.append(i))
+    assert done == len(ids) and handed == list(range(len(ids)))
+    for run in runs:
+        for i, s in enumerate(ids):
+            assert (run.outputs[i] is None) == (s is None)
+            if s is not None:
+                assert run.outputs[i][0].item() == len(s) + 1  # its own line's source (eos included)
+        budgets = [run.outputs[i][1].item() for i in range(len(ids)) if ids[i] is not None]
+        assert budgets == [o[1].item() for o in runs[0].outputs if o is not None]  # the same per line
+    assert [len(b) for b, _ in seen[3]] == [3, 3, 2]
+    assert [b for b, _ in seen[3]] == [[2, 3, 4], [5, 6, 7], [8, 10]]  # neighbours in length
+    assert [b for b, _ in seen[1]] == [[2], [3], [4], [5], [6], [7], [8], [10]]
+
+
+def test_batch_size_options_are_parsed_and_refused():
+    """Guards --compare's :batch-size=N and --batch-sizes (a size that is not a whole number of at
+    least 1, repeated sizes, or --batch-sizes beside --batch-size: refused, never ignored)."""
+    from refdec.runner import UsageError
+    cli = load_cli()
+    assert cli.parse_compare("iad:batch-size=4:max-draft=8,greedy") == [
+        ("iad", None, {"batch_size": 4, "max_draft": 8}), ("greedy", None, {})]
+    for bad in ("iad:batch-size=0", "iad:batch-size=x", "greedy:batch-size=-2"):
+        with pytest.raises(UsageError, match="batch-size"):
+            cli.parse_compare(bad)
+    args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8,32"])
+    assert cli.batch_sizes(args) == [1, 8, 32]
+    for extra, needle in ((["--batch-sizes", "1,1"], "different"), (["--batch-sizes", "8,a"], "whole numbers"),
+                          (["--batch-sizes", "0,4"], "at least 1"), (["--batch-sizes", "1,8", "--batch-size", "4"], "leave out")):
+        args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", *extra])
+        with pytest.raises(UsageError, match=needle):
+            cli.batch_sizes(args)
