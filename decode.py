@@ -202,7 +202,7 @@ def run(args) -> int:
     algo = ALGORITHMS[args.algo]
     compares = parse_compare(args.compare) if args.compare else []
     sizes = batch_sizes(args)
-    args.batch_size = args.batch_size or 1
+    args.batch_size = 1 if args.batch_size is None else args.batch_size
     if sizes:  # every run at every size: --algo at the first size first, the rest in order
         everyone = [(args.algo, None, {})] + compares
         compares = [(name, path, {**over, "batch_size": n}) for n in sizes for name, path, over in everyone][1:]
@@ -493,7 +493,7 @@ def check_fits(run, ids: list, args, max_positions: int, dtype) -> None:
     todo = [s for s in ids if s is not None]
     cfg, itemsize = models["model"].cfg, torch_itemsize(dtype)
     need, worst = 0, 0
-    size = run.batch_size
+    size = run.batch_size or args.batch_size
     for i in range(0, len(todo), size):
         batch = todo[i:i + size]
         src_len = max(map(len, batch)) + 1
