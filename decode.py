@@ -204,6 +204,8 @@ def run(args) -> int:
     sizes = batch_sizes(args)
     args.batch_size = 1 if args.batch_size is None else args.batch_size
     if sizes:  # every run at every size: --algo at the first size first, the rest in order
+        if any("batch_size" in over for _, _, over in compares):
+            raise runner.UsageError("--batch-sizes sets every run's batch size: a --compare run cannot set its own")
         everyone = [(args.algo, None, {})] + compares
         compares = [(name, path, {**over, "batch_size": n}) for n in sizes for name, path, over in everyone][1:]
     if not args.model:  # ALGO without @CKPT runs on the checkpoint --algo ALGO would use (blockwise: the heads)

@@ -260,3 +260,7 @@ def test_batch_size_options_are_parsed_and_refused():
         args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", *extra])
         with pytest.raises(UsageError, match=needle):
             cli.batch_sizes(args)
+    args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8",
+                                          "--compare", "iad:batch-size=4"])
+    with pytest.raises(UsageError, match="cannot set its own"):
+        cli.run(args)
