@@ -75,15 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("running")
     r.add_argument("--max-len", type=int, metavar="N", help="most output tokens per sentence, eos included "
                    "(default: 2 x the longest source of the batch + 10, within the model's positions)")
-    r.add_argument("--batch-size", type=int, default=1, metavar="N", help="sentences per decoder call (default 1)")
+    r.add_argument("--batch-size", type=int, metavar="N", help="sentences per decoder call (default 1); above 1 the "
+                   "inputs are bucketed by length (batches of neighbours in length, outputs in input order)")
+    r.add_argument("--batch-sizes", metavar="N,N,...", help="run every algorithm (--algo and each --compare) at each "
+                   "of these batch sizes, interleaved in one process: a throughput table (sent/s) with every row's "
+                   "identical rate against the first (docs/benchmarks.md, 'Batched decoding')")
     r.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     r.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
     r.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
     r.add_argument("--compare", metavar="ALGO[@CKPT][:OPTION=VALUE...],...",
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and "
                    "identical rates; ALGO@CKPT runs ALGO on another checkpoint with the same tokenizer; "
-                   ":OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3) or "
-                   "its second model (:small=PATH|early-exit, :drafter=PATH)")
+                   ":OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3), "
+                   "its second model (:small=PATH|early-exit, :drafter=PATH) or its batch size (:batch-size=N)")
     r.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     r.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
                    "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
@@ -206,13 +210,20 @@ def run(args) -> int:
 
     algo = ALGORITHMS[args.algo]
     compares = parse_compare(args.compare) if args.compare else []
+    sizes = batch_sizes(args)
+    args.batch_size = 1 if args.batch_size is None else args.batch_size
+    if sizes:  # every run at every size: --algo at the first size first, the rest in order
+        if any("batch_size" in over for _, _, over in compares):
+            raise runner.UsageError("--batch-sizes sets every run's batch size: a --compare run cannot set its own")
+        everyone = [(args.algo, None, {})] + compares
+        compares = [(name, path, {**over, "batch_size": n}) for n in sizes for name, path, over in everyone][1:]
     if not args.model:  # ALGO without @CKPT runs on the checkpoint --algo ALGO would use (blockwise: the heads)
         compares = [(name, path or own_default(ALGORITHMS[name], algo, args.task), over) for name, path, over in compares]
     knobs, run_knobs = check_options(args, algo, compares)
     check_machine(args)
     lines, refs = read_input(args)
     dtype = getattr(torch, args.dtype)
-    loader, runs = load_runs(args, algo, compares, knobs, run_knobs, dtype)
+    loader, runs = load_runs(args, algo, compares, knobs, run_knobs, dtype, sizes)
     models = runs[0].models
     ids = runner.source_ids(loader.tokenizer, lines, loader.max_positions)
     for r in runs:
@@ -222,8 +233,12 @@ def run(args) -> int:
     complete = decode_to_output(args, runs, models, ids, loader, busy)
     interrupted = complete < len(lines)
     if interrupted:  # the figures cover the lines every run finished, which are also the lines written
+        bucketed = max(r.batch_size for r in runs) > 1  # batches of neighbours in length, not in input order
         runner.warn(f"interrupted after {complete} of {len(lines)} input lines: those lines are written"
-                    + (f" to {args.output}" if args.output else "") + "; the figures below cover them alone")
+                    + (f" to {args.output}" if args.output else "")
+                    + ("; the scores below cover them alone, the times and counts every batch finished (batches are "
+                       "formed by length, so some of those lines come later in the input)" if bucketed
+                       else "; the figures below cover them alone"))
         lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
         for r in runs:
             r.outputs, r.traces = r.outputs[:complete], r.traces[:complete]
@@ -234,7 +249,7 @@ def run(args) -> int:
         report = runner.build_report(
             args.task, rows, [r.knobs for r in runs], [r.algo for r in runs], n_lines=len(lines),
             extra={"model": str(loader.main_path), "model_step": loader.ckpt.get("step"),
-                   "input": args.input or f"{DATA_DIR / args.task}/test.src.gz", "batch_size": args.batch_size,
+                   "input": args.input or f"{DATA_DIR / args.task}/test.src.gz", "batch_size": args.batch_size if not sizes else sizes,
                    "max_len": args.max_len, "runs": rows, "speedup_matrix": matrix, "lossless_checks": checks,
                    "interrupted": interrupted, "lines_decoded": complete, "row_invariant": args.invariant,
                    "environment": {**runner.environment(torch.get_num_threads(), args.device, dtype),
@@ -271,7 +286,7 @@ def check_options(args, algo, compares: list) -> tuple[dict, list[dict]]:
     for role in ("drafter", "small"):
         if getattr(args, role) and role not in shared_roles(algo, compares):
             raise UsageError(f"--{role} is not used by --algo {args.algo}")
-    if args.batch_size < 1 or (args.max_len is not None and args.max_len < 1):
+    if (args.batch_size is not None and args.batch_size < 1) or (args.max_len is not None and args.max_len < 1):
         raise UsageError("--batch-size and --max-len must be at least 1")
     if (args.limit is not None and args.limit < 0) or args.warmup < 0:
         raise UsageError("--limit and --warmup must be at least 0")
@@ -345,7 +360,7 @@ def read_input(args) -> tuple[list[str], list[list[str]]]:
     return lines, refs
 
 
-def load_runs(args, algo, compares: list, knobs: dict, run_knobs: list[dict], dtype):
+def load_runs(args, algo, compares: list, knobs: dict, run_knobs: list[dict], dtype, sizes: list[int]):
     """Every checkpoint the runs need, each loaded once (refdec.loading), and the runs themselves."""
     from refdec import runner
     from refdec.decoding import ALGORITHMS
@@ -368,13 +383,14 @@ def load_runs(args, algo, compares: list, knobs: dict, run_knobs: list[dict], dt
                                  f"(README, 'Training')")
             loader.share(role, value)
     several = len(loader.loaded) > 1
+    first = {"batch_size": sizes[0]} if sizes else {}
     runs = [runner.Run(algo, knobs, models=loader.models_for(model_path, algo.name),
-                       label=label(args.algo, model_path, several))]
+                       label=label(args.algo, model_path, several, first), batch_size=sizes[0] if sizes else args.batch_size)]
     for (name, path, over), own_knobs in zip(compares, run_knobs):
         ckpt_path = Path(path) if path else model_path
         own_models = {r: v for r, v in over.items() if r in ("small", "drafter")}
         runs.append(runner.Run(ALGORITHMS[name], own_knobs, models=loader.models_for(ckpt_path, name, own_models),
-                               label=label(name, ckpt_path, several, over)))
+                               label=label(name, ckpt_path, several, over), batch_size=over.get("batch_size", args.batch_size)))
     if args.invariant:  # every model the runs use, second models and proposal heads included
         import torch
 
@@ -440,7 +456,8 @@ def summarise(args, runs: list, lines: list[str], refs: list, ids: list, tokeniz
         matrix, text = runner.speedup_matrix(rows)
         notes.append(text)
     for fast in runs:
-        base = next((r for r in runs if r.algo.name == "greedy" and r.models["model"] is fast.models["model"]), None)
+        base = min((r for r in runs if r.algo.name == "greedy" and r.models["model"] is fast.models["model"]),
+                   key=lambda r: r.batch_size, default=None)  # batch-1 greedy where there is one
         if base is None or fast is base or not fast.algo.is_lossless(fast.knobs):
             continue
         div = runner.divergences(fast.models["model"], ids, base.outputs, fast.outputs, args.device)
@@ -451,7 +468,7 @@ def summarise(args, runs: list, lines: list[str], refs: list, ids: list, tokeniz
                                f"(greedy {tokenizer.tokens([d['greedy_token']])[0]!r}, "
                                f"{fast.name} {tokenizer.tokens([d['other_token']])[0]!r}); top-1/top-2 logit "
                                f"margin {d['margin_top1_top2']:.3g}" for d in div))
-        if args.batch_size == 1:
+        if fast.batch_size == 1 and base.batch_size == 1:
             buckets, text = runner.edit_buckets(lines, runner.texts(tokenizer, base.outputs), fast, base)
             check["edit_buckets"] = buckets
             notes.append(text)
@@ -499,8 +516,9 @@ def check_fits(run, ids: list, args, max_positions: int, dtype) -> None:
     todo = [s for s in ids if s is not None]
     cfg, itemsize = models["model"].cfg, torch_itemsize(dtype)
     need, worst = 0, 0
-    for i in range(0, len(todo), args.batch_size):
-        batch = todo[i:i + args.batch_size]
+    size = run.batch_size or args.batch_size
+    for i in range(0, len(todo), size):
+        batch = todo[i:i + size]
         src_len = max(map(len, batch)) + 1
         b = runner.decode_bytes(cfg, len(batch) * beams, src_len, runner.max_len_for(batch, args.max_len, max_positions),
                                 itemsize)
@@ -509,8 +527,8 @@ def check_fits(run, ids: list, args, max_positions: int, dtype) -> None:
     if need > 0.8 * free:
         per_row = need / (worst * beams)
         fit = int(0.8 * free / per_row)
-        what = (f"--beam-size {beams} with --batch-size {args.batch_size}" if beams > 1
-                else f"--batch-size {args.batch_size}")
+        what = (f"--beam-size {beams} with --batch-size {size}" if beams > 1
+                else f"--batch-size {size}")
         advice = (f"use at most {max(fit // worst, 0)} beams" if beams > 1 and fit >= worst
                   else f"use at most {max(fit // beams, 1)} sentences per batch" + (" with one beam" if beams > 1 else ""))
         raise UsageError(f"{run.name}: {what} needs about {need / 2**30:.1f} GiB for its caches and scores, more than "
@@ -543,6 +561,11 @@ def parse_compare(spec: str) -> list[tuple[str, str | None, dict]]:
             knob = key.replace("-", "_")
             if not eq or not value:
                 raise UsageError(f"--compare {item}: write an option as NAME=VALUE, not {opt!r}")
+            if knob == "batch_size":
+                if not value.isdigit() or int(value) < 1:
+                    raise UsageError(f"--compare {item}: batch-size must be a whole number of at least 1, not {value!r}")
+                overrides[knob] = int(value)
+                continue
             if knob in ("small", "drafter"):
                 if knob not in algo.roles:
                     raise UsageError(f"--compare {item}: {name} uses no {knob} model")
@@ -561,6 +584,22 @@ def parse_compare(spec: str) -> list[tuple[str, str | None, dict]]:
                 raise UsageError(f"--compare {item}: {key}={value} is not a {type(default).__name__}") from None
         out.append((name, path or None, overrides))
     return out
+
+
+def batch_sizes(args) -> list[int]:
+    """--batch-sizes as numbers (empty without it); refused beside --batch-size, which it replaces."""
+    from refdec.runner import UsageError
+    if not args.batch_sizes:
+        return []
+    if args.batch_size is not None:
+        raise UsageError("--batch-sizes sets every run's batch size: leave out --batch-size")
+    try:
+        sizes = [int(v) for v in args.batch_sizes.split(",")]
+    except ValueError:
+        raise UsageError(f"--batch-sizes takes whole numbers separated by commas, not {args.batch_sizes!r}") from None
+    if min(sizes) < 1 or len(set(sizes)) < len(sizes):
+        raise UsageError("--batch-sizes must be different numbers, each at least 1")
+    return sizes
 
 
 def label(algo: str, path: Path, with_model: bool, over: dict | None = None) -> str:

@@ -101,7 +101,7 @@ def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int,
         draft = scripted_draft(y, len(out), k, accept, rng, cfg.vocab_size)
         if small is not None:
             for i in range(len(draft)):
-                follower.next_logits([cfg.bos_id] + out + draft[:i])
+                follower.next_logits([[cfg.bos_id] + out + draft[:i]])
         v = verify(model, memory, cache, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id)
         out += v.tokens
         last, calls = v.tokens[-1], calls + 1

@@ -89,22 +89,46 @@ def glancing_ratio(step: int, start: float, end: float, decay_steps: int) -> flo
 def draft_block(drafter: Transformer, memory: Memory, cache: KVCache | None, sequence: list[int], k: int,
                 layout: str) -> list[int]:
     """The drafter's k tokens after `sequence` (bos + verified output), argmax at each mask; fewer
-(none at all) where the drafter's positions end.
+(none at all) where the drafter's positions end: `draft_blocks` for one row."""
+    return draft_blocks(drafter, memory, cache, [sequence], k, layout)[0]
 
-    causal: `cache` holds a prefix of `sequence`; the missing tokens and the masks go in one call,
-    and the cache is cut back to the whole sequence afterwards (the masks never stay in it).
-    bidirectional: `cache` is ignored; the whole sequence and the masks are recomputed."""
-    k = min(k, drafter.cfg.max_positions - len(sequence))
-    if k <= 0:
-        return []
+
+def draft_blocks(drafter: Transformer, memory: Memory, cache: KVCache | None, sequences: list[list[int]], k: int,
+                 layout: str) -> list[list[int]]:
+    """draft_block for every batch row of memory (and cache) in one drafter call: row b drafts after
+    sequences[b]. Rows of different lengths are right-padded; each row's block of masks is open
+    within the row only (its padding stays out), and only real positions are read.
+
+    causal: `cache` holds a prefix of each row's sequence; the missing tokens and the masks go in one
+    call, and each row's cache is cut back to its whole sequence afterwards (the masks never stay).
+    bidirectional: `cache` is ignored; the whole sequences and the masks are recomputed."""
     device = memory.states.device
+    limit = drafter.cfg.max_positions
+    ks = [max(0, min(k, limit - len(s))) for s in sequences]
+    if max(ks) == 0:
+        return [[] for _ in sequences]
     if layout == "causal":
-        todo = sequence[cache.length:]
-        hidden = drafter.decode_hidden(torch.tensor([todo + [MASK_ID] * k], device=device), memory, cache,
-                                       open_from=len(todo))
-        cache.truncate(len(sequence))
+        have = cache.lengths.tolist()
+        todo = [s[n:limit] for s, n in zip(sequences, have)]  # a row out of positions drafts nothing
     else:
-        fresh = drafter.new_cache(1, capacity=len(sequence) + k)
-        hidden = drafter.decode_hidden(torch.tensor([sequence + [MASK_ID] * k], device=device), memory, fresh,
-                                       open_from=0)
-    return drafter.project(hidden[:, -k:])[0].argmax(dim=-1).tolist()
+        todo = [s[:limit] for s in sequences]
+        cache = drafter.new_cache(len(sequences), capacity=max(map(len, todo)) + k)
+    real = [len(t) + n for t, n in zip(todo, ks)]
+    width = max(real)
+    inp = torch.tensor([t + [MASK_ID] * n + [PAD_ID] * (width - r) for t, n, r in zip(todo, ks, real)], device=device)
+    if len(sequences) == 1:
+        hidden = drafter.decode_hidden(inp, memory, cache, open_from=len(todo[0]))
+    else:
+        hidden = drafter.decode_hidden(inp, memory, cache, open_from=torch.tensor([len(t) for t in todo], device=device),
+                                       real=torch.tensor(real, device=device))
+    if layout == "causal":
+        kept = [min(len(s), limit) for s in sequences]
+        cache.truncate(kept[0] if len(kept) == 1 else kept)
+    rows = torch.cat([torch.full((n,), b) for b, n in enumerate(ks)]).to(device)
+    cols = torch.cat([torch.arange(len(t), len(t) + n) for t, n in zip(todo, ks)]).to(device)
+    picked = drafter.project(hidden[rows, cols][None])[0].argmax(dim=-1).tolist()  # every row's masks, in order
+    out, at = [], 0
+    for n in ks:
+        out.append(picked[at:at + n])
+        at += n
+    return out

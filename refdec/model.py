@@ -359,9 +359,12 @@ class DecoderLayer(nn.Module):
         self.sub3 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
 
     def forward(self, x: torch.Tensor, cross_kv: tuple[torch.Tensor, torch.Tensor], src_block: torch.Tensor,
-                self_kv, self_block: torch.Tensor) -> torch.Tensor:
+                self_kv, self_block: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D). `self_kv(h)` returns the self-attention keys/values for the new states h:
-        from the cache (incremental) or from h alone (training)."""
+        from the cache (incremental) or from h alone (training). `real` (B, q) bool, True at the real
+        positions of a right-padded ragged batch: the feed-forward sublayer, position by position,
+        runs on those alone (a padded position's state is never read: causal attention keeps it
+        out of every real one, and the caller cuts it)."""
         def self_attn(h):
             k, v = self_kv(h)
             return self.self_attn.attend(h, k, v, self_block)
@@ -369,7 +372,12 @@ class DecoderLayer(nn.Module):
         def cross_attn(h):
             return self.cross_attn.attend(h, cross_kv[0], cross_kv[1], src_block)
 
-        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff)
+        def packed_ff(h):
+            out = torch.zeros_like(h)
+            out[real] = self.ff(h[real])
+            return out
+
+        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff if real is None else packed_ff)
 
 
 class Transformer(nn.Module, RowInvariant, FewRowRoute):
@@ -485,7 +493,7 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         return Memory(states, src_pad, [layer.cross_attn.project_kv(states) for layer in self.decoder])
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
-                      open_from: int | None = None, layers: int | None = None,
+                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
                       real: torch.Tensor | None = None) -> torch.Tensor:
         """tgt_new (B, q) tokens at positions [cache.lengths[b], cache.lengths[b] + q) of row b ->
         final states (B, q, D).
@@ -496,7 +504,8 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         causal. `layers` = n runs only the first n decoder layers (an early exit; `cache` then has n
         layers), followed by the same final norm. `real` (B,): how many of the q tokens of each row
         are real, the rest right padding of a ragged batch (their positions may run past the table;
-        the caller truncates them away).
+        the caller truncates them away). `open_from` may also be (B,), one per row: row b's block
+        runs from open_from[b] to its last real token, and its padding stays out of it.
 
         The start token fed to an empty cache is followed by the model's forced decoder_prefix, if
         any: those positions go into the cache's hidden prefix, so no decoder sees them."""
@@ -507,13 +516,16 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
             real = None if real is None else real + forced
             open_from = None if open_from is None else open_from + forced
         q_len = tgt_new.shape[1]
-        if cache.ragged:
+        if cache.ragged or torch.is_tensor(open_from):
             offset = cache.prefix + cache.lengths  # (B,)
             # Query i of row b sees keys 0 .. lengths[b] + i and nothing else: past them lie another
             # row's longer history or this row's rejected tail, which must not enter its softmax.
-            last_key = offset[:, None] + torch.arange(q_len, device=offset.device)  # (B, q)
-            if open_from is not None:
-                last_key[:, open_from:] = offset[:, None] + q_len - 1
+            steps = torch.arange(q_len, device=offset.device)
+            last_key = offset[:, None] + steps  # (B, q)
+            if open_from is not None:  # row b's open block ends at its last real token
+                width = torch.full_like(offset, q_len) if real is None else real.to(offset.device)
+                opened = steps[None, :] >= torch.as_tensor(open_from, device=offset.device).reshape(-1, 1)
+                last_key = torch.where(opened, (offset + width - 1)[:, None], last_key)
             keys = torch.arange(cache.prefix + cache.end + q_len, device=offset.device)
             self_block = (keys > last_key[:, :, None])[:, None]  # (B, 1, q, end + q)
         else:
@@ -524,9 +536,10 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
                 self_block[open_from:] = False
         x = self._embed(self.tgt_embed, tgt_new, offset, real)
         src_block = memory.src_block
+        rows = None if real is None else torch.arange(q_len, device=x.device)[None, :] < real.to(x.device)[:, None]
         for i, layer in enumerate(self.decoder[:layers]):
             x = layer(x, memory.cross_kv[i], src_block,
-                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block)
+                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, rows)
         cache.advance(q_len)
         if forced:
             cache.hide(forced)
@@ -608,7 +621,7 @@ class EarlyExit(nn.Module):
         p = self.base.tgt_embed.weight
         return KVCache(self.layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None,
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,
                       real: torch.Tensor | None = None) -> torch.Tensor:
         return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers, real=real)
 
@@ -648,7 +661,7 @@ class SharedEncoder(nn.Module):
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         return self.small.new_cache(batch, capacity)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | None = None,
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,
                       real: torch.Tensor | None = None) -> torch.Tensor:
         return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from, real=real)
 

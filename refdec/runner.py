@@ -178,6 +178,7 @@ class Run:
     knobs: dict
     models: dict | None = None  # role -> model for this run (None: decode_lines' models)
     label: str = ""  # name in tables ("" = the algorithm's name)
+    batch_size: int | None = None  # sentences per decoder call (None = decode_lines' batch_size)
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     seconds: float = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -231,70 +232,88 @@ def run_batch(run: Run, models: dict, batch: list[list[int]], max_len: int, devi
 WARMUP_ROWS = 16  # a warm-up batch holds at most this many sentences, whatever --batch-size
 
 
+def length_chunks(ids: list[list[int] | None], size: int) -> list[list[int]]:
+    """The indices of the non-empty lines in chunks of `size`: in input order for size 1, else
+    sorted by source length (stable) so that each chunk holds neighbours in length, and a batch does
+    not wait, in calls and in padded width, on one long row. Outputs go back to their lines by index."""
+    todo = [i for i, s in enumerate(ids) if s is not None]
+    if size > 1:
+        todo.sort(key=lambda i: len(ids[i]))
+    return [todo[i:i + size] for i in range(0, len(todo), size)]
+
+
 def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, batch_size: int,
                  max_len: int | None, max_positions: int, device, warmup: int = 2, progress: bool = True,
                  on_line: Callable[[int, torch.Tensor | None], None] | None = None) -> int:
-    """Fill each run's outputs, seconds and stats; runs alternate batch by batch (interleaved timing).
+    """Fill each run's outputs, seconds and stats; runs alternate chunk by chunk (interleaved timing).
 
-    A batch counts once every run has decoded it: only then are its figures added and its lines
-    (the first run's) passed to `on_line`, in input order with the empty lines between them. Ctrl-C
-    stops at that boundary. Returns how many leading input lines every run finished (all of them
-    unless interrupted)."""
-    todo = [i for i, s in enumerate(ids) if s is not None]
-    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
+    With batches of more than one sentence the lines are bucketed by source length (`length_chunks`).
+    A chunk holds the largest batch of any run; each run decodes it in batches of its own size
+    (Run.batch_size, else `batch_size`), with the one output budget of the chunk (max_len_for its
+    sources), so that runs at different batch sizes decode each line alike. A chunk counts once
+    every run has decoded it: only then are its figures added and its lines (the first run's) passed
+    to `on_line`, in input order with the empty lines between them, as soon as every earlier line is
+    done. Ctrl-C stops at that boundary. Returns how many leading input lines every run finished
+    (all of them unless interrupted)."""
+    size = max(run.batch_size or batch_size for run in runs)
+    chunks = length_chunks(ids, size)
     for run in runs:
         run.outputs = [None] * len(ids)
         run.traces = [None] * len(ids)
         run.times = [None] * len(ids)
         run.calls = [None] * len(ids)
+    done = [s is None for s in ids]
     complete = 0  # input lines 0 .. complete-1 are done by every run
 
-    def advance(upto: int) -> None:  # lines before `upto` are done: hand over the empty ones too
+    def advance() -> None:  # hand over every line up to the first one not done, the empty ones too
         nonlocal complete
-        for i in range(complete, upto):
+        while complete < len(ids) and done[complete]:
             if on_line is not None:
-                on_line(i, runs[0].outputs[i])
-            complete = i + 1
+                on_line(complete, runs[0].outputs[complete])
+            complete += 1
 
     try:
-        for b in batches[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
-            rows = [ids[i] for i in b[:WARMUP_ROWS]]
+        for c in chunks[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
             for run in runs:
+                rows = [ids[i] for i in c[:min(run.batch_size or batch_size, WARMUP_ROWS)]]
                 run_batch(run, models, rows, max_len_for(rows, max_len, max_positions), device)
-        t_start, last_print, done = time.time(), time.time(), 0
-        for n, b in enumerate(batches):
-            rows = [ids[i] for i in b]
-            budget = max_len_for(rows, max_len, max_positions)
+        t_start, last_print, finished = time.time(), time.time(), 0
+        for n, c in enumerate(chunks):
+            budget = max_len_for([ids[i] for i in c], max_len, max_positions)
             order = runs if n % 2 == 0 else runs[::-1]
             results = {}
             for run in order:
-                try:
-                    results[id(run)] = run_batch(run, models, rows, budget, device)
-                except (RuntimeError, ValueError) as e:  # one bad batch must not lose the others
-                    warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}: "
-                         f"{str(e).splitlines()[0][:200]}; writing empty output line(s) in their place")
+                step = run.batch_size or batch_size
+                for b in (c[i:i + step] for i in range(0, len(c), step)):
+                    try:
+                        results[(id(run), b[0])] = b, run_batch(run, models, [ids[i] for i in b], budget, device)
+                    except (RuntimeError, ValueError) as e:  # one bad batch must not lose the others
+                        warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}: "
+                             f"{str(e).splitlines()[0][:200]}; writing empty output line(s) in their place")
             for run in runs:
-                if id(run) not in results:
-                    continue
-                toks, secs, stats, trace = results[id(run)]
-                run.seconds += secs
-                run.stats.merge(stats)
-                for j, i in enumerate(b):
-                    run.outputs[i] = toks[j]
-                    run.times[i] = secs / len(b)
-                    run.calls[i] = stats.verifier_calls
-                    if trace is not None:
-                        run.traces[i] = trace[j]
-            next_batch = batches[n + 1][0] if n + 1 < len(batches) else len(ids)
-            advance(next_batch)
-            done += len(b)
+                for key, (b, (toks, secs, stats, trace)) in results.items():
+                    if key[0] != id(run):
+                        continue
+                    run.seconds += secs
+                    run.stats.merge(stats)
+                    for j, i in enumerate(b):
+                        run.outputs[i] = toks[j]
+                        run.times[i] = secs / len(b)
+                        run.calls[i] = stats.verifier_calls
+                        if trace is not None:
+                            run.traces[i] = trace[j]
+            for i in c:
+                done[i] = True
+            advance()
+            finished += len(c)
             now = time.time()
-            if progress and now - last_print > 5 and n < len(batches) - 1:  # a line every 5 s on long work
-                rate = done / (now - t_start)
-                print(f"  {done}/{len(todo)} sentences, {rate:.1f}/s, ETA {(len(todo) - done) / rate:.0f}s",
+            if progress and now - last_print > 5 and n < len(chunks) - 1:  # a line every 5 s on long work
+                rate = finished / (now - t_start)
+                total = len(ids) - sum(s is None for s in ids)
+                print(f"  {finished}/{total} sentences, {rate:.1f}/s, ETA {(total - finished) / rate:.0f}s",
                       file=sys.stderr, flush=True)
                 last_print = now
-        advance(len(ids))
+        advance()
     except KeyboardInterrupt:
         pass
     return complete
@@ -333,7 +352,8 @@ def identical_rate(a: list, b: list) -> float:
 
 def summary_row(run: Run, metrics: dict) -> dict:
     st = run.stats
-    return {"algo": run.name, "n": st.sentences, "seconds": run.seconds, "tokens": st.tokens,
+    return {"algo": run.name, "n": st.sentences, "seconds": run.seconds, "batch_size": run.batch_size,
+            "sent_per_s": st.sentences / run.seconds if run.seconds else float("nan"), "tokens": st.tokens,
             "ms_per_token": 1000 * run.seconds / max(st.tokens, 1), "verifier_calls": st.verifier_calls,
             "calls_per_sentence": st.verifier_calls / max(st.sentences, 1), "drafter_calls": st.drafter_calls, "mean_accepted": st.mean_accepted,
             "hit_max_len": st.hit_max_len, "encoder_calls": st.encoder_calls, **({"module_seconds": st.module_seconds} if st.module_seconds else {}),
@@ -350,7 +370,7 @@ def format_table(rows: list[dict]) -> str:
 
 def table_cells(rows: list[dict]) -> list[list[str]]:
     """The summary table as text cells, its header first: the columns some row has a figure for."""
-    cols = [("algo", "algo", "{}"), ("n", "sent", "{}"), ("seconds", "seconds", "{:.2f}"),
+    cols = [("algo", "algo", "{}"), ("n", "sent", "{}"), ("seconds", "seconds", "{:.2f}"), ("sent_per_s", "sent/s", "{:.1f}"),
             ("ms_per_token", "ms/tok", "{:.2f}"), ("tokens", "tokens", "{}"), ("verifier_calls", "verif.calls", "{}"),
             ("calls_per_sentence", "calls/sent", "{:.2f}"),
             ("drafter_calls", "draft.calls", "{}"), ("mean_accepted", "acc/call", "{:.2f}"),

@@ -86,8 +86,8 @@ def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
     assert accept_rule("top-k", top_k=1)(logits, draft).tolist() == [False, True]
     m = twin_model(vocab=40)
     src = random_src(0, 2, 40)
-    monkeypatch.setattr(importlib.import_module("refdec.decoding.gad"), "draft_block",
-                        lambda drafter, memory, cache, sequence, k, layout: [7] * k)
+    monkeypatch.setattr(importlib.import_module("refdec.decoding.gad"), "draft_blocks",
+                        lambda drafter, memory, cache, sequences, k, layout: [[7] * k for _ in sequences])
     b = gad(m, m, src, max_len=8, k=3, top_beta=1, tau=0.0, exact=False)
     assert_tokens_equal(b.tokens, greedy(m, src, max_len=8).tokens, "gad++(1, 0), twin drafts")
     monkeypatch.undo()

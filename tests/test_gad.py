@@ -85,10 +85,13 @@ def test_drafting_stops_where_the_drafters_positions_end(layout):
 
 def oracle(greedy_out: list[int], k: int, wrong: bool, vocab: int):
     """A drafter that knows the verifier's greedy output (or always misses its next token)."""
-    def draft(drafter, memory, cache, sequence, kk, layout):
-        j = len(sequence) - 1
-        block = (greedy_out + [EOS_ID] * kk)[j:j + kk]
-        return [(t + 1) % vocab for t in block] if wrong else block
+    def draft(drafter, memory, cache, sequences, kk, layout):
+        blocks = []
+        for sequence in sequences:
+            j = len(sequence) - 1
+            block = (greedy_out + [EOS_ID] * kk)[j:j + kk]
+            blocks.append([(t + 1) % vocab for t in block] if wrong else block)
+        return blocks
     return draft
 
 
@@ -112,7 +115,7 @@ def test_gad_with_always_right_and_always_wrong_drafters(monkeypatch, seed, k, w
     verifier = tiny_model(seed, vocab=vocab)
     src = random_src(seed, 1, vocab)
     g = greedy(verifier, src, max_len=30).tokens[0].tolist()
-    monkeypatch.setattr(gad_module, "draft_block", oracle(g, k, wrong, vocab))
+    monkeypatch.setattr(gad_module, "draft_blocks", oracle(g, k, wrong, vocab))
     r = gad(verifier, verifier, src, max_len=30, k=k)
     assert_greedy(verifier, r, src, 30)
     produced = r.stats.tokens

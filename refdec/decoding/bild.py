@@ -31,6 +31,15 @@ token and catches up with the rest in one call.
 As in the paper's Algorithm 1, an eos written by the small model ends the sentence without a
 large-model check. With a fallback threshold above 1 the small model never writes a token, every
 iteration is one large-model step, and BiLD is greedy decoding of the large model exactly.
+
+Batches: each row follows the algorithm above on its own; the rows are only synchronised at the
+large model. The small model writes for every row in the same calls until each row either falls
+back (its run waits: nothing more is written for it) or finishes on the small model's eos or at
+max_len (it leaves the batch); then one large-model call (verify_rows) checks every waiting row's
+run, each row with its own rollback. A row therefore decides exactly what it decides alone; what
+the batch adds is the waiting, in which a row that fell back early idles while the others write
+(small-model calls that are fed for it and discarded). Sampling draws from the one seeded
+generator, rows in turn.
 """
 
 from __future__ import annotations
@@ -38,9 +47,9 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .result import DecodeResult, DecodeStats, check_eval, finish_row
+from .result import DecodeResult, DecodeStats, check_eval, result_of
 from .sampling import distribution, draw
-from .verify import Follower, row_memories, verify
+from .verify import Follower, leave, verify_rows
 
 
 def rollback_rule(threshold: float):
@@ -75,13 +84,6 @@ def small_memory(large: Transformer, small, memory_l, src: torch.Tensor):
     return small.memory_from(memory_l) if shares_encoder(large, small) else small.encode(src)
 
 
-def pair_rows(large: Transformer, small: Transformer, src: torch.Tensor):
-    """Encode the batch with both models (`small_memory`); yield each row's (large memory, small memory)."""
-    mem_l = large.encode(src)
-    mem_s = small_memory(large, small, mem_l, src)
-    return zip(row_memories(mem_l, src.shape[0], src.device), row_memories(mem_s, src.shape[0], src.device))
-
-
 @torch.inference_mode()
 def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, fallback_threshold: float = 0.4,
          rollback_threshold: float = 2.0, max_window: int = 10, sample: bool = False, top_p: float = 0.9,
@@ -95,38 +97,59 @@ def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: 
     pick = (lambda logits: draw(distribution(logits, top_p=top_p), gen)) if sample else (lambda logits: int(logits.argmax()))
     accept = rollback_rule(rollback_threshold)
     stats = DecodeStats(sentences=src.shape[0], encoder_calls=encoder_passes(large, small))
-    tokens, traces = [], ([] if trace else None)
-    for ml, ms in pair_rows(large, small, src):
-        cache_l = large.new_cache(1, capacity=max_len + 1)
-        follower = Follower(small, ms, capacity=max_len + 1)
-        out: list[int] = []
-        pending: list[int] = []  # the small model's tokens since the large model's last call
-        last_l, steps = cfg.bos_id, []
-        while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
-            logits_s = follower.next_logits([cfg.bos_id] + out)
+    B = src.shape[0]
+    mem_l = large.encode(src)
+    cache_l = large.new_cache(B, capacity=max_len + 1)
+    follower = Follower(small, small_memory(large, small, mem_l, src), capacity=max_len + 1)
+    outs: list[list[int]] = [[] for _ in range(B)]
+    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
+    choose = (lambda row, n, rejected: pick(row)) if sample else None
+    while alive:
+        pending: list[list[int]] = [[] for _ in alive]  # each row's small-model tokens since the large model's last call
+        writing = list(range(len(alive)))  # rows the small model still writes for; the others fell back or finished
+        finished = set()
+        while writing:
+            logits_s = follower.next_logits([[cfg.bos_id] + outs[b] for b in alive])
             stats.drafter_calls += 1
-            confident = float(torch.softmax(logits_s.double(), dim=-1).max()) >= fallback_threshold
-            if confident and len(pending) < max_window:
-                tok = pick(logits_s)
-                out.append(tok)
-                pending.append(tok)
-                continue
-            kept = len(out) - len(pending)  # committed before the small model's run
-            v = verify(large, ml, cache_l, last_l, pending, budget=max_len - kept, eos_id=cfg.eos_id,
-                       accept=accept, choose=(lambda row, n, rejected: pick(row)) if sample else None)
-            new = out[:kept] + v.tokens
-            rolled = v.accepted < len(pending)
-            stats.verifier_calls += 1
+            confident = (torch.softmax(logits_s.double(), dim=-1).max(dim=-1).values >= fallback_threshold).tolist()
+            still = []
+            for r in writing:
+                if not (confident[r] and len(pending[r]) < max_window):
+                    continue  # falls back: waits for the large model
+                b = alive[r]
+                tok = pick(logits_s[r])
+                outs[b].append(tok)
+                pending[r].append(tok)
+                if tok == cfg.eos_id or len(outs[b]) >= max_len:
+                    finished.add(r)  # ended by the small model, without a large-model check
+                    if steps is not None:
+                        steps[b].append({"small": pending[r], "kept": len(pending[r]), "large": None, "rollback": False})
+                else:
+                    still.append(r)
+            writing = still
+        waiting = [r for r in range(len(alive)) if r not in finished]
+        if len(waiting) < len(alive):
+            mem_l, = leave(waiting, len(alive), [mem_l], [cache_l, follower])
+            alive, pending = [alive[r] for r in waiting], [pending[r] for r in waiting]
+        if not alive:
+            break
+        kept = [len(outs[b]) - len(p) for b, p in zip(alive, pending)]  # committed before the small model's run
+        verified = verify_rows(large, mem_l, cache_l, [outs[b][n - 1] if n else cfg.bos_id for b, n in zip(alive, kept)],
+                               pending, budgets=[max_len - n for n in kept], eos_id=cfg.eos_id, accept=accept,
+                               choose=choose)
+        stats.verifier_calls += 1
+        going = []
+        for r, (b, v) in enumerate(zip(alive, verified)):
+            rolled = v.accepted < len(pending[r])
+            outs[b] = outs[b][:kept[r]] + v.tokens
             stats.fallbacks += 1
             stats.rollbacks += int(rolled)
             stats.accepted.append(len(v.tokens))
-            if trace:
-                steps.append({"small": pending, "kept": v.accepted, "large": v.tokens[-1], "rollback": rolled})
-            out, pending, last_l = new, [], v.tokens[-1]
-        if trace and pending:
-            steps.append({"small": pending, "kept": len(pending), "large": None, "rollback": False})
-        tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
-        if trace:
-            traces.append(steps)
-    return DecodeResult(tokens, stats, traces)
-
+            if steps is not None:
+                steps[b].append({"small": pending[r], "kept": v.accepted, "large": v.tokens[-1], "rollback": rolled})
+            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
+                going.append(r)
+        mem_l, = leave(going, len(alive), [mem_l], [cache_l, follower])
+        alive = [alive[r] for r in going]
+    return result_of(outs, cfg.eos_id, stats, steps, src.device)

@@ -27,7 +27,9 @@ output. Approximate inference (section 5), each lossy:
     min_block  accept the first min_block - 1 proposals unconditionally, so every call adds at least
                min_block tokens (5.3); combines with either rule
 
-Batches: rows are encoded together and decoded one after another (acceptance differs per row).
+Batches: every row still decoding is verified in the same call (refdec.decoding.verify.verify_rows),
+its proposals padded to the longest; each row accepts its own prefix, its heads read its own row of
+the bifurcation, and a row that reaches eos or max_len leaves the batch.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ import torch
 
 from ..model import Transformer
 from ..proposal import ProposalHeads
-from .result import DecodeResult, DecodeStats, check_eval, finish_row
+from .result import DecodeResult, DecodeStats, check_eval, result_of
 from .ties import rank
-from .verify import row_memories, verify
+from .verify import leave, verify_rows
 
 RULES = ("exact", "top-k", "distance")
 
@@ -90,23 +92,26 @@ def blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, ma
     B = src.shape[0]
     memory = model.encode(src)
     stats = DecodeStats(sentences=B, encoder_calls=1)
-    tokens, traces = [], ([] if trace else None)
-    for mem in row_memories(memory, B, src.device):
-        cache = model.new_cache(1, capacity=max_len + k + 1)
-        out: list[int] = []
-        last, proposal, steps = cfg.bos_id, [], []
-        while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
-            v = verify(model, mem, cache, last, proposal, budget=max_len - len(out), eos_id=cfg.eos_id, accept=accept)
-            out += v.tokens
-            last = v.tokens[-1]
-            stats.verifier_calls += 1
+    cache = model.new_cache(B, capacity=max_len + k + 1)
+    outs: list[list[int]] = [[] for _ in range(B)]
+    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
+    proposals: list[list[int]] = [[] for _ in alive]  # per alive row; the first call proposes nothing
+    while alive:
+        verified = verify_rows(model, memory, cache, [outs[b][-1] if outs[b] else cfg.bos_id for b in alive], proposals,
+                               budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id, accept=accept)
+        stats.verifier_calls += 1
+        going = []
+        for r, (b, v) in enumerate(zip(alive, verified)):
+            outs[b] += v.tokens
             stats.accepted.append(len(v.tokens))
-            if trace:
-                steps.append({"proposed": proposal, "accepted": v.accepted, "tokens": v.tokens})
-            # Predict, merged into this call: heads 2..k at the row that produced `last`.
-            row = v.hidden[v.accepted]  # (D,)
-            proposal = model.project(heads(row[None, None])[0, 0, 1:k]).argmax(-1).tolist()
-        tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
-        if trace:
-            traces.append(steps)
-    return DecodeResult(tokens, stats, traces)
+            if steps is not None:
+                steps[b].append({"proposed": proposals[r], "accepted": v.accepted, "tokens": v.tokens})
+            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
+                going.append(r)
+        # Predict, merged into this call: heads 2..k at the row that produced each row's last token.
+        rows = torch.stack([verified[r].hidden[verified[r].accepted] for r in going]) if going else None  # (b, D)
+        proposals = model.project(heads(rows[:, None])[:, 0, 1:k]).argmax(-1).tolist() if going else []
+        memory, = leave(going, len(alive), [memory], [cache])
+        alive = [alive[r] for r in going]
+    return result_of(outs, cfg.eos_id, stats, steps, src.device)

@@ -20,6 +20,11 @@ A drafter without an encoder of its own (train.py --drafter-k --encoder-from, a 
 over the verifier) reads the verifier's encoder states: the encoder runs once for both, and the
 "drafter encoder" time below is then only its cross-attention keys and values.
 
+Batches: every row still decoding drafts in one drafter call (refdec.drafter.draft_blocks: rows of
+different lengths padded, each row's masks open within its own row) and is verified in one
+verifier call (refdec.decoding.verify.verify_rows); each row accepts its own prefix, both caches
+keep a length per row, and a row that reaches eos or max_len leaves the batch.
+
 Stats: drafter and verifier calls, tokens per verifier call, and the time per part
 (module_seconds: verifier encoder, drafter encoder, drafter decoder, verifier decoder; the caller's
 total minus these is "other"), like the paper's table 15.
@@ -31,12 +36,12 @@ import time
 
 import torch
 
-from ..drafter import LAYOUTS, draft_block
+from ..drafter import LAYOUTS, draft_blocks
 from ..model import Transformer
 from .bild import check_pair, encoder_passes, small_memory
-from .result import DecodeResult, DecodeStats, finish_row
+from .result import DecodeResult, DecodeStats, result_of
 from .ties import rank
-from .verify import row_memories, verify
+from .verify import leave, verify_rows
 
 
 def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
@@ -77,28 +82,31 @@ def gad(verifier: Transformer, drafter: Transformer, src: torch.Tensor, *, max_l
     mem_d = small_memory(verifier, drafter, mem_v, src)  # from the verifier's when it reads that encoder
     secs["verifier encoder"] += t1 - t0
     secs["drafter encoder"] += time.perf_counter() - t1
-    tokens, traces = [], ([] if trace else None)
-    for mv, md in zip(row_memories(mem_v, B, src.device), row_memories(mem_d, B, src.device)):
-        cache_v = verifier.new_cache(1, capacity=max_len + 1)
-        cache_d = drafter.new_cache(1, capacity=max_len + k + 1) if layout == "causal" else None
-        out: list[int] = []
-        last, steps = cfg.bos_id, []
-        while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
-            t0 = time.perf_counter()
-            draft = draft_block(drafter, md, cache_d, [cfg.bos_id] + out, k, layout)
-            t1 = time.perf_counter()
-            v = verify(verifier, mv, cache_v, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id, accept=accept)
-            secs["drafter decoder"] += t1 - t0
-            secs["verifier decoder"] += time.perf_counter() - t1
-            stats.drafter_calls += 1
-            stats.verifier_calls += 1
+    cache_v = verifier.new_cache(B, capacity=max_len + 1)
+    cache_d = drafter.new_cache(B, capacity=max_len + k + 1) if layout == "causal" else None
+    outs: list[list[int]] = [[] for _ in range(B)]
+    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
+    while alive:
+        t0 = time.perf_counter()
+        drafts = draft_blocks(drafter, mem_d, cache_d, [[cfg.bos_id] + outs[b] for b in alive], k, layout)
+        t1 = time.perf_counter()
+        verified = verify_rows(verifier, mem_v, cache_v, [outs[b][-1] if outs[b] else cfg.bos_id for b in alive],
+                               drafts, budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id,
+                               accept=accept)
+        secs["drafter decoder"] += t1 - t0
+        secs["verifier decoder"] += time.perf_counter() - t1
+        stats.drafter_calls += 1
+        stats.verifier_calls += 1
+        going = []
+        for r, (b, v) in enumerate(zip(alive, verified)):
+            outs[b] += v.tokens
             stats.accepted.append(len(v.tokens))
-            if trace:
-                steps.append({"draft": draft, "accepted": v.accepted, "tokens": v.tokens})
-            out += v.tokens
-            last = v.tokens[-1]
-        tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
-        if trace:
-            traces.append(steps)
+            if steps is not None:
+                steps[b].append({"draft": drafts[r], "accepted": v.accepted, "tokens": v.tokens})
+            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
+                going.append(r)
+        mem_v, mem_d = leave(going, len(alive), [mem_v, mem_d], [cache_v] + ([cache_d] if cache_d is not None else []))
+        alive = [alive[r] for r in going]
     stats.module_seconds = secs
-    return DecodeResult(tokens, stats, traces)
+    return result_of(outs, cfg.eos_id, stats, steps, src.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .result import DecodeResult, DecodeStats, check_eval, finish_row
+from .result import DecodeResult, DecodeStats, check_eval, result_of
 
 
 @torch.inference_mode()
@@ -50,8 +50,5 @@ def greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace: bool =
             cache.select(keep)
             next_tok = next_tok[keep]
         last = next_tok[:, None]
-    return _result(out, cfg.eos_id, stats, steps, src.device)
+    return result_of(out, cfg.eos_id, stats, steps, src.device)
 
-
-def _result(out: list[list[int]], eos_id: int, stats: DecodeStats, steps, device) -> DecodeResult:
-    return DecodeResult([finish_row(seq, eos_id, stats, device) for seq in out], stats, steps)

@@ -55,8 +55,8 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .result import DecodeResult, DecodeStats, check_eval, finish_row
-from .verify import verify_rows
+from .result import DecodeResult, DecodeStats, check_eval, result_of
+from .verify import leave, verify_rows
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")
 
@@ -124,10 +124,6 @@ def iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "un
                 steps[b].append({"match": matches[r], "drafted": len(drafts[r]), "accepted": v.accepted, "tokens": v.tokens})
             if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
                 going.append(r)
-        if going and len(going) < len(alive):  # finished rows leave: memory and cache keep the others
-            keep = torch.tensor(going, device=src.device)
-            memory = memory.select(keep)
-            cache.select(keep)
+        memory, = leave(going, len(alive), [memory], [cache])  # finished rows leave the batch
         alive = [alive[r] for r in going]
-    tokens = [finish_row(out, cfg.eos_id, stats, src.device) for out in outs]
-    return DecodeResult(tokens, stats, steps)
+    return result_of(outs, cfg.eos_id, stats, steps, src.device)

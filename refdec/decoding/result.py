@@ -11,10 +11,11 @@ import torch
 class DecodeStats:
     """Counts a decoder fills in. Wall time is measured by the caller, not here.
 
-    verifier_calls  decoder calls of the model whose output is produced (greedy: one per step)
+    verifier_calls  decoder calls of the model whose output is produced (greedy: one per step; one
+                    call verifies every row of a batch)
     drafter_calls   calls of a separate drafter / small model (0 for greedy and beam)
     accepted        tokens committed by each verifier call, per sentence row (greedy: all 1)
-    fallbacks, rollbacks  big-little decoding's counters
+    fallbacks, rollbacks  big-little decoding's counters, one per row that fell back (or rolled back)
     """
 
     sentences: int = 0
@@ -73,3 +74,9 @@ def finish_row(out: list[int], eos_id: int, stats: DecodeStats, device) -> torch
     else:
         stats.hit_max_len += 1
     return torch.tensor(out, dtype=torch.long, device=device)
+
+
+def result_of(outs: list[list[int]], eos_id: int, stats: DecodeStats, steps: list[list[dict]] | None,
+              device) -> DecodeResult:
+    """A batch's DecodeResult from each row's output tokens (finish_row) and, on request, its trace."""
+    return DecodeResult([finish_row(out, eos_id, stats, device) for out in outs], stats, steps)

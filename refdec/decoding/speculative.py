@@ -17,6 +17,12 @@ the large model's argmax: the output is greedy decoding of the large model, toke
 The large-model call is refdec's shared verification step with a random acceptance test and a
 `choose` that draws from the residual (or, after a full acceptance, from p); the small model keeps
 its own cache in step (a Follower: cut back to the first changed token, catch up) as in BiLD (refdec.decoding.bild).
+
+Batches: the small model drafts for every row still decoding in the same calls (a row whose
+window is full, or that drafted eos, waits), the large model verifies every row's draft in one call
+(refdec.decoding.verify.verify_rows, each row with its own rules when sampling), each row commits its
+own tokens, and a row that reaches eos or max_len leaves the batch. Sampling draws each row's
+tokens from the one seeded generator, rows in turn.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .bild import check_pair, encoder_passes, pair_rows
-from .result import DecodeResult, DecodeStats, finish_row
+from .bild import check_pair, encoder_passes, small_memory
+from .result import DecodeResult, DecodeStats, result_of
 from .sampling import distribution, draw
-from .verify import Follower, verify
+from .verify import Follower, leave, verify_rows
 
 
 @torch.inference_mode()
@@ -43,47 +49,67 @@ def speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
     cfg = large.cfg
     gen = torch.Generator().manual_seed(seed)
     stats = DecodeStats(sentences=src.shape[0], encoder_calls=encoder_passes(large, small))
-    tokens, traces = [], ([] if trace else None)
-    for ml, ms in pair_rows(large, small, src):
-        cache_l = large.new_cache(1, capacity=max_len + 1)
-        follower = Follower(small, ms, capacity=max_len + gamma + 1)
-        out: list[int] = []
-        last_l, steps = cfg.bos_id, []
-        while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
-            budget = max_len - len(out)
-            draft: list[int] = []
-            q: list[torch.Tensor] = []  # the small model's distribution at each drafted position
-            while len(draft) < min(gamma, budget - 1) and (not draft or draft[-1] != cfg.eos_id):
-                logits = follower.next_logits([cfg.bos_id] + out + draft)
-                stats.drafter_calls += 1
+    B = src.shape[0]
+    mem_l = large.encode(src)
+    cache_l = large.new_cache(B, capacity=max_len + 1)
+    follower = Follower(small, small_memory(large, small, mem_l, src), capacity=max_len + gamma + 1)
+    outs: list[list[int]] = [[] for _ in range(B)]
+    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
+    while alive:
+        budgets = [max_len - len(outs[b]) for b in alive]
+        drafts: list[list[int]] = [[] for _ in alive]
+        qs: list[list[torch.Tensor]] = [[] for _ in alive]  # the small model's distribution at each drafted position
+        while True:
+            drafting = [r for r, d in enumerate(drafts) if len(d) < min(gamma, budgets[r] - 1) and (not d or d[-1] != cfg.eos_id)]
+            if not drafting:
+                break
+            logits = follower.next_logits([[cfg.bos_id] + outs[b] + d for b, d in zip(alive, drafts)])
+            stats.drafter_calls += 1
+            for r in drafting:
                 if sample:
-                    q.append(distribution(logits, temperature, top_p))
-                    draft.append(draw(q[-1], gen))
+                    qs[r].append(distribution(logits[r], temperature, top_p))
+                    drafts[r].append(draw(qs[r][-1], gen))
                 else:
-                    draft.append(int(logits.argmax()))
-            accept = choose = None
-            if sample:
-                def accept(logits, d, q=q):
-                    p = torch.stack([distribution(row, temperature, top_p) for row in logits]).cpu()
-                    i, d = torch.arange(len(d)), d.cpu()
-                    ratio = p[i, d] / torch.stack(q).cpu()[i, d]
-                    return torch.rand(len(d), generator=gen, dtype=torch.float64) < ratio.clamp(max=1.0)
-
-                def choose(row, n, rejected, q=q):
-                    p = distribution(row, temperature, top_p).cpu()
-                    if rejected:  # the residual max(0, p - q), renormalised
-                        r = (p - q[n].cpu()).clamp(min=0.0)
-                        p = r / r.sum() if float(r.sum()) > 0 else p
-                    return draw(p, gen)
-            v = verify(large, ml, cache_l, last_l, draft, budget=budget, eos_id=cfg.eos_id, accept=accept,
-                       choose=choose)
-            new = out + v.tokens
-            stats.verifier_calls += 1
+                    drafts[r].append(int(logits[r].argmax()))
+        accept = choose = None
+        if sample:
+            accept = [residual_test(q, temperature, top_p, gen) for q in qs]
+            choose = [residual_draw(q, temperature, top_p, gen) for q in qs]
+        verified = verify_rows(large, mem_l, cache_l, [outs[b][-1] if outs[b] else cfg.bos_id for b in alive], drafts,
+                               budgets=budgets, eos_id=cfg.eos_id, accept=accept, choose=choose)
+        stats.verifier_calls += 1
+        going = []
+        for r, (b, v) in enumerate(zip(alive, verified)):
+            outs[b] += v.tokens
             stats.accepted.append(len(v.tokens))
-            if trace:
-                steps.append({"small": draft, "kept": v.accepted, "large": v.tokens[-1]})
-            out, last_l = new, v.tokens[-1]
-        tokens.append(finish_row(out, cfg.eos_id, stats, src.device))
-        if trace:
-            traces.append(steps)
-    return DecodeResult(tokens, stats, traces)
+            if steps is not None:
+                steps[b].append({"small": drafts[r], "kept": v.accepted, "large": v.tokens[-1]})
+            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
+                going.append(r)
+        mem_l, = leave(going, len(alive), [mem_l], [cache_l, follower])
+        alive = [alive[r] for r in going]
+    return result_of(outs, cfg.eos_id, stats, steps, src.device)
+
+
+def residual_test(q: list[torch.Tensor], temperature: float, top_p: float, gen: torch.Generator):
+    """Speculative sampling's acceptance test for one row's draft, whose small-model distributions are q:
+    accept x_i with probability min(1, p_i(x_i) / q_i(x_i))."""
+    def accept(logits, d):
+        p = torch.stack([distribution(row, temperature, top_p) for row in logits]).cpu()
+        i, d = torch.arange(len(d)), d.cpu()
+        ratio = p[i, d] / torch.stack(q).cpu()[i, d]
+        return torch.rand(len(d), generator=gen, dtype=torch.float64) < ratio.clamp(max=1.0)
+    return accept
+
+
+def residual_draw(q: list[torch.Tensor], temperature: float, top_p: float, gen: torch.Generator):
+    """The token after the accepted prefix: from the residual max(0, p - q), renormalised, after a
+    rejection; from p after a full acceptance."""
+    def choose(row, n, rejected):
+        p = distribution(row, temperature, top_p).cpu()
+        if rejected:
+            r = (p - q[n].cpu()).clamp(min=0.0)
+            p = r / r.sum() if float(r.sum()) > 0 else p
+        return draw(p, gen)
+    return choose

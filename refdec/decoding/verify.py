@@ -29,7 +29,14 @@ eos, and at `budget` tokens (what is left of max_len).
 
 Batched (`verify_rows`), each row of a batch runs this step on its own draft in the same decoder
 call; rows accept different numbers of tokens, so each row's cache length moves by its own count
-(a ragged KVCache, whose attention never sees a row's rejected tail).
+(a ragged KVCache, whose attention never sees a row's rejected tail). Every batched decoder (IAD,
+GAD, blockwise, BiLD, speculative) runs the same loop around it:
+
+    alive <- every row
+    while alive:
+        each alive row drafts (its own way, its own length)
+        one verify_rows call: each row commits its accepted prefix and its own bifurcation token
+        rows that produced eos or reached max_len leave the batch (`leave`: memory and cache rows)
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ from ..model import Memory, Transformer
 
 AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ChooseRule = Callable[[torch.Tensor, int, bool], int]
+
+
+def per_row(rule, b: int):
+    """Row b's rule: `rule` itself when one rule serves every row, else rule[b] (a rule per row)."""
+    return rule[b] if isinstance(rule, (list, tuple)) else rule
 
 
 @dataclass
@@ -77,10 +89,12 @@ def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft:
 
 
 def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[int], drafts: list[list[int]], *,
-                budgets: list[int], eos_id: int, accept: AcceptRule | None = None,
-                choose: ChooseRule | None = None) -> list[Verified]:
+                budgets: list[int], eos_id: int, accept: AcceptRule | list[AcceptRule] | None = None,
+                choose: ChooseRule | list[ChooseRule] | None = None) -> list[Verified]:
     """The step above for every batch row of memory and cache in one decoder call: row b verifies
-    [lasts[b]] + drafts[b] with budgets[b] tokens left, and gets its own Verified.
+    [lasts[b]] + drafts[b] with budgets[b] tokens left, and gets its own Verified. `accept` and
+    `choose` are one rule for every row or a list of one per row (speculative sampling's rules hold
+    each row's drafting distributions).
 
     Drafts of different lengths are right-padded to the longest; a padded position comes after all
     of its row's real ones, so causal attention keeps it out of them, and it is cut with the rest.
@@ -98,56 +112,86 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
                        dtype=torch.long, device=memory.states.device)  # (B, width)
     real = None if min(widths) == width else torch.tensor(widths, device=inp.device)
     hidden = model.decode_hidden(inp, memory, cache, real=real)  # (B, width, D)
-    logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
-    agree = inp[:, 1:].eq(logits[:, :-1].argmax(dim=-1)).tolist() if accept is None else None  # (B, width - 1)
+    if real is None:
+        logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
+    else:  # only real positions are projected (the projection is the widest product); rows split again
+        flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < real[:, None]][None])[0]
+        logits = flat.split(widths)  # row b: (widths[b], V)
+    best = [row.argmax(dim=-1).tolist() for row in logits]  # the lowest id among equal maxima, as greedy's argmax
     out, keep = [], []
     for b, (draft, w) in enumerate(zip(drafts, widths)):
         m = w - 1
+        rule, pick = per_row(accept, b), per_row(choose, b)
         if not draft:
             ok = []
-        elif accept is None:
-            ok = agree[b][:m]
+        elif rule is None:
+            ok = [d == p for d, p in zip(draft, best[b])]
         else:
-            ok = accept(logits[b, :m], inp[b, 1:w]).tolist()
+            ok = rule(logits[b][:m], inp[b, 1:w]).tolist()
         n = next((i for i, good in enumerate(ok) if not good), len(ok))
-        tokens = draft[:n] + [int(logits[b, n].argmax()) if choose is None else choose(logits[b, n], n, n < len(draft))]
+        tokens = draft[:n] + [best[b][n] if pick is None else pick(logits[b][n], n, n < len(draft))]
         if eos_id in tokens:
             tokens = tokens[: tokens.index(eos_id) + 1]
         tokens = tokens[:budgets[b]]
         keep.append(int(base[b]) + len(tokens))  # last, d_1 .. d_(c-1): the committed output minus its new last token
-        out.append(Verified(tokens, n, logits[b, :w], hidden[b, :w]))
+        out.append(Verified(tokens, n, logits[b][:w], hidden[b, :w]))
     cache.truncate(keep[0] if len(keep) == 1 else keep)
     return out
 
 
-def row_memories(memory: Memory, batch: int, device):
-    """Each batch row's memory in turn (GAD, blockwise, BiLD and speculative decoding decode rows one by
-    one; IAD verifies its rows together with verify_rows)."""
-    for b in range(batch):
-        yield memory if batch == 1 else memory.select(torch.tensor([b], device=device))
+def leave(going: list[int], alive: int, memories: list[Memory], caches: list) -> list[Memory]:
+    """Rows `going` (indices into the `alive` batch rows) stay, the others leave: each cache (a
+    KVCache or a Follower) keeps those rows in place, and the memories of those rows are returned.
+    Nothing moves when every row stays or none does."""
+    if not going or len(going) == alive:
+        return memories
+    keep = torch.tensor(going, device=memories[0].states.device)
+    for cache in caches:
+        cache.select(keep)
+    return [m.select(keep) for m in memories]
 
 
 class Follower:
-    """A drafting model's cache kept in step with the committed output (BiLD's small model,
-    speculative sampling's drafter). It remembers the tokens its cache holds; `next_logits(sequence)`
-    truncates the cache to the part of them that `sequence` (bos + output so far) still agrees with,
-    feeds the rest in one decoder call and returns the next-token logits (V,). After a rollback
-    only the positions past the first changed token are recomputed, never the whole prefix; when
-    the cache already holds all of `sequence`, its last position is fed again (a cache keeps
-    states, not logits)."""
+    """A drafting model's cache kept in step with the committed output of every batch row (BiLD's
+    small model, speculative decoding's drafter). It remembers the tokens its cache holds per row;
+    `next_logits(sequences)` truncates row b's cache to the part of them that sequences[b] (bos +
+    output so far, + what it drafted) still agrees with, feeds the rest of every row in one decoder
+    call (right-padded, each row at its own positions) and returns each row's next-token logits
+    (B, V). After a rollback only the positions past the first changed token are recomputed, never
+    the whole prefix; when the cache already holds all of a sequence, its last position is fed
+    again (a cache keeps states, not logits). `select(rows)` keeps batch rows, as rows finish."""
 
     def __init__(self, model: Transformer, memory: Memory, capacity: int):
         self.model, self.memory = model, memory
-        self.cache = model.new_cache(1, capacity=capacity)
-        self.tokens: list[int] = []
+        self.cache = model.new_cache(memory.batch, capacity=capacity)
+        self.tokens: list[list[int]] = [[] for _ in range(memory.batch)]
 
-    def next_logits(self, sequence: list[int]) -> torch.Tensor:
-        keep = 0
-        for a, b in zip(self.tokens, sequence[:-1]):  # at least the last token is fed
-            if a != b:
-                break
-            keep += 1
-        self.cache.truncate(keep)
-        inp = torch.tensor([sequence[keep:]], dtype=torch.long, device=self.memory.states.device)
-        self.tokens = list(sequence)
-        return self.model.decode(inp, self.memory, self.cache)[0, -1]
+    def next_logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        keeps = []
+        for have, seq in zip(self.tokens, sequences):
+            keep = 0
+            for a, b in zip(have, seq[:-1]):  # at least the last token is fed
+                if a != b:
+                    break
+                keep += 1
+            keeps.append(keep)
+        device = self.memory.states.device
+        todo = [seq[k:] for seq, k in zip(sequences, keeps)]
+        self.tokens = [list(seq) for seq in sequences]
+        if len(sequences) == 1:
+            self.cache.truncate(keeps[0])
+            return self.model.decode(torch.tensor(todo, dtype=torch.long, device=device), self.memory, self.cache)[:, -1]
+        self.cache.truncate(keeps)
+        real = [len(t) for t in todo]
+        width = max(real)
+        inp = torch.tensor([t + [self.model.cfg.pad_id] * (width - len(t)) for t in todo], dtype=torch.long, device=device)
+        hidden = self.model.decode_hidden(inp, self.memory, self.cache, real=torch.tensor(real, device=device))
+        self.cache.truncate([len(seq) for seq in sequences])
+        last = hidden[torch.arange(len(todo), device=device), torch.tensor(real, device=device) - 1]  # (B, D)
+        return self.model.project(last[:, None], self.memory)[:, 0]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep batch rows `rows` (LongTensor), in that order, as KVCache.select does."""
+        self.memory = self.memory.select(rows)
+        self.cache.select(rows)
+        self.tokens = [self.tokens[r] for r in rows.tolist()]

@@ -1,0 +1,266 @@
+"""Batched GAD (and GAD++ at its exact setting), blockwise parallel decoding, greedy speculative
+decoding and BiLD on the shared verify_rows step: every lossless one equals batch-1 greedy row by
+row (float64, torch.equal), for batch sizes 1-17, ragged sources (empty ones included), ragged and
+adversarial drafts, eos inside drafts, drafts past max_len and rows finishing at different steps;
+the batched drafter and small-model Follower see nothing of another row or of their padding."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from conftest import copy_model, random_src, tiny_model
+from refdec.config import BOS_ID, EOS_ID
+from refdec.decoding import greedy
+from refdec.decoding.bild import bild
+from refdec.decoding.blockwise import blockwise
+from refdec.decoding.gad import gad
+from refdec.decoding.speculative import speculative
+from refdec.decoding.verify import Follower
+from refdec.drafter import draft_block, draft_blocks
+from refdec.proposal import ProposalHeads
+from test_batched import alone, assert_rows_equal, batch1_greedy, invariant_copy
+from test_blockwise import random_heads
+
+gad_module = importlib.import_module("refdec.decoding.gad")
+
+
+def ragged_src(seed: int, batch: int, vocab: int) -> torch.Tensor:
+    """Sources of 0-13 tokens (0: eos alone) for `batch` rows."""
+    return random_src(seed, batch, vocab, min_len=0 if batch > 2 else 1, max_len=13)
+
+
+def adversarial_drafter(refs: list[list[int]], seed: int, vocab: int):
+    """A stand-in for draft_blocks that knows each row's greedy output (refs, eos included) and
+    corrupts it: per row and call, the block is right, right up to one wrong token, all wrong, runs
+    past eos (eos inside the draft) or is empty; lengths vary from row to row."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draft(drafter, memory, cache, sequences, k, layout):
+        out = []
+        for sequence in sequences:
+            j = len(sequence) - 1
+            rows = [r for r in refs if r[:j] == sequence[1:]] or [[5] * (j + k)]  # rows sharing this output so far
+            row = rows[int(torch.randint(0, len(rows), (1,), generator=g))]
+            n = int(torch.randint(0, k + 1, (1,), generator=g))
+            block = (row + [EOS_ID] * (k + 3))[j:j + n]
+            how = int(torch.randint(0, 4, (1,), generator=g))
+            if how == 1 and block:
+                i = int(torch.randint(0, len(block), (1,), generator=g))
+                block[i] = (block[i] + 1) % vocab
+            elif how == 2:
+                block = [(t + 3) % vocab for t in block]
+            out.append(block)
+        return out
+    return draft
+
+
+@pytest.mark.parametrize("batch", range(1, 18))
+def test_batched_gad_equals_batch1_greedy(batch, monkeypatch):
+    """Guards batched GAD: a real drafter (causal or bidirectional, its own caches ragged) and an
+    adversarial one (right, partly right, wrong, empty blocks, eos inside), GAD++'s rule at its exact
+    setting (top_beta 1, tau 0 through the acceptance test), max_len 25 and 4."""
+    vocab = 12 if batch % 2 else 40
+    verifier = tiny_model(batch, vocab=vocab)
+    drafter = tiny_model(batch + 50, vocab=vocab, layers=(1, 2))
+    src = ragged_src(300 + batch, batch, vocab)
+    layout = "causal" if batch % 3 else "bidirectional"
+    for max_len in (25, 4):
+        ref = batch1_greedy(verifier, src, max_len)
+        r = gad(verifier, drafter, src, max_len=max_len, k=1 + batch % 5, layout=layout, trace=True)
+        assert_rows_equal(r.tokens, ref, f"gad B={batch} max_len={max_len}")
+        pp = gad(verifier, drafter, src, max_len=max_len, k=3, layout=layout, top_beta=1, tau=0.0, exact=False)
+        assert_rows_equal(pp.tokens, ref, f"gad++ exact B={batch} max_len={max_len}")
+        refs = [t.tolist() + [EOS_ID] for t in ref]
+        with monkeypatch.context() as mp:
+            mp.setattr(gad_module, "draft_blocks", adversarial_drafter(refs, batch + max_len, vocab))
+            adv = gad(verifier, drafter, src, max_len=max_len, k=6, trace=True)
+        assert_rows_equal(adv.tokens, ref, f"gad adversarial B={batch} max_len={max_len}")
+        if batch >= 6 and max_len == 25 and vocab == 40:
+            assert len({len(t) for t in adv.trace}) > 1, "rows should finish at different steps"
+            assert any(s["accepted"] > 0 for t in adv.trace for s in t), "some drafts should be accepted"
+
+
+@pytest.mark.parametrize("batch", range(1, 18))
+def test_batched_blockwise_and_speculative_equal_batch1_greedy(batch):
+    """Guards batched blockwise decoding (heads that propose p_1's own token, so proposals are
+    partly right, and random heads) and greedy speculative decoding (the large model as its own
+    drafter, every draft right and eos inside drafts; a random small model, drafts mostly wrong),
+    on a copying model and a random one, max_len 30 and 3 (drafts past max_len)."""
+    models = (copy_model(), tiny_model(batch, vocab=12))
+    for m in models:
+        vocab = m.cfg.vocab_size
+        src = ragged_src(400 + batch, batch, vocab)
+        small = tiny_model(batch + 100, vocab=vocab, d_model=16, layers=(1, 1))
+        copying = ProposalHeads(m.cfg.d_model, 8, 4).double().eval()  # zero residual: every head is p_1
+        for max_len in (30, 3):
+            ref = batch1_greedy(m, src, max_len)
+            what = f"B={batch} vocab={vocab} max_len={max_len}"
+            assert_rows_equal(blockwise(m, copying, src, max_len=max_len).tokens, ref, f"blockwise (p_1 heads) {what}")
+            assert_rows_equal(blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref,
+                              f"blockwise (random heads) {what}")
+            same = speculative(m, m, src, max_len=max_len, gamma=4, trace=True)
+            assert_rows_equal(same.tokens, ref, f"speculative (self-drafted) {what}")
+            assert_rows_equal(speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref,
+                              f"speculative (random small) {what}")
+            if max_len == 30 and batch > 1:
+                assert all(s["kept"] == len(s["small"]) for t in same.trace for s in t)  # every draft right
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 9, 17])
+def test_batched_decoders_equal_batch1_greedy_in_float32_row_invariant(batch):
+    """Guards the batched decoders in row-invariant mode: in float32, where a shape-dependent
+    rounding would show, each equals batch-1 greedy with torch.equal; and batched BiLD (lossy) makes
+    each row's decisions exactly as BiLD on that row alone."""
+    m = invariant_copy(copy_model(), torch.float32)
+    drafter = invariant_copy(tiny_model(batch + 7, vocab=16, layers=(1, 2)), torch.float32)
+    small = invariant_copy(tiny_model(batch + 8, vocab=16, d_model=16, layers=(1, 1)), torch.float32)
+    heads = ProposalHeads(m.cfg.d_model, 8, 3).float().eval()
+    src = ragged_src(500 + batch, batch, 16)
+    ref = batch1_greedy(m, src, 24)
+    assert_rows_equal(gad(m, drafter, src, max_len=24, k=4).tokens, ref, "gad")
+    assert_rows_equal(gad(m, drafter, src, max_len=24, k=4, layout="bidirectional").tokens, ref, "gad bidirectional")
+    assert_rows_equal(blockwise(m, heads, src, max_len=24).tokens, ref, "blockwise")
+    assert_rows_equal(speculative(m, small, src, max_len=24, gamma=3).tokens, ref, "speculative")
+    assert_rows_equal(speculative(m, m, src, max_len=24, gamma=5).tokens, ref, "speculative self-drafted")
+    knobs = dict(max_len=24, fallback_threshold=0.5, rollback_threshold=1.0, max_window=4)
+    r = bild(m, small, src, trace=True, **knobs)
+    for b in range(batch):
+        one = bild(m, small, alone(src, b), trace=True, **knobs)
+        assert torch.equal(r.tokens[b], one.tokens[0]) and r.trace[b] == one.trace[0], f"bild row {b}"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 13])
+def test_batched_bild_at_its_greedy_limits_is_greedy(batch):
+    """Guards batched BiLD where it is greedy of the large model: the large model writes every token
+    (fallback threshold above 1), or rejects every small-model token (rollback below 0) after the
+    small model's runs of different lengths per row."""
+    large = tiny_model(batch, vocab=12, layers=(2, 3))
+    small = tiny_model(batch + 100, vocab=12, d_model=16, layers=(1, 1))
+    src = ragged_src(600 + batch, batch, 12)
+    ref = batch1_greedy(large, src, 20)
+    assert_rows_equal(bild(large, small, src, max_len=20, fallback_threshold=1.5).tokens, ref, "bild, large writes")
+    r = bild(large, large, src, max_len=20, fallback_threshold=0.0, rollback_threshold=1e9, max_window=3)
+    assert_rows_equal(r.tokens, ref, "bild, small = large")
+    assert r.stats.rollbacks == 0
+
+
+# -- the batched drafter and Follower: nothing of another row, nothing of the padding ---------------
+@pytest.mark.parametrize("layout", ["causal", "bidirectional"])
+def test_batched_drafting_equals_drafting_each_row_alone(layout):
+    """Guards draft_blocks' per-row open block (a row's masks that saw its padding, even as an e^0
+    term in their softmax, or another row's positions) and its per-row cache cut (a row whose
+    drafter cache kept the masks, or was cut to another row's length): sequences of different
+    lengths, drafted in rounds where each row's sequence grows by its own count, give bitwise the
+    drafts of each row drafted alone (row-invariant mode), and each row's cache holds its sequence."""
+    m = invariant_copy(tiny_model(3, vocab=16, max_positions=24), torch.float64)
+    src = random_src(7, 4, 16, min_len=2, max_len=9)
+    g = torch.Generator().manual_seed(1)
+    seqs = [[BOS_ID] + torch.randint(5, 16, (n,), generator=g).tolist() for n in (0, 5, 2, 9)]
+    with torch.inference_mode():
+        memory = m.encode(src)
+        cache = m.new_cache(4, 8) if layout == "causal" else None
+        singles = [(m.encode(alone(src, b)), m.new_cache(1, 8) if layout == "causal" else None) for b in range(4)]
+        for grow in ([3, 1, 0, 4], [1, 6, 2, 1], [20, 1, 1, 1]):  # the last round runs row 0 out of positions
+            got = draft_blocks(m, memory, cache, seqs, 5, layout)
+            for b, (mem1, c1) in enumerate(singles):
+                assert got[b] == draft_block(m, mem1, c1, seqs[b], 5, layout), (grow, b)
+                assert len(got[b]) == max(0, min(5, 24 - len(seqs[b])))
+            if layout == "causal":
+                assert cache.lengths.tolist() == [min(len(s), 24) for s in seqs]
+            seqs = [s + torch.randint(5, 16, (n,), generator=g).tolist() for s, n in zip(seqs, grow)]
+
+
+def test_batched_follower_equals_a_follower_per_row():
+    """Guards the batched Follower (a row fed another row's padding or positions, or a cache not cut
+    back to the row's first changed token): rows that grow, roll back and re-feed their last token,
+    each by its own count, give bitwise the next-token logits of a Follower per row, and rows that
+    leave take their cache and memory rows with them."""
+    m = invariant_copy(tiny_model(5, vocab=16), torch.float64)
+    src = random_src(9, 3, 16, min_len=2, max_len=8)
+    g = torch.Generator().manual_seed(2)
+    rnd = lambda n: torch.randint(5, 16, (n,), generator=g).tolist()  # noqa: E731
+    with torch.inference_mode():
+        batched = Follower(m, m.encode(src), capacity=4)
+        alone_f = [Follower(m, m.encode(alone(src, b)), capacity=4) for b in range(3)]
+        seqs = [[BOS_ID] + rnd(n) for n in (1, 4, 0)]
+        edits = [lambda s: s + rnd(2), lambda s: s[:-2] + rnd(1), lambda s: s, lambda s: s[:1] + rnd(5)]
+        for step in range(6):
+            got = batched.next_logits(seqs)
+            for b, f in enumerate(alone_f):
+                assert torch.equal(got[b], f.next_logits([seqs[b]])[0]), (step, b)
+            seqs = [edits[(step + b) % 4](s) if len(s) > 2 else s + rnd(3) for b, s in enumerate(seqs)]
+        batched.select(torch.tensor([2, 0]))
+        got = batched.next_logits([seqs[2], seqs[0]])
+        assert torch.equal(got[0], alone_f[2].next_logits([seqs[2]])[0])
+        assert torch.equal(got[1], alone_f[0].next_logits([seqs[0]])[0])
+
+
+# -- decode.py: length buckets, per-run batch sizes ----------------------------------------------------
+def load_cli():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("decode_cli", Path(__file__).resolve().parent.parent / "decode.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order():
+    """Guards the runner's bucketing (a batch of far-apart lengths, an output put back on the wrong
+    line, lines handed on out of order) and per-run batch sizes (a run at batch 1 given another
+    output budget than a run at batch 3 for the same line): lines are decoded in chunks of the
+    largest batch, sorted by length, each run in its own batch size; outputs land on their own lines
+    and are handed on in input order, empty lines included."""
+    from refdec import runner
+    from refdec.decoding import Algorithm, DecodeResult, DecodeStats
+    seen = {1: [], 3: []}
+
+    def fake(size):
+        def run(models, src, max_len, knobs):
+            lens = src.ne(0).sum(dim=1).tolist()
+            seen[size].append((lens, max_len))
+            return DecodeResult([torch.tensor([n, max_len]) for n in lens], DecodeStats(sentences=len(lens)))
+        return run
+
+    ids = [[5] * n if n else None for n in (4, 1, 0, 7, 2, 9, 3, 0, 5, 6)]
+    runs = [runner.Run(Algorithm(f"b{n}", fake(n), "fake"), {}, batch_size=n) for n in (1, 3)]
+    handed = []
+    done = runner.decode_lines(runs, {}, ids, batch_size=1, max_len=None, max_positions=64, device="cpu", warmup=0,
+                               progress=False, on_line=lambda i, t: handed.append(i))
+    assert done == len(ids) and handed == list(range(len(ids)))
+    for run in runs:
+        for i, s in enumerate(ids):
+            assert (run.outputs[i] is None) == (s is None)
+            if s is not None:
+                assert run.outputs[i][0].item() == len(s) + 1  # its own line's source (eos included)
+        budgets = [run.outputs[i][1].item() for i in range(len(ids)) if ids[i] is not None]
+        assert budgets == [o[1].item() for o in runs[0].outputs if o is not None]  # the same per line
+    assert [len(b) for b, _ in seen[3]] == [3, 3, 2]
+    assert [b for b, _ in seen[3]] == [[2, 3, 4], [5, 6, 7], [8, 10]]  # neighbours in length
+    assert [b for b, _ in seen[1]] == [[2], [3], [4], [5], [6], [7], [8], [10]]
+
+
+def test_batch_size_options_are_parsed_and_refused():
+    """Guards --compare's :batch-size=N and --batch-sizes (a size that is not a whole number of at
+    least 1, repeated sizes, or --batch-sizes beside --batch-size: refused, never ignored)."""
+    from refdec.runner import UsageError
+    cli = load_cli()
+    assert cli.parse_compare("iad:batch-size=4:max-draft=8,greedy") == [
+        ("iad", None, {"batch_size": 4, "max_draft": 8}), ("greedy", None, {})]
+    for bad in ("iad:batch-size=0", "iad:batch-size=x", "greedy:batch-size=-2"):
+        with pytest.raises(UsageError, match="batch-size"):
+            cli.parse_compare(bad)
+    args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8,32"])
+    assert cli.batch_sizes(args) == [1, 8, 32]
+    for extra, needle in ((["--batch-sizes", "1,1"], "different"), (["--batch-sizes", "8,a"], "whole numbers"),
+                          (["--batch-sizes", "0,4"], "at least 1"), (["--batch-sizes", "1,8", "--batch-size", "4"], "leave out")):
+        args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", *extra])
+        with pytest.raises(UsageError, match=needle):
+            cli.batch_sizes(args)
+    args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8",
+                                          "--compare", "iad:batch-size=4"])
+    with pytest.raises(UsageError, match="cannot set its own"):
+        cli.run(args)
