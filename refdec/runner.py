@@ -220,8 +220,8 @@ def max_len_for(batch: list[list[int]], max_len: int | None, max_positions: int)
 
 def run_batch(run: Run, models: dict, batch: list[list[int]], max_len: int, device) -> tuple[list, float, DecodeStats, list | None]:
     models = run.models or models
-    cfg = models["model"].cfg
-    src = data_mod.source_tensor(batch, cfg.eos_id, cfg.pad_id).to(device)
+    cfg = models["model"].cfg if "model" in models else None  # an imported model brings its own ids
+    src = (data_mod.source_tensor(batch, cfg.eos_id, cfg.pad_id) if cfg else data_mod.source_tensor(batch)).to(device)
     t0 = time.perf_counter()
     res = run.algo.run(models, src, max_len, run.knobs)
     if src.is_cuda:
