@@ -47,7 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algo", required=True, choices=sorted(ALGORITHMS), help="decoding algorithm")
     p.add_argument("--task", required=True, choices=sorted(TASKS),
                    help="task: picks the default test set, checkpoint and metrics (GEC tasks add F0.5)")
-    io = p.add_argument_group("input and output")
+    add_input_output(p.add_argument_group("input and output"))
+    add_models(p.add_argument_group("models"))
+    add_running(p.add_argument_group("running"))
+    add_algorithm_options(p.add_argument_group("algorithm options"))
+    return p
+
+
+def add_input_output(io) -> None:
     io.add_argument("--input", metavar="FILE|-", help="source sentences, one per line, UTF-8 ('-' = stdin; "
                     "default: the task's test set with its references)")
     io.add_argument("--output", metavar="FILE", help="write outputs here instead of stdout")
@@ -60,9 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--html", metavar="FILE", help="write a self-contained HTML page: the table, charts, and every "
                     "sentence's decoding drawn step by step (collects traces; needs matplotlib)")
     io.add_argument("--quiet", action="store_true", help="no progress lines")
-    m = p.add_argument_group("models")
+
+
+def add_models(m) -> None:
     m.add_argument("--model", metavar="PATH", help="checkpoint whose output is produced "
-                   "(default: checkpoints/<task>/model.pt; tokenizer.json must sit beside it), or a Hugging Face "
+                   "(default: the task's best shipped model, checkpoints/<task>/model.pt, for gec-uk "
+                   "checkpoints/gec-uk-9x3/model.pt; tokenizer.json must sit beside it), or a Hugging Face "
                    "transformers model folder (M2M100, NLLB; docs/hf.md)")
     m.add_argument("--src-lang", metavar="TOKEN", help="with a transformers folder: the source-language token forced "
                    "before every source (NLLB: eng_Latn)")
@@ -72,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--small", metavar="PATH", help="small-model checkpoint, for big-little decoding and speculative "
                    "sampling (default: checkpoints/<task>-small-aligned/model.pt); 'early-exit' uses the first "
                    "layers of --model, trained with train.py --early-exit")
-    r = p.add_argument_group("running")
+
+
+def add_running(r) -> None:
     r.add_argument("--max-len", type=int, metavar="N", help="most output tokens per sentence, eos included "
                    "(default: 2 x the longest source of the batch + 10, within the model's positions)")
     r.add_argument("--batch-size", type=int, metavar="N", help="sentences per decoder call (default 1); above 1 the "
@@ -92,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
                    "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
                    "ties included (slower; docs/algorithms.md, 'Row-invariant mode')")
-    k = p.add_argument_group("algorithm options")
+
+
+def add_algorithm_options(k) -> None:
     k.add_argument("--beam-size", type=int, metavar="K", help="beams for beam search (default 5)")
     k.add_argument("--length-penalty", type=float, metavar="A", help="beam score = log p / length^A (default 1.0)")
     k.add_argument("--match", choices=MATCH_POLICIES, help="iad: which source position to draft from. unique "
@@ -128,7 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0.9; speculative sampling then follows the large model's nucleus distribution)")
     k.add_argument("--temperature", type=float, metavar="T", help="speculative: sampling temperature (default 1)")
     k.add_argument("--seed", type=int, metavar="N", help="bild, speculative: sampling seed (default 0)")
-    return p
 
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")  # refdec.decoding.iad's, listed here to keep --help import-light
