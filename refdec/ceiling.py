@@ -48,9 +48,9 @@ import torch
 
 from . import data as data_mod
 from .checkpoint import CheckpointError, file_sha256, load_model
-from .decoding.bild import small_memory
+from .decoding.pairing import Follower, small_memory
 from .decoding.greedy import greedy
-from .decoding.verify import Follower, verify
+from .decoding.verify import verify
 from .drafter import draft_block
 from .model import Transformer
 from .runner import max_len_for, source_ids

@@ -18,7 +18,7 @@ from refdec.decoding.bild import bild
 from refdec.decoding.blockwise import blockwise
 from refdec.decoding.gad import gad
 from refdec.decoding.speculative import speculative
-from refdec.decoding.verify import Follower
+from refdec.decoding.pairing import Follower
 from refdec.drafter import draft_block, draft_blocks
 from refdec.proposal import ProposalHeads
 from test_batched import alone, assert_rows_equal, batch1_greedy, invariant_copy

@@ -25,7 +25,7 @@ That large-model call is refdec's shared verification step (refdec.decoding.veri
 the small model's tokens, its acceptance test is d <= rollback_threshold, and the token it commits
 at the first failure, or after the last token when none fails, is the large model's. Both caches
 are truncated to what stayed valid, never recomputed: the large model's by the verification step,
-the small model's by its Follower (refdec.decoding.verify), which cuts back to the first changed
+the small model's by its Follower (refdec.decoding.pairing), which cuts back to the first changed
 token and catches up with the rest in one call.
 
 As in the paper's Algorithm 1, an eos written by the small model ends the sentence without a
@@ -47,9 +47,10 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .result import DecodeResult, DecodeStats, check_eval, result_of
+from .result import DecodeResult, DecodeStats, result_of
 from .sampling import distribution, draw
-from .verify import Follower, leave, verify_rows
+from .pairing import Follower, check_pair, encoder_passes, small_memory
+from .verify import leave, verify_rows
 
 
 def rollback_rule(threshold: float):
@@ -58,30 +59,6 @@ def rollback_rule(threshold: float):
         nll = -torch.log_softmax(logits.double(), dim=-1).gather(-1, draft[:, None])[:, 0]
         return nll.le(threshold)
     return accept
-
-
-def check_pair(large: Transformer, small: Transformer) -> None:
-    if large.cfg.vocab_size != small.cfg.vocab_size:
-        raise ValueError(f"the small model's vocabulary ({small.cfg.vocab_size}) is not the large model's "
-                         f"({large.cfg.vocab_size})")
-    check_eval(large)
-    check_eval(small)
-
-
-def shares_encoder(large: Transformer, small) -> bool:
-    """Whether the small model reads the large model's encoder (so it runs once for both)."""
-    return getattr(small, "base", None) is large
-
-
-def encoder_passes(large: Transformer, small) -> int:
-    """Encoder runs per batch for the pair: 1 when the small model reads the large model's encoder."""
-    return 1 if shares_encoder(large, small) else 2
-
-
-def small_memory(large: Transformer, small, memory_l, src: torch.Tensor):
-    """The small model's (or drafter's) memory: built from the large model's when it reads that
-    encoder (an early exit, or a SharedEncoder), else from its own encoder pass over `src`."""
-    return small.memory_from(memory_l) if shares_encoder(large, small) else small.encode(src)
 
 
 @torch.inference_mode()

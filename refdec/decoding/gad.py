@@ -38,7 +38,7 @@ import torch
 
 from ..drafter import LAYOUTS, draft_blocks
 from ..model import Transformer
-from .bild import check_pair, encoder_passes, small_memory
+from .pairing import check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats, result_of
 from .ties import rank
 from .verify import leave, verify_rows

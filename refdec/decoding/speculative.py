@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .bild import check_pair, encoder_passes, small_memory
+from .pairing import Follower, check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats, result_of
 from .sampling import distribution, draw
-from .verify import Follower, leave, verify_rows
+from .verify import leave, verify_rows
 
 
 @torch.inference_mode()
