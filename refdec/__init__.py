@@ -9,11 +9,14 @@ The pieces, bottom up:
     data.py       the shipped tasks (data/<task>/*.gz) and token-count batching
     checkpoint.py atomic save, safe load (weights_only=True), averaging
     training.py   the training loop behind train.py
-    decoding/     one decoder per file, all returning a DecodeResult
+    decoding/     one decoder per file, all returning a DecodeResult; verify.py the shared
+                  verification step, pairing.py a second model beside the verifier
     metrics.py    BLEU, chrF and an edit-level GEC F0.5
     runner.py     what decode.py does: decode a file, compare, time, report
     trace.py      Step, one record per decoding iteration for every decoder, and the --trace text
     htmlreport.py decode.py --html: a self-contained page of a run (matplotlib charts, inline SVG)
+    hf.py         Hugging Face folders in and out, and an audit of transformers' decoders
+                  (transformers is imported only when these are called)
 """
 
 __version__ = "0.1.0"
