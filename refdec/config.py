@@ -240,6 +240,13 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def sad_preset(task: str, enc_layers: int, dec_layers: int) -> TrainConfig:
+    """One model of a task's SAD pair (see PRESETS): width 192, enc_layers + dec_layers layers."""
+    return TrainConfig(task=task, out_dir=f"runs/{task}-{enc_layers}x{dec_layers}", d_model=192, d_ff=768,
+                       enc_layers=enc_layers, dec_layers=dec_layers, lr=1e-3, warmup_steps=600, eval_every=400,
+                       time_limit_min=95, threads=1)
+
+
 # Presets: each trains on a 2-core CPU in about an hour (see README for measured times).
 PRESETS: dict[str, TrainConfig] = {
     # The mt-en-de model is the large model, verifier and teacher of the speculative decoders: 6+6 layers
@@ -256,19 +263,11 @@ PRESETS: dict[str, TrainConfig] = {
     # of about the same size (7.7M and 7.3M parameters; a decoder layer has cross-attention and so
     # 4/3 the weights of an encoder layer). d_model 192 keeps each float16 checkpoint near 15 MB.
     # Both train side by side on the 2 cores, one thread each, for 95 minutes.
-    "gec-uk-6x6": TrainConfig(task="gec-uk", out_dir="runs/gec-uk-6x6", d_model=192, d_ff=768,
-                              enc_layers=6, dec_layers=6, lr=1e-3, warmup_steps=600, eval_every=400,
-                              time_limit_min=95, threads=1),
-    "gec-uk-9x3": TrainConfig(task="gec-uk", out_dir="runs/gec-uk-9x3", d_model=192, d_ff=768,
-                              enc_layers=9, dec_layers=3, lr=1e-3, warmup_steps=600, eval_every=400,
-                              time_limit_min=95, threads=1),
+    "gec-uk-6x6": sad_preset("gec-uk", 6, 6),
+    "gec-uk-9x3": sad_preset("gec-uk", 9, 3),
     # The same pair on English (data/gec-en: Brown and State of the Union sentences with synthetic errors).
-    "gec-en-6x6": TrainConfig(task="gec-en", out_dir="runs/gec-en-6x6", d_model=192, d_ff=768,
-                              enc_layers=6, dec_layers=6, lr=1e-3, warmup_steps=600, eval_every=400,
-                              time_limit_min=95, threads=1),
-    "gec-en-9x3": TrainConfig(task="gec-en", out_dir="runs/gec-en-9x3", d_model=192, d_ff=768,
-                              enc_layers=9, dec_layers=3, lr=1e-3, warmup_steps=600, eval_every=400,
-                              time_limit_min=95, threads=1),
+    "gec-en-6x6": sad_preset("gec-en", 6, 6),
+    "gec-en-9x3": sad_preset("gec-en", 9, 3),
     # The models of the speculative decoders on mt-en-de, all starting from or sharing the vocabulary of
     # the mt-en-de model. The distilled corpora come from `python -m refdec.distill` (see README).
     # Times are for the 2-core CPU; the shipped ones were trained on a GPU (README gives the commands).
