@@ -49,7 +49,7 @@ import torch
 from . import data as data_mod
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .decoding.pairing import Follower, small_memory
-from .decoding.greedy import greedy
+from .decoding.greedy import decode_greedy
 from .decoding.verify import verify
 from .drafter import draft_block
 from .model import Transformer
@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parent.parent
 def greedy_output(model: Transformer, src: torch.Tensor, max_len: int) -> tuple[list[int], int]:
     """Greedy decoding of one sentence as the scripted loop returns it: the tokens with their eos
     (none when max_len stopped it), and the decoder calls."""
-    res = greedy(model, src, max_len=max_len)
+    res = decode_greedy(model, src, max_len=max_len)
     y = res.tokens[0].tolist()
     return (y + [model.cfg.eos_id] if len(y) < max_len else y), res.stats.verifier_calls
 

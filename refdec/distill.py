@@ -41,7 +41,7 @@ import torch
 
 from . import data as data_mod
 from .checkpoint import CheckpointError, file_sha256, load_model
-from .decoding import beam_search, greedy
+from .decoding import decode_beam, decode_greedy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,8 +142,8 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
             rows = [ids[i] for i in idx]
             batch = data_mod.source_tensor(rows).to(device)
             max_len = min(limit_len, 2 * max(map(len, rows)) + 10)
-            res = (beam_search(model, batch, max_len=max_len, beam_size=beam_size) if algo == "beam"
-                   else greedy(model, batch, max_len=max_len))
+            res = (decode_beam(model, batch, max_len=max_len, beam_size=beam_size) if algo == "beam"
+                   else decode_greedy(model, batch, max_len=max_len))
             for i, t in zip(idx, res.tokens):
                 text = tok.decode(t.tolist()).replace("\r", " ").replace("\n", " ")
                 done[i] = text

@@ -129,24 +129,24 @@ def draw_case(seed: int, dtype: torch.dtype, family: str | None = None, invarian
 
 def comparisons(case: dict):
     """Yield (decoder label, its tokens, greedy's tokens) for every lossless decoder on `case`."""
-    from .decoding import beam_search, bild, blockwise, gad, greedy, iad, speculative
+    from .decoding import decode_beam, decode_bild, decode_blockwise, decode_gad, decode_greedy, decode_iad, decode_speculative
     from .decoding.iad import MATCH_POLICIES
     large, src, max_len, g = case["large"], case["src"], case["max_len"], case["g"]
-    ref = greedy(large, src, max_len=max_len).tokens
-    alone = [greedy(large, src[b:b + 1, :int(src[b].ne(0).sum())], max_len=max_len).tokens[0] for b in range(len(src))]
+    ref = decode_greedy(large, src, max_len=max_len).tokens
+    alone = [decode_greedy(large, src[b:b + 1, :int(src[b].ne(0).sum())], max_len=max_len).tokens[0] for b in range(len(src))]
     yield "batched greedy", alone, ref
-    yield "beam(1)", beam_search(large, src, max_len=max_len, beam_size=1).tokens, ref
+    yield "beam(1)", decode_beam(large, src, max_len=max_len, beam_size=1).tokens, ref
     knobs = dict(match=pick(g, MATCH_POLICIES), max_draft=pick(g, [0, 1, 3]), max_suffix=pick(g, [0, 2]))
-    yield "iad", iad(large, src, max_len=max_len, **knobs).tokens, ref
+    yield "iad", decode_iad(large, src, max_len=max_len, **knobs).tokens, ref
     k, layout = int(torch.randint(1, 7, (1,), generator=g)), pick(g, ["causal", "bidirectional"])
-    yield "gad", gad(large, case["drafter"], src, max_len=max_len, k=k, layout=layout).tokens, ref
-    yield "gad++(1, 0)", gad(large, case["drafter"], src, max_len=max_len, k=k, layout=layout, exact=False).tokens, ref
+    yield "gad", decode_gad(large, case["drafter"], src, max_len=max_len, k=k, layout=layout).tokens, ref
+    yield "gad++(1, 0)", decode_gad(large, case["drafter"], src, max_len=max_len, k=k, layout=layout, exact=False).tokens, ref
     block = int(torch.randint(2, case["heads"].k + 1, (1,), generator=g))
-    yield "blockwise", blockwise(large, case["heads"], src, max_len=max_len, block_size=block).tokens, ref
+    yield "blockwise", decode_blockwise(large, case["heads"], src, max_len=max_len, block_size=block).tokens, ref
     gamma = int(torch.randint(1, 5, (1,), generator=g))
-    yield "speculative", speculative(large, case["small"], src, max_len=max_len, gamma=gamma).tokens, ref
-    yield "bild", bild(large, case["small"], src, max_len=max_len, fallback_threshold=1.5).tokens, ref
-    yield "bild(self)", bild(large, large, src, max_len=max_len, fallback_threshold=0.0, rollback_threshold=1e9,
+    yield "speculative", decode_speculative(large, case["small"], src, max_len=max_len, gamma=gamma).tokens, ref
+    yield "bild", decode_bild(large, case["small"], src, max_len=max_len, fallback_threshold=1.5).tokens, ref
+    yield "bild(self)", decode_bild(large, large, src, max_len=max_len, fallback_threshold=0.0, rollback_threshold=1e9,
                              max_window=int(torch.randint(1, 6, (1,), generator=g))).tokens, ref
 
 

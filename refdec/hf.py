@@ -432,12 +432,12 @@ def refdec_logits(model: Transformer, src_ids: list[int], tgt_ids: list[int]) ->
 def check_export(model: Transformer, folder: Path, src_ids: list[int], max_len: int = 32) -> dict:
     """Load `folder` with transformers in float64 and compare it with refdec's model (in float64) on
     one source: the logits along refdec's greedy output, and the greedy output itself."""
-    from .decoding import greedy
+    from .decoding import decode_greedy
     ref = Transformer(model.cfg)
     ref.load_state_dict(model.state_dict())
     ref.double().eval()
     hf = hf_from_pretrained(folder, torch.float64)
-    ours = greedy(ref, torch.tensor([list(src_ids) + [model.cfg.eos_id]]), max_len=max_len).tokens[0]
+    ours = decode_greedy(ref, torch.tensor([list(src_ids) + [model.cfg.eos_id]]), max_len=max_len).tokens[0]
     diff = float((refdec_logits(ref, src_ids, ours.tolist()) - hf_logits(hf, model.cfg, src_ids, ours.tolist())).abs().max())
     theirs = hf_generate(hf, model.cfg, src_ids, max_len)
     if diff > LOGIT_TOLERANCE or not torch.equal(ours, theirs):
@@ -482,8 +482,8 @@ def audit(args) -> dict:
 def _audit(args, lines: list[str], tmp: Path) -> dict:
     from . import runner
     from .data import TASKS
-    from .decoding import iad, speculative
-    from .decoding.greedy import greedy
+    from .decoding import decode_iad, decode_speculative
+    from .decoding.greedy import decode_greedy
 
     model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
                                 workdir=tmp, name="model")
@@ -500,11 +500,11 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
 
     def src_of(s):
         return torch.tensor([s + [cfg.eos_id]])
-    methods = {"refdec-greedy": lambda s, n: greedy(model, src_of(s), max_len=n).tokens[0]}
+    methods = {"refdec-greedy": lambda s, n: decode_greedy(model, src_of(s), max_len=n).tokens[0]}
     if TASKS.get(args.task) == "gec":
-        methods["refdec-iad"] = lambda s, n: iad(model, src_of(s), max_len=n).tokens[0]
+        methods["refdec-iad"] = lambda s, n: decode_iad(model, src_of(s), max_len=n).tokens[0]
     if small is not None:
-        methods["refdec-speculative"] = lambda s, n: speculative(model, small, src_of(s), max_len=n,
+        methods["refdec-speculative"] = lambda s, n: decode_speculative(model, small, src_of(s), max_len=n,
                                                                  gamma=args.gamma).tokens[0]
     methods["hf-greedy"] = lambda s, n: hf_generate(hf, cfg, s, n)
     if hf_small is not None:

@@ -56,8 +56,8 @@ import torch.nn.functional as F
 from . import data as data_mod
 from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, save_atomic
 from .config import ModelConfig, TrainConfig
-from .decoding.blockwise import blockwise
-from .decoding.greedy import greedy
+from .decoding.blockwise import decode_blockwise
+from .decoding.greedy import decode_greedy
 from .metrics import corpus_bleu
 from .model import SharedEncoder, Transformer
 from .drafter import block_batch, glance, glancing_ratio
@@ -201,8 +201,8 @@ class Objective(torch.nn.Module):
             rows = src[i:min(i + 32, n)]
             x = data_mod.source_tensor(rows).to(device)
             max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
-            res = (greedy(self.decoding_model(), x, max_len=max_len) if heads is None
-                   else blockwise(m, heads, x, max_len=max_len))
+            res = (decode_greedy(self.decoding_model(), x, max_len=max_len) if heads is None
+                   else decode_blockwise(m, heads, x, max_len=max_len))
             hyps += [tok.decode(t.tolist()) for t in res.tokens]
             calls, produced = calls + res.stats.verifier_calls, produced + res.stats.tokens
         self.train()

@@ -11,8 +11,8 @@ import torch
 from conftest import copy_model, random_src, tiny_model
 from refdec.cache import KVCache
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
-from refdec.decoding import greedy
-from refdec.decoding.iad import iad
+from refdec.decoding import decode_greedy
+from refdec.decoding.iad import decode_iad
 from refdec.decoding.verify import verify, verify_rows
 from refdec.model import set_row_invariant
 from test_decoding import first_divergence
@@ -24,7 +24,7 @@ def alone(src: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def batch1_greedy(model, src: torch.Tensor, max_len: int) -> list[torch.Tensor]:
-    return [greedy(model, alone(src, b), max_len=max_len).tokens[0] for b in range(src.shape[0])]
+    return [decode_greedy(model, alone(src, b), max_len=max_len).tokens[0] for b in range(src.shape[0])]
 
 
 def assert_rows_equal(got, ref, what: str):
@@ -136,7 +136,7 @@ def test_each_row_is_truncated_by_its_own_rejected_count():
     the next decoder step gives each row its batch-1 logits."""
     m = copy_model()
     src = random_src(11, 5, 16, min_len=4, max_len=12)
-    refs = [greedy(m, alone(src, b), max_len=20).tokens[0].tolist() + [EOS_ID] for b in range(5)]
+    refs = [decode_greedy(m, alone(src, b), max_len=20).tokens[0].tolist() + [EOS_ID] for b in range(5)]
     drafts = [refs[0][:6], refs[1][:2] + [15, 15], [], refs[3][:3] + [9] + refs[3][4:], refs[4] + [8, 9]]
     budgets = [20, 20, 20, 2, 20]
     with torch.inference_mode():
@@ -163,9 +163,9 @@ def test_each_row_is_truncated_by_its_own_rejected_count():
 # -- batched IAD == batch-1 greedy ---------------------------------------------------------------------
 def check_batched_iad(model, src, max_len, **knobs):
     ref = batch1_greedy(model, src, max_len)
-    r = iad(model, src, max_len=max_len, trace=True, **knobs)
+    r = decode_iad(model, src, max_len=max_len, trace=True, **knobs)
     assert_rows_equal(r.tokens, ref, f"B={src.shape[0]} max_len={max_len} {knobs}")
-    singles = [iad(model, alone(src, b), max_len=max_len, **knobs) for b in range(src.shape[0])] if src.shape[0] <= 6 else []
+    singles = [decode_iad(model, alone(src, b), max_len=max_len, **knobs) for b in range(src.shape[0])] if src.shape[0] <= 6 else []
     if singles:  # each row drafts what it drafts alone, so the batch makes as many calls as its slowest row
         assert r.stats.verifier_calls == max(s.stats.verifier_calls for s in singles)
         assert sorted(r.stats.accepted) == sorted(a for s in singles for a in s.stats.accepted)
@@ -209,7 +209,7 @@ def test_batched_iad_edge_rows():
         for max_len in (1, 2, 3, 20):
             for match in ("unique", "longest"):
                 check_batched_iad(mdl, src, max_len, match=match)
-    r = iad(copy_model(), src, max_len=0)
+    r = decode_iad(copy_model(), src, max_len=0)
     assert all(t.numel() == 0 for t in r.tokens) and r.stats.verifier_calls == 0
 
 

@@ -13,18 +13,18 @@ import torch
 
 from conftest import copy_model, random_src, tiny_model
 from refdec.config import BOS_ID, EOS_ID
-from refdec.decoding import greedy
-from refdec.decoding.bild import bild
-from refdec.decoding.blockwise import blockwise
-from refdec.decoding.gad import gad
-from refdec.decoding.speculative import speculative
+from refdec.decoding import decode_greedy
+from refdec.decoding.bild import decode_bild
+from refdec.decoding.blockwise import decode_blockwise
+from refdec.decoding.gad import decode_gad
+from refdec.decoding import gad as gad_module
+from refdec.decoding.speculative import decode_speculative
 from refdec.decoding.pairing import Follower
 from refdec.drafter import draft_block, draft_blocks
 from refdec.proposal import ProposalHeads
 from test_batched import alone, assert_rows_equal, batch1_greedy, invariant_copy
 from test_blockwise import random_heads
 
-gad_module = importlib.import_module("refdec.decoding.gad")
 
 
 def ragged_src(seed: int, batch: int, vocab: int) -> torch.Tensor:
@@ -69,14 +69,14 @@ def test_batched_gad_equals_batch1_greedy(batch, monkeypatch):
     layout = "causal" if batch % 3 else "bidirectional"
     for max_len in (25, 4):
         ref = batch1_greedy(verifier, src, max_len)
-        r = gad(verifier, drafter, src, max_len=max_len, k=1 + batch % 5, layout=layout, trace=True)
+        r = decode_gad(verifier, drafter, src, max_len=max_len, k=1 + batch % 5, layout=layout, trace=True)
         assert_rows_equal(r.tokens, ref, f"gad B={batch} max_len={max_len}")
-        pp = gad(verifier, drafter, src, max_len=max_len, k=3, layout=layout, top_beta=1, tau=0.0, exact=False)
+        pp = decode_gad(verifier, drafter, src, max_len=max_len, k=3, layout=layout, top_beta=1, tau=0.0, exact=False)
         assert_rows_equal(pp.tokens, ref, f"gad++ exact B={batch} max_len={max_len}")
         refs = [t.tolist() + [EOS_ID] for t in ref]
         with monkeypatch.context() as mp:
             mp.setattr(gad_module, "draft_blocks", adversarial_drafter(refs, batch + max_len, vocab))
-            adv = gad(verifier, drafter, src, max_len=max_len, k=6, trace=True)
+            adv = decode_gad(verifier, drafter, src, max_len=max_len, k=6, trace=True)
         assert_rows_equal(adv.tokens, ref, f"gad adversarial B={batch} max_len={max_len}")
         if batch >= 6 and max_len == 25 and vocab == 40:
             assert len({len(t) for t in adv.trace}) > 1, "rows should finish at different steps"
@@ -98,12 +98,12 @@ def test_batched_blockwise_and_speculative_equal_batch1_greedy(batch):
         for max_len in (30, 3):
             ref = batch1_greedy(m, src, max_len)
             what = f"B={batch} vocab={vocab} max_len={max_len}"
-            assert_rows_equal(blockwise(m, copying, src, max_len=max_len).tokens, ref, f"blockwise (p_1 heads) {what}")
-            assert_rows_equal(blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref,
+            assert_rows_equal(decode_blockwise(m, copying, src, max_len=max_len).tokens, ref, f"blockwise (p_1 heads) {what}")
+            assert_rows_equal(decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref,
                               f"blockwise (random heads) {what}")
-            same = speculative(m, m, src, max_len=max_len, gamma=4, trace=True)
+            same = decode_speculative(m, m, src, max_len=max_len, gamma=4, trace=True)
             assert_rows_equal(same.tokens, ref, f"speculative (self-drafted) {what}")
-            assert_rows_equal(speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref,
+            assert_rows_equal(decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref,
                               f"speculative (random small) {what}")
             if max_len == 30 and batch > 1:
                 assert all(s["kept"] == len(s["small"]) for t in same.trace for s in t)  # every draft right
@@ -120,15 +120,15 @@ def test_batched_decoders_equal_batch1_greedy_in_float32_row_invariant(batch):
     heads = ProposalHeads(m.cfg.d_model, 8, 3).float().eval()
     src = ragged_src(500 + batch, batch, 16)
     ref = batch1_greedy(m, src, 24)
-    assert_rows_equal(gad(m, drafter, src, max_len=24, k=4).tokens, ref, "gad")
-    assert_rows_equal(gad(m, drafter, src, max_len=24, k=4, layout="bidirectional").tokens, ref, "gad bidirectional")
-    assert_rows_equal(blockwise(m, heads, src, max_len=24).tokens, ref, "blockwise")
-    assert_rows_equal(speculative(m, small, src, max_len=24, gamma=3).tokens, ref, "speculative")
-    assert_rows_equal(speculative(m, m, src, max_len=24, gamma=5).tokens, ref, "speculative self-drafted")
+    assert_rows_equal(decode_gad(m, drafter, src, max_len=24, k=4).tokens, ref, "gad")
+    assert_rows_equal(decode_gad(m, drafter, src, max_len=24, k=4, layout="bidirectional").tokens, ref, "gad bidirectional")
+    assert_rows_equal(decode_blockwise(m, heads, src, max_len=24).tokens, ref, "blockwise")
+    assert_rows_equal(decode_speculative(m, small, src, max_len=24, gamma=3).tokens, ref, "speculative")
+    assert_rows_equal(decode_speculative(m, m, src, max_len=24, gamma=5).tokens, ref, "speculative self-drafted")
     knobs = dict(max_len=24, fallback_threshold=0.5, rollback_threshold=1.0, max_window=4)
-    r = bild(m, small, src, trace=True, **knobs)
+    r = decode_bild(m, small, src, trace=True, **knobs)
     for b in range(batch):
-        one = bild(m, small, alone(src, b), trace=True, **knobs)
+        one = decode_bild(m, small, alone(src, b), trace=True, **knobs)
         assert torch.equal(r.tokens[b], one.tokens[0]) and r.trace[b] == one.trace[0], f"bild row {b}"
 
 
@@ -141,8 +141,8 @@ def test_batched_bild_at_its_greedy_limits_is_greedy(batch):
     small = tiny_model(batch + 100, vocab=12, d_model=16, layers=(1, 1))
     src = ragged_src(600 + batch, batch, 12)
     ref = batch1_greedy(large, src, 20)
-    assert_rows_equal(bild(large, small, src, max_len=20, fallback_threshold=1.5).tokens, ref, "bild, large writes")
-    r = bild(large, large, src, max_len=20, fallback_threshold=0.0, rollback_threshold=1e9, max_window=3)
+    assert_rows_equal(decode_bild(large, small, src, max_len=20, fallback_threshold=1.5).tokens, ref, "bild, large writes")
+    r = decode_bild(large, large, src, max_len=20, fallback_threshold=0.0, rollback_threshold=1e9, max_window=3)
     assert_rows_equal(r.tokens, ref, "bild, small = large")
     assert r.stats.rollbacks == 0
 

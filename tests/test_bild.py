@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import copy_model, random_src, tiny_model
-from refdec.decoding import greedy
-from refdec.decoding.bild import bild
+from refdec.decoding import decode_greedy
+from refdec.decoding.bild import decode_bild
 from refdec.decoding.sampling import distribution, nucleus
-from refdec.decoding.speculative import speculative
+from refdec.decoding.speculative import decode_speculative
 from test_decoding import first_divergence
 
 
@@ -21,7 +21,7 @@ def pair(seed: int, vocab: int = 12):
 
 
 def assert_greedy_of_large(large, out, src, max_len):
-    g = greedy(large, src, max_len=max_len)
+    g = decode_greedy(large, src, max_len=max_len)
     for b, (x, y) in enumerate(zip(g.tokens, out.tokens)):
         assert torch.equal(x, y), f"row {b}: {first_divergence(x, y)}"
 
@@ -31,7 +31,7 @@ def test_bild_falling_back_at_every_step_is_greedy_of_the_large_model(seed):
     vocab = 12 if seed % 2 else 40
     large, small = pair(seed, vocab)
     src = random_src(seed, 4, vocab)
-    r = bild(large, small, src, max_len=20, fallback_threshold=1.5)
+    r = decode_bild(large, small, src, max_len=20, fallback_threshold=1.5)
     assert_greedy_of_large(large, r, src, 20)
     assert r.stats.rollbacks == 0 and r.stats.accepted == [1] * r.stats.tokens  # one greedy token per row per call
 
@@ -43,9 +43,9 @@ def test_bild_rolling_back_every_small_token_is_greedy_of_the_large_model(seed, 
     greedy token, after the small model's caches were truncated and caught up again and again."""
     large, small = pair(seed)
     src = random_src(seed, 3, 12)
-    r = bild(large, small, src, max_len=20, fallback_threshold=0.0, rollback_threshold=-1.0, max_window=window,
+    r = decode_bild(large, small, src, max_len=20, fallback_threshold=0.0, rollback_threshold=-1.0, max_window=window,
              trace=True)
-    g = greedy(large, src, max_len=20)
+    g = decode_greedy(large, src, max_len=20)
     for b, steps in enumerate(r.trace):
         checked = [s for s in steps if s["large"] is not None]
         assert all(s["kept"] == 0 and (s["rollback"] or not s["small"]) for s in checked)
@@ -63,7 +63,7 @@ def test_bild_with_the_large_model_as_small_model_is_its_greedy_output(seed):
     the sentence, which is greedy's eos too)."""
     m = copy_model()
     src = random_src(seed, 4, 16, max_len=12)
-    r = bild(m, m, src, max_len=30, fallback_threshold=0.0, rollback_threshold=1e9, max_window=4)
+    r = decode_bild(m, m, src, max_len=30, fallback_threshold=0.0, rollback_threshold=1e9, max_window=4)
     assert_greedy_of_large(m, r, src, 30)
     assert r.stats.rollbacks == 0
 
@@ -71,7 +71,7 @@ def test_bild_with_the_large_model_as_small_model_is_its_greedy_output(seed):
 def test_bild_stats_and_trace_account_for_every_token():
     large, small = pair(3)
     src = random_src(3, 4, 12)
-    r = bild(large, small, src, max_len=20, fallback_threshold=0.3, rollback_threshold=2.0, trace=True)
+    r = decode_bild(large, small, src, max_len=20, fallback_threshold=0.3, rollback_threshold=2.0, trace=True)
     for b, steps in enumerate(r.trace):
         produced = sum(s["kept"] + (s["large"] is not None) for s in steps)
         assert produced == len(r.tokens[b]) + (len(r.tokens[b]) < 20)  # + the eos
@@ -85,13 +85,13 @@ def test_greedy_speculative_decoding_is_greedy_of_the_large_model(seed, gamma):
     large, small = pair(seed, vocab)
     src = random_src(seed, 4, vocab)
     for max_len in (3, 20):
-        assert_greedy_of_large(large, speculative(large, small, src, max_len=max_len, gamma=gamma), src, max_len)
+        assert_greedy_of_large(large, decode_speculative(large, small, src, max_len=max_len, gamma=gamma), src, max_len)
 
 
 def test_greedy_speculative_decoding_with_a_good_drafter_saves_calls():
     m = copy_model()
     src = random_src(1, 6, 16, max_len=12)
-    r = speculative(m, m, src, max_len=30, gamma=4)
+    r = decode_speculative(m, m, src, max_len=30, gamma=4)
     assert_greedy_of_large(m, r, src, 30)
     assert r.stats.verifier_calls * 3 < r.stats.tokens
 
@@ -114,7 +114,7 @@ def test_speculative_sampling_keeps_the_large_models_distribution():
     counts: dict = {}
     n = 3000
     for s in range(n):
-        out = speculative(large, small, src, max_len=2, gamma=3, sample=True, seed=s).tokens[0].tolist()
+        out = decode_speculative(large, small, src, max_len=2, gamma=3, sample=True, seed=s).tokens[0].tolist()
         key = tuple((out + [2, 2])[:2])  # eos (2) where the sentence ended early
         counts[key] = counts.get(key, 0) + 1
     # eos ends a sentence: fold the exact mass of (2, anything) into (2, 2)
@@ -136,14 +136,14 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
 def test_bild_sampling_is_seeded():
     large, small = pair(2)
     src = random_src(2, 3, 12)
-    a = bild(large, small, src, max_len=15, sample=True, top_p=0.9, seed=7)
-    b = bild(large, small, src, max_len=15, sample=True, top_p=0.9, seed=7)
+    a = decode_bild(large, small, src, max_len=15, sample=True, top_p=0.9, seed=7)
+    b = decode_bild(large, small, src, max_len=15, sample=True, top_p=0.9, seed=7)
     assert all(torch.equal(x, y) for x, y in zip(a.tokens, b.tokens))
 
 
 def test_mismatched_vocabularies_are_refused():
     with pytest.raises(ValueError, match="vocabulary"):
-        bild(tiny_model(0, vocab=12), tiny_model(1, vocab=40), random_src(0, 1, 12), max_len=5)
+        decode_bild(tiny_model(0, vocab=12), tiny_model(1, vocab=40), random_src(0, 1, 12), max_len=5)
 
 
 def test_early_exit_is_the_first_layers_with_the_shared_head():
@@ -161,7 +161,7 @@ def test_early_exit_is_the_first_layers_with_the_shared_head():
         got = torch.cat([small.decode(tgt[:, :2], small.encode(src), cache),
                          small.decode(tgt[:, 2:], small.encode(src), cache)], dim=1)
     assert torch.allclose(got, ref, atol=1e-10) and cache.length == 6
-    r = bild(m, small, random_src(4, 3, 40), max_len=15, fallback_threshold=1.5)
+    r = decode_bild(m, small, random_src(4, 3, 40), max_len=15, fallback_threshold=1.5)
     assert_greedy_of_large(m, r, random_src(4, 3, 40), 15)
     assert r.stats.encoder_calls == 1  # the early exit reads the large model's encoder output
     with pytest.raises(ValueError):
@@ -204,15 +204,15 @@ def test_bild_and_speculative_with_a_shared_encoder_small_model_are_greedy_of_th
     large = tiny_model(seed, vocab=12, layers=(2, 3))
     small = shared_small(large, seed + 50)
     src = random_src(seed, 4, 12)
-    r = bild(large, small, src, max_len=20, fallback_threshold=1.5)
+    r = decode_bild(large, small, src, max_len=20, fallback_threshold=1.5)
     assert_greedy_of_large(large, r, src, 20)
     assert r.stats.encoder_calls == 1
-    s = speculative(large, small, src, max_len=20, gamma=3)
+    s = decode_speculative(large, small, src, max_len=20, gamma=3)
     assert_greedy_of_large(large, s, src, 20)
     assert s.stats.encoder_calls == 1
     # with another large model it reads its own encoder: still exact, two encoder calls
     other = tiny_model(seed + 1, vocab=12, layers=(2, 3))
-    s = speculative(other, small, src, max_len=20, gamma=2)
+    s = decode_speculative(other, small, src, max_len=20, gamma=2)
     assert_greedy_of_large(other, s, src, 20)
     assert s.stats.encoder_calls == 2
 

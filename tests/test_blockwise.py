@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import copy_model, random_src, tiny_model
-from refdec.decoding import greedy
-from refdec.decoding.blockwise import accept_rule, blockwise
+from refdec.decoding import decode_greedy
+from refdec.decoding.blockwise import accept_rule, decode_blockwise
 from refdec.proposal import ProposalHeads, head_targets
 from refdec.training import smoothed_loss
 from test_decoding import first_divergence
@@ -46,8 +46,8 @@ def steering_heads(model, k: int, right: bool) -> ProposalHeads:
 
 
 def assert_same_as_greedy(model, heads, src, max_len, **kw):
-    g = greedy(model, src, max_len=max_len)
-    r = blockwise(model, heads, src, max_len=max_len, **kw)
+    g = decode_greedy(model, src, max_len=max_len)
+    r = decode_blockwise(model, heads, src, max_len=max_len, **kw)
     assert r.stats.hit_max_len == g.stats.hit_max_len
     for b, (x, y) in enumerate(zip(g.tokens, r.tokens)):
         assert torch.equal(x, y), f"row {b}: {first_divergence(x, y)}"
@@ -91,10 +91,10 @@ def test_wrong_proposals_take_one_call_per_token(k):
 def test_top_k_and_min_block_are_lossy_but_run():
     m = constant_model()
     wrong = steering_heads(m, 4, right=False)
-    r = blockwise(m, wrong, random_src(0, 1, 12), max_len=12, min_block=3)
+    r = decode_blockwise(m, wrong, random_src(0, 1, 12), max_len=12, min_block=3)
     assert r.stats.verifier_calls < 12  # forced acceptance: at least 3 tokens per call after the first
     assert r.tokens[0].tolist() != [7] * 12  # and the wrong proposals are in the output
-    top = blockwise(m, wrong, random_src(0, 1, 12), max_len=12, rule="top-k", top_k=12)
+    top = decode_blockwise(m, wrong, random_src(0, 1, 12), max_len=12, rule="top-k", top_k=12)
     assert top.stats.verifier_calls == 1 + math.ceil(11 / 4)  # top-12 of 12 tokens accepts anything
 
 
@@ -147,4 +147,4 @@ def test_a_smaller_block_uses_the_first_heads_and_stays_exact(seed, block_size):
     r = assert_same_as_greedy(c, steering_heads(c, 6, right=True), random_src(0, 1, 12), 20, block_size=block_size)
     assert r.stats.verifier_calls == 1 + math.ceil(19 / block_size)  # call 1 has nothing to verify
     with pytest.raises(ValueError, match="block size"):
-        blockwise(m, random_heads(m, 4, seed), random_src(seed, 1, vocab), max_len=5, block_size=5)
+        decode_blockwise(m, random_heads(m, 4, seed), random_src(seed, 1, vocab), max_len=5, block_size=5)

@@ -176,11 +176,11 @@ def test_divergences_name_position_and_margin():
     import torch
 
     from conftest import tiny_model
-    from refdec.decoding import greedy
+    from refdec.decoding import decode_greedy
     from refdec.runner import divergences
     m = tiny_model(1, vocab=40)
     src = [[7, 8, 9]]
-    g = greedy(m, torch.tensor([[7, 8, 9, 2]]), max_len=8).tokens
+    g = decode_greedy(m, torch.tensor([[7, 8, 9, 2]]), max_len=8).tokens
     wrong = [g[0].clone()]
     wrong[0][3] = (wrong[0][3] + 1) % 40
     (d,) = divergences(m, src, g, wrong, "cpu")
@@ -272,17 +272,17 @@ def test_cli_defaults_are_the_decoders_defaults():
     import importlib.util
     import inspect
 
-    from refdec.decoding import bild, speculative
-    from refdec.decoding.blockwise import blockwise
+    from refdec.decoding import decode_bild, decode_speculative
+    from refdec.decoding.blockwise import decode_blockwise
     spec = importlib.util.spec_from_file_location("decode_cli", Path(__file__).resolve().parent.parent / "decode.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     checked = 0
-    for fn in (bild, speculative, blockwise):
+    for fn in (decode_bild, decode_speculative, decode_blockwise):
         for name, p in inspect.signature(fn).parameters.items():
             # speculative's library default top_p = 1 is the large model's whole distribution; the
             # CLI's one --top-p (0.9, shared with bild) is documented in its --help.
-            if (fn is speculative and name == "top_p") or name == "trace":
+            if (fn is decode_speculative and name == "top_p") or name == "trace":
                 continue
             if name in cli.KNOB_DEFAULTS and p.default is not inspect.Parameter.empty:
                 assert cli.KNOB_DEFAULTS[name] == p.default, (fn.__name__, name)

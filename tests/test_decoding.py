@@ -9,7 +9,7 @@ import torch
 
 from conftest import random_src, tiny_model
 from refdec.config import BOS_ID, EOS_ID
-from refdec.decoding import beam_search, greedy
+from refdec.decoding import decode_beam, decode_greedy
 
 
 def first_divergence(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -24,8 +24,8 @@ def test_beam_of_one_is_greedy(seed):
     vocab = 12 if seed % 2 else 40
     m = tiny_model(seed, vocab=vocab, norm_first=seed % 3 != 0)
     src = random_src(seed, 5, vocab)
-    g = greedy(m, src, max_len=25)
-    b = beam_search(m, src, max_len=25, beam_size=1, length_penalty=1.0)
+    g = decode_greedy(m, src, max_len=25)
+    b = decode_beam(m, src, max_len=25, beam_size=1, length_penalty=1.0)
     for x, y in zip(g.tokens, b.tokens):
         assert torch.equal(x, y), first_divergence(x, y)
 
@@ -36,9 +36,9 @@ def test_batched_greedy_equals_one_at_a_time(seed):
     vocab = 12 if seed % 2 else 40
     m = tiny_model(seed, vocab=vocab)
     src = random_src(seed, 7, vocab, min_len=1, max_len=12)
-    batched = greedy(m, src, max_len=20)
+    batched = decode_greedy(m, src, max_len=20)
     for b in range(7):
-        alone = greedy(m, src[b:b + 1, : int(src[b].ne(0).sum())], max_len=20)
+        alone = decode_greedy(m, src[b:b + 1, : int(src[b].ne(0).sum())], max_len=20)
         assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(batched.tokens[b], alone.tokens[0])
 
 
@@ -75,7 +75,7 @@ def test_beam_with_wide_beam_is_exhaustive_search(seed, alpha):
     m = tiny_model(seed, vocab=6, d_model=16, layers=(1, 1))
     src = random_src(seed, 1, 6, min_len=2, max_len=4)[0]
     score, best = exhaustive(m, src, 3, alpha)
-    res = beam_search(m, src[None], max_len=3, beam_size=6 ** 3, length_penalty=alpha)
+    res = decode_beam(m, src[None], max_len=3, beam_size=6 ** 3, length_penalty=alpha)
     expect = best[:-1] if best and best[-1] == EOS_ID else best
     assert res.tokens[0].tolist() == expect, (score, best)
 
@@ -84,16 +84,16 @@ def test_decoders_refuse_training_mode():
     """Guards against decoding with dropout on, which makes outputs random and breaks every equality."""
     m = tiny_model(0).train()
     with pytest.raises(ValueError, match="eval"):
-        greedy(m, random_src(0, 1, 40), max_len=5)
+        decode_greedy(m, random_src(0, 1, 40), max_len=5)
     with pytest.raises(ValueError, match="eval"):
-        beam_search(m, random_src(0, 1, 40), max_len=5)
+        decode_beam(m, random_src(0, 1, 40), max_len=5)
 
 
 def test_greedy_stats_and_trace():
     """Guards against the stats record drifting from what was decoded (the benchmarks divide by it)."""
     m = tiny_model(1, vocab=12)
     src = random_src(1, 1, 12)
-    res = greedy(m, src, max_len=30, trace=True)
+    res = decode_greedy(m, src, max_len=30, trace=True)
     n = len(res.tokens[0]) + (0 if res.stats.hit_max_len else 1)  # eos counts as a decoded token
     assert res.stats.verifier_calls == n == res.stats.tokens == len(res.trace[0])
     assert res.stats.mean_accepted == 1.0 and res.stats.drafter_calls == 0
@@ -105,5 +105,5 @@ def test_max_len_is_respected():
     m = tiny_model(0, vocab=40)
     src = random_src(0, 3, 40)
     for max_len in (1, 2, 7):
-        for res in (greedy(m, src, max_len=max_len), beam_search(m, src, max_len=max_len, beam_size=3)):
+        for res in (decode_greedy(m, src, max_len=max_len), decode_beam(m, src, max_len=max_len, beam_size=3)):
             assert all(len(t) <= max_len for t in res.tokens)

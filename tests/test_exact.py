@@ -4,15 +4,15 @@ weights, position table and construction mode."""
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
 
 from conftest import random_src, tiny_model
 from refdec.config import BOS_ID, EOS_ID, ModelConfig
-from refdec.decoding import beam_search, gad, greedy, iad
+from refdec.decoding import decode_beam, decode_gad, decode_greedy, decode_iad
 from refdec.decoding.blockwise import accept_rule
+from refdec.decoding import gad as gad_module
 from refdec.decoding.gad import gadpp_rule
 from refdec.decoding.ties import best_candidates, rank
 from refdec.fuzz import FAMILIES, comparisons, draw_case, main as fuzz_main, make_family
@@ -51,16 +51,16 @@ def test_beam_of_one_is_greedy_when_two_logits_tie_exactly():
     max_len 6 (beam(1) wrote 7s), then exact-tie and constant-state families, one source at a time."""
     m = twin_model()
     src = torch.tensor([[5, 6, 7, EOS_ID]])
-    g = greedy(m, src, max_len=6)
+    g = decode_greedy(m, src, max_len=6)
     assert g.tokens[0].tolist() == [5] * 6
-    assert_tokens_equal(beam_search(m, src, max_len=6, beam_size=1).tokens, g.tokens, "twin model")
+    assert_tokens_equal(decode_beam(m, src, max_len=6, beam_size=1).tokens, g.tokens, "twin model")
     for seed in range(4):
         for family in ("exact", "constant"):
             m = family_model(seed, family)
             for b in range(3):
                 src = random_src(seed * 10 + b, 1, 16)
-                ref = greedy(m, src, max_len=15).tokens
-                assert_tokens_equal(beam_search(m, src, max_len=15, beam_size=1).tokens, ref, f"{family} {seed}")
+                ref = decode_greedy(m, src, max_len=15).tokens
+                assert_tokens_equal(decode_beam(m, src, max_len=15, beam_size=1).tokens, ref, f"{family} {seed}")
 
 
 def test_rank_and_best_candidates_put_the_lowest_id_first_among_ties():
@@ -86,18 +86,18 @@ def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
     assert accept_rule("top-k", top_k=1)(logits, draft).tolist() == [False, True]
     m = twin_model(vocab=40)
     src = random_src(0, 2, 40)
-    monkeypatch.setattr(importlib.import_module("refdec.decoding.gad"), "draft_blocks",
+    monkeypatch.setattr(gad_module, "draft_blocks",
                         lambda drafter, memory, cache, sequences, k, layout: [[7] * k for _ in sequences])
-    b = gad(m, m, src, max_len=8, k=3, top_beta=1, tau=0.0, exact=False)
-    assert_tokens_equal(b.tokens, greedy(m, src, max_len=8).tokens, "gad++(1, 0), twin drafts")
+    b = decode_gad(m, m, src, max_len=8, k=3, top_beta=1, tau=0.0, exact=False)
+    assert_tokens_equal(b.tokens, decode_greedy(m, src, max_len=8).tokens, "gad++(1, 0), twin drafts")
     monkeypatch.undo()
     for seed in range(3):
         verifier = family_model(seed, "constant")
         drafter = family_model(seed + 7, "exact")
         src = random_src(seed, 3, 16)
-        a = gad(verifier, drafter, src, max_len=12, k=4)
-        b = gad(verifier, drafter, src, max_len=12, k=4, top_beta=1, tau=0.0, exact=False)
-        assert_tokens_equal(a.tokens, greedy(verifier, src, max_len=12).tokens, "gad")
+        a = decode_gad(verifier, drafter, src, max_len=12, k=4)
+        b = decode_gad(verifier, drafter, src, max_len=12, k=4, top_beta=1, tau=0.0, exact=False)
+        assert_tokens_equal(a.tokens, decode_greedy(verifier, src, max_len=12).tokens, "gad")
         assert_tokens_equal(b.tokens, a.tokens, "gad++(1, 0)")
 
 
@@ -135,9 +135,9 @@ def test_iad_equals_greedy_on_twin_rows_in_invariant_mode(dtype):
     for seed in range(4):
         m = set_row_invariant(family_model(seed, "exact", dtype, vocab=12))
         src = random_src(seed, 4, 12)
-        ref = greedy(m, src, max_len=20).tokens
+        ref = decode_greedy(m, src, max_len=20).tokens
         for match in ("unique", "longest"):
-            assert_tokens_equal(iad(m, src, max_len=20, match=match).tokens, ref, f"seed {seed} {match}")
+            assert_tokens_equal(decode_iad(m, src, max_len=20, match=match).tokens, ref, f"seed {seed} {match}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -187,11 +187,11 @@ def test_decoding_follows_data_writes_and_fused_optimizer_steps(tie):
     and a fused Adam step bump no version counter, yet the one-row step must use the new weights."""
     m = tiny_model(0, vocab=12, tie=tie)
     src = random_src(0, 1, 12)
-    greedy(m, src, max_len=5)  # decode once with the old weights
+    decode_greedy(m, src, max_len=5)  # decode once with the old weights
     W = m.tgt_embed.weight if tie else m.out_proj.weight
     W.data.copy_(W.data.flip(0))
     assert torch.equal(step_logits(m, src), step_logits(copy.deepcopy(m), src))
-    assert_tokens_equal(greedy(m, src, max_len=8).tokens, greedy(copy.deepcopy(m), src, max_len=8).tokens, ".data")
+    assert_tokens_equal(decode_greedy(m, src, max_len=8).tokens, decode_greedy(copy.deepcopy(m), src, max_len=8).tokens, ".data")
     opt = torch.optim.Adam(m.parameters(), lr=0.5, fused=True)
     m.train()
     m(src, torch.tensor([[BOS_ID, 5, 6]])).sum().backward()
@@ -224,8 +224,8 @@ def test_a_model_built_under_inference_mode_decodes(invariant):
         set_row_invariant(m, invariant)
     src = random_src(1, 2, 12)
     assert torch.equal(step_logits(built, src[:1]), step_logits(normal, src[:1]))
-    assert_tokens_equal(greedy(built, src, max_len=6).tokens, greedy(normal, src, max_len=6).tokens, "greedy")
-    assert_tokens_equal(iad(built, src, max_len=6).tokens, greedy(normal, src, max_len=6).tokens, "iad")
+    assert_tokens_equal(decode_greedy(built, src, max_len=6).tokens, decode_greedy(normal, src, max_len=6).tokens, "greedy")
+    assert_tokens_equal(decode_iad(built, src, max_len=6).tokens, decode_greedy(normal, src, max_len=6).tokens, "iad")
 
 
 def test_the_one_row_projection_copy_follows_every_weight_change():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -10,16 +9,16 @@ import torch
 
 from conftest import random_src, tiny_model
 from refdec.config import BOS_ID, EOS_ID, MASK_ID, PAD_ID
-from refdec.decoding import greedy
-from refdec.decoding.gad import gad, gadpp_rule
+from refdec.decoding import decode_greedy
+from refdec.decoding.gad import decode_gad, gadpp_rule
+from refdec.decoding import gad as gad_module
 from refdec.drafter import block_batch, draft_block, glance, glancing_ratio
 from test_decoding import first_divergence
 
-gad_module = importlib.import_module("refdec.decoding.gad")  # the module: refdec.decoding.gad is also the function
 
 
 def assert_greedy(verifier, res, src, max_len):
-    g = greedy(verifier, src, max_len=max_len)
+    g = decode_greedy(verifier, src, max_len=max_len)
     for b, (x, y) in enumerate(zip(g.tokens, res.tokens)):
         assert torch.equal(x, y), f"row {b}: {first_divergence(x, y)}"
     return g
@@ -104,7 +103,7 @@ def test_gad_with_a_random_drafter_is_greedy(seed, k, layout):
     drafter = tiny_model(seed + 50, vocab=vocab, layers=(1, 2))
     src = random_src(seed, 3, vocab)
     for max_len in (2, 20):
-        assert_greedy(verifier, gad(verifier, drafter, src, max_len=max_len, k=k, layout=layout), src, max_len)
+        assert_greedy(verifier, decode_gad(verifier, drafter, src, max_len=max_len, k=k, layout=layout), src, max_len)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -114,9 +113,9 @@ def test_gad_with_always_right_and_always_wrong_drafters(monkeypatch, seed, k, w
     vocab = 12 if seed % 2 else 40
     verifier = tiny_model(seed, vocab=vocab)
     src = random_src(seed, 1, vocab)
-    g = greedy(verifier, src, max_len=30).tokens[0].tolist()
+    g = decode_greedy(verifier, src, max_len=30).tokens[0].tolist()
     monkeypatch.setattr(gad_module, "draft_blocks", oracle(g, k, wrong, vocab))
-    r = gad(verifier, verifier, src, max_len=30, k=k)
+    r = decode_gad(verifier, verifier, src, max_len=30, k=k)
     assert_greedy(verifier, r, src, 30)
     produced = r.stats.tokens
     if wrong:
@@ -130,10 +129,10 @@ def test_gadpp_with_beta_1_tau_0_is_gad(seed):
     verifier = tiny_model(seed, vocab=40)
     drafter = tiny_model(seed + 9, vocab=40)
     src = random_src(seed, 3, 40)
-    a = gad(verifier, drafter, src, max_len=20, k=4)
-    b = gad(verifier, drafter, src, max_len=20, k=4, top_beta=1, tau=0.0, exact=False)
+    a = decode_gad(verifier, drafter, src, max_len=20, k=4)
+    b = decode_gad(verifier, drafter, src, max_len=20, k=4, top_beta=1, tau=0.0, exact=False)
     assert all(torch.equal(x, y) for x, y in zip(a.tokens, b.tokens))
-    loose = gad(verifier, drafter, src, max_len=20, k=4, top_beta=40, tau=1e9)
+    loose = decode_gad(verifier, drafter, src, max_len=20, k=4, top_beta=40, tau=1e9)
     assert loose.stats.verifier_calls <= a.stats.verifier_calls  # accepts every draft
 
 
@@ -144,7 +143,7 @@ def test_gadpp_rule_and_stats():
     with pytest.raises(ValueError):
         gadpp_rule(0, 0)
     m = tiny_model(0, vocab=12)
-    r = gad(m, m, random_src(0, 2, 12), max_len=10, k=3)
+    r = decode_gad(m, m, random_src(0, 2, 12), max_len=10, k=3)
     assert set(r.stats.module_seconds) == {"verifier encoder", "drafter encoder", "drafter decoder", "verifier decoder"}
     assert r.stats.drafter_calls == r.stats.verifier_calls
 
@@ -180,7 +179,7 @@ def test_gad_with_a_drafter_on_the_verifiers_encoder_is_greedy(seed, layout):
     drafter = shared_small(verifier, seed=seed + 30)
     src = random_src(seed, 3, vocab)
     for k in (1, 4, 9):
-        r = gad(verifier, drafter, src, max_len=20, k=k, layout=layout)
+        r = decode_gad(verifier, drafter, src, max_len=20, k=k, layout=layout)
         assert_greedy(verifier, r, src, 20)
         assert r.stats.encoder_calls == 1
     one = src[:1]

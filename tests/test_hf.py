@@ -20,7 +20,7 @@ from conftest import run_py  # noqa: E402
 from refdec import hf  # noqa: E402
 from refdec.checkpoint import make_checkpoint, save_atomic  # noqa: E402
 from refdec.config import ModelConfig  # noqa: E402
-from refdec.decoding import beam_search, greedy, iad, speculative  # noqa: E402
+from refdec.decoding import decode_beam, decode_greedy, decode_iad, decode_speculative  # noqa: E402
 from refdec.model import Transformer  # noqa: E402
 from refdec.tokenizer import Tokenizer  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_import_logits_and_greedy_equal_transformers(folder, theirs):
         tgt = sources(1, seed=len(src))[0]
         diff = (hf.refdec_logits(model, src, tgt) - hf.hf_logits(theirs, model.cfg, src, tgt)).abs().max()
         assert diff <= hf.LOGIT_TOLERANCE
-        ours = greedy(model, torch.tensor([src + [2]]), max_len=20).tokens[0]
+        ours = decode_greedy(model, torch.tensor([src + [2]]), max_len=20).tokens[0]
         assert torch.equal(ours, hf.hf_generate(theirs, model.cfg, src, 20))
 
 
@@ -105,16 +105,16 @@ def test_forced_language_tokens_honoured_by_greedy_beam_iad_and_speculative(fold
         assert (forced - cached).abs().max() <= hf.LOGIT_TOLERANCE
         want = hf.hf_generate(theirs, model.cfg, src, 20)  # transformers with [en] + src and [start, de]
         x = torch.tensor([src + [2]])
-        assert torch.equal(greedy(model, x, max_len=20).tokens[0], want)
-        assert torch.equal(beam_search(model, x, max_len=20, beam_size=1).tokens[0], want)
-        assert torch.equal(iad(model, x, max_len=20).tokens[0], want)
-        assert torch.equal(speculative(model, small, x, max_len=20, gamma=3).tokens[0], want)
-        changed += not torch.equal(greedy(plain, x, max_len=20).tokens[0], want)
+        assert torch.equal(decode_greedy(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(decode_beam(model, x, max_len=20, beam_size=1).tokens[0], want)
+        assert torch.equal(decode_iad(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(decode_speculative(model, small, x, max_len=20, gamma=3).tokens[0], want)
+        changed += not torch.equal(decode_greedy(plain, x, max_len=20).tokens[0], want)
     assert changed  # the forced tokens change what the model writes
     batch = torch.full((len(srcs), 9), 1)  # a padded batch: the prefix goes before each row's source
     for i, s in enumerate(srcs):
         batch[i, :len(s) + 1] = torch.tensor(s + [2])
-    outs = iad(model, batch, max_len=20).tokens
+    outs = decode_iad(model, batch, max_len=20).tokens
     assert all(torch.equal(o, hf.hf_generate(theirs, model.cfg, s, 20)) for o, s in zip(outs, srcs))
 
 
@@ -148,7 +148,7 @@ def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path):
         assert torch.equal(back.state_dict()[k], v), k
     for text in ("the cat sat", "a dog ran in the park on the mat", "der Hund"):
         src = tok.encode(text)
-        want = greedy(ours, torch.tensor([src + [2]]), max_len=30).tokens[0]
+        want = decode_greedy(ours, torch.tensor([src + [2]]), max_len=30).tokens[0]
         assert torch.equal(hf.hf_generate(theirs, ours.cfg, src, 30), want)
         diff = (hf.refdec_logits(ours, src, want.tolist()) - hf.hf_logits(theirs, ours.cfg, src, want.tolist())).abs().max()
         assert diff <= hf.LOGIT_TOLERANCE

@@ -20,7 +20,7 @@ import torch
 
 from conftest import REPO, copy_model, random_src, run_py, tiny_model
 from refdec.config import EOS_ID
-from refdec.decoding import bild, greedy, iad, speculative
+from refdec.decoding import decode_bild, decode_greedy, decode_iad, decode_speculative
 from refdec.tokenizer import Tokenizer
 from refdec.trace import COLOURS, Step, colour_enabled, steps_from, strip_colour, trace_text
 
@@ -190,10 +190,10 @@ def test_steps_commit_exactly_the_output():
     m, other = copy_model(), tiny_model(4, vocab=16)
     src = random_src(2, 4, 16, min_len=3, max_len=10)
     ids = [row[row.ne(0)].tolist()[:-1] for row in src]  # without the eos
-    runs = {"greedy": greedy(m, src, max_len=20, trace=True),
-            "iad": iad(m, src, max_len=20, trace=True, max_draft=5),
-            "bild": bild(m, other, src, max_len=20, fallback_threshold=0.2, rollback_threshold=1.0, trace=True),
-            "speculative": speculative(m, other, src, max_len=20, gamma=3, trace=True)}
+    runs = {"greedy": decode_greedy(m, src, max_len=20, trace=True),
+            "iad": decode_iad(m, src, max_len=20, trace=True, max_draft=5),
+            "bild": decode_bild(m, other, src, max_len=20, fallback_threshold=0.2, rollback_threshold=1.0, trace=True),
+            "speculative": decode_speculative(m, other, src, max_len=20, gamma=3, trace=True)}
     seen_rejected = set()
     for algo, r in runs.items():
         for b in range(len(src)):
@@ -221,7 +221,7 @@ def test_speculative_step_ending_on_the_small_models_eos_has_no_large_token():
 def test_trace_text_colour_is_the_plain_text_painted(tokenizer):
     m = copy_model()
     src = random_src(5, 3, 16, min_len=4, max_len=10)
-    r = iad(m, src, max_len=20, trace=True)
+    r = decode_iad(m, src, max_len=20, trace=True)
     for b in range(3):
         ids = src[b][src[b].ne(0)].tolist()[:-1]
         plain = trace_text("iad", b, r.trace[b], tokenizer, source=ids)

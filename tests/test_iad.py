@@ -9,8 +9,8 @@ import torch
 
 from conftest import copy_model, random_src, rewrite_target, tiny_model
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
-from refdec.decoding import greedy
-from refdec.decoding.iad import MATCH_POLICIES, find_match, iad
+from refdec.decoding import decode_greedy
+from refdec.decoding.iad import MATCH_POLICIES, find_match, decode_iad
 from refdec.decoding.verify import verify
 from test_decoding import first_divergence
 
@@ -26,8 +26,8 @@ def src_rows(rows: list[list[int]]) -> torch.Tensor:
 
 
 def assert_same_as_greedy(model, src, max_len, **knobs):
-    g = greedy(model, src, max_len=max_len)
-    r = iad(model, src, max_len=max_len, **knobs)
+    g = decode_greedy(model, src, max_len=max_len)
+    r = decode_iad(model, src, max_len=max_len, **knobs)
     assert r.stats.hit_max_len == g.stats.hit_max_len
     for b, (x, y) in enumerate(zip(g.tokens, r.tokens)):
         assert torch.equal(x, y), f"row {b}, {knobs}: {first_divergence(x, y)}"
@@ -71,7 +71,7 @@ def test_unknown_policy_is_refused():
 def test_verify_commits_what_greedy_would_and_trims_the_cache(seed):
     m = copy_model()
     src = src_rows([[5 + (seed + i) % 11 for i in range(9)]])
-    ref = greedy(m, src, max_len=20).tokens[0].tolist() + [EOS_ID]
+    ref = decode_greedy(m, src, max_len=20).tokens[0].tolist() + [EOS_ID]
     memory = m.encode(src)
     cache = m.new_cache(1, 32)
     m.decode(torch.tensor([[BOS_ID, ref[0]]]), memory, cache)  # prefix: bos, ref[0]; ref[1] is "last"
@@ -91,7 +91,7 @@ def test_verify_commits_what_greedy_would_and_trims_the_cache(seed):
 def test_verify_cuts_at_the_budget_and_at_eos():
     m = copy_model()
     src = src_rows([[8, 9, 10, 11]])  # the model copies it: 8 9 10 11 eos
-    assert greedy(m, src, max_len=10).tokens[0].tolist() == [8, 9, 10, 11]
+    assert decode_greedy(m, src, max_len=10).tokens[0].tolist() == [8, 9, 10, 11]
     memory = m.encode(src)
     cache = m.new_cache(1, 16)
     v = verify(m, memory, cache, BOS_ID, [8, 9, 10, 11, EOS_ID, 12, 13], budget=20, eos_id=EOS_ID)
@@ -148,11 +148,11 @@ def test_iad_accepts_a_verbatim_copy_in_one_call():
     m = copy_model()
     rows = [[8, 9, 10, 11], [12, 13, 14, 15, 8, 9], [6, 6, 8, 12, 10]]  # no 5 or 7: nothing to edit
     src = src_rows(rows)
-    g = greedy(m, src, max_len=20)
+    g = decode_greedy(m, src, max_len=20)
     copied = [b for b, r in enumerate(rows) if g.tokens[b].tolist() == r]
     assert len(copied) >= 2, "the copy model should copy these"
     for b in copied:
-        r = iad(m, src[b: b + 1], max_len=20)
+        r = decode_iad(m, src[b: b + 1], max_len=20)
         assert torch.equal(r.tokens[0], g.tokens[b]) and r.stats.verifier_calls == 1
         assert r.stats.accepted == [len(rows[b]) + 1]
 
@@ -161,8 +161,8 @@ def test_iad_is_faster_in_calls_when_the_model_copies():
     """On the rewrite task most tokens are copied: far fewer verifier calls than output tokens."""
     m = copy_model()
     src = random_src(42, 30, 16, min_len=6, max_len=12)
-    g = greedy(m, src, max_len=30)
-    r = iad(m, src, max_len=30)
+    g = decode_greedy(m, src, max_len=30)
+    r = decode_iad(m, src, max_len=30)
     right = sum(g.tokens[b].tolist() == rewrite_target(src[b][src[b] > EOS_ID].tolist()) for b in range(30))
     assert right >= 20, "the copy model should have learned the task"
     assert r.stats.verifier_calls * 2 < r.stats.tokens
@@ -172,7 +172,7 @@ def test_iad_is_faster_in_calls_when_the_model_copies():
 def test_iad_trace_accounts_for_every_token():
     m = copy_model()
     src = random_src(5, 4, 16, min_len=3, max_len=12)
-    r = iad(m, src, max_len=30, trace=True)
+    r = decode_iad(m, src, max_len=30, trace=True)
     for b, steps in enumerate(r.trace):
         toks = [t for s in steps for t in s["tokens"]]
         assert toks[:-1] == r.tokens[b].tolist() and toks[-1] == EOS_ID
@@ -182,7 +182,7 @@ def test_iad_trace_accounts_for_every_token():
 def test_iad_refuses_training_mode_and_unknown_policy():
     m = tiny_model(0)
     with pytest.raises(ValueError, match="match policy"):
-        iad(m, random_src(0, 1, 40), max_len=5, match="nearest")
+        decode_iad(m, random_src(0, 1, 40), max_len=5, match="nearest")
     m.train()
     with pytest.raises(ValueError, match="eval"):
-        iad(m, random_src(0, 1, 40), max_len=5)
+        decode_iad(m, random_src(0, 1, 40), max_len=5)

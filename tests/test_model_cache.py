@@ -64,10 +64,10 @@ def test_truncate_then_redecode_gives_same_logits():
 @pytest.mark.parametrize("seed", range(6))
 def test_cached_greedy_tokens_equal_uncached(seed):
     """Guards against any drift between the KV-cache greedy loop and the naive recomputation."""
-    from refdec.decoding import greedy
+    from refdec.decoding import decode_greedy
     m = tiny_model(seed, vocab=12)
     src = random_src(seed, 4, 12)
-    res = greedy(m, src, max_len=20)
+    res = decode_greedy(m, src, max_len=20)
     with torch.inference_mode():
         for b in range(4):
             assert torch.equal(res.tokens[b], uncached_greedy(m, src[b][src[b] != 0], 20))
@@ -130,11 +130,11 @@ def test_too_long_sequence_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_matches_cpu():
     """Guards against device mix-ups (masks or caches created on the CPU)."""
-    from refdec.decoding import greedy
+    from refdec.decoding import decode_greedy
     m = tiny_model(1, vocab=12)
     src = random_src(1, 3, 12)
-    cpu = greedy(m, src, max_len=15)
-    gpu = greedy(m.cuda(), src.cuda(), max_len=15)
+    cpu = decode_greedy(m, src, max_len=15)
+    gpu = decode_greedy(m.cuda(), src.cuda(), max_len=15)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu.tokens, gpu.tokens))
 
 

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO
 from refdec.checkpoint import load_checkpoint, load_model
 from refdec.data import TASKS, load_split, source_tensor
-from refdec.decoding import beam_search, greedy, iad
+from refdec.decoding import decode_beam, decode_greedy, decode_iad
 
 # checkpoints/<task>/ and checkpoints/<task>-<variant>/ (gec-uk-6x6, gec-uk-9x3: the SAD pair)
 SHIPPED = sorted(p for p in (REPO / "checkpoints").glob("*/model.pt")
@@ -36,8 +36,8 @@ def test_shipped_checkpoint_decodes_exactly(path: Path):
     src = [tok.encode(s) for s in load_split(ck["task"], "test").src[:4]]
     for ids in src:
         x = source_tensor([ids])
-        g = greedy(model, x, max_len=2 * len(ids) + 10)
-        b = beam_search(model, x, max_len=2 * len(ids) + 10, beam_size=1)
+        g = decode_greedy(model, x, max_len=2 * len(ids) + 10)
+        b = decode_beam(model, x, max_len=2 * len(ids) + 10, beam_size=1)
         assert torch.equal(g.tokens[0], b.tokens[0])
 
 
@@ -51,8 +51,8 @@ def test_shipped_gec_checkpoint_iad_is_greedy(path: Path):
     for line in load_split(ck["task"], "test").src[:12]:
         ids = tok.encode(line)
         x = source_tensor([ids])
-        g = greedy(model, x, max_len=2 * len(ids) + 10)
-        r = iad(model, x, max_len=2 * len(ids) + 10)
+        g = decode_greedy(model, x, max_len=2 * len(ids) + 10)
+        r = decode_iad(model, x, max_len=2 * len(ids) + 10)
         assert torch.equal(g.tokens[0], r.tokens[0])
         calls, tokens = calls + r.stats.verifier_calls, tokens + r.stats.tokens
     assert calls * 3 < tokens  # a trained GEC model copies: several tokens per verifier call
@@ -63,7 +63,7 @@ def test_shipped_drafter_and_proposal_heads_are_greedy():
     frozen verifier) against drifting from the verifier's greedy output on real mt-en-de sentences
     (float64), and against a drafter or heads that never guess a token right."""
     from refdec.checkpoint import file_sha256
-    from refdec.decoding import blockwise, gad
+    from refdec.decoding import decode_blockwise, decode_gad
     from refdec.proposal import load_proposal
     ckpts = REPO / "checkpoints"
     verifier, tok, _ = load_model(ckpts / "mt-en-de" / "model.pt", task="mt-en-de", dtype=torch.float64)
@@ -79,9 +79,9 @@ def test_shipped_drafter_and_proposal_heads_are_greedy():
         ids = tok.encode(line)
         x = source_tensor([ids])
         n = 2 * len(ids) + 10
-        g = greedy(verifier, x, max_len=n)
-        r = gad(verifier, drafter, x, max_len=n, k=dck["drafter"]["k"], layout=dck["drafter"]["layout"])
-        b = blockwise(base, heads, x, max_len=n)
+        g = decode_greedy(verifier, x, max_len=n)
+        r = decode_gad(verifier, drafter, x, max_len=n, k=dck["drafter"]["k"], layout=dck["drafter"]["layout"])
+        b = decode_blockwise(base, heads, x, max_len=n)
         assert torch.equal(g.tokens[0], r.tokens[0]) and torch.equal(g.tokens[0], b.tokens[0])
         assert r.stats.encoder_calls == 1
         drafted, calls = drafted + r.stats.tokens + b.stats.tokens, calls + r.stats.verifier_calls + b.stats.verifier_calls

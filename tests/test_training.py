@@ -134,8 +134,8 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
     only the heads learn) and joint fine-tuning (the base moves too); the checkpoint carries the
     heads, and exact blockwise decoding of it is greedy decoding of p_1 (float64)."""
     from refdec.data import load_split, source_tensor
-    from refdec.decoding import greedy
-    from refdec.decoding.blockwise import blockwise
+    from refdec.decoding import decode_greedy
+    from refdec.decoding.blockwise import decode_blockwise
     from refdec.proposal import load_proposal
     out = tmp_path / "heads"
     shutil.copytree(trained_tiny, tmp_path / "base")
@@ -154,7 +154,7 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
     assert heads is not None and heads.k == 3
     for line in load_split("mt-en-de", "dev").src[:3]:
         x = source_tensor([tok.encode(line)])
-        assert torch.equal(greedy(model, x, max_len=12).tokens[0], blockwise(model, heads, x, max_len=12).tokens[0])
+        assert torch.equal(decode_greedy(model, x, max_len=12).tokens[0], decode_blockwise(model, heads, x, max_len=12).tokens[0])
     if freeze:  # the base named by the heads' file must be the file they were trained on
         base_file = tmp_path / "base" / "model.pt"
         base_file.write_bytes(base_file.read_bytes() + b"\0")

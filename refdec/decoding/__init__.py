@@ -14,13 +14,13 @@ from typing import Callable
 
 import torch
 
-from .beam import beam_search
-from .bild import bild
-from .blockwise import blockwise
-from .gad import gad
-from .greedy import greedy
-from .speculative import speculative
-from .iad import MATCH_POLICIES, find_match, iad
+from .beam import decode_beam
+from .bild import decode_bild
+from .blockwise import decode_blockwise
+from .gad import decode_gad
+from .greedy import decode_greedy
+from .speculative import decode_speculative
+from .iad import MATCH_POLICIES, find_match, decode_iad
 from .result import DecodeResult, DecodeStats, check_eval
 from .verify import Verified, verify
 
@@ -52,28 +52,28 @@ BEST_MODEL = {"gec-uk": "gec-uk-9x3"}
 
 ALGORITHMS: dict[str, Algorithm] = {
     "greedy": Algorithm(
-        "greedy", lambda models, src, max_len, kn: greedy(models["model"], src, max_len=max_len, trace=kn.get("trace", False)),
+        "greedy", lambda models, src, max_len, kn: decode_greedy(models["model"], src, max_len=max_len, trace=kn.get("trace", False)),
         "argmax token by token with a KV cache (the baseline)"),
     "beam": Algorithm(
-        "beam", lambda models, src, max_len, kn: beam_search(
+        "beam", lambda models, src, max_len, kn: decode_beam(
             models["model"], src, max_len=max_len, beam_size=kn["beam_size"], length_penalty=kn["length_penalty"],
             trace=kn.get("trace", False)),
         "beam search with a length penalty", knobs=("beam_size", "length_penalty"), lossless=False),
     "iad": Algorithm(
-        "iad", lambda models, src, max_len, kn: iad(
+        "iad", lambda models, src, max_len, kn: decode_iad(
             models["model"], src, max_len=max_len, match=kn["match"], max_suffix=kn["max_suffix"],
             max_draft=kn["max_draft"], trace=kn.get("trace", False)),
         "input-guided aggressive decoding: draft a copy of the input, verify it in one call (GEC; "
         "SAD = iad on a deep-encoder/shallow-decoder model)", knobs=("match", "max_suffix", "max_draft")),
     "gad": Algorithm(
-        "gad", lambda models, src, max_len, kn: gad(
+        "gad", lambda models, src, max_len, kn: decode_gad(
             models["model"], models["drafter"], src, max_len=max_len, k=kn["block_size"] or models["drafter_spec"]["k"],
             layout=models["drafter_spec"]["layout"], top_beta=kn["top_beta"], tau=kn["tau"], trace=kn.get("trace", False)),
         "generalized aggressive decoding: a non-autoregressive drafter proposes a block, the model verifies "
         "it (GAD++ with --top-beta/--tau)", roles=("model", "drafter"), knobs=("top_beta", "tau", "block_size"),
         lossless_if=lambda kn: kn["top_beta"] == 1 and kn["tau"] == 0),
     "blockwise": Algorithm(
-        "blockwise", lambda models, src, max_len, kn: blockwise(
+        "blockwise", lambda models, src, max_len, kn: decode_blockwise(
             models["model"], models["heads"], src, max_len=max_len, rule=kn["block_rule"], top_k=kn["top_k"],
             values=models["number_values"], epsilon=kn["epsilon"], min_block=kn["min_block"],
             block_size=kn["block_size"], trace=kn.get("trace", False)),
@@ -81,7 +81,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         "and proposes the next block", knobs=("block_rule", "top_k", "epsilon", "min_block", "block_size"), model_dir="{task}-blockwise",
         lossless_if=lambda kn: kn["block_rule"] == "exact" and kn["min_block"] == 1),
     "bild": Algorithm(
-        "bild", lambda models, src, max_len, kn: bild(
+        "bild", lambda models, src, max_len, kn: decode_bild(
             models["model"], models["small"], src, max_len=max_len, fallback_threshold=kn["fallback_threshold"],
             rollback_threshold=kn["rollback_threshold"], max_window=kn["max_window"], sample=kn["sample"],
             top_p=kn["top_p"], seed=kn["seed"], trace=kn.get("trace", False)),
@@ -89,7 +89,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         roles=("model", "small"), knobs=("fallback_threshold", "rollback_threshold", "max_window", "sample", "top_p",
                                          "seed"), lossless=False),
     "speculative": Algorithm(
-        "speculative", lambda models, src, max_len, kn: speculative(
+        "speculative", lambda models, src, max_len, kn: decode_speculative(
             models["model"], models["small"], src, max_len=max_len, gamma=kn["gamma"], sample=kn["sample"],
             temperature=kn["temperature"], top_p=kn["top_p"], seed=kn["seed"], trace=kn.get("trace", False)),
         "speculative sampling: the small model drafts gamma tokens, rejection sampling against the large model "

@@ -23,7 +23,7 @@ from .ties import best_candidates
 
 
 @torch.inference_mode()
-def beam_search(model: Transformer, src: torch.Tensor, *, max_len: int, beam_size: int = 5,
+def decode_beam(model: Transformer, src: torch.Tensor, *, max_len: int, beam_size: int = 5,
                 length_penalty: float = 1.0, trace: bool = False) -> DecodeResult:
     """src (B, S) -> the best hypothesis per row. Score = sum log p / (length incl. eos) ** length_penalty."""
     check_eval(model)

@@ -62,7 +62,7 @@ def rollback_rule(threshold: float):
 
 
 @torch.inference_mode()
-def bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, fallback_threshold: float = 0.4,
+def decode_bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, fallback_threshold: float = 0.4,
          rollback_threshold: float = 2.0, max_window: int = 10, sample: bool = False, top_p: float = 0.9,
          seed: int = 0, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row."""

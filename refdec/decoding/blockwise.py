@@ -76,7 +76,7 @@ def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | N
 
 
 @torch.inference_mode()
-def blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, max_len: int, rule: str = "exact",
+def decode_blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, max_len: int, rule: str = "exact",
               top_k: int = 2, values: torch.Tensor | None = None, epsilon: float = 0.0, min_block: int = 1,
               block_size: int = 0, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row (greedy of p_1

@@ -61,7 +61,7 @@ def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
 
 
 @torch.inference_mode()
-def gad(verifier: Transformer, drafter: Transformer, src: torch.Tensor, *, max_len: int, k: int, layout: str = "causal",
+def decode_gad(verifier: Transformer, drafter: Transformer, src: torch.Tensor, *, max_len: int, k: int, layout: str = "causal",
         top_beta: int = 1, tau: float = 0.0, exact: bool | None = None, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row.
 

@@ -18,7 +18,7 @@ from .result import DecodeResult, DecodeStats, check_eval, result_of
 
 
 @torch.inference_mode()
-def greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace: bool = False) -> DecodeResult:
+def decode_greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> the argmax continuation of each row.
 
     max_len counts output tokens, eos included."""

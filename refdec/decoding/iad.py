@@ -87,7 +87,7 @@ def find_match(x: list[int], out: list[int], policy: str = "unique", max_suffix:
 
 
 @torch.inference_mode()
-def iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "unique", max_suffix: int = 0,
+def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "unique", max_suffix: int = 0,
         max_draft: int = 0, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> the greedy output of each row.
 

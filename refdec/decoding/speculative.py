@@ -37,7 +37,7 @@ from .verify import leave, verify_rows
 
 
 @torch.inference_mode()
-def speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, gamma: int = 3,
+def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, gamma: int = 3,
                 sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                 trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row."""
