@@ -42,15 +42,16 @@ def write_page(path: str, **kw) -> None:
         f.write(build_page(**kw))
 
 
-def build_page(*, title: str, facts: dict, rows: list[dict], matrix: list[list[float]] | None, checks: list[dict],
-               sources: list[str], refs: list[list[str]], ids: list, runs: list, tokenizer, batch_size: int = 1) -> str:
+def build_page(*, title: str, facts: dict, summary: "runner.Summary", sources: list[str], refs: list[list[str]],
+               ids: list, runs: list, tokenizer) -> str:
     """The page for runs decoded on `sources` (`ids` their token ids, None for an empty line), with
-    the figures of decode.py's summarise (rows, matrix, checks); a sentence's time is its own at
-    batch size 1, its batch's average otherwise. `facts`: name -> value lines of
-    the header (task, model, command ...). Every run must have been decoded with traces."""
+    the figures of runner.summarise; a sentence's time is its own at batch size 1, its batch's
+    average otherwise. `facts`: name -> value lines of the header (task, model, command ...). Every
+    run must have been decoded with traces."""
     e = html.escape
+    rows, matrix, checks = summary.rows, summary.matrix, summary.checks
     greedy_of = {id(r): next((g for g in runs if g.algo.name == "greedy" and g is not r
-                              and g.models["model"] is r.models["model"]), None) for r in runs}
+                              and g.models.model is r.models.model), None) for r in runs}
     charts = [c for c in (chart_quality_speed(rows), chart_edit_buckets(checks), chart_tokens_per_call(runs),
                           chart_module_time(rows)) if c]
     body = [f"<header><h1>{e(title)}</h1><dl>"
@@ -69,7 +70,7 @@ def build_page(*, title: str, facts: dict, rows: list[dict], matrix: list[list[f
 {legend_html()}""")
     piece = token_pieces(tokenizer)
     for i, line in enumerate(sources):
-        body.append(sentence_html(i, line, [r[i] for r in refs], ids[i], runs, greedy_of, tokenizer, piece, batch_size))
+        body.append(sentence_html(i, line, [r[i] for r in refs], ids[i], runs, greedy_of, tokenizer, piece))
     return PAGE.format(title=e(title), style=STYLE, script=SCRIPT, body="\n".join(body))
 
 
@@ -137,8 +138,7 @@ def chips(tokens, part: str, piece) -> str:
     return "".join(out)
 
 
-def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greedy_of: dict, tokenizer, piece,
-                  batch_size: int) -> str:
+def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greedy_of: dict, tokenizer, piece) -> str:
     e = html.escape
     if src_ids is None:
         return (f'<section class="sent" id="s{i + 1}" data-differs="[]"><div class="src"><a class="n" href="#s{i + 1}">'
@@ -160,7 +160,7 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
         steps = steps_from(r.algo.name, r.traces[i], source=src_ids, eos_id=tokenizer.eos_id)
         facts = f"{sum(s.verified for s in steps)} call(s)"
         if r.times[i] is not None:
-            facts += f", {1000 * r.times[i]:.1f} ms" + ("" if batch_size == 1 else " (batch average)")
+            facts += f", {1000 * r.times[i]:.1f} ms" + ("" if r.batch_size == 1 else " (batch average)")
         parts.append(f'<details class="run" data-run="{e(r.name)}"{" open" if n == 0 else ""}>'
                      f'<summary><b>{e(r.name)}</b>{badge} '
                      f'<span class="facts">{e(facts)}</span><span class="out">{e(text)}</span></summary>'

@@ -3,8 +3,8 @@
 A run decodes with a "model" (the one whose output it produces) and, for some algorithms, second
 models: GAD's block drafter, BiLD's and speculative sampling's small model, blockwise decoding's
 proposal heads. `RunLoader` loads the main checkpoint, the other checkpoints compared runs name
-(`--compare ALGO@CKPT`, same tokenizer), and the second models, and hands each run the dict of
-role -> model its algorithm reads (`Algorithm.run(models, ...)`).
+(`--compare ALGO@CKPT`, same tokenizer), and the second models, and hands each run a `Models`
+record: the models its algorithm reads (`Algorithm.run(models, ...)`).
 
 A second model trained on a large model's encoder (train.py --encoder-from) reads the large model
 already in memory, so the encoder runs once for both; with another large model it loads the
@@ -13,6 +13,7 @@ encoder it was trained on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +22,21 @@ from .checkpoint import CheckpointError, file_sha256, load_model
 from .model import EarlyExit
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Models:
+    """The models one run decodes with."""
+
+    model: torch.nn.Module  # the model whose output is produced (the verifier, the large model)
+    path: Path  # its checkpoint
+    drafter: object | None = None  # GAD's block drafter
+    small: torch.nn.Module | None = None  # BiLD's and speculative decoding's small model (or an EarlyExit)
+    heads: torch.nn.Module | None = None  # blockwise decoding's proposal heads, from the model's checkpoint
+    number_values: torch.Tensor | None = None  # blockwise --block-rule distance: each token's numeric value
+
+    def all(self) -> list[torch.nn.Module]:
+        return [m for m in (self.model, self.drafter, self.small, self.heads) if isinstance(m, torch.nn.Module)]
 
 
 class LoadError(CheckpointError):
@@ -50,7 +66,7 @@ class RunLoader:
         self.main_path = Path(main_path)
         model, self.tokenizer, ckpt = load_any(main_path, task=task, device=device, dtype=dtype, languages=languages)
         self.loaded = {self.main_path.resolve(): (model, ckpt)}  # large models by file
-        self.seconds: dict = {}  # (role, file, large model's file) -> {role: model, ...}
+        self.seconds: dict = {}  # (role, file, large model's file) -> {role: model}
         self.hashes: dict = {}
         self.shared: dict = {}  # second models of every run that names none of its own
 
@@ -97,7 +113,7 @@ class RunLoader:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
             if role == "drafter" and "drafter" not in ck2:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
-            self.seconds[key] = {role: model, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})}
+            self.seconds[key] = {role: drafter_with_spec(model, ck2["drafter"]) if role == "drafter" else model}
         return self.seconds[key]
 
     def sha256(self, path: Path) -> str:
@@ -105,20 +121,42 @@ class RunLoader:
             self.hashes[path.resolve()] = file_sha256(path) if path.is_file() else f"folder {path.resolve()}"
         return self.hashes[path.resolve()]
 
-    def models_for(self, path: Path, algo_name: str, own: dict | None = None) -> dict:
-        """role -> model for one run of `algo_name` on the large model of `path`; `own` names the
-        run's own second models ({"small": PATH, "drafter": PATH})."""
+    def models_for(self, path: Path, second: tuple[str, ...] = (), own: dict | None = None) -> Models:
+        """The models of one run on the large model of `path`, with the second models `second`
+        names ("drafter", "small", "heads"); `own` names the run's own second models ({"small":
+        PATH, "drafter": PATH}), the others are the shared ones."""
         large, ck = self.loaded[path.resolve()]
-        out = {"model": large, **self.shared}
+        found = dict(self.shared)
         for role, value in (own or {}).items():
-            out.update(self.second(role, value, path))
-        if algo_name == "blockwise":
+            found.update(self.second(role, value, path))
+        if "heads" in second:
             heads = load_proposal(ck, device=self.device, dtype=self.dtype)
             if heads is None:
                 raise LoadError(f"{path} has no proposal heads; train them with train.py --proposal-k (README)")
-            out["heads"] = heads
-            out["number_values"] = number_values(self.tokenizer).to(self.device)
-        return out
+            found.update(heads=heads, number_values=number_values(self.tokenizer).to(self.device))
+        keep = set(second) | ({"number_values"} if "heads" in second else set())
+        return Models(large, path, **{k: v for k, v in found.items() if k in keep})
+
+
+def load_runs(specs: list, shared: dict, *, task: str, device, dtype: torch.dtype, trace: bool = False,
+              invariant: bool = False, languages: tuple[str | None, str | None] = (None, None)):
+    """The runs of refdec.plan's `specs`, every checkpoint loaded once: the first run's model, the
+    other checkpoints compared runs name, the `shared` second models (role -> path) and each run's
+    own. With `invariant`, every model in row-invariant mode. Returns the loader and the runs."""
+    from .model import set_row_invariant
+    from .runner import Run
+    loader = RunLoader(specs[0].path, task=task, device=device, dtype=dtype, languages=languages)
+    for s in specs[1:]:
+        loader.add(s.path)
+    for role, value in shared.items():
+        loader.share(role, value)
+    runs = [Run(s.algo, s.options, loader.models_for(s.path, s.algo.second, s.seconds), s.label, s.batch_size, trace)
+            for s in specs]
+    if invariant:  # every model the runs use, second models and proposal heads included
+        for r in runs:
+            for m in r.models.all():
+                set_row_invariant(m)
+    return loader, runs
 
 
 def number_values(tokenizer: Tokenizer) -> torch.Tensor:

@@ -19,14 +19,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from . import data as data_mod
-from .decoding import ALGORITHMS, Algorithm, DecodeStats
+from .decoding import DecodeStats
 from .metrics import corpus_bleu, corpus_chrf, gec_scores
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .algorithms import Algorithm
+    from .loading import Models
 
 
 class UsageError(Exception):
@@ -174,11 +178,12 @@ def usable_cores() -> int:
 class Run:
     """One algorithm's outputs and accumulated figures over the whole input."""
 
-    algo: Algorithm
-    knobs: dict
-    models: dict | None = None  # role -> model for this run (None: decode_lines' models)
+    algo: "Algorithm"  # refdec.algorithms
+    options: dict
+    models: "Models"  # refdec.loading
     label: str = ""  # name in tables ("" = the algorithm's name)
-    batch_size: int | None = None  # sentences per decoder call (None = decode_lines' batch_size)
+    batch_size: int = 1  # sentences per decoder call
+    trace: bool = False  # keep each sentence's steps
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     seconds: float = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -189,9 +194,6 @@ class Run:
     @property
     def name(self) -> str:
         return self.label or self.algo.name
-
-    def models_of(self, default: dict) -> dict:
-        return self.models or default
 
 
 def source_ids(tokenizer: Tokenizer, lines: list[str], max_positions: int) -> list[list[int] | None]:
@@ -218,12 +220,11 @@ def max_len_for(batch: list[list[int]], max_len: int | None, max_positions: int)
     return max(1, min(budget, max_positions - 1))
 
 
-def run_batch(run: Run, models: dict, batch: list[list[int]], max_len: int, device) -> tuple[list, float, DecodeStats, list | None]:
-    models = run.models or models
-    cfg = models["model"].cfg if "model" in models else None  # an imported model brings its own ids
-    src = (data_mod.source_tensor(batch, cfg.eos_id, cfg.pad_id) if cfg else data_mod.source_tensor(batch)).to(device)
+def run_batch(run: Run, batch: list[list[int]], max_len: int, device) -> tuple[list, float, DecodeStats, list | None]:
+    cfg = run.models.model.cfg  # an imported model brings its own ids
+    src = data_mod.source_tensor(batch, cfg.eos_id, cfg.pad_id).to(device)
     t0 = time.perf_counter()
-    res = run.algo.run(models, src, max_len, run.knobs)
+    res = run.algo.run(run.models, src, max_len, run.options, trace=run.trace)
     if src.is_cuda:
         torch.cuda.synchronize()
     return [t.cpu() for t in res.tokens], time.perf_counter() - t0, res.stats, res.trace
@@ -242,20 +243,20 @@ def length_chunks(ids: list[list[int] | None], size: int) -> list[list[int]]:
     return [todo[i:i + size] for i in range(0, len(todo), size)]
 
 
-def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, batch_size: int,
+def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
                  max_len: int | None, max_positions: int, device, warmup: int = 2, progress: bool = True,
                  on_line: Callable[[int, torch.Tensor | None], None] | None = None) -> int:
     """Fill each run's outputs, seconds and stats; runs alternate chunk by chunk (interleaved timing).
 
     With batches of more than one sentence the lines are bucketed by source length (`length_chunks`).
     A chunk holds the largest batch of any run; each run decodes it in batches of its own size
-    (Run.batch_size, else `batch_size`), with the one output budget of the chunk (max_len_for its
+    (Run.batch_size), with the one output budget of the chunk (max_len_for its
     sources), so that runs at different batch sizes decode each line alike. A chunk counts once
     every run has decoded it: only then are its figures added and its lines (the first run's) passed
     to `on_line`, in input order with the empty lines between them, as soon as every earlier line is
     done. Ctrl-C stops at that boundary. Returns how many leading input lines every run finished
     (all of them unless interrupted)."""
-    size = max(run.batch_size or batch_size for run in runs)
+    size = max(run.batch_size for run in runs)
     chunks = length_chunks(ids, size)
     for run in runs:
         run.outputs = [None] * len(ids)
@@ -275,18 +276,18 @@ def decode_lines(runs: list[Run], models: dict, ids: list[list[int] | None], *, 
     try:
         for c in chunks[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
             for run in runs:
-                rows = [ids[i] for i in c[:min(run.batch_size or batch_size, WARMUP_ROWS)]]
-                run_batch(run, models, rows, max_len_for(rows, max_len, max_positions), device)
+                rows = [ids[i] for i in c[:min(run.batch_size, WARMUP_ROWS)]]
+                run_batch(run, rows, max_len_for(rows, max_len, max_positions), device)
         t_start, last_print, finished = time.time(), time.time(), 0
         for n, c in enumerate(chunks):
             budget = max_len_for([ids[i] for i in c], max_len, max_positions)
             order = runs if n % 2 == 0 else runs[::-1]
             results = {}
             for run in order:
-                step = run.batch_size or batch_size
+                step = run.batch_size
                 for b in (c[i:i + step] for i in range(0, len(c), step)):
                     try:
-                        results[(id(run), b[0])] = b, run_batch(run, models, [ids[i] for i in b], budget, device)
+                        results[(id(run), b[0])] = b, run_batch(run, [ids[i] for i in b], budget, device)
                     except (RuntimeError, ValueError) as e:  # one bad batch must not lose the others
                         warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}: "
                              f"{str(e).splitlines()[0][:200]}; writing empty output line(s) in their place")
@@ -458,22 +459,21 @@ def environment(threads: int, device, dtype) -> dict:
             "threads": threads, "device": str(device), "dtype": str(dtype).replace("torch.", "")}
 
 
-def build_report(task: str, rows: list[dict], knobs: list[dict], algos: list[Algorithm], *, n_lines: int,
-                 extra: dict) -> dict:
-    """The JSON report: the first run's figures at the top level, the --compare run under "compare"."""
+def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, extra: dict) -> dict:
+    """The JSON report: the first run's figures at the top level, the second run's under "compare"
+    (every run's are under "runs")."""
     first = rows[0]
     keys = ("seconds", "tokens", "ms_per_token", "verifier_calls", "drafter_calls", "mean_accepted", "hit_max_len")
-    report = {"algo": algos[0].name, "task": task, "n": n_lines, "decoded": first["n"],
+    report = {"algo": runs[0].algo.name, "task": task, "n": n_lines, "decoded": first["n"],
               **{k: first[k] for k in keys}, "bleu": first.get("bleu"), "chrf": first.get("chrf"),
               **{k: first[k] for k in ("gec_f05", "gec_precision", "gec_recall") if k in first},
-              "options": {k: v for k, v in knobs[0].items() if k in algos[0].knobs}, **extra}
+              "options": runs[0].options, **extra}
     if len(rows) > 1:
         second = rows[1]
-        report["compare"] = {"algo": algos[1].name, "seconds": second["seconds"], "speedup": second["speedup"],
+        report["compare"] = {"algo": runs[1].algo.name, "seconds": second["seconds"], "speedup": second["speedup"],
                              "identical": second["identical"], "bleu": second.get("bleu"), "chrf": second.get("chrf"),
                              "tokens": second["tokens"], "verifier_calls": second["verifier_calls"],
-                             **{k: second[k] for k in ("gec_f05",) if k in second},
-                             "options": {k: v for k, v in knobs[1].items() if k in algos[1].knobs}}
+                             **{k: second[k] for k in ("gec_f05",) if k in second}, "options": runs[1].options}
     return report
 
 
@@ -481,5 +481,158 @@ def write_report(path: str, report: dict) -> None:
     Path(path).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-__all__ = ["ALGORITHMS", "Run", "UsageError", "decode_lines", "format_table", "identical_rate", "read_text_lines",
-           "scores", "source_ids", "summary_row", "texts", "warn", "build_report", "write_report", "environment"]
+
+
+# ---- decode.py's steps, in the order it takes them ----
+
+def check_machine(device: str, threads: int | None, *, output: str | None, report: str | None, html: str | None,
+                  reads: dict[str, str]) -> None:
+    """Device and threads this machine has; output paths checked now, so that a run never decodes
+    for an hour to fail on its output. `reads`: name -> path of every file the run reads."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but no CUDA device is available")
+    if threads is not None:
+        if not 1 <= threads <= usable_cores():
+            raise UsageError(f"--threads must be between 1 and the {usable_cores()} cores this machine gives "
+                             f"the run (more threads than cores only slows decoding down)")
+        torch.set_num_threads(threads)
+    if output:
+        check_writable(output, "--output", not_paths=reads)
+    if report:
+        check_writable(report, "--report", not_paths={**reads, "--output": output})
+    if html:
+        from .htmlreport import check_available
+        check_available()
+        check_writable(html, "--html", not_paths={**reads, "--output": output, "--report": report})
+
+
+def read_input(task: str, path: str | None, ref_paths: list[str], limit: int | None) -> tuple[list[str], list[list[str]]]:
+    """The input lines and their reference streams (the task's test set unless `path`)."""
+    task_dir = data_mod.DATA_DIR / task
+    if path:
+        lines = read_text_lines(path)
+        refs = [read_text_lines(r) for r in ref_paths]
+        for ref, r in zip(ref_paths, refs):
+            if len(r) != len(lines):
+                raise UsageError(f"--ref {ref} has {len(r)} lines but the input has {len(lines)}")
+    else:
+        if not (task_dir / "test.src.gz").exists():
+            raise UsageError(f"{task_dir}/test.src.gz not found; rebuild it with python data/build.py")
+        lines = data_mod.read_lines(task_dir / "test.src.gz")
+        refs = [data_mod.read_lines(task_dir / name) for name in ("test.tgt.gz", "test.tgt2.gz")
+                if (task_dir / name).exists()]
+    if limit is not None:
+        lines, refs = lines[:limit], [r[:limit] for r in refs]
+    return lines, refs
+
+
+def check_fits(run: Run, ids: list, max_len: int | None, max_positions: int, dtype: torch.dtype) -> None:
+    """Refuse, before decoding, what this run's models or this machine cannot do: a block size the
+    proposal heads were not trained for, and batches (beams counted as rows) that would not fit in
+    the memory the machine has available."""
+    heads, size = run.models.heads, run.options.get("block_size", 0)
+    if heads is not None and size and not 2 <= size <= heads.k:
+        raise UsageError(f"--block-size must be between 2 and the {heads.k} the proposal heads were "
+                         f"trained for, not {size}")
+    free = available_memory()
+    if free is None:
+        return
+    beams, rows = run.options.get("beam_size", 1), run.batch_size
+    todo = [s for s in ids if s is not None]
+    cfg, itemsize = run.models.model.cfg, torch.empty((), dtype=dtype).element_size()
+    need, worst = 0, 0
+    for i in range(0, len(todo), rows):
+        batch = todo[i:i + rows]
+        b = decode_bytes(cfg, len(batch) * beams, max(map(len, batch)) + 1, max_len_for(batch, max_len, max_positions),
+                         itemsize)
+        if b > need:
+            need, worst = b, len(batch)
+    if need > 0.8 * free:
+        fit = int(0.8 * free / (need / (worst * beams)))
+        what = f"--beam-size {beams} with --batch-size {rows}" if beams > 1 else f"--batch-size {rows}"
+        advice = (f"use at most {max(fit // worst, 0)} beams" if beams > 1 and fit >= worst
+                  else f"use at most {max(fit // beams, 1)} sentences per batch" + (" with one beam" if beams > 1 else ""))
+        raise UsageError(f"{run.name}: {what} needs about {need / 2**30:.1f} GiB for its caches and scores, more than "
+                         f"the {0.8 * free / 2**30:.1f} GiB (80% of what is free) this machine can give it; {advice}")
+
+
+def decode_to_output(runs: list[Run], ids: list, tokenizer: Tokenizer, *, output: str | None, max_len: int | None,
+                     max_positions: int, device, warmup: int, progress: bool, busy: BusyCores) -> int:
+    """Decode every line with every run, writing the first run's outputs as they are finished (one
+    line per input line, UTF-8 whatever the locale); returns how many leading lines every run finished."""
+    if not output:
+        sys.stdout.reconfigure(encoding="utf-8")
+    out = open(output, "w", encoding="utf-8") if output else sys.stdout
+    invalid = {}  # output line -> bytes that are not valid UTF-8
+
+    def render(i: int, tokens) -> str:
+        text, dropped = text_line(tokenizer, tokens)
+        if dropped:
+            invalid[i + 1] = dropped
+        return text
+
+    try:
+        threads, others_busy = torch.get_num_threads(), busy.others()
+        if others_busy is not None and others_busy >= 0.5 and others_busy + threads > usable_cores() + 0.25:
+            warn(f"other processes keep about {others_busy:.1f} of this machine's {usable_cores()} cores "
+                 f"busy and this run uses {threads} thread(s): timings will not be reliable, and threads that "
+                 f"wait for a busy core can make decoding many times slower; run alone, or with --threads 1")
+        complete = decode_lines(runs, ids, max_len=max_len, max_positions=max_positions, device=device,
+                                warmup=warmup, progress=progress, on_line=OutputLines(out, render).put)
+    finally:
+        if output:
+            out.close()
+    if invalid:
+        warn(f"{len(invalid)} output line(s) hold bytes that are not valid UTF-8 (the model wrote part of a "
+             f"character, shown as U+FFFD, the replacement character): line(s) "
+             f"{', '.join(map(str, list(invalid)[:20]))}" + (" ..." if len(invalid) > 20 else ""))
+    return complete
+
+
+def keep_first(runs: list[Run], n: int) -> None:
+    """After an interruption: every run's figures cut to the first `n` lines (the ones written)."""
+    for r in runs:
+        r.outputs, r.traces, r.times, r.calls = r.outputs[:n], r.traces[:n], r.times[:n], r.calls[:n]
+
+
+@dataclass
+class Summary:
+    rows: list[dict]  # one per run (summary_row), with speedup and identical rate against the first
+    matrix: list[list[float]] | None  # speedup of every run over every other (three runs or more)
+    checks: list[dict]  # each lossless run against greedy of its model: identical rate, divergences
+    text: str  # the printed form
+
+
+def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: list, tokenizer: Tokenizer,
+              device) -> Summary:
+    """The table's rows, the speedup matrix, the lossless checks (every line where a lossless run
+    differs from greedy of the same model, with the margin there; for GEC at batch size 1 the
+    speedup by edit ratio) and the printed text."""
+    kind = data_mod.TASKS[task]
+    rows = [{**summary_row(r, scores(kind, lines, texts(tokenizer, r.outputs), refs)), "options": r.options}
+            for r in runs]
+    for row, r in zip(rows[1:], runs[1:]):
+        row["speedup"] = row["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else float("nan")
+        row["identical"] = identical_rate(runs[0].outputs, r.outputs)
+    notes, matrix, checks = [], None, []
+    if len(runs) > 2:
+        matrix, text = speedup_matrix(rows)
+        notes.append(text)
+    for fast in runs:
+        base = min((r for r in runs if r.algo.name == "greedy" and r.models.model is fast.models.model),
+                   key=lambda r: r.batch_size, default=None)  # batch-1 greedy where there is one
+        if base is None or fast is base or not fast.algo.is_lossless(fast.options):
+            continue
+        div = divergences(fast.models.model, ids, base.outputs, fast.outputs, device)
+        check = {"algo": fast.name, "greedy": base.name, "identical": identical_rate(base.outputs, fast.outputs),
+                 "divergences": div}
+        notes.append(f"{fast.name} vs {base.name}: {check['identical']:.4f} identical, {len(div)} line(s) differ"
+                     + "".join(f"\n  line {d['line']}: first divergence at token {d['position']} "
+                               f"(greedy {tokenizer.tokens([d['greedy_token']])[0]!r}, "
+                               f"{fast.name} {tokenizer.tokens([d['other_token']])[0]!r}); top-1/top-2 logit "
+                               f"margin {d['margin_top1_top2']:.3g}" for d in div))
+        if kind == "gec" and fast.batch_size == 1 and base.batch_size == 1:  # how much of the input survives
+            check["edit_buckets"], text = edit_buckets(lines, texts(tokenizer, base.outputs), fast, base)
+            notes.append(text)
+        checks.append(check)
+    return Summary(rows, matrix, checks, "\n\n".join([format_table(rows)] + notes))

@@ -7,6 +7,7 @@ the batched drafter and small-model Follower see nothing of another row or of th
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,20 +216,21 @@ def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order
     largest batch, sorted by length, each run in its own batch size; outputs land on their own lines
     and are handed on in input order, empty lines included."""
     from refdec import runner
-    from refdec.decoding import Algorithm, DecodeResult, DecodeStats
+    from refdec.algorithms import Algorithm
+    from refdec.decoding import DecodeResult, DecodeStats
     seen = {1: [], 3: []}
 
     def fake(size):
-        def run(models, src, max_len, knobs):
+        def decode(model, src, *, max_len, trace=False):
             lens = src.ne(0).sum(dim=1).tolist()
             seen[size].append((lens, max_len))
             return DecodeResult([torch.tensor([n, max_len]) for n in lens], DecodeStats(sentences=len(lens)))
-        return run
+        return decode
 
     ids = [[5] * n if n else None for n in (4, 1, 0, 7, 2, 9, 3, 0, 5, 6)]
-    runs = [runner.Run(Algorithm(f"b{n}", fake(n), "fake"), {}, batch_size=n) for n in (1, 3)]
+    runs = [runner.Run(Algorithm(f"b{n}", fake(n), "fake"), {}, fake_models(), batch_size=n) for n in (1, 3)]
     handed = []
-    done = runner.decode_lines(runs, {}, ids, batch_size=1, max_len=None, max_positions=64, device="cpu", warmup=0,
+    done = runner.decode_lines(runs, ids, max_len=None, max_positions=64, device="cpu", warmup=0,
                                progress=False, on_line=lambda i, t: handed.append(i))
     assert done == len(ids) and handed == list(range(len(ids)))
     for run in runs:
@@ -246,13 +248,14 @@ def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order
 def test_batch_size_options_are_parsed_and_refused():
     """Guards --compare's :batch-size=N and --batch-sizes (a size that is not a whole number of at
     least 1, repeated sizes, or --batch-sizes beside --batch-size: refused, never ignored)."""
+    from refdec.plan import Compared, parse_compare
     from refdec.runner import UsageError
     cli = load_cli()
-    assert cli.parse_compare("iad:batch-size=4:max-draft=8,greedy") == [
-        ("iad", None, {"batch_size": 4, "max_draft": 8}), ("greedy", None, {})]
+    assert parse_compare("iad:batch-size=4:max-draft=8,greedy") == [
+        Compared("iad", None, {"max_draft": 8}, batch_size=4), Compared("greedy")]
     for bad in ("iad:batch-size=0", "iad:batch-size=x", "greedy:batch-size=-2"):
         with pytest.raises(UsageError, match="batch-size"):
-            cli.parse_compare(bad)
+            parse_compare(bad)
     args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8,32"])
     assert cli.batch_sizes(args) == [1, 8, 32]
     for extra, needle in ((["--batch-sizes", "1,1"], "different"), (["--batch-sizes", "8,a"], "whole numbers"),
@@ -264,3 +267,11 @@ def test_batch_size_options_are_parsed_and_refused():
                                           "--compare", "iad:batch-size=4"])
     with pytest.raises(UsageError, match="cannot set its own"):
         cli.run(args)
+
+
+def fake_models():
+    """The Models record of a run whose decoder needs no model, only the special ids."""
+    from types import SimpleNamespace
+
+    from refdec.loading import Models
+    return Models(SimpleNamespace(cfg=SimpleNamespace(eos_id=EOS_ID, pad_id=0)), Path("fake.pt"))

@@ -266,28 +266,33 @@ def test_bild_with_an_early_exit(tmp_path):
     assert bad.returncode != 0 and "decoder layers" in bad.stderr.decode()
 
 
-def test_cli_defaults_are_the_decoders_defaults():
-    """decode.py's option defaults are the decoder functions' own (a --help that promises one
-    threshold while the run uses another was a real bug)."""
+def test_cli_options_are_the_decoders_keyword_options():
+    """decode.py's algorithm options and their defaults come from the decoder functions' signatures
+    (a --help that promised one threshold while the run used another was a real bug): every keyword
+    option of every decoder has a flag whose help states the decoder's default, and no flag is left
+    that no decoder takes."""
     import importlib.util
     import inspect
 
-    from refdec.decoding import decode_bild, decode_speculative
-    from refdec.decoding.blockwise import decode_blockwise
+    from refdec.algorithms import ALGORITHMS, OPTIONS
     spec = importlib.util.spec_from_file_location("decode_cli", Path(__file__).resolve().parent.parent / "decode.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    checked = 0
-    for fn in (decode_bild, decode_speculative, decode_blockwise):
-        for name, p in inspect.signature(fn).parameters.items():
-            # speculative's library default top_p = 1 is the large model's whole distribution; the
-            # CLI's one --top-p (0.9, shared with bild) is documented in its --help.
-            if (fn is decode_speculative and name == "top_p") or name == "trace":
-                continue
-            if name in cli.KNOB_DEFAULTS and p.default is not inspect.Parameter.empty:
-                assert cli.KNOB_DEFAULTS[name] == p.default, (fn.__name__, name)
-                checked += 1
-    assert checked >= 8
+    parser = cli.build_parser()
+    flags = {a.dest: a for a in parser._actions}
+    taken = set()
+    for algo in ALGORITHMS.values():
+        for name, p in inspect.signature(algo.decoder).parameters.items():
+            if p.kind is p.KEYWORD_ONLY and isinstance(p.default, (bool, int, float, str)) and name != "trace":
+                assert name in OPTIONS and name in flags, (algo.name, name)
+                assert algo.defaults()[name] == p.default
+                shown = "on" if p.default is True else "off" if p.default is False else f"{p.default:g}" \
+                    if isinstance(p.default, float) else str(p.default)
+                assert f"{algo.name} {shown}" in flags[name].help or f"default {shown})" in flags[name].help, name
+                assert flags[name].default is None  # unset on the command line: each algorithm's own default
+                taken.add(name)
+    assert taken == set(OPTIONS)
+    assert "bild 0.9, speculative 1" in flags["top_p"].help  # the one option whose defaults differ
 
 
 def test_bild_with_a_small_model_on_the_large_models_encoder(trained_tiny, tmp_path):

@@ -260,19 +260,18 @@ def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
     r = decode(trained_tiny, "--algo", "beam", "--beam-size", "100000000", "--limit", "3")
     assert "GiB" in one_line_error(r) and "use at most" in r.stderr.decode()
     assert "cores" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--threads", "10000"))
-    import decode as decode_script
     from refdec import runner
+    from refdec.algorithms import ALGORITHMS
     from refdec.checkpoint import load_model
-    from refdec.decoding import ALGORITHMS
+    from refdec.loading import Models
     model, _, _ = load_model(trained_tiny / "model.pt")
-    run = runner.Run(ALGORITHMS["greedy"], {"block_size": 0}, models={"model": model})
+    run = runner.Run(ALGORITHMS["greedy"], {}, Models(model, trained_tiny / "model.pt"), batch_size=100000)
     ids = [[7] * 50 for _ in range(4000)]
-    args = type("Args", (), {"batch_size": 100000, "max_len": None})()
     monkeypatch.setattr(runner, "available_memory", lambda: 2**26)
     with pytest.raises(runner.UsageError, match="sentences per batch"):
-        decode_script.check_fits(run, ids, args, 128, torch.float32)
-    args.batch_size = 8
-    decode_script.check_fits(run, ids, args, 128, torch.float32)  # fits
+        runner.check_fits(run, ids, None, 128, torch.float32)
+    run.batch_size = 8
+    runner.check_fits(run, ids, None, 128, torch.float32)  # fits
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -290,16 +289,17 @@ def test_non_finite_and_negative_thresholds_are_refused(trained_tiny, args, need
 def test_warm_up_is_a_few_sentences_whatever_the_batch_size():
     """Case: --batch-size 100000 made the warm-up decode the whole input twice."""
     from refdec import runner
-    from refdec.decoding import Algorithm, DecodeResult, DecodeStats
+    from refdec.algorithms import Algorithm
+    from refdec.decoding import DecodeResult, DecodeStats
+    from test_batched_decoders import fake_models
     seen = []
 
-    def fake(models, src, max_len, knobs):
+    def fake(model, src, *, max_len, trace=False):
         seen.append(src.shape[0])
         return DecodeResult([torch.tensor([5])] * src.shape[0], DecodeStats())
 
-    run = runner.Run(Algorithm("fake", fake, "counts rows"), {})
-    runner.decode_lines([run], {}, [[5, 6]] * 500, batch_size=100000, max_len=4, max_positions=64, device="cpu",
-                        warmup=2, progress=False)
+    run = runner.Run(Algorithm("fake", fake, "counts rows"), {}, fake_models(), batch_size=100000)
+    runner.decode_lines([run], [[5, 6]] * 500, max_len=4, max_positions=64, device="cpu", warmup=2, progress=False)
     assert seen == [runner.WARMUP_ROWS, 500]
 
 
