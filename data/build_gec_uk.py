@@ -104,13 +104,22 @@ def main(argv=None):
     ids = sorted(d[0] for d in train_docs)
     n_dev = round(len(ids) * args.dev_fraction)
     dev_ids = set(random.Random(args.seed).sample(ids, n_dev))
+    splits, counts = split_documents(train_docs, test_docs, dev_ids)
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"gec-uk: UA-GEC {VERSION}, layer {args.layer}, output {args.out_dir}")
+    write_splits(splits, counts, args.out_dir)
 
+
+def split_documents(train_docs, test_docs, dev_ids):
+    """Sentence pairs per split: train (every annotator's correction as its own pair), dev and test
+    (tgt and tgt2 from annotators 1 and 2; annotator 1 repeated where a document has one).
+    Returns the splits and the counts the report prints."""
     splits = {"train": {"src": [], "tgt": [], "doc": []},
               "dev": {"src": [], "tgt": [], "tgt2": [], "doc": []},
               "test": {"src": [], "tgt": [], "tgt2": [], "doc": []}}
-    dropped = {"train": 0, "dev": 0, "test": 0}
-    ndocs = {"train": 0, "dev": 0, "test": 0}
-    single_ann = {"dev": 0, "test": 0}
+    counts = {"dropped": {"train": 0, "dev": 0, "test": 0}, "docs": {"train": 0, "dev": 0, "test": 0},
+              "single_annotator": {"dev": 0, "test": 0}}
+    dropped, ndocs, single_ann = counts["dropped"], counts["docs"], counts["single_annotator"]
 
     def add_eval(split, doc_id, src, targets):
         ndocs[split] += 1
@@ -145,23 +154,25 @@ def main(argv=None):
                 out["doc"].append(f"uagec-{doc_id}")
     for doc_id, src, targets in test_docs:
         add_eval("test", doc_id, src, targets)
+    return splits, counts
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"gec-uk: UA-GEC {VERSION}, layer {args.layer}, output {args.out_dir}")
+
+def write_splits(splits, counts, out_dir):
+    """Write every split's files and print its figures."""
     for split in ("train", "dev", "test"):
         out = splits[split]
         for key, lines in out.items():
-            write_gz(os.path.join(args.out_dir, f"{split}.{key}.gz"), lines)
+            write_gz(os.path.join(out_dir, f"{split}.{key}.gz"), lines)
         st = edit_stats(out["src"], out["tgt"])
-        line = (f"  {split:5s}: {ndocs[split]:5d} docs {len(out['src']):6d} pairs"
-                f" (dropped {dropped[split]} with tab/line-break/empty)"
+        line = (f"  {split:5s}: {counts['docs'][split]:5d} docs {len(out['src']):6d} pairs"
+                f" (dropped {counts['dropped'][split]} with tab/line-break/empty)"
                 f" unchanged {st['unchanged']:.1%} token-sim mean {st['sim_mean']:.3f}"
                 f" median {st['sim_median']:.3f} edits/changed {st['edits_per_changed']:.2f}"
                 f" hist {st['hist']}")
         if split != "train":
             st2 = edit_stats(out["src"], out["tgt2"])
             line += (f"\n         tgt2: unchanged {st2['unchanged']:.1%}, docs with one annotator "
-                     f"(a1 repeated in tgt2): {single_ann[split]}")
+                     f"(a1 repeated in tgt2): {counts['single_annotator'][split]}")
         print(line)
 
 

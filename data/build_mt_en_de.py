@@ -534,8 +534,16 @@ def main(argv=None):
         ("debian-faq", lambda: read_faq(roots["debian-faq"], roots["debian-faq-de"])),
     ]
 
-    # collect, clean, filter; dedupe within each source and (LibreOffice) module split, so that
-    # a pair shared by a held-out module and a training module stays in the held-out split
+    all_pairs = collect_pairs(readers)
+    splits = split_pairs(all_pairs, ding_heldout(all_pairs))
+    os.makedirs(args.out_dir, exist_ok=True)
+    write_splits(splits, [name for name, _ in readers], args.out_dir)
+
+
+def collect_pairs(readers):
+    """Every source's pairs, cleaned and filtered: (doc, en, de), deduplicated within each source and
+    (LibreOffice) module split, so that a pair shared by a held-out module and a training module
+    stays in the held-out split."""
     all_pairs = []  # (doc, en, de)
     log("clean pairs per source (raw aligned -> kept unique):")
     for name, fn in readers:
@@ -550,8 +558,11 @@ def main(argv=None):
             all_pairs.append((doc, en, de))
         log(f"  {name:22s} {len(raw):8d} -> {len(seen):7d}  {info}")
     log(f"  {'total':22s} {'':8s}    {len({(en, de) for _, en, de in all_pairs}):7d}")
+    return all_pairs
 
-    # Ding held-out sample: whole dictionary entries, fixed seed
+
+def ding_heldout(all_pairs):
+    """The Ding held-out sample: whole dictionary entries, fixed seed; doc -> "test" or "dev"."""
     ding_docs = OrderedDict()
     for i, (doc, en, de) in enumerate(all_pairs):
         if doc.startswith("ding/"):
@@ -569,7 +580,12 @@ def main(argv=None):
                 break
         if counts["test"] >= N_DING_TEST and counts["dev"] >= N_DING_DEV:
             break
+    return ding_split
 
+
+def split_pairs(all_pairs, ding_split):
+    """Pairs per split, unique within each; dev pairs whose English is in test, and train pairs whose
+    English is in dev or test, removed."""
     splits = {"train": [], "dev": [], "test": []}
     seen = {s: set() for s in splits}
     for doc, en, de in all_pairs:
@@ -586,9 +602,11 @@ def main(argv=None):
     splits["train"] = [p for p in splits["train"] if p[1].lower() not in held_en]
     log(f"removed {n_dev - len(splits['dev'])} dev pairs whose English is in test, "
         f"{n_train - len(splits['train'])} train pairs whose English is in dev/test")
+    return splits
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    sources = [name for name, _ in readers]
+
+def write_splits(splits, sources, out_dir):
+    """Write {train,dev,test}.{src,tgt,doc}.gz and log the pairs per split and source."""
     log("pairs per split and source:")
     log("  " + f"{'source':22s}" + "".join(f"{s:>8s}" for s in ("train", "dev", "test")))
     for src in sources + ["total"]:
@@ -597,14 +615,14 @@ def main(argv=None):
             row.append(sum(1 for p in splits[s] if src == "total" or source_of(p[0]) == src))
         log("  " + f"{src:22s}" + "".join(f"{n:8d}" for n in row))
     for s, pairs in splits.items():
-        write_gz(os.path.join(args.out_dir, f"{s}.src.gz"), [p[1] for p in pairs])
-        write_gz(os.path.join(args.out_dir, f"{s}.tgt.gz"), [p[2] for p in pairs])
-        write_gz(os.path.join(args.out_dir, f"{s}.doc.gz"), [p[0] for p in pairs])
+        write_gz(os.path.join(out_dir, f"{s}.src.gz"), [p[1] for p in pairs])
+        write_gz(os.path.join(out_dir, f"{s}.tgt.gz"), [p[2] for p in pairs])
+        write_gz(os.path.join(out_dir, f"{s}.doc.gz"), [p[0] for p in pairs])
         n_docs = len({p[0] for p in pairs})
         n_words = sum(len(p[1].split()) for p in pairs)
         log(f"{s}: {len(pairs)} pairs, {n_docs} documents, "
             f"mean {n_words / max(1, len(pairs)):.1f} English words")
-    log(f"wrote {args.out_dir}")
+    log(f"wrote {out_dir}")
 
 
 if __name__ == "__main__":
