@@ -107,6 +107,8 @@ def add_running(r) -> None:
 
 
 def add_algorithm_options(k) -> None:
+    from refdec.decoding.blockwise import BLOCK_RULES
+    from refdec.decoding.iad import MATCH_POLICIES
     k.add_argument("--beam-size", type=int, metavar="K", help="beams for beam search (default 5)")
     k.add_argument("--length-penalty", type=float, metavar="A", help="beam score = log p / length^A (default 1.0)")
     k.add_argument("--match", choices=MATCH_POLICIES, help="iad: which source position to draft from. unique "
@@ -120,7 +122,7 @@ def add_algorithm_options(k) -> None:
     k.add_argument("--top-beta", type=int, metavar="B", help="gad: GAD++ accepts a drafted token within the "
                    "verifier's top B (default 1: GAD, lossless)")
     k.add_argument("--tau", type=float, metavar="T", help="gad: ... and within T of the top-1 log-probability (default 0)")
-    k.add_argument("--block-rule", choices=["exact", "top-k", "distance"], help="blockwise: exact (default, "
+    k.add_argument("--block-rule", choices=BLOCK_RULES, help="blockwise: exact (default, "
                    "lossless), top-k (a proposal within p_1's top --top-k), distance (numbers within --epsilon)")
     k.add_argument("--top-k", type=int, metavar="K", help="blockwise --block-rule top-k: K (default 2)")
     k.add_argument("--epsilon", type=float, metavar="E", help="blockwise --block-rule distance: E (default 0)")
@@ -144,7 +146,6 @@ def add_algorithm_options(k) -> None:
     k.add_argument("--seed", type=int, metavar="N", help="bild, speculative: sampling seed (default 0)")
 
 
-MATCH_POLICIES = ("unique", "leftmost", "longest")  # refdec.decoding.iad's, listed here to keep --help import-light
 KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0, "match": "unique", "max_suffix": 0, "max_draft": 0,
                  "top_beta": 1, "tau": 0.0, "block_rule": "exact", "top_k": 2, "epsilon": 0.0, "min_block": 1, "block_size": 0,
                  "fallback_threshold": 0.4, "rollback_threshold": 2.0, "max_window": 10, "gamma": 3,
@@ -153,6 +154,8 @@ KNOB_DEFAULTS = {"beam_size": 5, "length_penalty": 1.0, "match": "unique", "max_
 
 def check_knobs(knobs: dict, given: set[str]) -> None:
     """Refuse option values out of range, and options that only matter under another option without it."""
+    from refdec.decoding.blockwise import BLOCK_RULES
+    from refdec.decoding.iad import MATCH_POLICIES
     from refdec.runner import UsageError
     if knobs["beam_size"] < 1:
         raise UsageError("--beam-size must be at least 1")
@@ -174,8 +177,8 @@ def check_knobs(knobs: dict, given: set[str]) -> None:
                          "--rollback-threshold (a distance in nats) must be at least 0")
     if not 0 < knobs["top_p"] <= 1:
         raise UsageError("--top-p must be in (0, 1]")
-    if knobs["match"] not in MATCH_POLICIES or knobs["block_rule"] not in ("exact", "top-k", "distance"):
-        raise UsageError(f"--match must be one of {', '.join(MATCH_POLICIES)}; --block-rule exact, top-k or distance")
+    if knobs["match"] not in MATCH_POLICIES or knobs["block_rule"] not in BLOCK_RULES:
+        raise UsageError(f"--match must be one of {', '.join(MATCH_POLICIES)}; --block-rule one of {', '.join(BLOCK_RULES)}")
     # Options that only matter under another option are refused without it, never ignored.
     for opt, needs, ok in (("top_k", "--block-rule top-k", knobs["block_rule"] == "top-k"),
                            ("epsilon", "--block-rule distance", knobs["block_rule"] == "distance"),
@@ -273,7 +276,7 @@ def run(args) -> int:
         colour = colour_enabled(sys.stderr)
         for i, steps in enumerate(runs[0].traces):
             if steps is not None:
-                print(trace_text(args.algo, i, steps, loader.tokenizer, source=ids[i], colour=colour), file=sys.stderr)
+                print(trace_text(args.algo, i, steps, loader.tokenizer, colour=colour), file=sys.stderr)
     if args.html:
         from refdec import htmlreport
         htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r['algo'] for r in rows)} on {args.task}",
@@ -407,9 +410,12 @@ def load_runs(args, algo, compares: list, knobs: dict, run_knobs: list[dict], dt
     if args.invariant:  # every model the runs use, second models and proposal heads included
         import torch
 
+        from refdec.drafter import Drafter
         from refdec.model import set_row_invariant
         for r in runs:
             for m in r.models.values():
+                if isinstance(m, Drafter):
+                    m = m.model
                 if isinstance(m, torch.nn.Module):
                     set_row_invariant(m)
     return loader, runs

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, file_sha256, load_model
+from .drafter import Drafter
 from .model import EarlyExit
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
@@ -97,7 +98,9 @@ class RunLoader:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
             if role == "drafter" and "drafter" not in ck2:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
-            self.seconds[key] = {role: model, **({"drafter_spec": ck2["drafter"]} if role == "drafter" else {})}
+            if role == "drafter":  # the model with the block size and layout it was trained for
+                model = Drafter(model, k=ck2["drafter"]["k"], layout=ck2["drafter"]["layout"])
+            self.seconds[key] = {role: model}
         return self.seconds[key]
 
     def sha256(self, path: Path) -> str:

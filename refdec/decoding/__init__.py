@@ -67,14 +67,14 @@ ALGORITHMS: dict[str, Algorithm] = {
         "SAD = iad on a deep-encoder/shallow-decoder model)", knobs=("match", "max_suffix", "max_draft")),
     "gad": Algorithm(
         "gad", lambda models, src, max_len, kn: decode_gad(
-            models["model"], models["drafter"], src, max_len=max_len, k=kn["block_size"] or models["drafter_spec"]["k"],
-            layout=models["drafter_spec"]["layout"], top_beta=kn["top_beta"], tau=kn["tau"], trace=kn.get("trace", False)),
+            models["model"], models["drafter"], src, max_len=max_len, block_size=kn["block_size"],
+            top_beta=kn["top_beta"], tau=kn["tau"], trace=kn.get("trace", False)),
         "generalized aggressive decoding: a non-autoregressive drafter proposes a block, the model verifies "
         "it (GAD++ with --top-beta/--tau)", roles=("model", "drafter"), knobs=("top_beta", "tau", "block_size"),
         lossless_if=lambda kn: kn["top_beta"] == 1 and kn["tau"] == 0),
     "blockwise": Algorithm(
         "blockwise", lambda models, src, max_len, kn: decode_blockwise(
-            models["model"], models["heads"], src, max_len=max_len, rule=kn["block_rule"], top_k=kn["top_k"],
+            models["model"], models["heads"], src, max_len=max_len, block_rule=kn["block_rule"], top_k=kn["top_k"],
             values=models["number_values"], epsilon=kn["epsilon"], min_block=kn["min_block"],
             block_size=kn["block_size"], trace=kn.get("trace", False)),
         "blockwise parallel decoding: proposal heads on the model guess k tokens, one call verifies them "
