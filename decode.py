@@ -137,7 +137,7 @@ def run(args) -> int:
     from refdec.loading import load_runs
     default_input = DATA_DIR / args.task / "test.src.gz"
     check_counts(args)
-    given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k, None) is not None}
+    given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
     compares = plan.parse_compare(args.compare) if args.compare else []
     specs = plan.plan_runs(args.algo, args.task, model=args.model, given=given, compares=compares,
                            batch_size=args.batch_size, sizes=batch_sizes(args))
@@ -177,7 +177,7 @@ def run(args) -> int:
         from refdec.trace import colour_enabled, trace_text
         for i, steps in enumerate(runs[0].traces):
             if steps is not None:
-                print(trace_text(args.algo, i, steps, loader.tokenizer, source=ids[i], colour=colour_enabled(sys.stderr)),
+                print(trace_text(args.algo, i, steps, loader.tokenizer, colour=colour_enabled(sys.stderr)),
                       file=sys.stderr)
     if args.html:
         from refdec import htmlreport

@@ -23,7 +23,7 @@ import torch
 
 from .decoding import (DecodeResult, decode_beam, decode_bild, decode_blockwise, decode_gad, decode_greedy,
                        decode_iad, decode_speculative)
-from .decoding.blockwise import RULES as BLOCK_RULES
+from .decoding.blockwise import BLOCK_RULES
 from .decoding.iad import MATCH_POLICIES
 from .loading import Models
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<mask>")
 POSITION_TABLES = ("sinusoidal", "m2m100")
+DRAFTER_LAYOUTS = ("causal", "bidirectional")  # the block drafter's self-attention (refdec.drafter)
 
 
 @dataclass(frozen=True)
@@ -183,8 +184,8 @@ class TrainConfig:
         if not self.drafter_k and self._changed("drafter_layout", "glancing_start", "glancing_end",
                                                 "glancing_decay_steps"):
             raise ValueError("drafter_layout and the glancing options need drafter_k (they shape the drafter)")
-        if self.drafter_layout not in ("causal", "bidirectional"):
-            raise ValueError(f"drafter_layout must be causal or bidirectional, not {self.drafter_layout!r}")
+        if self.drafter_layout not in DRAFTER_LAYOUTS:
+            raise ValueError(f"drafter_layout must be {' or '.join(DRAFTER_LAYOUTS)}, not {self.drafter_layout!r}")
 
     def _check_early_exit(self) -> None:
         if self.early_exit < 0 or (self.early_exit and (self.drafter_k or self.proposal_k)):

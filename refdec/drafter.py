@@ -24,15 +24,30 @@ training (`glancing_ratio`).
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 
 from .cache import KVCache
-from .config import BOS_ID, EOS_ID, MASK_ID, PAD_ID
+from .config import BOS_ID, DRAFTER_LAYOUTS, EOS_ID, MASK_ID, PAD_ID
 from .model import Memory, Transformer
 
-LAYOUTS = ("causal", "bidirectional")
+
+@dataclass(frozen=True)
+class Drafter:
+    """A trained block drafter as GAD runs it: the Transformer, the block size k it was trained for
+    and its attention layout, as its checkpoint records them (train.py --drafter-k, --drafter-layout;
+    refdec.loading builds one from the checkpoint's "drafter" entry)."""
+
+    model: Transformer
+    k: int
+    layout: str = "causal"
+
+    def __post_init__(self) -> None:
+        if self.layout not in DRAFTER_LAYOUTS:
+            raise ValueError(f"unknown drafter layout {self.layout!r}; choose {' or '.join(DRAFTER_LAYOUTS)}")
+        if self.k < 1:
+            raise ValueError(f"a drafter's block size k must be at least 1, not {self.k}")
 
 
 def block_batch(targets: list[list[int]], k: int, prefix_lens: list[int], layout: str):
@@ -41,8 +56,8 @@ def block_batch(targets: list[list[int]], k: int, prefix_lens: list[int], layout
     Row r is bos + y[:p] + k masks, to predict (y + [eos])[p : p + k] at the masks (pad where the
     sentence has ended: no loss there). Returns (inp (B, T), gold (B, T) with PAD off the block,
     self_block (B, 1, T, T) True = blocked)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown drafter layout {layout!r}; choose {' or '.join(LAYOUTS)}")
+    if layout not in DRAFTER_LAYOUTS:
+        raise ValueError(f"unknown drafter layout {layout!r}; choose {' or '.join(DRAFTER_LAYOUTS)}")
     B = len(targets)
     T = max(1 + p + k for p in prefix_lens)
     inp = torch.full((B, T), PAD_ID, dtype=torch.long)

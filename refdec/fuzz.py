@@ -34,10 +34,11 @@ import argparse
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
-from .config import EOS_ID, ModelConfig
+from .config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
 from .model import Transformer, set_row_invariant
 
 FAMILIES = ("random", "exact", "near", "constant")
@@ -87,7 +88,7 @@ def random_sources(g: torch.Generator, batch: int, vocab: int, max_len: int = 8)
     """(B, S) right-padded sources of 1..max_len tokens from the real vocabulary (ids >= 5), each ending in eos."""
     rows = [torch.randint(5, vocab, (int(torch.randint(1, max_len + 1, (1,), generator=g)),), generator=g).tolist()
             + [EOS_ID] for _ in range(batch)]
-    out = torch.zeros(batch, max(map(len, rows)), dtype=torch.long)
+    out = torch.full((batch, max(map(len, rows))), PAD_ID, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r)
     return out
@@ -131,16 +132,19 @@ def comparisons(case: dict):
     """Yield (decoder label, its tokens, greedy's tokens) for every lossless decoder on `case`."""
     from .decoding import decode_beam, decode_bild, decode_blockwise, decode_gad, decode_greedy, decode_iad, decode_speculative
     from .decoding.iad import MATCH_POLICIES
+    from .drafter import Drafter
     large, src, max_len, g = case["large"], case["src"], case["max_len"], case["g"]
     ref = decode_greedy(large, src, max_len=max_len).tokens
-    alone = [decode_greedy(large, src[b:b + 1, :int(src[b].ne(0).sum())], max_len=max_len).tokens[0] for b in range(len(src))]
+    alone = [decode_greedy(large, src[b:b + 1, :int(src[b].ne(PAD_ID).sum())], max_len=max_len).tokens[0] for b in range(len(src))]
     yield "batched greedy", alone, ref
     yield "beam(1)", decode_beam(large, src, max_len=max_len, beam_size=1).tokens, ref
     knobs = dict(match=pick(g, MATCH_POLICIES), max_draft=pick(g, [0, 1, 3]), max_suffix=pick(g, [0, 2]))
     yield "iad", decode_iad(large, src, max_len=max_len, **knobs).tokens, ref
-    k, layout = int(torch.randint(1, 7, (1,), generator=g)), pick(g, ["causal", "bidirectional"])
-    yield "gad", decode_gad(large, case["drafter"], src, max_len=max_len, k=k, layout=layout).tokens, ref
-    yield "gad++(1, 0)", decode_gad(large, case["drafter"], src, max_len=max_len, k=k, layout=layout, exact=False).tokens, ref
+    drafter = Drafter(case["drafter"], k=int(torch.randint(1, 7, (1,), generator=g)), layout=pick(g, DRAFTER_LAYOUTS))
+    yield "gad", decode_gad(large, drafter, src, max_len=max_len).tokens, ref
+    with gadpp_rule_at_exact():
+        relaxed = decode_gad(large, drafter, src, max_len=max_len).tokens
+    yield "gad++(1, 0)", relaxed, ref
     block = int(torch.randint(2, case["heads"].k + 1, (1,), generator=g))
     yield "blockwise", decode_blockwise(large, case["heads"], src, max_len=max_len, block_size=block).tokens, ref
     gamma = int(torch.randint(1, 5, (1,), generator=g))
@@ -148,6 +152,23 @@ def comparisons(case: dict):
     yield "bild", decode_bild(large, case["small"], src, max_len=max_len, fallback_threshold=1.5).tokens, ref
     yield "bild(self)", decode_bild(large, large, src, max_len=max_len, fallback_threshold=0.0, rollback_threshold=1e9,
                              max_window=int(torch.randint(1, 6, (1,), generator=g))).tokens, ref
+
+
+@contextmanager
+def gadpp_rule_at_exact():
+    """Within: decode_gad verifies through GAD++'s acceptance test at top_beta 1 and tau 0, which it
+    otherwise replaces by argmax equality; the two must agree, ties included."""
+    from .decoding import gad
+    real = gad.verify_rows
+
+    def with_rule(*args, accept=None, **kwargs):
+        return real(*args, accept=gad.gadpp_rule(1, 0.0), **kwargs)
+
+    gad.verify_rows = with_rule
+    try:
+        yield
+    finally:
+        gad.verify_rows = real
 
 
 def main(argv: list[str] | None = None) -> int:

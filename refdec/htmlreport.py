@@ -22,7 +22,7 @@ import re
 import torch
 
 from . import runner
-from .trace import Step, steps_from
+from .trace import Step
 
 PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
 DRAFTED_FROM = {"source": "copied from the source", "drafter": "drafted by the drafter",
@@ -157,7 +157,7 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
             parts.append(f'<div class="run" data-run="{e(r.name)}"><div class="runhead"><b>{e(r.name)}</b>{badge}</div>'
                          f'<span class="out"><i>(no output: decoding this batch failed)</i></span></div>')
             continue
-        steps = steps_from(r.algo.name, r.traces[i], source=src_ids, eos_id=tokenizer.eos_id)
+        steps = r.traces[i]
         facts = f"{sum(s.verified for s in steps)} call(s)"
         if r.times[i] is not None:
             facts += f", {1000 * r.times[i]:.1f} ms" + ("" if r.batch_size == 1 else " (batch average)")
@@ -315,16 +315,16 @@ def chart_edit_buckets(checks: list[dict]) -> str:
 def chart_tokens_per_call(runs: list) -> str:
     """How many tokens each verifier call committed (draft-then-verify runs; greedy and beam commit
     one per call)."""
-    runs = [r for r in runs if r.stats.accepted and max(r.stats.accepted) > 1]
+    runs = [r for r in runs if r.stats.committed and max(r.stats.committed) > 1]
     if not runs:
         return ""
     fig, ax = figure()
-    top = max(max(r.stats.accepted) for r in runs)
+    top = max(max(r.stats.committed) for r in runs)
     bins = [b - 0.5 for b in range(1, top + 2)]
     for n, r in enumerate(runs):
-        ax.hist(r.stats.accepted, bins=bins, weights=[100 / len(r.stats.accepted)] * len(r.stats.accepted),
+        ax.hist(r.stats.committed, bins=bins, weights=[100 / len(r.stats.committed)] * len(r.stats.committed),
                 histtype="stepfilled" if len(runs) == 1 else "step", linewidth=1.4, alpha=0.85 if len(runs) == 1 else 1,
-                color=PALETTE[n % len(PALETTE)], label=f"{r.name} (mean {r.stats.mean_accepted:.2f})")
+                color=PALETTE[n % len(PALETTE)], label=f"{r.name} (mean {r.stats.mean_committed:.2f})")
     from matplotlib.ticker import MaxNLocator
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("tokens committed by one call")

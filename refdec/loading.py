@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, file_sha256, load_model
+from .drafter import Drafter
 from .model import EarlyExit
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
@@ -30,13 +31,14 @@ class Models:
 
     model: torch.nn.Module  # the model whose output is produced (the verifier, the large model)
     path: Path  # its checkpoint
-    drafter: object | None = None  # GAD's block drafter
+    drafter: Drafter | None = None  # GAD's block drafter, with the block size and layout it was trained for
     small: torch.nn.Module | None = None  # BiLD's and speculative decoding's small model (or an EarlyExit)
     heads: torch.nn.Module | None = None  # blockwise decoding's proposal heads, from the model's checkpoint
     number_values: torch.Tensor | None = None  # blockwise --block-rule distance: each token's numeric value
 
     def all(self) -> list[torch.nn.Module]:
-        return [m for m in (self.model, self.drafter, self.small, self.heads) if isinstance(m, torch.nn.Module)]
+        drafter = self.drafter.model if self.drafter is not None else None
+        return [m for m in (self.model, drafter, self.small, self.heads) if isinstance(m, torch.nn.Module)]
 
 
 class LoadError(CheckpointError):
@@ -113,7 +115,9 @@ class RunLoader:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
             if role == "drafter" and "drafter" not in ck2:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
-            self.seconds[key] = {role: drafter_with_spec(model, ck2["drafter"]) if role == "drafter" else model}
+            if role == "drafter":  # the model with the block size and layout it was trained for
+                model = Drafter(model, k=ck2["drafter"]["k"], layout=ck2["drafter"]["layout"])
+            self.seconds[key] = {role: model}
         return self.seconds[key]
 
     def sha256(self, path: Path) -> str:

@@ -356,7 +356,7 @@ def summary_row(run: Run, metrics: dict) -> dict:
     return {"algo": run.name, "n": st.sentences, "seconds": run.seconds, "batch_size": run.batch_size,
             "sent_per_s": st.sentences / run.seconds if run.seconds else float("nan"), "tokens": st.tokens,
             "ms_per_token": 1000 * run.seconds / max(st.tokens, 1), "verifier_calls": st.verifier_calls,
-            "calls_per_sentence": st.verifier_calls / max(st.sentences, 1), "drafter_calls": st.drafter_calls, "mean_accepted": st.mean_accepted,
+            "calls_per_sentence": st.verifier_calls / max(st.sentences, 1), "drafter_calls": st.drafter_calls, "tokens_per_call": st.mean_committed,
             "hit_max_len": st.hit_max_len, "encoder_calls": st.encoder_calls, **({"module_seconds": st.module_seconds} if st.module_seconds else {}),
             **metrics}
 
@@ -374,7 +374,7 @@ def table_cells(rows: list[dict]) -> list[list[str]]:
     cols = [("algo", "algo", "{}"), ("n", "sent", "{}"), ("seconds", "seconds", "{:.2f}"), ("sent_per_s", "sent/s", "{:.1f}"),
             ("ms_per_token", "ms/tok", "{:.2f}"), ("tokens", "tokens", "{}"), ("verifier_calls", "verif.calls", "{}"),
             ("calls_per_sentence", "calls/sent", "{:.2f}"),
-            ("drafter_calls", "draft.calls", "{}"), ("mean_accepted", "acc/call", "{:.2f}"),
+            ("drafter_calls", "draft.calls", "{}"), ("tokens_per_call", "tok/call", "{:.2f}"),
             ("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"), ("gec_f05", "F0.5", "{:.4f}"),
             ("speedup", f"speed vs {rows[0]['algo']}", relative_speed),
             ("identical", f"identical to {rows[0]['algo']}", "{:.4f}")]
@@ -463,7 +463,7 @@ def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, 
     """The JSON report: the first run's figures at the top level, the second run's under "compare"
     (every run's are under "runs")."""
     first = rows[0]
-    keys = ("seconds", "tokens", "ms_per_token", "verifier_calls", "drafter_calls", "mean_accepted", "hit_max_len")
+    keys = ("seconds", "tokens", "ms_per_token", "verifier_calls", "drafter_calls", "tokens_per_call", "hit_max_len")
     report = {"algo": runs[0].algo.name, "task": task, "n": n_lines, "decoded": first["n"],
               **{k: first[k] for k in keys}, "bleu": first.get("bleu"), "chrf": first.get("chrf"),
               **{k: first[k] for k in ("gec_f05", "gec_precision", "gec_recall") if k in first},

@@ -1,20 +1,22 @@
 """One record per decoding iteration, whatever the algorithm, and the text form of a sentence's trace.
 
-Every decoder returns, on request, a list of dicts per sentence, each in its own shape (the keys
-are listed in `steps_from`). `steps_from` turns them into `Step`s, which describe an iteration the
-same way for all of them:
+Every decoder, asked for a trace (trace=True), returns a list of `Step`s per sentence
+(DecodeResult.trace[b]), one per iteration, which describe an iteration the same way for all of them:
 
     drafted    what was proposed to the verifier in this call: the source span IAD copies, GAD's
                drafter block, blockwise's proposal heads, the small model's tokens (BiLD,
                speculative decoding); empty for greedy and beam search
-    accepted   how many leading drafted tokens were committed
+    accepted   how many leading drafted tokens passed and were committed (drafted tokens after a
+               committed eos, or past max_len, are not)
     own        the verifier's own token committed after them: at the bifurcation, or the free
                token when the whole draft passed, or greedy's token; None when the step ended on
                a drafted eos (or, for BiLD's last run, when the large model never checked it)
     rejected   drafted[accepted:], the drafted tokens that were not committed
 
-`trace_text` is what `decode.py --trace` prints: plain text, or the same text with ANSI colours
-(`colour_enabled` decides for a stream).
+The draft-then-verify decoders build theirs from a verification (refdec.decoding.verify.step_of).
+`trace_text` is what `decode.py --trace` prints, one format per algorithm here: plain text, or
+the same text with ANSI colours (`colour_enabled` decides for a stream). The HTML page draws the
+same Steps (refdec.htmlreport).
 """
 
 from __future__ import annotations
@@ -22,10 +24,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-
-from .config import EOS_ID
-
-DRAFTED_BY = {"iad": "source", "gad": "drafter", "blockwise": "heads", "bild": "small", "speculative": "small"}
 
 
 @dataclass(frozen=True)
@@ -52,59 +50,6 @@ class Step:
         return self.drafted[:self.accepted] + ((self.own,) if self.own is not None else ())
 
 
-def steps_from(algo: str, dicts: list[dict], *, source: list[int] | None = None, eos_id: int = EOS_ID) -> list[Step]:
-    """A decoder's trace dicts for one sentence -> its Steps. The dicts' keys per algorithm:
-
-        greedy       step, token, cache_len
-        beam         step, beams (live prefixes, best first), scores
-        iad          match (source position or None), drafted (a count), accepted, tokens (committed)
-        gad          draft, accepted, tokens
-        blockwise    proposed, accepted, tokens
-        bild         small, kept, large (None: the final run), rollback
-        speculative  small, kept, large
-
-    IAD records where it copied from and how much, not the tokens: `source` (the sentence's source
-    ids, without eos) gives them back, and must then match what the verifier accepted. `accepted`
-    in iad/gad/blockwise counts drafted tokens that passed before the eos and length cuts; a Step
-    counts those committed."""
-    if algo == "greedy":
-        return [Step(own=d["token"]) for d in dicts]
-    if algo == "beam":
-        return [Step(beams=tuple(map(tuple, d["beams"])), scores=tuple(d["scores"])) for d in dicts]
-    if algo in ("iad", "gad", "blockwise"):
-        out = []
-        for d in dicts:
-            tokens = list(d["tokens"])
-            if algo == "iad":
-                if d["drafted"] and source is None:
-                    raise ValueError("an IAD trace needs the source ids to show what was drafted")
-                start = d["match"] or 0
-                drafted = tuple((list(source or []) + [eos_id])[start:start + d["drafted"]]) if d["drafted"] else ()
-                if len(drafted) != d["drafted"]:
-                    raise ValueError(f"IAD drafted {d['drafted']} tokens from source position {d['match']}, "
-                                     f"past the end of the given source")
-            else:
-                drafted = tuple(d["draft" if algo == "gad" else "proposed"])
-            kept = min(d["accepted"], len(tokens))  # drafted tokens past an accepted eos are not committed
-            if list(drafted[:kept]) != tokens[:kept]:
-                raise ValueError(f"{algo} trace: the committed tokens do not start with the accepted draft "
-                                 f"(is the source the one decoded?)")
-            out.append(Step(drafted=drafted, accepted=kept, own=tokens[kept] if len(tokens) > kept else None,
-                            drafted_by=DRAFTED_BY[algo] if drafted else "",
-                            origin=d["match"] if algo == "iad" else None))
-        return out
-    if algo in ("bild", "speculative"):
-        out = []
-        for d in dicts:
-            small, kept, large = tuple(d["small"]), d["kept"], d["large"]
-            if kept == len(small) and small and small[-1] == eos_id:
-                large = None  # the small model's eos was accepted: the call committed it, nothing of its own
-            out.append(Step(drafted=small, accepted=kept, own=large, drafted_by="small" if small else "",
-                            rollback=bool(d.get("rollback")), verified=d["large"] is not None))
-        return out
-    raise ValueError(f"no trace format for algorithm {algo!r}")
-
-
 # ANSI colours of the trace's parts in a terminal.
 COLOURS = {"accepted": "\x1b[32m", "own": "\x1b[1;36m", "rejected": "\x1b[31m", "note": "\x1b[2m"}
 RESET = "\x1b[0m"
@@ -124,13 +69,11 @@ def strip_colour(text: str) -> str:
     return ANSI.sub("", text)
 
 
-def trace_text(algo: str, index: int, dicts: list[dict], tokenizer, *, source: list[int] | None = None,
-               colour: bool = False) -> str:
-    """How sentence `index` was decoded: greedy lists its one-by-one tokens, beam the best beam per
-    step, the draft-then-verify decoders what was drafted and what was kept, iteration by iteration.
-    With `colour`, the same text with the accepted span, the verifier's tokens and the rejected ones
-    in ANSI colours."""
-    steps = steps_from(algo, dicts, source=source, eos_id=tokenizer.eos_id)
+def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: bool = False) -> str:
+    """How sentence `index` was decoded by `algo` (its `steps`): greedy lists its one-by-one tokens,
+    beam the best beam per step, the draft-then-verify decoders what was drafted and what was kept,
+    iteration by iteration. With `colour`, the same text with the accepted span, the verifier's
+    tokens and the rejected ones in ANSI colours."""
 
     def paint(part: str, s: str) -> str:
         return f"{COLOURS[part]}{s}{RESET}" if colour and s else s
@@ -166,10 +109,10 @@ def trace_text(algo: str, index: int, dicts: list[dict], tokenizer, *, source: l
         lines = [f"{head} {len(steps)} iterations"]
         for it, s in enumerate(steps, 1):
             kept = s.drafted[:s.accepted]
-            full, head = text(s.drafted), text(kept)
-            if not full.startswith(head):  # a character split between the two parts: paint none of it
-                head = ""
-            lines.append(f"  {it:3d} D: {paint('accepted', head)}{paint('rejected', full[len(head):])}")
+            full, kept_text = text(s.drafted), text(kept)
+            if not full.startswith(kept_text):  # a character split between the two parts: paint none of it
+                kept_text = ""
+            lines.append(f"  {it:3d} D: {paint('accepted', kept_text)}{paint('rejected', full[len(kept_text):])}")
             lines.append(f"      V: {paint('accepted', '[' + text(kept) + ']')} {paint('own', own(s))}"
                          f"    {paint('note', f'({s.accepted} of {len(s.drafted)} drafted tokens accepted)')}")
         return "\n".join(lines)

@@ -29,9 +29,9 @@ With `proposal_k` the run trains the proposal heads of blockwise parallel decodi
 on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
 on one randomly drawn head's loss per batch (the paper's unbiased estimate) or the mean over heads.
 The checkpoints then carry the heads beside the model, and validation decodes blockwise (exact
-mode) to report the mean accepted block size. With the base frozen, model.pt holds the heads alone
-and names the init_from file as its base (`frozen_base`: path and sha256; refdec.checkpoint loads
-the weights from there).
+mode) to report the tokens per call (the paper's mean accepted block size). With the base frozen,
+model.pt holds the heads alone and names the init_from file as its base (`frozen_base`: path and
+sha256; refdec.checkpoint loads the weights from there).
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ class Objective(torch.nn.Module):
     def evaluate(self, tok: Tokenizer, dev: data_mod.Split, device: torch.device) -> dict:
         """Teacher-forced dev loss (no smoothing) over the dev set, and BLEU of greedy decoding of its
         first sentences. With proposal heads: dev_loss is the mean over the trained heads, and the
-        sentences are decoded blockwise (exact mode: the same output as greedy) for the mean
-        accepted block size."""
+        sentences are decoded blockwise (exact mode: the same output as greedy) for the tokens per
+        call (the paper's mean accepted block size)."""
         m, heads = self.model, self.heads
         self.eval()
         src, batches = dev_batches(tok, dev, min(self.cfg.max_train_len, m.cfg.max_positions - 1), device)
@@ -210,7 +210,7 @@ class Objective(torch.nn.Module):
                "dev_bleu": corpus_bleu(hyps, dev.tgt[:n])}
         if heads is not None:
             out["dev_loss_per_head"] = {str(i): t / max(c, 1) for i, t, c in zip(which, total, count)}
-            out["dev_mean_accepted"] = produced / max(calls, 1)
+            out["dev_tokens_per_call"] = produced / max(calls, 1)
         return out
 
 
@@ -719,7 +719,7 @@ def stop_on_sigint(trainer: Trainer):
 
 
 def format_scores(scores: dict) -> str:
-    names = {"dev_loss": "dev loss", "dev_bleu": "dev BLEU", "dev_mean_accepted": "mean accepted block",
+    names = {"dev_loss": "dev loss", "dev_bleu": "dev BLEU", "dev_tokens_per_call": "tokens per call",
              "dev_block_accuracy": "block accuracy"}
     return " | ".join(f"{names[k]} {scores[k]:.4f}" for k in names if k in scores)
 

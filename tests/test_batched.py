@@ -168,7 +168,7 @@ def check_batched_iad(model, src, max_len, **knobs):
     singles = [decode_iad(model, alone(src, b), max_len=max_len, **knobs) for b in range(src.shape[0])] if src.shape[0] <= 6 else []
     if singles:  # each row drafts what it drafts alone, so the batch makes as many calls as its slowest row
         assert r.stats.verifier_calls == max(s.stats.verifier_calls for s in singles)
-        assert sorted(r.stats.accepted) == sorted(a for s in singles for a in s.stats.accepted)
+        assert sorted(r.stats.committed) == sorted(a for s in singles for a in s.stats.committed)
     return r
 
 
@@ -225,7 +225,7 @@ def test_batched_iad_accepts_eos_inside_a_draft():
     copied = [b for b in range(4) if r.tokens[b].tolist() == rows[b]]
     assert len(copied) >= 2
     for b in copied:
-        assert len(r.trace[b]) == 1 and r.trace[b][0]["tokens"][-1] == EOS_ID
+        assert len(r.trace[b]) == 1 and r.trace[b][0].committed[-1] == EOS_ID
 
 
 # -- row-invariant mode: the same equality in float32 --------------------------------------------------

@@ -33,7 +33,7 @@ def test_bild_falling_back_at_every_step_is_greedy_of_the_large_model(seed):
     src = random_src(seed, 4, vocab)
     r = decode_bild(large, small, src, max_len=20, fallback_threshold=1.5)
     assert_greedy_of_large(large, r, src, 20)
-    assert r.stats.rollbacks == 0 and r.stats.accepted == [1] * r.stats.tokens  # one greedy token per row per call
+    assert r.stats.rollbacks == 0 and r.stats.committed == [1] * r.stats.tokens  # one greedy token per row per call
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -47,8 +47,8 @@ def test_bild_rolling_back_every_small_token_is_greedy_of_the_large_model(seed, 
              trace=True)
     g = decode_greedy(large, src, max_len=20)
     for b, steps in enumerate(r.trace):
-        checked = [s for s in steps if s["large"] is not None]
-        assert all(s["kept"] == 0 and (s["rollback"] or not s["small"]) for s in checked)
+        checked = [s for s in steps if s.verified]
+        assert all(s.accepted == 0 and (s.rollback or not s.drafted) for s in checked)
         n = len(checked)  # one large-model (greedy) token per call; an unchecked small run may follow
         full = r.tokens[b].tolist() + ([2] if len(r.tokens[b]) < 20 else [])
         assert full[:n] == (g.tokens[b].tolist() + [2])[:n]
@@ -73,9 +73,9 @@ def test_bild_stats_and_trace_account_for_every_token():
     src = random_src(3, 4, 12)
     r = decode_bild(large, small, src, max_len=20, fallback_threshold=0.3, rollback_threshold=2.0, trace=True)
     for b, steps in enumerate(r.trace):
-        produced = sum(s["kept"] + (s["large"] is not None) for s in steps)
+        produced = sum(len(s.committed) for s in steps)
         assert produced == len(r.tokens[b]) + (len(r.tokens[b]) < 20)  # + the eos
-    assert r.stats.fallbacks == len(r.stats.accepted) and r.stats.drafter_calls > 0  # a fallback per row per large call
+    assert r.stats.fallbacks == len(r.stats.committed) and r.stats.drafter_calls > 0  # a fallback per row per large call
 
 
 @pytest.mark.parametrize("seed", range(8))

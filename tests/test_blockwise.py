@@ -85,7 +85,7 @@ def test_perfect_proposals_take_m_over_k_plus_one_calls(k, max_len):
 def test_wrong_proposals_take_one_call_per_token(k):
     m = constant_model()
     r = assert_same_as_greedy(m, steering_heads(m, k, right=False), random_src(0, 1, 12), 12)
-    assert r.stats.verifier_calls == 12 and r.stats.accepted == [1] * 12
+    assert r.stats.verifier_calls == 12 and r.stats.committed == [1] * 12
 
 
 def test_top_k_and_min_block_are_lossy_but_run():
@@ -94,7 +94,7 @@ def test_top_k_and_min_block_are_lossy_but_run():
     r = decode_blockwise(m, wrong, random_src(0, 1, 12), max_len=12, min_block=3)
     assert r.stats.verifier_calls < 12  # forced acceptance: at least 3 tokens per call after the first
     assert r.tokens[0].tolist() != [7] * 12  # and the wrong proposals are in the output
-    top = decode_blockwise(m, wrong, random_src(0, 1, 12), max_len=12, rule="top-k", top_k=12)
+    top = decode_blockwise(m, wrong, random_src(0, 1, 12), max_len=12, block_rule="top-k", top_k=12)
     assert top.stats.verifier_calls == 1 + math.ceil(11 / 4)  # top-12 of 12 tokens accepts anything
 
 

@@ -56,7 +56,7 @@ def test_report_and_compare(trained_tiny, tmp_path):
                "--report", str(rep), "--max-len", "12")
     assert r.returncode == 0, r.stderr.decode()
     report = json.loads(rep.read_text())
-    for key in ("algo", "task", "n", "seconds", "tokens", "verifier_calls", "drafter_calls", "mean_accepted",
+    for key in ("algo", "task", "n", "seconds", "tokens", "verifier_calls", "drafter_calls", "tokens_per_call",
                 "bleu", "chrf"):
         assert key in report, key
     assert report["n"] == 6 and report["algo"] == "beam"

@@ -96,8 +96,8 @@ def test_greedy_stats_and_trace():
     res = decode_greedy(m, src, max_len=30, trace=True)
     n = len(res.tokens[0]) + (0 if res.stats.hit_max_len else 1)  # eos counts as a decoded token
     assert res.stats.verifier_calls == n == res.stats.tokens == len(res.trace[0])
-    assert res.stats.mean_accepted == 1.0 and res.stats.drafter_calls == 0
-    assert [s["token"] for s in res.trace[0]][: len(res.tokens[0])] == res.tokens[0].tolist()
+    assert res.stats.mean_committed == 1.0 and res.stats.drafter_calls == 0
+    assert [s.own for s in res.trace[0]][: len(res.tokens[0])] == res.tokens[0].tolist()
 
 
 def test_max_len_is_respected():

@@ -15,7 +15,8 @@ from refdec.decoding.blockwise import accept_rule
 from refdec.decoding import gad as gad_module
 from refdec.decoding.gad import gadpp_rule
 from refdec.decoding.ties import best_candidates, rank
-from refdec.fuzz import FAMILIES, comparisons, draw_case, main as fuzz_main, make_family
+from refdec.drafter import Drafter
+from refdec.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
 from refdec.model import Transformer, is_row_invariant, set_row_invariant, sinusoidal_positions
 from test_decoding import first_divergence
 
@@ -88,15 +89,17 @@ def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
     src = random_src(0, 2, 40)
     monkeypatch.setattr(gad_module, "draft_blocks",
                         lambda drafter, memory, cache, sequences, k, layout: [[7] * k for _ in sequences])
-    b = decode_gad(m, m, src, max_len=8, k=3, top_beta=1, tau=0.0, exact=False)
+    with gadpp_rule_at_exact():
+        b = decode_gad(m, Drafter(m, k=3), src, max_len=8)
     assert_tokens_equal(b.tokens, decode_greedy(m, src, max_len=8).tokens, "gad++(1, 0), twin drafts")
     monkeypatch.undo()
     for seed in range(3):
         verifier = family_model(seed, "constant")
-        drafter = family_model(seed + 7, "exact")
+        drafter = Drafter(family_model(seed + 7, "exact"), k=4)
         src = random_src(seed, 3, 16)
-        a = decode_gad(verifier, drafter, src, max_len=12, k=4)
-        b = decode_gad(verifier, drafter, src, max_len=12, k=4, top_beta=1, tau=0.0, exact=False)
+        a = decode_gad(verifier, drafter, src, max_len=12)
+        with gadpp_rule_at_exact():
+            b = decode_gad(verifier, drafter, src, max_len=12)
         assert_tokens_equal(a.tokens, decode_greedy(verifier, src, max_len=12).tokens, "gad")
         assert_tokens_equal(b.tokens, a.tokens, "gad++(1, 0)")
 

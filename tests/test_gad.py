@@ -12,7 +12,8 @@ from refdec.config import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 from refdec.decoding import decode_greedy
 from refdec.decoding.gad import decode_gad, gadpp_rule
 from refdec.decoding import gad as gad_module
-from refdec.drafter import block_batch, draft_block, glance, glancing_ratio
+from refdec.drafter import Drafter, block_batch, draft_block, glance, glancing_ratio
+from refdec.fuzz import gadpp_rule_at_exact
 from test_decoding import first_divergence
 
 
@@ -103,7 +104,8 @@ def test_gad_with_a_random_drafter_is_greedy(seed, k, layout):
     drafter = tiny_model(seed + 50, vocab=vocab, layers=(1, 2))
     src = random_src(seed, 3, vocab)
     for max_len in (2, 20):
-        assert_greedy(verifier, decode_gad(verifier, drafter, src, max_len=max_len, k=k, layout=layout), src, max_len)
+        assert_greedy(verifier, decode_gad(verifier, Drafter(drafter, k=k, layout=layout), src, max_len=max_len), src,
+                      max_len)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -115,7 +117,7 @@ def test_gad_with_always_right_and_always_wrong_drafters(monkeypatch, seed, k, w
     src = random_src(seed, 1, vocab)
     g = decode_greedy(verifier, src, max_len=30).tokens[0].tolist()
     monkeypatch.setattr(gad_module, "draft_blocks", oracle(g, k, wrong, vocab))
-    r = decode_gad(verifier, verifier, src, max_len=30, k=k)
+    r = decode_gad(verifier, Drafter(verifier, k=1), src, max_len=30, block_size=k)  # block_size over the trained k
     assert_greedy(verifier, r, src, 30)
     produced = r.stats.tokens
     if wrong:
@@ -127,12 +129,13 @@ def test_gad_with_always_right_and_always_wrong_drafters(monkeypatch, seed, k, w
 @pytest.mark.parametrize("seed", range(6))
 def test_gadpp_with_beta_1_tau_0_is_gad(seed):
     verifier = tiny_model(seed, vocab=40)
-    drafter = tiny_model(seed + 9, vocab=40)
+    drafter = Drafter(tiny_model(seed + 9, vocab=40), k=4)
     src = random_src(seed, 3, 40)
-    a = decode_gad(verifier, drafter, src, max_len=20, k=4)
-    b = decode_gad(verifier, drafter, src, max_len=20, k=4, top_beta=1, tau=0.0, exact=False)
+    a = decode_gad(verifier, drafter, src, max_len=20)
+    with gadpp_rule_at_exact():
+        b = decode_gad(verifier, drafter, src, max_len=20)
     assert all(torch.equal(x, y) for x, y in zip(a.tokens, b.tokens))
-    loose = decode_gad(verifier, drafter, src, max_len=20, k=4, top_beta=40, tau=1e9)
+    loose = decode_gad(verifier, drafter, src, max_len=20, top_beta=40, tau=1e9)
     assert loose.stats.verifier_calls <= a.stats.verifier_calls  # accepts every draft
 
 
@@ -143,7 +146,11 @@ def test_gadpp_rule_and_stats():
     with pytest.raises(ValueError):
         gadpp_rule(0, 0)
     m = tiny_model(0, vocab=12)
-    r = decode_gad(m, m, random_src(0, 2, 12), max_len=10, k=3)
+    with pytest.raises(ValueError, match="layout"):
+        Drafter(m, k=3, layout="sideways")
+    with pytest.raises(ValueError, match="at least 1"):
+        Drafter(m, k=0)
+    r = decode_gad(m, Drafter(m, k=3), random_src(0, 2, 12), max_len=10)
     assert set(r.stats.module_seconds) == {"verifier encoder", "drafter encoder", "drafter decoder", "verifier decoder"}
     assert r.stats.drafter_calls == r.stats.verifier_calls
 
@@ -179,7 +186,7 @@ def test_gad_with_a_drafter_on_the_verifiers_encoder_is_greedy(seed, layout):
     drafter = shared_small(verifier, seed=seed + 30)
     src = random_src(seed, 3, vocab)
     for k in (1, 4, 9):
-        r = decode_gad(verifier, drafter, src, max_len=20, k=k, layout=layout)
+        r = decode_gad(verifier, Drafter(drafter, k=k, layout=layout), src, max_len=20)
         assert_greedy(verifier, r, src, 20)
         assert r.stats.encoder_calls == 1
     one = src[:1]

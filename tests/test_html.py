@@ -22,7 +22,8 @@ from conftest import REPO, copy_model, random_src, run_py, tiny_model
 from refdec.config import EOS_ID
 from refdec.decoding import decode_bild, decode_greedy, decode_iad, decode_speculative
 from refdec.tokenizer import Tokenizer
-from refdec.trace import COLOURS, Step, colour_enabled, steps_from, strip_colour, trace_text
+from refdec.decoding.verify import Verified, step_of
+from refdec.trace import COLOURS, Step, colour_enabled, strip_colour, trace_text
 
 DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet", "--warmup", "0"]
 LINES = ["The file could not be opened.", "", "Click <b>OK</b> & \"close\" the dialog.", "Hello world.",
@@ -186,7 +187,8 @@ def output_with_eos(tokens: torch.Tensor, max_len: int) -> list[int]:
 
 def test_steps_commit_exactly_the_output():
     """For every algorithm, the Steps' committed tokens, in order, are the output (and its eos); the
-    accepted span is the head of the drafted tokens and the rejected ones the rest."""
+    accepted span is the head of the drafted tokens and the rejected ones the rest; IAD's drafted
+    tokens are the source span at its origin."""
     m, other = copy_model(), tiny_model(4, vocab=16)
     src = random_src(2, 4, 16, min_len=3, max_len=10)
     ids = [row[row.ne(0)].tolist()[:-1] for row in src]  # without the eos
@@ -197,7 +199,7 @@ def test_steps_commit_exactly_the_output():
     seen_rejected = set()
     for algo, r in runs.items():
         for b in range(len(src)):
-            steps = steps_from(algo, r.trace[b], source=ids[b])
+            steps = r.trace[b]
             assert all(isinstance(s, Step) for s in steps)
             assert [t for s in steps for t in s.committed] == output_with_eos(r.tokens[b], 20), (algo, b)
             for s in steps:
@@ -206,16 +208,19 @@ def test_steps_commit_exactly_the_output():
                     assert s.rejected[0] != s.own  # the bifurcation: the verifier chose another token
                 if s.rejected:
                     seen_rejected.add(algo)
+                if algo == "iad" and s.drafted:
+                    assert s.drafted_by == "source" and s.drafted == tuple((ids[b] + [EOS_ID])[s.origin:][:len(s.drafted)])
     assert {"iad", "speculative"} <= seen_rejected  # the cases above do reject drafted tokens
-    with pytest.raises(ValueError, match="source"):
-        steps_from("iad", [d for d in runs["iad"].trace[0] if d["drafted"]])
-    with pytest.raises(ValueError, match="no trace format"):
-        steps_from("nope", [])
 
 
-def test_speculative_step_ending_on_the_small_models_eos_has_no_large_token():
-    (s,) = steps_from("speculative", [{"small": [7, EOS_ID], "kept": 2, "large": EOS_ID}])
-    assert s.own is None and s.committed == (7, EOS_ID)
+def test_a_step_ending_on_a_drafted_eos_has_no_verifier_token():
+    nothing = torch.empty(0)
+    s = step_of([7, EOS_ID], Verified([7, EOS_ID], 2, nothing, nothing), "small")
+    assert s.own is None and s.committed == (7, EOS_ID) and s.drafted_by == "small"
+    s = step_of([7, 8, EOS_ID, 9], Verified([7, 8, EOS_ID], 4, nothing, nothing), "drafter")  # passed past the eos
+    assert s.accepted == 3 and s.own is None and s.rejected == (9,)
+    s = step_of([], Verified([5], 0, nothing, nothing), "heads")  # nothing drafted: the verifier's token alone
+    assert s == Step(own=5)
 
 
 def test_trace_text_colour_is_the_plain_text_painted(tokenizer):
@@ -223,25 +228,22 @@ def test_trace_text_colour_is_the_plain_text_painted(tokenizer):
     src = random_src(5, 3, 16, min_len=4, max_len=10)
     r = decode_iad(m, src, max_len=20, trace=True)
     for b in range(3):
-        ids = src[b][src[b].ne(0)].tolist()[:-1]
-        plain = trace_text("iad", b, r.trace[b], tokenizer, source=ids)
-        colour = trace_text("iad", b, r.trace[b], tokenizer, source=ids, colour=True)
+        plain = trace_text("iad", b, r.trace[b], tokenizer)
+        colour = trace_text("iad", b, r.trace[b], tokenizer, colour=True)
         assert "\x1b[" not in plain and strip_colour(colour) == plain
         assert COLOURS["accepted"] in colour or COLOURS["own"] in colour
     a, b, c, d, x = tokenizer.encode("the house is very red")[:5]
     traces = {  # every format, with accepted, rejected and eos-ended steps
-        "gad": [{"draft": [a, b, c, d], "accepted": 2, "tokens": [a, b, x]},
-                {"draft": [d, EOS_ID], "accepted": 2, "tokens": [d, EOS_ID]}],
-        "blockwise": [{"proposed": [], "accepted": 0, "tokens": [a]}, {"proposed": [b, c], "accepted": 1, "tokens": [b, x]}],
-        "bild": [{"small": [a, b, c], "kept": 1, "large": x, "rollback": True},
-                 {"small": [d, EOS_ID], "kept": 2, "large": None, "rollback": False}],
-        "speculative": [{"small": [a, b], "kept": 2, "large": c}, {"small": [d, EOS_ID], "kept": 2, "large": EOS_ID}],
-        "greedy": [{"step": 0, "token": a, "cache_len": 0}, {"step": 1, "token": EOS_ID, "cache_len": 1}],
-        "beam": [{"step": 0, "beams": [[a], [b]], "scores": [-1.0, -2.0]}],
+        "gad": [Step((a, b, c, d), 2, x, "drafter"), Step((d, EOS_ID), 2, None, "drafter")],
+        "blockwise": [Step(own=a), Step((b, c), 1, x, "heads")],
+        "bild": [Step((a, b, c), 1, x, "small", rollback=True), Step((d, EOS_ID), 2, None, "small", verified=False)],
+        "speculative": [Step((a, b), 2, c, "small"), Step((d, EOS_ID), 2, None, "small")],
+        "greedy": [Step(own=a), Step(own=EOS_ID)],
+        "beam": [Step(beams=((a,), (b,)), scores=(-1.0, -2.0))],
     }
-    for algo, dicts in traces.items():
-        plain = trace_text(algo, 0, dicts, tokenizer)
-        colour = trace_text(algo, 0, dicts, tokenizer, colour=True)
+    for algo, steps in traces.items():
+        plain = trace_text(algo, 0, steps, tokenizer)
+        colour = trace_text(algo, 0, steps, tokenizer, colour=True)
         assert "\x1b[" not in plain and strip_colour(colour) == plain, algo
     gad = trace_text("gad", 0, traces["gad"], tokenizer, colour=True)
     assert COLOURS["rejected"] in gad and COLOURS["accepted"] in gad and COLOURS["own"] in gad

@@ -154,7 +154,7 @@ def test_iad_accepts_a_verbatim_copy_in_one_call():
     for b in copied:
         r = decode_iad(m, src[b: b + 1], max_len=20)
         assert torch.equal(r.tokens[0], g.tokens[b]) and r.stats.verifier_calls == 1
-        assert r.stats.accepted == [len(rows[b]) + 1]
+        assert r.stats.committed == [len(rows[b]) + 1]
 
 
 def test_iad_is_faster_in_calls_when_the_model_copies():
@@ -166,7 +166,7 @@ def test_iad_is_faster_in_calls_when_the_model_copies():
     right = sum(g.tokens[b].tolist() == rewrite_target(src[b][src[b] > EOS_ID].tolist()) for b in range(30))
     assert right >= 20, "the copy model should have learned the task"
     assert r.stats.verifier_calls * 2 < r.stats.tokens
-    assert r.stats.mean_accepted > 2
+    assert r.stats.mean_committed > 2
 
 
 def test_iad_trace_accounts_for_every_token():
@@ -174,9 +174,9 @@ def test_iad_trace_accounts_for_every_token():
     src = random_src(5, 4, 16, min_len=3, max_len=12)
     r = decode_iad(m, src, max_len=30, trace=True)
     for b, steps in enumerate(r.trace):
-        toks = [t for s in steps for t in s["tokens"]]
+        toks = [t for s in steps for t in s.committed]
         assert toks[:-1] == r.tokens[b].tolist() and toks[-1] == EOS_ID
-        assert all(s["accepted"] <= s["drafted"] for s in steps)
+        assert all(s.accepted <= len(s.drafted) and s.drafted_by in ("source", "") for s in steps)
 
 
 def test_iad_refuses_training_mode_and_unknown_policy():

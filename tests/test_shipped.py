@@ -64,6 +64,7 @@ def test_shipped_drafter_and_proposal_heads_are_greedy():
     (float64), and against a drafter or heads that never guess a token right."""
     from refdec.checkpoint import file_sha256
     from refdec.decoding import decode_blockwise, decode_gad
+    from refdec.drafter import Drafter
     from refdec.proposal import load_proposal
     ckpts = REPO / "checkpoints"
     verifier, tok, _ = load_model(ckpts / "mt-en-de" / "model.pt", task="mt-en-de", dtype=torch.float64)
@@ -80,7 +81,7 @@ def test_shipped_drafter_and_proposal_heads_are_greedy():
         x = source_tensor([ids])
         n = 2 * len(ids) + 10
         g = decode_greedy(verifier, x, max_len=n)
-        r = decode_gad(verifier, drafter, x, max_len=n, k=dck["drafter"]["k"], layout=dck["drafter"]["layout"])
+        r = decode_gad(verifier, Drafter(drafter, k=dck["drafter"]["k"], layout=dck["drafter"]["layout"]), x, max_len=n)
         b = decode_blockwise(base, heads, x, max_len=n)
         assert torch.equal(g.tokens[0], r.tokens[0]) and torch.equal(g.tokens[0], b.tokens[0])
         assert r.stats.encoder_calls == 1

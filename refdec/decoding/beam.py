@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from .result import DecodeResult, DecodeStats, check_eval
+from ..trace import Step
+from .result import DecodeResult, DecodeStats, check_eval, result_of
 from .ties import best_candidates
 
 
@@ -34,7 +35,7 @@ def decode_beam(model: Transformer, src: torch.Tensor, *, max_len: int, beam_siz
     memory = model.encode(src).select(torch.arange(B, device=device).repeat_interleave(K))  # row b*K+k
     cache = model.new_cache(B * K, capacity=max_len + 1)
     stats = DecodeStats(sentences=B, encoder_calls=1)
-    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
 
     scores = torch.full((B, K), float("-inf"), dtype=torch.float64, device=device)
     scores[:, 0] = 0.0  # at the start only one hypothesis ([bos]) is live
@@ -47,7 +48,7 @@ def decode_beam(model: Transformer, src: torch.Tensor, *, max_len: int, beam_siz
         logits = model.decode(last, memory, cache)[:, -1].double()  # (B*K, V)
         logp = torch.log_softmax(logits, dim=-1)
         stats.verifier_calls += 1
-        stats.accepted.extend(1 for b in range(B) if not done[b])  # one token per live row per call
+        stats.committed.extend(1 for b in range(B) if not done[b])  # one token per live row per call
         V = logp.shape[-1]
         cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
         n_cand = min(2 * K, K * V)
@@ -79,25 +80,19 @@ def decode_beam(model: Transformer, src: torch.Tensor, *, max_len: int, beam_siz
         if steps is not None:
             for b in range(B):
                 if not done[b]:
-                    steps[b].append({"step": t, "beams": prefixes[b].tolist(), "scores": scores[b].tolist()})
+                    steps[b].append(Step(beams=tuple(map(tuple, prefixes[b].tolist())), scores=tuple(scores[b].tolist())))
         for b in range(B):
             if not done[b] and len(finished[b]) >= K:
                 done[b] = True
         if all(done):
             break
 
-    tokens = []
+    best = []
     for b in range(B):
         if not done[b]:  # max_len reached: live hypotheses finish without eos
             n = prefixes.shape[2]
             for k in range(K):
                 if torch.isfinite(scores[b, k]):
                     finished[b].append((scores[b, k].item() / max(n, 1) ** length_penalty, prefixes[b, k]))
-        best = max(finished[b], key=lambda sh: sh[0])[1] if finished[b] else prefixes[b, 0][:0]
-        stats.tokens += len(best)
-        if len(best) and best[-1].item() == cfg.eos_id:
-            best = best[:-1]
-        else:
-            stats.hit_max_len += 1
-        tokens.append(best.clone())
-    return DecodeResult(tokens, stats, steps)
+        best.append(max(finished[b], key=lambda sh: sh[0])[1].tolist() if finished[b] else [])
+    return result_of(best, cfg.eos_id, stats, steps, device)

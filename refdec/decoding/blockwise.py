@@ -17,7 +17,7 @@ heads at that row propose the next k - 1 tokens:
 
 With every proposal right, an output of m tokens takes m/k + 1 calls instead of m.
 
-Exact mode (rule "exact") accepts a proposal only when it is p_1's argmax: the output is greedy
+Exact mode (block rule "exact") accepts a proposal only when it is p_1's argmax: the output is greedy
 decoding of p_1, which with refdec's identity p_1 (refdec.proposal) is the base model's greedy
 output. Approximate inference (section 5), each lossy:
 
@@ -38,18 +38,19 @@ import torch
 
 from ..model import Transformer
 from ..proposal import ProposalHeads
+from ..trace import Step
 from .result import DecodeResult, DecodeStats, check_eval, result_of
 from .ties import rank
-from .verify import leave, verify_rows
+from .verify import commit, last_tokens, leave, verify_rows
 
-RULES = ("exact", "top-k", "distance")
+BLOCK_RULES = ("exact", "top-k", "distance")
 
 
 def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | None = None, epsilon: float = 0.0,
                 min_block: int = 1):
     """The test a proposed token must pass against p_1's logits (None = exact: the argmax)."""
-    if rule not in RULES:
-        raise ValueError(f"unknown rule {rule!r}; choose one of {', '.join(RULES)}")
+    if rule not in BLOCK_RULES:
+        raise ValueError(f"unknown block rule {rule!r}; choose one of {', '.join(BLOCK_RULES)}")
     if rule == "top-k" and top_k < 1:
         raise ValueError("top-k selection needs top_k >= 1")
     if rule == "distance" and values is None:
@@ -76,40 +77,38 @@ def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | N
 
 
 @torch.inference_mode()
-def decode_blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, max_len: int, rule: str = "exact",
-              top_k: int = 2, values: torch.Tensor | None = None, epsilon: float = 0.0, min_block: int = 1,
-              block_size: int = 0, trace: bool = False) -> DecodeResult:
+def decode_blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, max_len: int,
+                     block_rule: str = "exact", top_k: int = 2, values: torch.Tensor | None = None,
+                     epsilon: float = 0.0, min_block: int = 1, block_size: int = 0, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row (greedy of p_1
     in exact mode). The block size k is heads.k, or block_size (2 .. heads.k): p_1 and the first
-    block_size - 1 proposal heads, the others unused."""
+    block_size - 1 proposal heads, the others unused. block_rule: one of BLOCK_RULES (above)."""
     check_eval(model)
     check_eval(heads)
     k = block_size or heads.k
     if not 2 <= k <= heads.k:
         raise ValueError(f"the block size must be between 2 and the {heads.k} the heads were trained for, not {k}")
-    accept = accept_rule(rule, top_k=top_k, values=values, epsilon=epsilon, min_block=min_block)
+    accept = accept_rule(block_rule, top_k=top_k, values=values, epsilon=epsilon, min_block=min_block)
     cfg = model.cfg
     B = src.shape[0]
     memory = model.encode(src)
     stats = DecodeStats(sentences=B, encoder_calls=1)
     cache = model.new_cache(B, capacity=max_len + k + 1)
     outs: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
     alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
     proposals: list[list[int]] = [[] for _ in alive]  # per alive row; the first call proposes nothing
     while alive:
-        verified = verify_rows(model, memory, cache, [outs[b][-1] if outs[b] else cfg.bos_id for b in alive], proposals,
+        # Verify (section 3): the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^,
+        # all i in one call, which also gives p_1's own token after them.
+        verified = verify_rows(model, memory, cache, last_tokens(outs, alive, cfg.bos_id), proposals,
                                budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id, accept=accept)
         stats.verifier_calls += 1
-        going = []
-        for r, (b, v) in enumerate(zip(alive, verified)):
-            outs[b] += v.tokens
-            stats.accepted.append(len(v.tokens))
-            if steps is not None:
-                steps[b].append({"proposed": proposals[r], "accepted": v.accepted, "tokens": v.tokens})
-            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
-                going.append(r)
-        # Predict, merged into this call: heads 2..k at the row that produced each row's last token.
+        # Accept: extend the output by the k^ verified tokens (p_1's own included); j <- j + k^.
+        going = commit(alive, proposals, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
+                       drafted_by="heads")
+        # Predict, merged into this call (section 4): y^_(j+i) = argmax p_i(. | y^_<=j, x), i = 2 .. k,
+        # by the heads at the row that produced each row's last token.
         rows = torch.stack([verified[r].hidden[verified[r].accepted] for r in going]) if going else None  # (b, D)
         proposals = model.project(heads(rows[:, None])[:, 0, 1:k]).argmax(-1).tolist() if going else []
         memory, = leave(going, len(alive), [memory], [cache])

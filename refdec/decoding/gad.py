@@ -2,7 +2,8 @@
 drafter proposes a block, the autoregressive verifier checks it in one call.
 
     repeat until eos or max_len:
-        draft    o~_(j+1 .. j+k) = argmax of the drafter at k mask positions after o_<=j   (Eq. 1)
+        draft    o~_(j+1 .. j+k) = argmax of the drafter at k mask positions after o_<=j
+                 (section 3.2's draft equation, unnumbered)
         verify   o^_(j+i) = argmax P_AR(. | o_<=j, o~_(j+1 .. j+i-1))                    (Eq. 7)
                  c = the first i with o~_(j+i) != o^_(j+i) (the bifurcation)
         accept   o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)); j <- j + c
@@ -11,7 +12,8 @@ Every accepted token is the verifier's argmax, so GAD's output is the verifier's
 GAD++ (Eq. 8-9) relaxes the test: a drafted token passes when it is among the verifier's top_beta
 tokens and its log-probability is within tau of the top-1's. top_beta=1, tau=0 is GAD.
 
-The drafter (refdec.drafter) runs in one of two layouts: the paper's bidirectional one recomputes
+The drafter (refdec.drafter.Drafter: the model, the k it was trained for and its layout, as its
+checkpoint records them) runs in one of two layouts: the paper's bidirectional one recomputes
 the whole prefix every iteration; the causal-prefix one keeps the prefix's keys and values in its
 own cache and feeds only the newly accepted tokens plus the k masks. The verifier's cache is
 truncated at the bifurcation by the shared verification step (refdec.decoding.verify).
@@ -36,12 +38,13 @@ import time
 
 import torch
 
-from ..drafter import LAYOUTS, draft_blocks
+from ..drafter import Drafter, draft_blocks
 from ..model import Transformer
+from ..trace import Step
 from .pairing import check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats, result_of
 from .ties import rank
-from .verify import leave, verify_rows
+from .verify import commit, last_tokens, leave, verify_rows
 
 
 def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
@@ -61,51 +64,49 @@ def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
 
 
 @torch.inference_mode()
-def decode_gad(verifier: Transformer, drafter: Transformer, src: torch.Tensor, *, max_len: int, k: int, layout: str = "causal",
-        top_beta: int = 1, tau: float = 0.0, exact: bool | None = None, trace: bool = False) -> DecodeResult:
+def decode_gad(verifier: Transformer, drafter: Drafter, src: torch.Tensor, *, max_len: int, block_size: int = 0,
+               top_beta: int = 1, tau: float = 0.0, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row.
 
-    exact: verify by argmax equality (GAD); default: when top_beta == 1 and tau == 0."""
-    check_pair(verifier, drafter)
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown drafter layout {layout!r}")
+    block_size: tokens drafted per iteration, the paper's k (0 = the k the drafter was trained for).
+    top_beta 1 and tau 0 (the default) verify by argmax equality: GAD, the verifier's greedy output;
+    anything else is GAD++'s relaxed test."""
+    check_pair(verifier, drafter.model)
+    k = block_size or drafter.k
     if k < 1:
-        raise ValueError("the block size k must be at least 1")
-    accept = None if (exact if exact is not None else (top_beta == 1 and tau == 0)) else gadpp_rule(top_beta, tau)
+        raise ValueError(f"the block size must be at least 1 (0: the drafter's {drafter.k}), not {block_size}")
+    accept = None if top_beta == 1 and tau == 0 else gadpp_rule(top_beta, tau)
     cfg = verifier.cfg
     B = src.shape[0]
-    stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(verifier, drafter))
+    stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(verifier, drafter.model))
     secs = {"verifier encoder": 0.0, "drafter encoder": 0.0, "drafter decoder": 0.0, "verifier decoder": 0.0}
     t0 = time.perf_counter()
     mem_v = verifier.encode(src)
     t1 = time.perf_counter()
-    mem_d = small_memory(verifier, drafter, mem_v, src)  # from the verifier's when it reads that encoder
+    mem_d = small_memory(verifier, drafter.model, mem_v, src)  # from the verifier's when it reads that encoder
     secs["verifier encoder"] += t1 - t0
     secs["drafter encoder"] += time.perf_counter() - t1
     cache_v = verifier.new_cache(B, capacity=max_len + 1)
-    cache_d = drafter.new_cache(B, capacity=max_len + k + 1) if layout == "causal" else None
+    cache_d = drafter.model.new_cache(B, capacity=max_len + k + 1) if drafter.layout == "causal" else None
     outs: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
     alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
-    while alive:
+    while alive:  # until eos or max_len
         t0 = time.perf_counter()
-        drafts = draft_blocks(drafter, mem_d, cache_d, [[cfg.bos_id] + outs[b] for b in alive], k, layout)
+        # Draft: o~_(j+1 .. j+k), the drafter's argmax at k masks after o_<=j (section 3.2).
+        drafts = draft_blocks(drafter.model, mem_d, cache_d, [[cfg.bos_id] + outs[b] for b in alive], k, drafter.layout)
         t1 = time.perf_counter()
-        verified = verify_rows(verifier, mem_v, cache_v, [outs[b][-1] if outs[b] else cfg.bos_id for b in alive],
-                               drafts, budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id,
-                               accept=accept)
+        # Verify: o^_(j+i) given o_<=j and o~_(j+1 .. j+i-1), all i in one call (Eq. 7; GAD++: Eq. 8-9);
+        # the bifurcation c is the first i where the draft fails.
+        verified = verify_rows(verifier, mem_v, cache_v, last_tokens(outs, alive, cfg.bos_id), drafts,
+                               budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id, accept=accept)
         secs["drafter decoder"] += t1 - t0
         secs["verifier decoder"] += time.perf_counter() - t1
         stats.drafter_calls += 1
         stats.verifier_calls += 1
-        going = []
-        for r, (b, v) in enumerate(zip(alive, verified)):
-            outs[b] += v.tokens
-            stats.accepted.append(len(v.tokens))
-            if steps is not None:
-                steps[b].append({"draft": drafts[r], "accepted": v.accepted, "tokens": v.tokens})
-            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
-                going.append(r)
+        # Accept: o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)).
+        going = commit(alive, drafts, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
+                       drafted_by="drafter")
         mem_v, mem_d = leave(going, len(alive), [mem_v, mem_d], [cache_v] + ([cache_d] if cache_d is not None else []))
         alive = [alive[r] for r in going]
     stats.module_seconds = secs

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
+from ..trace import Step
 from .result import DecodeResult, DecodeStats, check_eval, result_of
 
 
@@ -27,21 +28,21 @@ def decode_greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace:
     B = src.shape[0]
     memory = model.encode(src)
     cache = model.new_cache(B, capacity=max_len + 1)
-    out: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    outs: list[list[int]] = [[] for _ in range(B)]
+    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
     stats = DecodeStats(sentences=B, encoder_calls=1)
     alive = torch.arange(B, device=src.device)  # original row index of each row still decoding
     last = torch.full((B, 1), cfg.bos_id, dtype=torch.long, device=src.device)
-    for t in range(max_len):
+    for _ in range(max_len):
         logits = model.decode(last, memory, cache)  # (b, 1, V)
         stats.verifier_calls += 1
         next_tok = logits[:, -1].argmax(dim=-1)  # (b,)
         finished = next_tok.eq(cfg.eos_id)
         for row, tok in zip(alive.tolist(), next_tok.tolist()):
-            out[row].append(tok)
-            stats.accepted.append(1)
+            outs[row].append(tok)
+            stats.committed.append(1)
             if steps is not None:
-                steps[row].append({"step": t, "token": tok, "cache_len": cache.length})
+                steps[row].append(Step(own=tok))
         if finished.all():
             break
         if finished.any():  # drop finished rows: memory and cache keep only the rows still decoding
@@ -50,5 +51,5 @@ def decode_greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace:
             cache.select(keep)
             next_tok = next_tok[keep]
         last = next_tok[:, None]
-    return result_of(out, cfg.eos_id, stats, steps, src.device)
+    return result_of(outs, cfg.eos_id, stats, steps, src.device)
 

@@ -55,8 +55,9 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
+from ..trace import Step
 from .result import DecodeResult, DecodeStats, check_eval, result_of
-from .verify import leave, verify_rows
+from .verify import commit, last_tokens, leave, verify_rows
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")
 
@@ -88,7 +89,7 @@ def find_match(x: list[int], out: list[int], policy: str = "unique", max_suffix:
 
 @torch.inference_mode()
 def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "unique", max_suffix: int = 0,
-        max_draft: int = 0, trace: bool = False) -> DecodeResult:
+               max_draft: int = 0, trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> the greedy output of each row.
 
     max_draft: most tokens drafted per call (the papers' L_max; 0 = up to the end of the source)."""
@@ -102,28 +103,24 @@ def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: st
     stats = DecodeStats(sentences=B, encoder_calls=1)
     xs = [[cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id] for row in src]
     outs: list[list[int]] = [[] for _ in range(B)]  # output tokens after bos, per source row
-    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
     alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
-    while alive:
+    while alive:  # Algorithm 1, line 2: while o_j != eos and j < max_len
         matches, drafts = [], []
         for b in alive:
             x = xs[b]
-            i = find_match(x, [cfg.bos_id] + outs[b], match, max_suffix)
-            draft = x[i + 1: len(x) - 1] if i is not None else []  # drafts stop before the pad sentinel
+            i = find_match(x, [cfg.bos_id] + outs[b], match, max_suffix)  # line 3: a suffix of o found in x, at x_i
+            draft = x[i + 1: len(x) - 1] if i is not None else []  # x_(i+1) ..; drafts stop before the pad sentinel
             matches.append(i)
             drafts.append(draft[:max_draft] if max_draft > 0 else draft)
-        lasts = [outs[b][-1] if outs[b] else cfg.bos_id for b in alive]
-        verified = verify_rows(model, memory, cache, lasts, drafts, budgets=[max_len - len(outs[b]) for b in alive],
-                               eos_id=cfg.eos_id)
+        # Lines 4-5 (an empty draft: line 9): one parallel call decodes o~_(j+1) .. after the draft
+        # (Eq. 5-6) and finds the bifurcation j + k.
+        verified = verify_rows(model, memory, cache, last_tokens(outs, alive, cfg.bos_id), drafts,
+                               budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id)
         stats.verifier_calls += 1
-        going = []
-        for r, (b, v) in enumerate(zip(alive, verified)):
-            outs[b] += v.tokens
-            stats.accepted.append(len(v.tokens))
-            if steps is not None:
-                steps[b].append({"match": matches[r], "drafted": len(drafts[r]), "accepted": v.accepted, "tokens": v.tokens})
-            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
-                going.append(r)
+        # Lines 6-7 (10-11): o <- CAT(o, o~_(j+1 .. j+k)); j <- j + k.
+        going = commit(alive, drafts, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
+                       drafted_by="source", origin=matches)
         memory, = leave(going, len(alive), [memory], [cache])  # finished rows leave the batch
         alive = [alive[r] for r in going]
     return result_of(outs, cfg.eos_id, stats, steps, src.device)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..trace import Step
+
 
 @dataclass
 class DecodeStats:
@@ -14,7 +16,8 @@ class DecodeStats:
     verifier_calls  decoder calls of the model whose output is produced (greedy: one per step; one
                     call verifies every row of a batch)
     drafter_calls   calls of a separate drafter / small model (0 for greedy and beam)
-    accepted        tokens committed by each verifier call, per sentence row (greedy: all 1)
+    committed       tokens committed by each verifier call, per sentence row (greedy: all 1); their
+                    mean is the tokens per call
     fallbacks, rollbacks  big-little decoding's counters, one per row that fell back (or rolled back)
     """
 
@@ -23,28 +26,29 @@ class DecodeStats:
     verifier_calls: int = 0
     drafter_calls: int = 0
     encoder_calls: int = 0
-    accepted: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
     fallbacks: int = 0
     rollbacks: int = 0
     hit_max_len: int = 0  # sentences stopped by max_len before eos
     module_seconds: dict = field(default_factory=dict)  # time per part (GAD: encoders, drafter, verifier)
 
     @property
-    def mean_accepted(self) -> float:
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+    def mean_committed(self) -> float:
+        """Tokens committed per verifier call and row."""
+        return sum(self.committed) / len(self.committed) if self.committed else 0.0
 
     def merge(self, other: "DecodeStats") -> None:
         for name in ("sentences", "tokens", "verifier_calls", "drafter_calls", "encoder_calls",
                      "fallbacks", "rollbacks", "hit_max_len"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.accepted.extend(other.accepted)
+        self.committed.extend(other.committed)
         for k, v in other.module_seconds.items():
             self.module_seconds[k] = self.module_seconds.get(k, 0.0) + v
 
     def to_dict(self) -> dict:
         return {"sentences": self.sentences, "tokens": self.tokens, "verifier_calls": self.verifier_calls,
                 "drafter_calls": self.drafter_calls, "encoder_calls": self.encoder_calls,
-                "mean_accepted": self.mean_accepted, "fallbacks": self.fallbacks,
+                "tokens_per_call": self.mean_committed, "fallbacks": self.fallbacks,
                 "rollbacks": self.rollbacks, "hit_max_len": self.hit_max_len,
                 **({"module_seconds": dict(self.module_seconds)} if self.module_seconds else {})}
 
@@ -52,11 +56,11 @@ class DecodeStats:
 @dataclass
 class DecodeResult:
     """tokens[b]: the output of source row b as a 1-D LongTensor, without bos and without the final
-    eos (which the decoder stops at). trace: per-iteration records when the caller asked for one."""
+    eos (which the decoder stops at). trace: one Step per iteration when the caller asked for one."""
 
     tokens: list[torch.Tensor]
     stats: DecodeStats
-    trace: list[list[dict]] | None = None  # trace[b] = the steps of row b
+    trace: list[list[Step]] | None = None  # trace[b] = the steps of row b
 
 
 def check_eval(model: torch.nn.Module) -> None:
@@ -76,7 +80,7 @@ def finish_row(out: list[int], eos_id: int, stats: DecodeStats, device) -> torch
     return torch.tensor(out, dtype=torch.long, device=device)
 
 
-def result_of(outs: list[list[int]], eos_id: int, stats: DecodeStats, steps: list[list[dict]] | None,
+def result_of(outs: list[list[int]], eos_id: int, stats: DecodeStats, steps: list[list[Step]] | None,
               device) -> DecodeResult:
     """A batch's DecodeResult from each row's output tokens (finish_row) and, on request, its trace."""
     return DecodeResult([finish_row(out, eos_id, stats, device) for out in outs], stats, steps)

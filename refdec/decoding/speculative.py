@@ -30,16 +30,17 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
+from ..trace import Step
 from .pairing import Follower, check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats, result_of
 from .sampling import distribution, draw
-from .verify import leave, verify_rows
+from .verify import commit, last_tokens, leave, verify_rows
 
 
 @torch.inference_mode()
 def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, gamma: int = 3,
-                sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-                trace: bool = False) -> DecodeResult:
+                       sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                       trace: bool = False) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row."""
     check_pair(large, small)
     if gamma < 1:
@@ -54,20 +55,20 @@ def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor
     cache_l = large.new_cache(B, capacity=max_len + 1)
     follower = Follower(small, small_memory(large, small, mem_l, src), capacity=max_len + gamma + 1)
     outs: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[dict]] | None = [[] for _ in range(B)] if trace else None
+    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
     alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
     while alive:
         budgets = [max_len - len(outs[b]) for b in alive]
         drafts: list[list[int]] = [[] for _ in alive]
         qs: list[list[torch.Tensor]] = [[] for _ in alive]  # the small model's distribution at each drafted position
-        while True:
+        while True:  # Algorithm 1: sample gamma guesses x_1 .. x_gamma from M_q autoregressively
             drafting = [r for r, d in enumerate(drafts) if len(d) < min(gamma, budgets[r] - 1) and (not d or d[-1] != cfg.eos_id)]
             if not drafting:
                 break
             logits = follower.next_logits([[cfg.bos_id] + outs[b] + d for b, d in zip(alive, drafts)])
             stats.drafter_calls += 1
             for r in drafting:
-                if sample:
+                if sample:  # q_i(x) <- M_q(prefix + [x_1 .. x_(i-1)]); x_i ~ q_i(x)
                     qs[r].append(distribution(logits[r], temperature, top_p))
                     drafts[r].append(draw(qs[r][-1], gen))
                 else:
@@ -76,17 +77,14 @@ def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor
         if sample:
             accept = [residual_test(q, temperature, top_p, gen) for q in qs]
             choose = [residual_draw(q, temperature, top_p, gen) for q in qs]
-        verified = verify_rows(large, mem_l, cache_l, [outs[b][-1] if outs[b] else cfg.bos_id for b in alive], drafts,
+        # Algorithm 1: run M_p in parallel (p_1 .. p_(gamma+1)), determine the number of accepted
+        # guesses n, adjust the distribution from M_p if needed and draw t from it.
+        verified = verify_rows(large, mem_l, cache_l, last_tokens(outs, alive, cfg.bos_id), drafts,
                                budgets=budgets, eos_id=cfg.eos_id, accept=accept, choose=choose)
         stats.verifier_calls += 1
-        going = []
-        for r, (b, v) in enumerate(zip(alive, verified)):
-            outs[b] += v.tokens
-            stats.accepted.append(len(v.tokens))
-            if steps is not None:
-                steps[b].append({"small": drafts[r], "kept": v.accepted, "large": v.tokens[-1]})
-            if outs[b][-1] != cfg.eos_id and len(outs[b]) < max_len:
-                going.append(r)
+        # Algorithm 1: return prefix + [x_1 .. x_n, t].
+        going = commit(alive, drafts, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
+                       drafted_by="small")
         mem_l, = leave(going, len(alive), [mem_l], [cache_l, follower])
         alive = [alive[r] for r in going]
     return result_of(outs, cfg.eos_id, stats, steps, src.device)
@@ -95,11 +93,12 @@ def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor
 def residual_test(q: list[torch.Tensor], temperature: float, top_p: float, gen: torch.Generator):
     """Speculative sampling's acceptance test for one row's draft, whose small-model distributions are q:
     accept x_i with probability min(1, p_i(x_i) / q_i(x_i))."""
-    def accept(logits, d):
+    def accept(logits, draft):
         p = torch.stack([distribution(row, temperature, top_p) for row in logits]).cpu()
-        i, d = torch.arange(len(d)), d.cpu()
-        ratio = p[i, d] / torch.stack(q).cpu()[i, d]
-        return torch.rand(len(d), generator=gen, dtype=torch.float64) < ratio.clamp(max=1.0)
+        i, x = torch.arange(len(draft)), draft.cpu()
+        ratio = p[i, x] / torch.stack(q).cpu()[i, x]
+        # Algorithm 1: r_i ~ U(0, 1); n = the first i - 1 with r_i > p_i(x_i) / q_i(x_i).
+        return torch.rand(len(x), generator=gen, dtype=torch.float64) < ratio.clamp(max=1.0)
     return accept
 
 
@@ -108,8 +107,8 @@ def residual_draw(q: list[torch.Tensor], temperature: float, top_p: float, gen: 
     rejection; from p after a full acceptance."""
     def choose(row, n, rejected):
         p = distribution(row, temperature, top_p).cpu()
-        if rejected:
-            r = (p - q[n].cpu()).clamp(min=0.0)
-            p = r / r.sum() if float(r.sum()) > 0 else p
+        if rejected:  # Algorithm 1: p'(x) = norm(max(0, p_(n+1)(x) - q_(n+1)(x))) when n < gamma
+            residual = (p - q[n].cpu()).clamp(min=0.0)
+            p = residual / residual.sum() if float(residual.sum()) > 0 else p
         return draw(p, gen)
     return choose

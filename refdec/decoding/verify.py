@@ -1,4 +1,5 @@
-"""The one verification step every draft-then-verify decoder shares (IAD, GAD, blockwise, BiLD).
+"""The one verification step every draft-then-verify decoder shares (IAD, GAD, blockwise,
+BiLD, speculative sampling).
 
 The verifier's KV cache holds the committed output except its last token `last`. One decoder call
 feeds `last` followed by the m drafted tokens d_1..d_m:
@@ -36,6 +37,7 @@ GAD, blockwise, BiLD, speculative) runs the same loop around it:
     while alive:
         each alive row drafts (its own way, its own length)
         one verify_rows call: each row commits its accepted prefix and its own bifurcation token
+            (`commit`: the output, the stats and the trace's Step of each row)
         rows that produced eos or reached max_len leave the batch (`leave`: memory and cache rows)
 """
 
@@ -48,6 +50,8 @@ import torch
 
 from ..cache import KVCache
 from ..model import Memory, Transformer
+from ..trace import Step
+from .result import DecodeStats
 
 AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ChooseRule = Callable[[torch.Tensor, int, bool], int]
@@ -74,6 +78,11 @@ class Verified:
     accepted: int
     logits: torch.Tensor
     hidden: torch.Tensor
+
+
+def last_tokens(outs: list[list[int]], alive: list[int], bos_id: int) -> list[int]:
+    """What each alive row feeds the verifier first: its last committed token (bos before any)."""
+    return [outs[b][-1] if outs[b] else bos_id for b in alive]
 
 
 def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft: list[int], *,
@@ -117,19 +126,18 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     else:  # only real positions are projected (the projection is the widest product); rows split again
         flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < real[:, None]][None])[0]
         logits = flat.split(widths)  # row b: (widths[b], V)
-    best = [row.argmax(dim=-1).tolist() for row in logits]  # the lowest id among equal maxima, as greedy's argmax
+    argmax = [row.argmax(dim=-1).tolist() for row in logits]  # the lowest id among equal maxima, as greedy's
     out, keep = [], []
     for b, (draft, w) in enumerate(zip(drafts, widths)):
-        m = w - 1
         rule, pick = per_row(accept, b), per_row(choose, b)
         if not draft:
-            ok = []
+            passed = []
         elif rule is None:
-            ok = [d == p for d, p in zip(draft, best[b])]
+            passed = [d == p for d, p in zip(draft, argmax[b])]
         else:
-            ok = rule(logits[b][:m], inp[b, 1:w]).tolist()
-        n = next((i for i, good in enumerate(ok) if not good), len(ok))
-        tokens = draft[:n] + [best[b][n] if pick is None else pick(logits[b][n], n, n < len(draft))]
+            passed = rule(logits[b][:len(draft)], inp[b, 1:w]).tolist()
+        n = next((i for i, good in enumerate(passed) if not good), len(passed))
+        tokens = draft[:n] + [argmax[b][n] if pick is None else pick(logits[b][n], n, n < len(draft))]
         if eos_id in tokens:
             tokens = tokens[: tokens.index(eos_id) + 1]
         tokens = tokens[:budgets[b]]
@@ -149,3 +157,30 @@ def leave(going: list[int], alive: int, memories: list[Memory], caches: list) ->
     for cache in caches:
         cache.select(keep)
     return [m.select(keep) for m in memories]
+
+
+def step_of(draft: list[int], v: Verified, drafted_by: str, **marks) -> Step:
+    """The trace's Step of one row's verification of `draft`: the drafted tokens it committed (those
+    that passed, up to the eos and budget cuts) and the verifier's own token after them, None when
+    the step ended on a drafted eos. `marks`: the Step's other fields (origin, rollback)."""
+    kept = min(v.accepted, len(v.tokens))
+    own = v.tokens[kept] if len(v.tokens) > kept else None
+    return Step(drafted=tuple(draft), accepted=kept, own=own, drafted_by=drafted_by if draft else "", **marks)
+
+
+def commit(alive: list[int], drafts: list[list[int]], verified: list[Verified], outs: list[list[int]],
+           stats: DecodeStats, steps: list[list[Step]] | None, *, max_len: int, eos_id: int, drafted_by: str,
+           **marks) -> list[int]:
+    """Batch row r (source row alive[r]) takes what its verification of drafts[r] committed: appended
+    to its output, counted in stats.committed and, when `steps` is kept, traced as a Step (`marks`:
+    the Step's other fields, one value for every row or a list of one per row). Returns the batch
+    rows that go on: those without eos and below max_len."""
+    going = []
+    for r, (b, v) in enumerate(zip(alive, verified)):
+        outs[b] += v.tokens
+        stats.committed.append(len(v.tokens))
+        if steps is not None:
+            steps[b].append(step_of(drafts[r], v, drafted_by, **{k: per_row(m, r) for k, m in marks.items()}))
+        if outs[b][-1] != eos_id and len(outs[b]) < max_len:
+            going.append(r)
+    return going
