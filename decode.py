@@ -136,11 +136,12 @@ def run(args) -> int:
     from refdec.data import DATA_DIR
     from refdec.loading import load_runs
     default_input = DATA_DIR / args.task / "test.src.gz"
-    check_counts(args)
+    plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
+                      refs=args.ref, input=args.input)
     given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
     compares = plan.parse_compare(args.compare) if args.compare else []
     specs = plan.plan_runs(args.algo, args.task, model=args.model, given=given, compares=compares,
-                           batch_size=args.batch_size, sizes=batch_sizes(args))
+                           batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size))
     shared = plan.shared_seconds(specs, args.task, {"small": args.small, "drafter": args.drafter})
     runner.check_machine(args.device, args.threads, output=args.output, report=args.report, html=args.html,
                          reads={"input": args.input, **{f"--ref file {r}": r for r in args.ref}})
@@ -190,33 +191,6 @@ def run(args) -> int:
                               tokenizer=loader.tokenizer)
     print(summary.text, file=sys.stderr if not args.output else sys.stdout)
     return 130 if interrupted else 0
-
-
-def check_counts(args) -> None:
-    """Numbers that cannot be right whatever the algorithm."""
-    from refdec.runner import UsageError
-    if (args.batch_size is not None and args.batch_size < 1) or (args.max_len is not None and args.max_len < 1):
-        raise UsageError("--batch-size and --max-len must be at least 1")
-    if (args.limit is not None and args.limit < 0) or args.warmup < 0:
-        raise UsageError("--limit and --warmup must be at least 0")
-    if args.ref and not args.input:
-        raise UsageError("--ref needs --input (the default test set brings its own references)")
-
-
-def batch_sizes(args) -> list[int]:
-    """--batch-sizes as numbers (empty without it); refused beside --batch-size, which it replaces."""
-    from refdec.runner import UsageError
-    if not args.batch_sizes:
-        return []
-    if args.batch_size is not None:
-        raise UsageError("--batch-sizes sets every run's batch size: leave out --batch-size")
-    try:
-        sizes = [int(v) for v in args.batch_sizes.split(",")]
-    except ValueError:
-        raise UsageError(f"--batch-sizes takes whole numbers separated by commas, not {args.batch_sizes!r}") from None
-    if min(sizes) < 1 or len(set(sizes)) < len(sizes):
-        raise UsageError("--batch-sizes must be different numbers, each at least 1")
-    return sizes
 
 
 if __name__ == "__main__":

@@ -48,11 +48,14 @@ class Option:
             raise ValueError(f"{flag} must be a finite number, not {value}")
         if self.choices and value not in self.choices:
             raise ValueError(f"{flag} must be one of {', '.join(self.choices)}, not {value!r}")
-        low = self.minimum
-        if low is not None and (value < low or (self.above_minimum and value == low)):
-            raise ValueError(f"{flag} must be {'above' if self.above_minimum else 'at least'} {low:g}, not {value}")
-        if self.maximum is not None and value > self.maximum:
-            raise ValueError(f"{flag} must be at most {self.maximum:g}, not {value}")
+        low, high = self.minimum, self.maximum
+        too_low = low is not None and (value < low or (self.above_minimum and value == low))
+        if too_low or (high is not None and value > high):
+            bound = ("above" if self.above_minimum else "at least") + f" {low:g}" if low is not None else ""
+            if high is not None:
+                bound = f"between {low:g} and {high:g}" if low is not None and not self.above_minimum \
+                    else (bound + " and " if bound else "") + f"at most {high:g}"
+            raise ValueError(f"{flag} must be {bound}, not {value}")
 
 
 OPTIONS: dict[str, Option] = {

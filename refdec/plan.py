@@ -41,6 +41,32 @@ class RunSpec:
     label: str
 
 
+def check_counts(*, batch_size: int | None, max_len: int | None, limit: int | None, warmup: int, refs: list,
+                 input: str | None) -> None:
+    """Numbers that cannot be right whatever the algorithm."""
+    if (batch_size is not None and batch_size < 1) or (max_len is not None and max_len < 1):
+        raise UsageError("--batch-size and --max-len must be at least 1")
+    if (limit is not None and limit < 0) or warmup < 0:
+        raise UsageError("--limit and --warmup must be at least 0")
+    if refs and not input:
+        raise UsageError("--ref needs --input (the default test set brings its own references)")
+
+
+def parse_sizes(text: str | None, batch_size: int | None) -> list[int]:
+    """--batch-sizes as numbers (empty without it); refused beside --batch-size, which it replaces."""
+    if not text:
+        return []
+    if batch_size is not None:
+        raise UsageError("--batch-sizes sets every run's batch size: leave out --batch-size")
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--batch-sizes takes whole numbers separated by commas, not {text!r}") from None
+    if min(sizes) < 1 or len(set(sizes)) < len(sizes):
+        raise UsageError("--batch-sizes must be different numbers, each at least 1")
+    return sizes
+
+
 def parse_compare(spec: str) -> list[Compared]:
     """"greedy,beam@ckpt.pt:beam-size=4" -> [Compared("greedy"), Compared("beam", "ckpt.pt", {"beam_size": 4})]."""
     out = []
@@ -179,5 +205,6 @@ def help_default(name: str) -> str:
     return "default: " + ", ".join(f"{k} {v}" for k, v in show.items())
 
 
-__all__ = ["Compared", "OPTIONS", "RunSpec", "default_checkpoint", "help_default", "parse_compare", "plan_runs",
+__all__ = ["Compared", "OPTIONS", "RunSpec", "check_counts", "default_checkpoint", "help_default", "parse_compare",
+           "parse_sizes", "plan_runs",
            "shared_seconds"]

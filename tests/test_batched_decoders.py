@@ -249,7 +249,7 @@ def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order
 def test_batch_size_options_are_parsed_and_refused():
     """Guards --compare's :batch-size=N and --batch-sizes (a size that is not a whole number of at
     least 1, repeated sizes, or --batch-sizes beside --batch-size: refused, never ignored)."""
-    from refdec.plan import Compared, parse_compare
+    from refdec.plan import Compared, parse_compare, parse_sizes
     from refdec.runner import UsageError
     cli = load_cli()
     assert parse_compare("iad:batch-size=4:max-draft=8,greedy") == [
@@ -257,13 +257,11 @@ def test_batch_size_options_are_parsed_and_refused():
     for bad in ("iad:batch-size=0", "iad:batch-size=x", "greedy:batch-size=-2"):
         with pytest.raises(UsageError, match="batch-size"):
             parse_compare(bad)
-    args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8,32"])
-    assert cli.batch_sizes(args) == [1, 8, 32]
-    for extra, needle in ((["--batch-sizes", "1,1"], "different"), (["--batch-sizes", "8,a"], "whole numbers"),
-                          (["--batch-sizes", "0,4"], "at least 1"), (["--batch-sizes", "1,8", "--batch-size", "4"], "leave out")):
-        args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", *extra])
+    assert parse_sizes("1,8,32", None) == [1, 8, 32]
+    for text, size, needle in (("1,1", None, "different"), ("8,a", None, "whole numbers"), ("0,4", None, "at least 1"),
+                               ("1,8", 4, "leave out")):
         with pytest.raises(UsageError, match=needle):
-            cli.batch_sizes(args)
+            parse_sizes(text, size)
     args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8",
                                           "--compare", "iad:batch-size=4"])
     with pytest.raises(UsageError, match="cannot set its own"):

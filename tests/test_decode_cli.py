@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import run_py
+from conftest import REPO, run_py
 
 DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet"]
 
@@ -82,7 +83,8 @@ def test_trace_prints_per_sentence(trained_tiny):
 def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
     """Guards the comparison machinery the IAD benchmark reads: several --compare runs, one on another
     checkpoint, the speedup matrix, the lossless check against greedy of the same model (with its
-    divergence list) and the edit-ratio buckets."""
+    divergence list); no edit-ratio buckets on translation, where the output is not an edit of the
+    input (test_edit_ratio_buckets_for_gec has them)."""
     other = tmp_path / "other"
     shutil.copytree(trained_tiny, other)
     rep = tmp_path / "r.json"
@@ -95,10 +97,31 @@ def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
     assert len(report["speedup_matrix"]) == 3 and report["options"]["max_draft"] == 4
     (check,) = report["lossless_checks"]
     assert check["identical"] == 1.0 and check["divergences"] == []
-    assert sum(b["sentences"] for b in check["edit_buckets"]) == 6
+    assert "edit_buckets" not in check
     err = r.stderr.decode()
-    assert "speedup of row over column" in err and "0 line(s) differ" in err and "edit ratio" in err
+    assert "speedup of row over column" in err and "0 line(s) differ" in err and "edit ratio" not in err
     assert len(r.stdout.decode().splitlines()) == 6
+
+
+def test_edit_ratio_buckets_for_gec():
+    """On a GEC task a lossless run beside greedy at batch size 1 gets its speedup by edit ratio,
+    every sentence in one bucket."""
+    from refdec import runner
+    from refdec.algorithms import ALGORITHMS
+    from refdec.tokenizer import Tokenizer
+    from test_batched_decoders import fake_models
+    tok = Tokenizer.load(REPO / "checkpoints" / "gec-uk" / "tokenizer.json")
+    lines = ["Це речення без помилок.", "Друге речення тут.", "Третє."]
+    models = fake_models()
+    runs = [runner.Run(ALGORITHMS[name], {}, models) for name in ("iad", "greedy")]
+    for r, secs in zip(runs, (0.1, 0.4)):
+        r.outputs = [torch.tensor(tok.encode(s)) for s in lines]
+        r.times, r.calls, r.seconds = [secs] * 3, [1] * 3, 3 * secs
+        r.stats.sentences = 3
+    summary = runner.summarise("gec-uk", runs, lines, [lines], [tok.encode(s) for s in lines], tok, "cpu")
+    (check,) = summary.checks
+    assert check["identical"] == 1.0 and [b["sentences"] for b in check["edit_buckets"]] == [3]
+    assert check["edit_buckets"][0]["speedup"] == pytest.approx(4.0) and "edit ratio" in summary.text
 
 
 @pytest.mark.parametrize("algo,extra", [
