@@ -23,7 +23,7 @@ sweeps a trade-off (the first run takes the command line's options; a compared r
 
 Then a matrix gives every row's speedup over every other. A lossless algorithm run beside greedy of
 the same checkpoint also gets: the lines where it differs from greedy, each with the first divergent
-position and the model's top-1/top-2 logit margin there (a near-tie, or a bug), and, with batch size
+position and the model's top-1/top-2 logit margin there (a near-tie, or a bug), and, on GEC at batch size
 1, its speedup over greedy by edit ratio of the output (how much of the input the output keeps).
 """
 

@@ -22,7 +22,7 @@ import re
 import torch
 
 from . import runner
-from .trace import Step
+from .trace import Step, iterations
 
 PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
 DRAFTED_FROM = {"source": "copied from the source", "drafter": "drafted by the drafter",
@@ -174,7 +174,7 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
 def steps_html(algo: str, steps: list[Step], piece) -> str:
     """A run's decoding of one sentence, one row per iteration."""
     if algo == "greedy":
-        return (f'<div class="steps"><div class="it"><span class="k">{len(steps)} iterations, one token each</span>'
+        return (f'<div class="steps"><div class="it"><span class="k">{iterations(len(steps))}, one token each</span>'
                 f'<span class="toks">{chips([s.own for s in steps], "own", piece)}</span></div></div>')
     if algo == "beam":
         return beam_html(steps, piece)

@@ -69,6 +69,10 @@ def strip_colour(text: str) -> str:
     return ANSI.sub("", text)
 
 
+def iterations(n: int) -> str:
+    return f"{n} iteration" + ("" if n == 1 else "s")
+
+
 def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: bool = False) -> str:
     """How sentence `index` was decoded by `algo` (its `steps`): greedy lists its one-by-one tokens,
     beam the best beam per step, the draft-then-verify decoders what was drafted and what was kept,
@@ -88,7 +92,7 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
 
     head = f"[{index + 1}]"
     if algo == "greedy":
-        return (f"{head} {len(steps)} iterations, one token each: "
+        return (f"{head} {iterations(len(steps))}, one token each: "
                 + " ".join(paint("own", t) for t in tokenizer.tokens(s.own for s in steps)))
     if algo == "beam":
         best = steps[-1].beams[0] if steps else ()
@@ -97,7 +101,7 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
         # Like table 2 of the SAD paper: one line per iteration (one verifier call); a copied span
         # that the model accepted in parallel is in brackets, the token the model chose itself
         # (at the bifurcation, or in a plain greedy step) follows it.
-        lines = [f"{head} {len(steps)} iterations for {sum(len(s.committed) for s in steps)} tokens"]
+        lines = [f"{head} {iterations(len(steps))} for {sum(len(s.committed) for s in steps)} tokens"]
         for it, s in enumerate(steps, 1):
             how = (f"{len(s.drafted)} drafted from source token {s.origin}, {s.accepted} accepted"
                    if s.drafted else "nothing to draft: a greedy step")
@@ -106,7 +110,7 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
             lines.append(f"  {it:3d}  {body}    {paint('note', f'({how})')}")
         return "\n".join(lines)
     if algo == "gad":  # like table 17 of the GAD paper: D = the drafter's block, V = what verification kept
-        lines = [f"{head} {len(steps)} iterations"]
+        lines = [f"{head} {iterations(len(steps))}"]
         for it, s in enumerate(steps, 1):
             kept = s.drafted[:s.accepted]
             full, kept_text = text(s.drafted), text(kept)

@@ -109,7 +109,7 @@ def test_page_is_well_formed_self_contained_and_holds_every_sentence(iad_page):
     # The summary table's rows, as printed.
     for name in ("iad", "greedy", "beam"):
         assert f"<td>{name}@" in page or f"<td>{name}</td>" in page
-    assert page.count("<svg") >= 2  # charts: quality against speed, speedup by edit ratio, tokens per call
+    assert page.count("<svg") >= 1  # charts: tokens per call (speedup by edit ratio: GEC only, test_decode_cli)
 
 
 def test_page_draws_each_iteration_of_the_trace(iad_page):
@@ -117,14 +117,14 @@ def test_page_draws_each_iteration_of_the_trace(iad_page):
     one own token per step: the output's tokens and eos."""
     path, err, _ = iad_page
     secs = sections(path.read_text(encoding="utf-8"))
-    printed = {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"^\[(\d+)\] (\d+) iterations for", err, re.M)}
+    printed = {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"^\[(\d+)\] (\d+) iterations? for", err, re.M)}
     assert sorted(printed) == [i for i, line in enumerate(LINES, 1) if line]
     for i, n in printed.items():
         block = run_block(secs[i], "iad")
         assert block.count('<div class="it">') == n
         assert 'class="tok own' in block or 'class="tok accepted' in block
         greedy_block = run_block(secs[i], "greedy")
-        steps = int(re.search(r"(\d+) iterations, one token each", greedy_block).group(1))
+        steps = int(re.search(r"(\d+) iterations?, one token each", greedy_block).group(1))
         assert greedy_block.count('class="tok own') == steps
     assert "<details" not in secs[2] and "(blank line" in secs[2]  # the empty line has no trace
 
