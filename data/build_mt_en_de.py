@@ -37,8 +37,7 @@ import html
 import os
 import random
 import re
-import sys
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from html.parser import HTMLParser
 
 from buildlib import unpack_debs, write_gz
