@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress lines")
     g = p.add_argument_group("models")
     g.add_argument("--model", metavar="PATH", help="checkpoint whose output is produced (default: the algorithm's "
-                   "shipped model for the task, checkpoints/<task>/model.pt, for gec-uk checkpoints/gec-uk-9x3/, for "
+                   "shipped model for the task, checkpoints/<task>/model.pt, for gec-uk and gec-en "
+                   "checkpoints/<task>-9x3/, for "
                    "blockwise checkpoints/<task>-blockwise/; tokenizer.json must sit beside it), or a Hugging Face "
                    "transformers model folder (M2M100, NLLB; docs/hf.md)")
     g.add_argument("--src-lang", metavar="TOKEN", help="with a transformers folder: the source-language token forced "
