@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -111,7 +112,7 @@ class Algorithm:
         return {name: p.default for name, p in inspect.signature(self.decoder).parameters.items()
                 if p.kind is p.KEYWORD_ONLY and name in OPTIONS}
 
-    @property
+    @cached_property
     def options(self) -> tuple[str, ...]:
         return tuple(self.defaults())
 
@@ -128,9 +129,11 @@ class Algorithm:
         return BEST_MODEL.get(task, task) if self.model_dir == "{task}" else self.model_dir.format(task=task)
 
     def run(self, models: Models, src: torch.Tensor, max_len: int, options: dict, trace: bool = False) -> DecodeResult:
+        """Decode `src` with the models; `options`: values of this algorithm's options (refdec.plan
+        gives every run all of them)."""
         inputs = self.extra(models) if self.extra else {}
         return self.decoder(models.model, *(getattr(models, r) for r in self.second), src, max_len=max_len,
-                            trace=trace, **inputs, **{k: v for k, v in options.items() if k in self.options})
+                            trace=trace, **inputs, **options)
 
 
 # A task's best shipped model where it is not checkpoints/<task>/: on both GEC tasks the deep-encoder,

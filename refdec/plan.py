@@ -9,7 +9,7 @@ by the same rule (`default_checkpoint`), so `--compare blockwise` runs on the mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
@@ -163,8 +163,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         specs.append(RunSpec(algo, Path(own) if own else main, options, c.seconds,
                              c.batch_size or batch_size or 1, ""))
     several = len({s.path.resolve() for s in specs}) > 1
-    return [RunSpec(s.algo, s.path, s.options, s.seconds, s.batch_size, label(s, c, several, bool(sizes)))
-            for s, c in zip(specs, items)]
+    return [replace(s, label=label(s, c, several, bool(sizes))) for s, c in zip(specs, items)]
 
 
 def label(spec: RunSpec, item: Compared, with_model: bool, with_size: bool) -> str:
