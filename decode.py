@@ -104,12 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refdec.interrupt import raise_if_interrupted, remember_sigint
-    remember_sigint()
+    from refdec.interrupt import hold_sigint, was_interrupted
+    hold_sigint()  # a Ctrl-C while torch is imported waits for the import to finish (see refdec/interrupt.py)
     try:
         args = build_parser().parse_args(argv)
         args.argv = sys.argv[1:] if argv is None else list(argv)  # the --html page's header quotes it
-        raise_if_interrupted()
         return run(args)
     except KeyboardInterrupt:  # before decoding started, or while the figures were computed
         print("interrupted", file=sys.stderr)
@@ -120,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # every failure is one line; REFDEC_DEBUG=1 shows the traceback
         if os.environ.get("REFDEC_DEBUG"):
             raise
+        if was_interrupted():  # a failure after Ctrl-C is its echo, not a second error
+            print("interrupted", file=sys.stderr)
+            return 130
         from refdec.checkpoint import CheckpointError  # refdec.loading's LoadError is one
         from refdec.runner import UsageError
         known = isinstance(e, (UsageError, CheckpointError))
@@ -135,7 +137,9 @@ def run(args) -> int:
     from refdec import plan, runner
     from refdec.algorithms import OPTIONS
     from refdec.data import DATA_DIR
+    from refdec.interrupt import release_sigint
     from refdec.loading import load_runs
+    release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     default_input = DATA_DIR / args.task / "test.src.gz"
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
                       refs=args.ref, input=args.input)

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from refdec.config import PRESETS, TrainConfig
-from refdec.interrupt import raise_if_interrupted, remember_sigint
+from refdec.interrupt import hold_sigint, release_sigint
 
 REPO = Path(__file__).resolve().parent
 
@@ -95,7 +95,7 @@ def preset_config(preset: str, changes: dict) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    remember_sigint()
+    hold_sigint()  # a Ctrl-C while torch is imported waits for the import to finish (see refdec/interrupt.py)
     try:
         return train(build_parser().parse_args(argv))
     except KeyboardInterrupt:  # before training started (loading data, training the vocabulary)
@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args) -> int:
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
+    from refdec.checkpoint import CheckpointError
     from refdec.runner import usable_cores
-    raise_if_interrupted()
+    from refdec.training import Interrupted, Trainer, TrainingError, log_to_stderr
+    release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     try:
         cfg = preset_config(args.preset, changes)
         cfg.model_config(cfg.vocab_size)  # validates the shape before any work
@@ -117,9 +119,6 @@ def train(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        from refdec.checkpoint import CheckpointError
-        from refdec.training import Interrupted, Trainer, TrainingError, log_to_stderr
-        raise_if_interrupted()
         results = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, log=log_to_stderr).run()
     except Interrupted as e:
         print(str(e), file=sys.stderr)

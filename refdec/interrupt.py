@@ -1,9 +1,15 @@
-"""Ctrl-C that is never lost while the scripts start.
+"""Ctrl-C that is never lost, and never breaks an import, while the scripts start.
 
-Python turns SIGINT into KeyboardInterrupt, but a library that catches every exception while it is
-imported (a bare `except:` around an optional import) can swallow it, and the script then runs on as
-if nothing was pressed. The scripts install `remember_sigint` first thing, so a Ctrl-C is also
-recorded, and call `raise_if_interrupted` once their imports are done.
+Python turns SIGINT into KeyboardInterrupt wherever the interpreter happens to be. During start-up
+that is usually inside `import torch`, and an exception raised half-way through importing a compiled
+extension leaves it broken for the rest of the process: a later import of the same module fails
+("cannot load module more than once per process") and the user sees a traceback, or the process
+aborts. Some libraries also swallow the KeyboardInterrupt with a bare `except:` around an optional
+import, and the script then runs on as if nothing was pressed.
+
+So the scripts call `hold_sigint` first thing: a Ctrl-C is then only recorded. Once their imports
+are done they call `release_sigint`, which raises the held KeyboardInterrupt if one came, and from
+then on Ctrl-C raises at once as usual.
 """
 
 from __future__ import annotations
@@ -12,21 +18,33 @@ import signal
 import threading
 
 _pressed = False
+_holding = False
 
 
 def _handler(signum, frame):
     global _pressed
     _pressed = True
-    raise KeyboardInterrupt
+    if not _holding:
+        raise KeyboardInterrupt
 
 
-def remember_sigint() -> None:
-    """Make Ctrl-C raise KeyboardInterrupt (even where SIGINT was inherited as ignored) and record it."""
+def hold_sigint() -> None:
+    """Record Ctrl-C without raising until `release_sigint` (even where SIGINT was inherited as ignored)."""
+    global _holding
     if threading.current_thread() is threading.main_thread():
+        _holding = True
         signal.signal(signal.SIGINT, _handler)
 
 
-def raise_if_interrupted() -> None:
-    """Raise the KeyboardInterrupt of a Ctrl-C that something swallowed since remember_sigint."""
+def release_sigint() -> None:
+    """Stop holding: raise the KeyboardInterrupt of a Ctrl-C pressed since `hold_sigint`, if any;
+    a later Ctrl-C raises where it lands."""
+    global _holding
+    _holding = False
     if _pressed:
         raise KeyboardInterrupt
+
+
+def was_interrupted() -> bool:
+    """Whether Ctrl-C was pressed since `hold_sigint` (for a failure that may only be its echo)."""
+    return _pressed

@@ -184,6 +184,26 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
         assert b"Traceback" not in err and len(err.decode().strip().splitlines()) <= 2, err
 
 
+def test_ctrl_c_is_held_until_the_imports_are_done():
+    """Case: a Ctrl-C that landed inside `import torch` broke numpy for the rest of the process, so
+    the script printed an ImportError traceback (or aborted) instead of 'interrupted'."""
+    from refdec import interrupt
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        interrupt.hold_sigint()
+        os.kill(os.getpid(), signal.SIGINT)  # held: recorded, nothing raised here
+        time.sleep(0.05)
+        assert interrupt.was_interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.release_sigint()
+        with pytest.raises(KeyboardInterrupt):  # released: the next one raises where it lands
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        interrupt._pressed = interrupt._holding = False
+
+
 # -- decode.py -----------------------------------------------------------------------------------
 
 def decode(ckpt, *args, **kw):
