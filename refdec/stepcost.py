@@ -2,6 +2,7 @@
 
     python -m refdec.stepcost --task mt-en-de              # the shipped model, 2 threads
     python -m refdec.stepcost --task mt-en-de --report cost.json
+    python -m refdec.stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
 --src source tokens, interleaving the q values round by
@@ -12,6 +13,13 @@ timed twice, interleaved: with refdec.model's few-row route for the linear layer
 vocabulary projection both ways (the strided W.t() that Transformer.project uses for the greedy step
 against a contiguous transposed copy, which the model does not keep: a copy of the weights goes
 stale when they change through .data or a fused optimizer step).
+
+With --rows B every call decodes B batch rows at once (a batched decoder's call: B rows x q tokens),
+and the table adds the cost per decoder position (ms / (B x q)): once a call holds a few hundred
+positions that cost stops falling, the call is bound by arithmetic, and a decoder that computes more
+positions per output token (a drafted token that is rejected, a padded one) pays for each of them.
+The encoder's cost over B sources of --src tokens is timed in the same rounds: the part of a
+sentence's cost that no decoding algorithm changes.
 """
 
 from __future__ import annotations
@@ -32,10 +40,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
-    """Median seconds of one decode call appending q tokens to a cache holding `prefix` tokens."""
-    cache = model.new_cache(1, capacity=prefix + q)
-    model.decode(torch.full((1, prefix), 7), memory, cache)
-    new = torch.full((1, q), 9)
+    """Median seconds of one decode call appending q tokens to every row of a cache holding `prefix`
+    tokens (one row per batch row of `memory`)."""
+    rows = memory.states.shape[0]
+    cache = model.new_cache(rows, capacity=prefix + q)
+    model.decode(torch.full((rows, prefix), 7), memory, cache)
+    new = torch.full((rows, q), 9)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -52,16 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--src", type=int, default=30, help="source tokens (default 30)")
     p.add_argument("--prefix", type=int, default=30, help="tokens already in the cache (default 30)")
+    p.add_argument("--rows", type=int, default=1, help="batch rows per call (default 1)")
     p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     p.add_argument("--report", help="write the figures as JSON")
     args = p.parse_args(argv)
     try:
         qs = [int(x) for x in args.q.split(",")]
-        if min(qs) < 1 or args.rounds < 1 or args.threads < 1:
+        if min(qs) < 1 or args.rounds < 1 or args.threads < 1 or args.rows < 1 or args.src < 1:
             raise ValueError
     except ValueError:
-        print("error: --q takes positive integers separated by commas; --rounds and --threads at least 1", file=sys.stderr)
+        print("error: --q takes positive integers separated by commas; --rounds, --threads, --rows and --src "
+              "at least 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     path = args.model or REPO / "checkpoints" / args.task / "model.pt"
@@ -78,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
     W_t = W.t().contiguous()
     proj = {"strided W.t()": [], "contiguous copy": []}
+    encoder: list[float] = []
+    src = torch.full((args.rows, args.src), 11)
     with torch.inference_mode():
-        memory = model.encode(torch.full((1, args.src), 11))
+        memory = model.encode(src)
         h = torch.randn(1, 1, model.cfg.d_model)
         for route, on in routes.items():  # warm-up
             set_few_row_route(model, on)
@@ -95,22 +109,32 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(10):
                     h @ w
                 proj[name].append((time.perf_counter() - t0) / 10)
+            t0 = time.perf_counter()
+            model.encode(src)
+            encoder.append(time.perf_counter() - t0)
+    set_few_row_route(model, True)
     med = {key: statistics.median(v) for key, v in samples.items()}
+    B = args.rows
     rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
+             "ms_per_position": 1000 * med["few-row", q] / (B * q),
              "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]]} for q in qs]
-    print(f"decoder call appending q tokens to a cache of {args.prefix}, source of {args.src}, "
+    enc_ms = 1000 * statistics.median(encoder)
+    print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
           f"{args.threads} threads, {path}")
     print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
           f"rows (refdec's default); plain: x @ W.T throughout")
-    print("    q   ms/call   cost(q)/cost(q=%d)   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0]))
+    print("    q   ms/call   cost(q)/cost(q=%d)   ms/position   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0]))
     for r in rows:
-        print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}")
+        print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['ms_per_position']:8.4f}     "
+              f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}")
+    print(f"encoder over {B} source(s) of {args.src} tokens: {enc_ms:.3f} ms ({enc_ms / (B * args.src):.4f} ms per "
+          f"source token)")
     pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
     print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
     if args.report:
-        Path(args.report).write_text(json.dumps({"model": str(path), "threads": args.threads, "src": args.src,
-                                                 "prefix": args.prefix, "calls": rows, "projection_ms": pm,
-                                                 "torch": torch.__version__}, indent=2) + "\n")
+        Path(args.report).write_text(json.dumps({"model": str(path), "threads": args.threads, "rows": B, "src": args.src,
+                                                 "prefix": args.prefix, "calls": rows, "encoder_ms": enc_ms,
+                                                 "projection_ms": pm, "torch": torch.__version__}, indent=2) + "\n")
     return 0
 
 
