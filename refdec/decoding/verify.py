@@ -43,6 +43,7 @@ GAD, blockwise, BiLD, speculative) runs the same loop around it:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -123,10 +124,12 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     hidden = model.decode_hidden(inp, memory, cache, real=real)  # (B, width, D)
     if real is None:
         logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
+        argmax = logits.argmax(dim=-1).tolist()  # the lowest id among equal maxima, as greedy's
     else:  # only real positions are projected (the projection is the widest product); rows split again
         flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < real[:, None]][None])[0]
         logits = flat.split(widths)  # row b: (widths[b], V)
-    argmax = [row.argmax(dim=-1).tolist() for row in logits]  # the lowest id among equal maxima, as greedy's
+        ids = flat.argmax(dim=-1).tolist()  # one argmax for every row's positions, then split as the logits
+        argmax = [ids[start:start + w] for start, w in zip(itertools.accumulate([0] + widths), widths)]
     out, keep = [], []
     for b, (draft, w) in enumerate(zip(drafts, widths)):
         rule, pick = per_row(accept, b), per_row(choose, b)
