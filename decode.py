@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refdec.interrupt import hold_sigint, was_interrupted
+    from refdec.interrupt import hold_sigint, release_sigint, was_interrupted
     hold_sigint()  # a Ctrl-C while torch is imported waits for the import to finish (see refdec/interrupt.py)
     try:
         args = build_parser().parse_args(argv)
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {msg}" if known else f"error: {type(e).__name__}: {msg} (REFDEC_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return 2 if known else 1
+    finally:
+        release_sigint(raise_held=False)  # --help or a bad flag ends main before run() released it
 
 
 def run(args) -> int:

@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training started (loading data, training the vocabulary)
         print("interrupted before training started: nothing was saved", file=sys.stderr)
         return 130
+    finally:
+        release_sigint(raise_held=False)  # --help or a bad flag ends main before train() released it
 
 
 def train(args) -> int:

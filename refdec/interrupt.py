@@ -30,18 +30,19 @@ def _handler(signum, frame):
 
 def hold_sigint() -> None:
     """Record Ctrl-C without raising until `release_sigint` (even where SIGINT was inherited as ignored)."""
-    global _holding
+    global _holding, _pressed
     if threading.current_thread() is threading.main_thread():
-        _holding = True
+        _holding, _pressed = True, False
         signal.signal(signal.SIGINT, _handler)
 
 
-def release_sigint() -> None:
-    """Stop holding: raise the KeyboardInterrupt of a Ctrl-C pressed since `hold_sigint`, if any;
-    a later Ctrl-C raises where it lands."""
+def release_sigint(raise_held: bool = True) -> None:
+    """Stop holding: raise the KeyboardInterrupt of a Ctrl-C pressed since `hold_sigint`, if any
+    (unless `raise_held` is False: a script that ends before its imports were done); a later Ctrl-C
+    raises where it lands."""
     global _holding
     _holding = False
-    if _pressed:
+    if _pressed and raise_held:
         raise KeyboardInterrupt
 
 
