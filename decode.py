@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from refdec.interrupt import hold_sigint, release_sigint, was_interrupted
+    from refdec.interrupt import hold_sigint, release_sigint
     hold_sigint()  # a Ctrl-C while torch is imported waits for the import to finish (see refdec/interrupt.py)
     try:
         args = build_parser().parse_args(argv)
@@ -119,9 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # every failure is one line; REFDEC_DEBUG=1 shows the traceback
         if os.environ.get("REFDEC_DEBUG"):
             raise
-        if was_interrupted():  # a failure after Ctrl-C is its echo, not a second error
-            print("interrupted", file=sys.stderr)
-            return 130
         from refdec.checkpoint import CheckpointError  # refdec.loading's LoadError is one
         from refdec.runner import UsageError
         known = isinstance(e, (UsageError, CheckpointError))

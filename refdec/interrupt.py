@@ -44,8 +44,3 @@ def release_sigint(raise_held: bool = True) -> None:
     _holding = False
     if _pressed and raise_held:
         raise KeyboardInterrupt
-
-
-def was_interrupted() -> bool:
-    """Whether Ctrl-C was pressed since `hold_sigint` (for a failure that may only be its echo)."""
-    return _pressed
