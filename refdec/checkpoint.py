@@ -20,14 +20,11 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .errors import CheckpointError
 from .model import SharedEncoder, Transformer
 from .tokenizer import Tokenizer
 
 FORMAT = "refdec-checkpoint-1"
-
-
-class CheckpointError(Exception):
-    """A checkpoint that is missing, corrupt, or does not fit the task or tokenizer."""
 
 
 def save_atomic(obj: dict, path: str | Path) -> None:

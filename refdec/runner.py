@@ -25,16 +25,13 @@ import torch
 
 from . import data as data_mod
 from .decoding import DecodeStats
+from .errors import UsageError
 from .metrics import corpus_bleu, corpus_chrf, gec_scores
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .algorithms import Algorithm
     from .loading import Models
-
-
-class UsageError(Exception):
-    """Bad input or options: decode.py prints the message on one line and exits non-zero."""
 
 
 def warn(msg: str) -> None:
