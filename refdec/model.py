@@ -1,39 +1,37 @@
 """An encoder-decoder Transformer written out by hand (Vaswani et al. 2017, "Attention Is All You
-Need", figure 1), with an explicit KV cache for incremental decoding.
-
-Three entry points, one return type each:
+Need", figure 1), in the paper's order: positions (section 3.5), attention (3.2), the layers (3.1,
+3.3), then the model with its explicit KV cache for incremental decoding. Its entry points:
 
     encode(src)                      -> Memory   encoder states + cross-attention K/V, once per source
-    decode(tgt_new, memory, cache)   -> logits   (B, q, V) for q >= 1 new target tokens; appends
-                                                 them to the cache (greedy: q = 1, verification: q = k)
+    decode(tgt_new, memory, cache)   -> logits   (B, q, V) for q >= 1 new target tokens, appended to
+                                                 the cache (greedy: q = 1, verification: q = k)
     forward(src, tgt)                -> logits   (B, T, V), training, no cache: the uncached reference
                                                  that the cached path is tested against
 
-Secondary: the parts each entry point is made of, for callers that need what lies between them
-(heads on the last hidden state, a decoder on another model's encoder, training losses):
+and the parts they are made of, for callers that need what lies between them:
 
     encode  = attach(encode_states(src))              the encoder alone; its states -> a decoder's Memory
     decode  = project(decode_hidden(...), memory)     the decoder stack; the vocabulary projection
     forward = project(forward_hidden(src, tgt))       the same, teacher-forced
     early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
 
-Two switches per model, each set on all of its layers at once: `set_row_invariant` (bitwise
-call-shape-independent logits) and `set_few_row_route` (the CPU few-row matrix product, below).
-Shape letters: B batch, S source length, T target length, q new positions, L cached positions,
-H heads, Dh head dim, D d_model, V vocabulary.
+Linear maps, attention, layer norm and the vocabulary projection have compute modes switched per
+model (row-invariant compute, the few-row route, the projection copy: refdec.kernels).
+Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head dim, D d_model, V vocab.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache
+from .cache import KVCache, Memory
 from .config import ModelConfig
+from .kernels import LayerNorm, Linear, RowInvariant, VocabularyProjection, rowwise_attention
+from .positions import FAMILY_TABLES
 
 
 def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
@@ -46,216 +44,11 @@ def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
     return pe
 
 
-def m2m100_positions(n: int, d: int, pad_id: int) -> torch.Tensor:
-    """Hugging Face M2M100's (and NLLB's) table, (n, d): row p is its row p + pad_id + 1, [sin | cos]
-    halves at frequencies 10000^(-i / (d/2 - 1)), computed in float32 as transformers computes it (so
-    a float64 model holds the same float32-rounded values its Hugging Face twin holds)."""
-    rows, half = n + pad_id + 1, d // 2
-    step = math.log(10000) / (half - 1)
-    freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)
-    emb = torch.arange(rows, dtype=torch.int64).float().unsqueeze(1) * freq.unsqueeze(0)
-    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1)
-    if d % 2:
-        emb = torch.cat([emb, torch.zeros(rows, 1)], dim=1)
-    return emb[pad_id + 1:].double()
-
-
 def position_table(cfg: ModelConfig) -> torch.Tensor:
-    """The (max_positions, d_model) float64 table cfg.positions names."""
-    if cfg.positions == "m2m100":
-        return m2m100_positions(cfg.max_positions, cfg.d_model, cfg.pad_id)
+    """The (max_positions, d_model) float64 table cfg.positions names (imported families: refdec.positions)."""
+    if cfg.positions in FAMILY_TABLES:
+        return FAMILY_TABLES[cfg.positions](cfg)
     return sinusoidal_positions(cfg.max_positions, cfg.d_model)
-
-
-@dataclass
-class Memory:
-    """What the decoder needs from one encoder pass.
-
-    states:   (B, S, D) encoder output
-    src_pad:  (B, S) True where the source is padding
-    cross_kv: per decoder layer, the cross-attention keys and values, each (B, H, S, Dh)
-    """
-
-    states: torch.Tensor
-    src_pad: torch.Tensor
-    cross_kv: list[tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def batch(self) -> int:
-        return self.states.shape[0]
-
-    @property
-    def src_block(self) -> torch.Tensor | None:
-        """(B, 1, 1, S) cross-attention mask, or None when no row has padding (batch 1): the
-        masked_fill it saves is a no-op then, so the logits are the same either way."""
-        if not hasattr(self, "_src_block"):
-            self._src_block = self.src_pad[:, None, None, :] if bool(self.src_pad.any()) else None
-        return self._src_block
-
-    def projection(self, W: torch.Tensor, make) -> torch.Tensor | None:
-        """A contiguous (D, V) copy of the output embedding W (V, D) for one-row steps, or None.
-
-        On CPU, MKL's (1, D) @ (D, V) with that copy takes about half the time of the strided view
-        W.t() inside a decoding loop (`python -m refdec.stepcost`). It is taken on this memory's
-        (one decoding call's) second one-row step, from `make(W)`, which checks the copy against
-        W's current values: a call with a single one-row step, as IAD's often are, does not pay for
-        the check, and no call ever decodes with weights older than its own."""
-        got = self.__dict__.setdefault("_projections", {}).get(W.data_ptr())
-        if got is None:
-            self._projections[W.data_ptr()] = False  # one one-row step seen
-            return None
-        if got is False:
-            got = self._projections[W.data_ptr()] = make(W)
-        return got
-
-    def select(self, rows: torch.Tensor) -> "Memory":
-        """The memory of batch rows `rows` (repeats allowed: beam search expands each source)."""
-        return Memory(
-            self.states.index_select(0, rows),
-            self.src_pad.index_select(0, rows),
-            [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cross_kv],
-        )
-
-
-# On CPU, MKL's matrix product picks a much faster routine for a few rows x (r, D) when asked for
-# (W @ x.T).T than for x @ W.T: on the mt-en-de model a decoder call over 2-16 new tokens costs
-# 1.30-1.57 single steps instead of 1.38-1.92 (`python -m refdec.stepcost` times both;
-# docs/cpu-cost.md).
-# Beyond 16 rows (an encoder pass) it loses, so the route depends on the row count. Same products,
-# possibly summed in another order: float32 logits may differ in the last bits between routes.
-# The route is on by default and switched per model (`set_few_row_route`: refdec.stepcost times
-# both routes on one model).
-FEW_ROWS = range(2, 17)
-
-
-def few_row_route(x: torch.Tensor) -> bool:
-    """Whether `linear` takes the (W @ x.T).T route for x (..., D): inference on CPU, 2-16 rows."""
-    return x.device.type == "cpu" and not torch.is_grad_enabled() and x.numel() // x.shape[-1] in FEW_ROWS
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = True) -> torch.Tensor:
-    """x (..., D) @ weight (O, D).T + bias (O,) -> (..., O); F.linear except for few rows on CPU
-    (`few_rows` False: F.linear always)."""
-    if not (few_rows and few_row_route(x)):
-        return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1]).t()  # (D, r)
-    y = weight @ rows if bias is None else torch.addmm(bias[:, None], weight, rows)  # (O, r)
-    return y.t().reshape(*x.shape[:-1], weight.shape[0])
-
-
-# -- row-invariant compute ------------------------------------------------------------------------
-# A matrix product x @ W.T may round row i differently depending on how many rows x has (MKL picks
-# its blocking by shape, and by the memory alignment of its operands). In row-invariant mode every
-# dot product is an elementwise product summed over its last dimension by torch's own reduction,
-# which sums each output alone over the same D elements in the same order whatever else is in the
-# tensor and wherever it lies in memory; every attention query sees exactly its own keys. So a
-# position's logits do not depend on the call shape (new tokens, batch rows, cache length) and a
-# decoder that verifies k tokens in one call computes bitwise what greedy computes one by one.
-# Temporaries are kept to INVARIANT_BLOCK bytes: glibc serves larger ones (from 128 KiB) by mmap,
-# and their page faults made a greedy step several times slower here.
-INVARIANT_BLOCK = 1 << 16
-
-
-class RowInvariant:
-    """Marks a layer with a row-invariant code path; `set_row_invariant` switches it per model."""
-
-    row_invariant = False
-
-
-def set_row_invariant(module: nn.Module, on: bool = True) -> nn.Module:
-    """Switch row-invariant compute on (or off) for every layer of `module` (a Transformer, an
-    EarlyExit, a SharedEncoder, proposal heads) and return it. In that mode every position's logits
-    are bitwise the same whatever the call shape, so every lossless decoder equals greedy decoding
-    exactly, ties included; it is slower (docs/algorithms.md, "Row-invariant mode"). Other models are untouched."""
-    for m in module.modules():
-        if isinstance(m, RowInvariant):
-            m.row_invariant = on
-    return module
-
-
-class FewRowRoute:
-    """Marks a layer whose products may take the few-row route; `set_few_row_route` switches it per model."""
-
-    few_rows = True
-
-
-def set_few_row_route(module: nn.Module, on: bool = True) -> nn.Module:
-    """Let the linear layers and the vocabulary projection of `module` take the few-row route of
-    `linear` (on, the default) or always F.linear (off), and return it. Other models are untouched."""
-    for m in module.modules():
-        if isinstance(m, FewRowRoute):
-            m.few_rows = on
-    return module
-
-
-def is_row_invariant(module: nn.Module) -> bool:
-    """Whether `module` computes in row-invariant mode (all of its layers: the switch sets them together)."""
-    layers = [m for m in module.modules() if isinstance(m, RowInvariant)]
-    return bool(layers) and all(m.row_invariant for m in layers)
-
-
-def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., D) @ weight (O, D).T + bias -> (..., O), each output the sum over D of x * w alone
-    (blocks of rows and outputs bound the temporary; a block's size changes no output)."""
-    D, O = x.shape[-1], weight.shape[0]
-    rows = x.reshape(-1, D)
-    out = rows.new_empty(rows.shape[0], O)
-    per_block = max(1, INVARIANT_BLOCK // (D * x.element_size()))  # (row, output) pairs per temporary
-    o_step = min(O, per_block)
-    r_step = max(1, per_block // O) if o_step == O else 1
-    for r in range(0, rows.shape[0], r_step):
-        for o in range(0, O, o_step):
-            torch.sum(rows[r:r + r_step, None, :] * weight[o:o + o_step], dim=-1, out=out[r:r + r_step, o:o + o_step])
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], O)
-
-
-def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
-    """`attention` computed so that each query sees exactly the keys it may attend to (never a
-    masked longer row: more terms change how a sum rounds): queries that share their keys (no mask,
-    or a mask without a query dimension) go together, the others one by one, batch row by row."""
-    B, H, Q, Dh = q.shape
-    L = k.shape[2]
-    scale = 1.0 / math.sqrt(Dh)
-    out = q.new_empty(B, H, Q, Dh)
-    allowed = None if blocked is None else ~blocked.expand(B, 1, Q, L)
-    shared = allowed is None or blocked.shape[-2] == 1
-    for b in range(B):
-        for i0, i1 in ([(0, Q)] if shared else [(i, i + 1) for i in range(Q)]):
-            if allowed is None:
-                kb, vb = k[b], v[b]  # (H, n, Dh)
-            else:
-                keys = allowed[b, 0, i0].nonzero().squeeze(1)
-                kb, vb = k[b].index_select(1, keys), v[b].index_select(1, keys)
-            step = max(1, INVARIANT_BLOCK // (max(1, kb.shape[1]) * H * Dh * q.element_size()))  # queries per temporary
-            for j in range(i0, i1, step):
-                qj = q[b, :, j:min(j + step, i1)]  # (H, m, Dh)
-                scores = (qj[:, :, None, :] * kb[:, None]).sum(-1) * scale  # (H, m, n)
-                p = torch.softmax(scores, dim=-1)
-                out[b, :, j:j + qj.shape[1]] = (p[..., None] * vb[:, None]).sum(-2)  # (H, m, Dh)
-    return out
-
-
-class Linear(nn.Linear, RowInvariant, FewRowRoute):
-    """nn.Linear (same parameters and state-dict keys) whose forward is `linear` above, or
-    `rowwise_linear` in row-invariant mode."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_invariant:
-            return rowwise_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias, self.few_rows)
-
-
-class LayerNorm(nn.LayerNorm, RowInvariant):
-    """nn.LayerNorm (same parameters and state-dict keys); in row-invariant mode each row is
-    normalised by a call of its own."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.row_invariant:
-            return super().forward(x)
-        rows = x.reshape(-1, x.shape[-1])
-        return torch.stack([super(LayerNorm, self).forward(r) for r in rows.unbind(0)]).reshape(x.shape)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
@@ -270,20 +63,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.
     return torch.softmax(scores, dim=-1) @ v
 
 
-def causal_block(q_len: int, offset: int, device: torch.device) -> torch.Tensor:
-    """(q, offset + q) mask, True = blocked: new query i (at position offset + i) sees keys 0..offset+i."""
+def causal_block(q_len: int, offset: int, device: torch.device, open_from: int | None = None) -> torch.Tensor:
+    """(q, offset + q) mask, True = blocked: new query i (at position offset + i) sees keys 0..offset+i.
+    With `open_from` = j, queries j .. q-1 see every new position (a drafter's block of masks)."""
     rows = torch.arange(q_len, device=device)[:, None] + offset
     cols = torch.arange(offset + q_len, device=device)[None, :]
-    return cols > rows
+    blocked = cols > rows
+    if open_from is not None:
+        blocked[open_from:] = False
+    return blocked
+
+
+def ragged_block(offset: torch.Tensor, q_len: int, keys: int, open_from: int | torch.Tensor | None = None,
+                 real: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, 1, q, keys) mask, True = blocked, for rows whose new queries start at different positions
+    offset (B,): query i of row b sees keys 0 .. offset[b] + i and nothing else, since past them lie
+    another row's longer history or this row's rejected tail, which must not enter its softmax. With
+    `open_from` (one int, or (B,) one per row), row b's queries from open_from[b] on see up to its last
+    real token, offset[b] + real[b] - 1 (all q when `real` is None), and its padding stays out."""
+    steps = torch.arange(q_len, device=offset.device)
+    last_key = offset[:, None] + steps  # (B, q)
+    if open_from is not None:
+        width = torch.full_like(offset, q_len) if real is None else real.to(offset.device)
+        opened = steps[None, :] >= torch.as_tensor(open_from, device=offset.device).reshape(-1, 1)
+        last_key = torch.where(opened, (offset + width - 1)[:, None], last_key)
+    return (torch.arange(keys, device=offset.device) > last_key[:, :, None])[:, None]
 
 
 class MultiHeadAttention(nn.Module, RowInvariant):
-    """Section 3.2.2; self-attention when `kv_input` is the query input, cross-attention otherwise."""
+    """Section 3.2.2: H heads of `attention` over keys and values from project_kv (self-attention:
+    of the same states as the queries, or cached; cross-attention: of the encoder's)."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float, d_kv: int = 0):
-        """d_kv: the width of the states keys and values are made from (cross-attention over another
-        model's encoder; 0 = d_model)."""
-        super().__init__()
+        super().__init__()  # d_kv: the width of the states keys and values are made from (0 = d_model)
         self.h, self.dh = n_heads, d_model // n_heads
         self.wq = Linear(d_model, d_model)
         self.wk = Linear(d_kv or d_model, d_model)
@@ -334,6 +146,8 @@ class Sublayer(nn.Module):
 
 
 class EncoderLayer(nn.Module):
+    """Section 3.1: self-attention over the source, then the feed-forward network."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
@@ -349,6 +163,8 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Section 3.1: masked self-attention, attention over the encoder output, the feed-forward network."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
@@ -359,9 +175,9 @@ class DecoderLayer(nn.Module):
         self.sub3 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
 
     def forward(self, x: torch.Tensor, cross_kv: tuple[torch.Tensor, torch.Tensor], src_block: torch.Tensor,
-                self_kv, self_block: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+                self_kv, self_block: torch.Tensor, is_real: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D). `self_kv(h)` returns the self-attention keys/values for the new states h:
-        from the cache (incremental) or from h alone (training). `real` (B, q) bool, True at the real
+        from the cache (incremental) or from h alone (training). `is_real` (B, q), True at the real
         positions of a right-padded ragged batch: the feed-forward sublayer, position by position,
         runs on those alone (a padded position's state is never read: causal attention keeps it
         out of every real one, and the caller cuts it)."""
@@ -374,13 +190,37 @@ class DecoderLayer(nn.Module):
 
         def packed_ff(h):
             out = torch.zeros_like(h)
-            out[real] = self.ff(h[real])
+            out[is_real] = self.ff(h[is_real])
             return out
 
-        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff if real is None else packed_ff)
+        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff if is_real is None else packed_ff)
 
 
-class Transformer(nn.Module, RowInvariant, FewRowRoute):
+def after_start(tgt: torch.Tensor, prefix: tuple[int, ...]) -> torch.Tensor:
+    """tgt (B, T) beginning with the start token -> (B, T + P) with the P forced tokens after it."""
+    forced = tgt.new_tensor(prefix).expand(tgt.shape[0], -1)
+    return torch.cat([tgt[:, :1], forced, tgt[:, 1:]], dim=1)
+
+
+def with_forced_prefix(prefix: tuple[int, ...], tgt_new: torch.Tensor, cache: KVCache,
+                       open_from: int | torch.Tensor | None, real: torch.Tensor | None):
+    """A decoder call's input with the model's forced decoder tokens `prefix` (P of them, an imported
+    model's language code) where they belong -> (tgt_new, forced, open_from, real), `forced` the
+    positions to hide in the cache after the call.
+
+    An empty cache: the P tokens go after the start token (open_from and real shift by P); the start
+    token and the first P - 1 of them become the cache's hidden prefix, and the last one's slot is
+    visible position 0, whose state predicts the first output token."""
+    P = len(prefix)
+    if P and not cache.ragged and cache.end == 0:
+        cache.truncate(0)  # drops an earlier hidden prefix
+        real = None if real is None else real + P
+        open_from = None if open_from is None else open_from + P
+        return after_start(tgt_new, prefix), P, open_from, real
+    return tgt_new, 0, open_from, real
+
+
+class Transformer(nn.Module, VocabularyProjection):
     """Encoder-decoder Transformer; see the module docstring for the entry points."""
 
     def __init__(self, cfg: ModelConfig):
@@ -418,13 +258,11 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         self.positions = position_table(self.cfg).to(self.positions.device, self.positions.dtype)
         return out
 
-    # -- helpers ---------------------------------------------------------------------------------
     def _embed(self, table: nn.Embedding, tokens: torch.Tensor, offset: int | torch.Tensor,
                real: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) at positions offset .. offset + T - 1: one offset for every row, or (B,) one
-        per row (a ragged cache). `real` (B,): how many of the T tokens of each row are real; the
-        rest pad a ragged batch, and their positions are clamped to the table's end (their states
-        are never read), so only real positions must fit in max_positions."""
+        """Section 3.4 + 3.5: tokens (B, T) at positions offset .. offset + T - 1, offset one int or (B,)
+        one per row (a ragged cache). With `real` (B,) real tokens per row, the padding's positions
+        are clamped to the table's end (their states are never read): only real ones must fit."""
         T = tokens.shape[1]
         ends = offset + (T if real is None else real)
         top = int(ends.max()) if torch.is_tensor(ends) else ends
@@ -444,30 +282,11 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
                        device=p.device, dtype=p.dtype)
 
     def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
-        """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied.
-        With the `memory` of a decoding call, a one-row step on CPU may use its copy of the
-        embedding (Memory.projection): the same products and sums, in float32 possibly rounded
-        differently in the last bits (the row-invariant mode never takes it)."""
+        """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied
+        (section 3.4). With the `memory` of a decoding call, a one-row step on CPU may use that call's
+        copy of the embedding (refdec.kernels, the projection copy)."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
-        if self.row_invariant:
-            return rowwise_linear(hidden, W, None)
-        if (memory is not None and hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu"
-                and not torch.is_grad_enabled()):
-            W_t = memory.projection(W, self._transposed)
-            if W_t is not None:
-                return hidden @ W_t
-        return linear(hidden, W, None, self.few_rows)
-
-    def _transposed(self, W: torch.Tensor) -> torch.Tensor:
-        """W.t() as a contiguous copy, kept beside the values it was made from and checked against
-        W's current values (torch.equal costs a fraction of a transposition), so weights changed in
-        any way, through `.data` or a fused optimizer step included, give a new copy."""
-        kept = self.__dict__.get("_projection_copy")
-        if (kept is None or kept[0].shape != W.shape or kept[0].dtype != W.dtype or kept[0].device != W.device
-                or not torch.equal(kept[0], W)):
-            kept = (W.detach().clone(), W.detach().t().contiguous())
-            self.__dict__["_projection_copy"] = kept
-        return kept[1]
+        return self.project_vocabulary(hidden, W, memory)
 
     # -- entry points, and (secondary) the parts they are made of -------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:
@@ -477,7 +296,7 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder alone: src (B, S) -> states (B, S, D) and src_pad (B, S), True at padding."""
         if not self.cfg.enc_layers:
-            raise ValueError("this model has no encoder of its own: it reads another model's (refdec.model.SharedEncoder)")
+            raise ValueError("this model has no encoder of its own: it reads another model's (refdec.decoding.adapters.SharedEncoder)")
         if self.cfg.encoder_prefix:  # forced tokens before every source (an NLLB model's language code)
             src = torch.cat([src.new_tensor(self.cfg.encoder_prefix).expand(src.shape[0], -1), src], dim=1)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
@@ -499,57 +318,32 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         final states (B, q, D).
 
         Appends the q positions to `cache` (truncate it to undo). Causal by default; with `open_from`
-        = j, new positions j .. q-1 see every new position, each other included (a block of mask
-        tokens that a non-autoregressive drafter fills in at once), while positions before j stay
-        causal. `layers` = n runs only the first n decoder layers (an early exit; `cache` then has n
-        layers), followed by the same final norm. `real` (B,): how many of the q tokens of each row
-        are real, the rest right padding of a ragged batch (their positions may run past the table;
-        the caller truncates them away). `open_from` may also be (B,), one per row: row b's block
-        runs from open_from[b] to its last real token, and its padding stays out of it.
-
-        The start token fed to an empty cache is followed by the model's forced decoder_prefix, if
-        any: those positions go into the cache's hidden prefix, so no decoder sees them."""
-        forced = len(self.cfg.decoder_prefix) if not cache.ragged and cache.end == 0 else 0
-        if forced:
-            cache.truncate(0)  # drops an earlier hidden prefix
-            tgt_new = self._after_start(tgt_new)
-            real = None if real is None else real + forced
-            open_from = None if open_from is None else open_from + forced
+        = j (or (B,), one per row), new positions j .. q-1 see every new position of their row, each
+        other included (a block of masks that a non-autoregressive drafter fills in at once). `layers`
+        = n runs only the first n decoder layers (an early exit; `cache` then has n layers), then the
+        same final norm. `real` (B,): how many of the q tokens of each row are real, the rest right
+        padding of a ragged batch (the caller truncates them away). A forced decoder_prefix goes into
+        the cache's hidden prefix (`with_forced_prefix`)."""
+        tgt_new, forced, open_from, real = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, open_from, real)
         q_len = tgt_new.shape[1]
         if cache.ragged or torch.is_tensor(open_from):
-            offset = cache.prefix + cache.lengths  # (B,)
-            # Query i of row b sees keys 0 .. lengths[b] + i and nothing else: past them lie another
-            # row's longer history or this row's rejected tail, which must not enter its softmax.
-            steps = torch.arange(q_len, device=offset.device)
-            last_key = offset[:, None] + steps  # (B, q)
-            if open_from is not None:  # row b's open block ends at its last real token
-                width = torch.full_like(offset, q_len) if real is None else real.to(offset.device)
-                opened = steps[None, :] >= torch.as_tensor(open_from, device=offset.device).reshape(-1, 1)
-                last_key = torch.where(opened, (offset + width - 1)[:, None], last_key)
-            keys = torch.arange(cache.prefix + cache.end + q_len, device=offset.device)
-            self_block = (keys > last_key[:, :, None])[:, None]  # (B, 1, q, end + q)
+            offset = cache.prefix + cache.lengths  # (B,) each row's first new position
+            self_block = ragged_block(offset, q_len, cache.prefix + cache.end + q_len, open_from, real)
         else:
             offset = cache.prefix + cache.length
             # One new query sees every cached key: no mask needed (the greedy step stays lean).
-            self_block = causal_block(q_len, offset, tgt_new.device) if q_len > 1 else None  # (q, L + q)
-            if open_from is not None and self_block is not None:
-                self_block[open_from:] = False
+            self_block = causal_block(q_len, offset, tgt_new.device, open_from) if q_len > 1 else None
         x = self._embed(self.tgt_embed, tgt_new, offset, real)
         src_block = memory.src_block
-        rows = None if real is None else torch.arange(q_len, device=x.device)[None, :] < real.to(x.device)[:, None]
+        is_real = None if real is None else torch.arange(q_len, device=x.device)[None, :] < real.to(x.device)[:, None]
         for i, layer in enumerate(self.decoder[:layers]):
             x = layer(x, memory.cross_kv[i], src_block,
-                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, rows)
+                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, is_real)
         cache.advance(q_len)
         if forced:
             cache.hide(forced)
             x = x[:, forced:]
         return self.dec_norm(x)
-
-    def _after_start(self, tgt: torch.Tensor) -> torch.Tensor:
-        """tgt (B, T) beginning with the start token -> (B, T + P) with decoder_prefix after it."""
-        forced = tgt.new_tensor(self.cfg.decoder_prefix).expand(tgt.shape[0], -1)
-        return torch.cat([tgt[:, :1], forced, tgt[:, 1:]], dim=1)
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
         """tgt_new (B, q) -> logits (B, q, V): row i predicts the token after tgt_new[:, i]."""
@@ -588,7 +382,7 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         if forced:  # the forced tokens after the start token, their states dropped from the result
             if self_block is not None:
                 raise ValueError("a model with a decoder_prefix takes no self_block")
-            tgt = self._after_start(tgt)
+            tgt = after_start(tgt, self.cfg.decoder_prefix)
         x = self._embed(self.tgt_embed, tgt, 0)
         if self_block is None:
             self_block = causal_block(tgt.shape[1], 0, x.device)
@@ -599,78 +393,3 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-class EarlyExit(nn.Module):
-    """The first `layers` decoder layers of a Transformer with its final norm and prediction head:
-    BiLD's early-exit small model (Kim et al. 2023, section 4.4). It shares every weight, and the
-    encoder output, with the full model, and keeps its own KV cache of `layers` layers; decoders
-    that take a small model take this as one."""
-
-    def __init__(self, base: Transformer, layers: int):
-        super().__init__()
-        if not 1 <= layers < base.cfg.dec_layers:
-            raise ValueError(f"an early exit needs 1 <= layers < {base.cfg.dec_layers}, got {layers}")
-        self.base, self.layers, self.cfg = base, layers, base.cfg
-        self.train(base.training)  # in step with the model it belongs to (eval for decoding)
-
-    def encode(self, src: torch.Tensor) -> Memory:
-        return self.base.encode(src)
-
-    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
-        p = self.base.tgt_embed.weight
-        return KVCache(self.layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype)
-
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,
-                      real: torch.Tensor | None = None) -> torch.Tensor:
-        return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers, real=real)
-
-    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
-        return self.base.project(hidden, memory)
-
-    def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
-        return self.project(self.decode_hidden(tgt_new, memory, cache), memory)
-
-    def memory_from(self, memory: Memory) -> Memory:
-        """The small model's memory from the large model's: the same (every weight is shared)."""
-        return memory
-
-
-class SharedEncoder(nn.Module):
-    """A decoder without an encoder of its own (enc_layers 0) on another model's encoder: a BiLD
-    small model that reads the large model's encoder states. Paired with that large model, the
-    encoder runs once per source for both (`memory_from`), and the small model's cost is its
-    decoder alone. Decoders take it as a model; its decoder is `small`, the encoder's model `base`."""
-
-    def __init__(self, small: Transformer, base: Transformer):
-        super().__init__()
-        if small.cfg.enc_layers:
-            raise ValueError("SharedEncoder takes a decoder without an encoder (enc_layers 0)")
-        if small.cfg.memory_dim != base.cfg.d_model:
-            raise ValueError(f"the decoder reads states of width {small.cfg.memory_dim}, the encoder gives {base.cfg.d_model}")
-        self.small, self.base, self.cfg = small, base, small.cfg
-        self.train(small.training)
-
-    def encode(self, src: torch.Tensor) -> Memory:
-        return self.small.attach(*self.base.encode_states(src))
-
-    def memory_from(self, memory: Memory) -> Memory:
-        """The decoder's memory from the base model's (its encoder states; cross-attention K/V anew)."""
-        return self.small.attach(memory.states, memory.src_pad)
-
-    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
-        return self.small.new_cache(batch, capacity)
-
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,
-                      real: torch.Tensor | None = None) -> torch.Tensor:
-        return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from, real=real)
-
-    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
-        return self.small.project(hidden, memory)
-
-    def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
-        return self.project(self.decode_hidden(tgt_new, memory, cache), memory)
-
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        """Teacher forcing, no cache: (B, T, V) logits."""
-        return self.small.project(self.small.forward_hidden(src, tgt, memory=self.encode(src)))
