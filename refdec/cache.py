@@ -28,7 +28,9 @@ Hidden prefix. A model with forced decoder tokens (refdec.config.ModelConfig.dec
 them in storage positions [0, prefix) of every row, below position 0 as decoders count it: lengths,
 truncate and append speak of the positions after them, so a decoder never knows they are there.
 `hide(p)` turns the first p committed positions into that prefix; a cache emptied by truncate(0)
-drops it (the model writes it anew with the next start token).
+drops it (the model writes it anew with the next start token). A row cut back to length 0 while
+other rows keep theirs keeps it: the model then feeds that row's start token as the last forced
+token, in the slot that token held (refdec.model.with_forced_prefix).
 
 Memory: what the decoder reads from one encoder pass, the encoder states and the cross-attention
 keys and values, computed once per source by `Transformer.encode`.

@@ -210,13 +210,18 @@ def with_forced_prefix(prefix: tuple[int, ...], tgt_new: torch.Tensor, cache: KV
 
     An empty cache: the P tokens go after the start token (open_from and real shift by P); the start
     token and the first P - 1 of them become the cache's hidden prefix, and the last one's slot is
-    visible position 0, whose state predicts the first output token."""
+    visible position 0, whose state predicts the first output token. A row of a ragged cache cut back
+    to length 0 keeps its hidden prefix, so the start token fed to it again goes into that slot: it
+    is fed as the last forced token."""
     P = len(prefix)
     if P and not cache.ragged and cache.end == 0:
         cache.truncate(0)  # drops an earlier hidden prefix
         real = None if real is None else real + P
         open_from = None if open_from is None else open_from + P
         return after_start(tgt_new, prefix), P, open_from, real
+    if P and cache.ragged and bool(cache.lengths.eq(0).any()):
+        tgt_new = tgt_new.clone()
+        tgt_new[cache.lengths.eq(0).to(tgt_new.device), 0] = prefix[-1]
     return tgt_new, 0, open_from, real
 
 
