@@ -15,12 +15,12 @@ Storage is preallocated, (layers, B, H, capacity, Dh), and grows by doubling, so
 token never copies the cache.
 
 Lengths. While every row holds the same number of positions (greedy and beam advance all rows
-together) the cache is uniform: `length` is that one number and append writes one slice, as it
-always did. A batched verification step commits a different number of tokens per row; truncating
+together) the cache is uniform: `length` is that one number and append writes one slice. A batched verification step commits a different number of tokens per row; truncating
 to per-row lengths makes the cache ragged: `lengths` (B,) holds each row's own length, `end` the
 longest, and `length` refuses to answer (a caller that wants one offset for every row would read a
 wrong one). Row b's storage past lengths[b] is stale, a rejected tail or nothing at all, and is
-never attended: the model blocks every key at or beyond lengths[b] + i for new query i of row b.
+never attended: the model blocks every key past lengths[b] + i for new query i of row b
+(refdec.model.ragged_block).
 The cache becomes uniform again as soon as its rows agree (a truncate or select that leaves equal
 lengths), so a batch of one is never ragged.
 

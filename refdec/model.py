@@ -16,7 +16,8 @@ and the parts they are made of, for callers that need what lies between them:
     early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
 
 Linear maps, attention, layer norm and the vocabulary projection have compute modes switched per
-model (row-invariant compute, the few-row route, the projection copy: refdec.kernels).
+model (row-invariant compute, the few-row route, the projection copy: refdec.kernels). A model's
+forced decoder tokens (ModelConfig.decoder_prefix) are its own business: `with_forced_prefix`.
 Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head dim, D d_model, V vocab.
 """
 
@@ -215,7 +216,7 @@ def with_forced_prefix(prefix: tuple[int, ...], tgt_new: torch.Tensor, cache: KV
     is fed as the last forced token."""
     P = len(prefix)
     if P and not cache.ragged and cache.end == 0:
-        cache.truncate(0)  # drops an earlier hidden prefix
+        cache.truncate(0)  # drops a hidden prefix left by rows that were all cut back to 0
         real = None if real is None else real + P
         open_from = None if open_from is None else open_from + P
         return after_start(tgt_new, prefix), P, open_from, real
