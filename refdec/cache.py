@@ -30,7 +30,7 @@ truncate and append speak of the positions after them, so a decoder never knows 
 `hide(p)` turns the first p committed positions into that prefix; a cache emptied by truncate(0)
 drops it (the model writes it anew with the next start token). A row cut back to length 0 while
 other rows keep theirs keeps it: the model then feeds that row's start token as the last forced
-token, in the slot that token held (refdec.model.with_forced_prefix).
+token, in the slot that token held (refdec.forced).
 
 Memory: what the decoder reads from one encoder pass, the encoder states and the cross-attention
 keys and values, computed once per source by `Transformer.encode`.
