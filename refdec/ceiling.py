@@ -53,7 +53,7 @@ from .decoding.greedy import decode_greedy
 from .decoding.verify import verify
 from .drafter import draft_block
 from .model import Transformer
-from .runner import max_len_for, source_ids
+from .inputs import max_len_for, source_ids
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -69,7 +69,7 @@ def test_report_and_compare(trained_tiny, tmp_path):
 
 def test_gec_report_has_f05(tmp_path, trained_tiny):
     """Guards against GEC tasks missing the edit-level F0.5."""
-    from refdec.runner import scores
+    from refdec.report import scores
     s = scores("gec", ["a b c"], ["a x c"], [["a x c"]])
     assert s["gec_f05"] == 1.0 and "bleu" in s
 
@@ -107,7 +107,7 @@ def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
 def test_edit_ratio_buckets_for_gec():
     """On a GEC task a lossless run beside greedy at batch size 1 gets its speedup by edit ratio,
     every sentence in one bucket."""
-    from refdec import runner
+    from refdec import report, runner
     from refdec.algorithms import ALGORITHMS
     from refdec.tokenizer import Tokenizer
     from test_batched_decoders import fake_models
@@ -119,7 +119,7 @@ def test_edit_ratio_buckets_for_gec():
         r.outputs = [torch.tensor(tok.encode(s)) for s in lines]
         r.times, r.calls, r.seconds = [secs] * 3, [1] * 3, 3 * secs
         r.stats.sentences = 3
-    summary = runner.summarise("gec-uk", runs, lines, [lines], [tok.encode(s) for s in lines], tok, "cpu")
+    summary = report.summarise("gec-uk", runs, lines, [lines], [tok.encode(s) for s in lines], tok, "cpu")
     (check,) = summary.checks
     assert check["identical"] == 1.0 and [b["sentences"] for b in check["edit_buckets"]] == [3]
     assert check["edit_buckets"][0]["speedup"] == pytest.approx(4.0) and "edit ratio" in summary.text
@@ -203,7 +203,7 @@ def test_divergences_name_position_and_margin():
 
     from conftest import tiny_model
     from refdec.decoding import decode_greedy
-    from refdec.runner import divergences
+    from refdec.exactness import divergences
     m = tiny_model(1, vocab=40)
     src = [[7, 8, 9]]
     g = decode_greedy(m, torch.tensor([[7, 8, 9, 2]]), max_len=8).tokens

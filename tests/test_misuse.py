@@ -376,7 +376,7 @@ def test_invalid_utf8_from_the_model_is_named_in_a_warning(tmp_path):
 def test_busy_cores_sees_another_process():
     """Case: with another job on the machine a 2-thread decode ran 45x slower than --threads 1 and
     nothing said so. decode.py's probe of other processes' CPU use sees a busy loop beside it."""
-    from refdec.runner import BusyCores
+    from refdec.machine import BusyCores
     probe = BusyCores()
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
     burner.wait()
