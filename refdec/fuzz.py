@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
+from .errors import UsageError, run_command
 from .model import Transformer, set_row_invariant
 
 FAMILIES = ("random", "exact", "near", "constant")
@@ -180,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--default-mode", action="store_true", help="run the models in the default mode instead "
                    "(its mismatches on ties are what row-invariant mode removes)")
-    args = p.parse_args(argv)
+    return run_command(lambda: run(p.parse_args(argv)))
+
+
+def run(args: argparse.Namespace) -> int:
     if args.models < 1 or args.threads < 1:
-        print("error: --models and --threads must be at least 1", file=sys.stderr)
-        return 2
+        raise UsageError("--models and --threads must be at least 1")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     counts: Counter = Counter()
