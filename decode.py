@@ -30,7 +30,6 @@ position and the model's top-1/top-2 logit margin there (a near-tie, or a bug), 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 
@@ -104,28 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from refdec.errors import run_command
     from refdec.interrupt import hold_sigint, release_sigint
     hold_sigint()  # a Ctrl-C while torch is imported waits for the import to finish (see refdec/interrupt.py)
-    try:
+
+    def body() -> int:
         args = build_parser().parse_args(argv)
         args.argv = sys.argv[1:] if argv is None else list(argv)  # the --html page's header quotes it
         return run(args)
-    except KeyboardInterrupt:  # before decoding started, or while the figures were computed
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `decode.py ... | head`: the reader left; not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except Exception as e:  # every failure is one line; REFDEC_DEBUG=1 shows the traceback
-        if os.environ.get("REFDEC_DEBUG"):
-            raise
-        from refdec.checkpoint import CheckpointError  # refdec.loading's LoadError is one
-        from refdec.runner import UsageError
-        known = isinstance(e, (UsageError, CheckpointError))
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"error: {msg}" if known else f"error: {type(e).__name__}: {msg} (REFDEC_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
-        return 2 if known else 1
+
+    try:
+        return run_command(body)  # Ctrl-C before decoding started, or while the figures were computed: 130
     finally:
         release_sigint(raise_held=False)  # --help or a bad flag ends main before run() released it
 
@@ -133,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     import torch
 
-    from refdec import plan, runner
+    from refdec import inputs, plan, report, runner
     from refdec.algorithms import OPTIONS
     from refdec.data import DATA_DIR
     from refdec.interrupt import release_sigint
-    from refdec.loading import load_runs
+    from refdec.loading import load_models
+    from refdec.machine import BusyCores, busy_warning, environment, usable_cores
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
-    default_input = DATA_DIR / args.task / "test.src.gz"
+    busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load
+    input_path = inputs.shown_path(args.input or DATA_DIR / args.task / "test.src.gz")
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
                       refs=args.ref, input=args.input)
     given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
@@ -147,37 +137,43 @@ def run(args) -> int:
     specs = plan.plan_runs(args.algo, args.task, model=args.model, given=given, compares=compares,
                            batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size))
     shared = plan.shared_seconds(specs, args.task, {"small": args.small, "drafter": args.drafter})
-    runner.check_machine(args.device, args.threads, output=args.output, report=args.report, html=args.html,
+    inputs.check_machine(args.device, args.threads, output=args.output, report=args.report, html=args.html,
                          reads={"input": args.input, **{f"--ref file {r}": r for r in args.ref}})
-    lines, refs = runner.read_input(args.task, args.input, args.ref, args.limit)
+    if args.html:
+        from refdec.htmlreport import check_available
+        check_available()
+    lines, refs = inputs.read_input(args.task, args.input, args.ref, args.limit)
     dtype = getattr(torch, args.dtype)
-    loader, runs = load_runs(specs, shared, task=args.task, device=args.device, dtype=dtype, invariant=args.invariant,
-                             trace=args.trace or bool(args.html), languages=(args.src_lang, args.tgt_lang))
-    ids = runner.source_ids(loader.tokenizer, lines, loader.max_positions)
+    loader, models = load_models(specs, shared, task=args.task, device=args.device, dtype=dtype,
+                                 invariant=args.invariant, languages=(args.src_lang, args.tgt_lang))
+    runs = runner.make_runs(specs, models, trace=args.trace or bool(args.html))
+    ids = inputs.source_ids(loader.tokenizer, lines, loader.max_positions)
     for r in runs:
         runner.check_fits(r, ids, args.max_len, loader.max_positions, dtype)
-    busy = runner.BusyCores()
     complete = runner.decode_to_output(runs, ids, loader.tokenizer, output=args.output, max_len=args.max_len,
                                        max_positions=loader.max_positions, device=args.device, warmup=args.warmup,
                                        progress=not args.quiet, busy=busy)
+    others_busy = busy.others()  # over the whole run: said again under the table if they kept the cores
     interrupted = complete < len(lines)
     if interrupted:  # the figures cover the lines every run finished, which are also the lines written
-        runner.warn(f"interrupted after {complete} of {len(lines)} input lines: those lines are written"
+        inputs.warn(f"interrupted after {complete} of {len(lines)} input lines: those lines are written"
                     + (f" to {args.output}" if args.output else "")
                     + ("; the scores below cover them alone, the times and counts every batch finished (batches are "
                        "formed by length, so some of those lines come later in the input)"
                        if max(r.batch_size for r in runs) > 1 else "; the figures below cover them alone"))
         lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
         runner.keep_first(runs, complete)
-    summary = runner.summarise(args.task, runs, lines, refs, ids, loader.tokenizer, args.device)
+    summary = report.summarise(args.task, runs, lines, refs, ids, loader.tokenizer, args.device,
+                               warning=busy_warning(others_busy, torch.get_num_threads(), usable_cores(), "kept"))
+    model_path = inputs.shown_path(loader.main_path)
     if args.report:
-        runner.write_report(args.report, runner.build_report(args.task, summary.rows, runs, n_lines=len(lines), extra={
-            "model": str(loader.main_path), "model_step": loader.ckpt.get("step"), "input": args.input or
-            str(default_input), "batch_size": sorted({r.batch_size for r in runs}) if args.batch_sizes
-            else runs[0].batch_size, "max_len": args.max_len, "runs": summary.rows, "speedup_matrix": summary.matrix,
+        report.write_report(args.report, report.build_report(args.task, summary.rows, runs, n_lines=len(lines), extra={
+            "model": model_path, "model_step": loader.ckpt.get("step"), "input": input_path,
+            "batch_size": sorted({r.batch_size for r in runs}) if args.batch_sizes else runs[0].batch_size,
+            "max_len": args.max_len, "runs": summary.rows, "speedup_matrix": summary.matrix,
             "lossless_checks": summary.checks, "interrupted": interrupted, "lines_decoded": complete,
-            "row_invariant": args.invariant, "environment": {**runner.environment(torch.get_num_threads(), args.device,
-                                                                                  dtype), "other_busy_cores": busy.others()}}))
+            "row_invariant": args.invariant, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
+                                                             "other_busy_cores": others_busy}}))
     if args.trace:
         from refdec.trace import colour_enabled, trace_text
         for i, steps in enumerate(runs[0].traces):
@@ -186,7 +182,7 @@ def run(args) -> int:
                       file=sys.stderr)
     if args.html:
         from refdec import htmlreport
-        facts = {"task": args.task, "model": str(loader.main_path), "input": args.input or str(default_input),
+        facts = {"task": args.task, "model": model_path, "input": input_path,
                  "sentences": f"{len(lines)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
                  "batch size": args.batch_size or 1, "device": f"{args.device}, {args.dtype}, "
                  f"{torch.get_num_threads()} thread(s)", "command": shlex.join(["python", "decode.py", *args.argv])}

@@ -52,8 +52,9 @@ from .decoding.pairing import Follower, small_memory
 from .decoding.greedy import decode_greedy
 from .decoding.verify import verify
 from .drafter import draft_block
+from .errors import UsageError, first_line, run_command
+from .inputs import max_len_for, shown_path, source_ids
 from .model import Transformer
-from .runner import max_len_for, source_ids
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,23 +185,24 @@ def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(lambda: run(build_parser().parse_args(argv)), known=(FileNotFoundError,))
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         ks = [int(x) for x in args.k.split(",")]
         rates = [float(x) for x in args.accept.split(",")]
         if min(ks) < 1 or not all(0 <= r <= 1 for r in rates) or args.limit < 1 or args.threads < 1 or args.warmup < 0:
             raise ValueError
     except ValueError:
-        print("error: --k takes positive integers and --accept numbers in [0, 1], separated by commas; "
-              "--limit and --threads at least 1, --warmup at least 0", file=sys.stderr)
-        return 2
+        raise UsageError("--k takes positive integers and --accept numbers in [0, 1], separated by commas; "
+                         "--limit and --threads at least 1, --warmup at least 0") from None
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
     try:
         m = load_models(args, path)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:
+        raise UsageError(first_line(e)) from None
     model = m["model"]
     ids = [s for s in source_ids(m["tokenizer"], m["split"].src[:args.limit + args.warmup], model.cfg.max_positions) if s]
     costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if m["drafter"] is not None else []) \
@@ -209,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                                              for k in ks for r in rates for name, cost in costs]
     totals, n = time_runs(runs, ids, m, args.warmup, random.Random(args.seed))
     if n == 0:
-        print("error: no sentence left to time after the warm-up (raise --limit)", file=sys.stderr)
-        return 2
+        raise UsageError("no sentence left to time after the warm-up (raise --limit)")
     report(args, path, m, runs, totals, n)
     return 0
 
@@ -226,8 +227,9 @@ def report(args, path: Path, m: dict, runs: list[tuple], totals: dict, n: int) -
              "identical": totals[name]["same"] / n}
             for name, k, rate, cost in runs]
     drafter, drafter_path, small = m["drafter"], m["drafter_path"], m["small"]
-    print(f"{n} sentences of the {args.task} test set, {args.threads} threads, model {path}"
-          + (f", drafter {drafter_path}" if drafter is not None else "") + (f", small {args.small}" if small else ""))
+    print(f"{n} sentences of the {args.task} test set, {args.threads} threads, model {shown_path(path)}"
+          + (f", drafter {shown_path(drafter_path)}" if drafter is not None else "")
+          + (f", small {shown_path(args.small)}" if small else ""))
     print(f"{'run':>32}  {'seconds':>8}  {'calls/sent':>10}  {'tokens/call':>11}  {'speed':>6}  {'identical':>9}")
     for r in rows:
         print(f"{r['run']:>32}  {r['seconds']:8.2f}  {r['calls_per_sentence']:10.2f}  {r['tokens_per_call']:11.2f}"
@@ -235,8 +237,8 @@ def report(args, path: Path, m: dict, runs: list[tuple], totals: dict, n: int) -
     print("speed = greedy's seconds / the run's (above 1 = faster than greedy)")
     if args.report:
         Path(args.report).write_text(json.dumps({
-            "task": args.task, "model": str(path), "drafter": str(drafter_path) if drafter is not None else None,
-            **({"small": args.small} if small is not None else {}),
+            "task": args.task, "model": shown_path(path), "drafter": shown_path(drafter_path) if drafter is not None else None,
+            **({"small": shown_path(args.small)} if small is not None else {}),
             "sentences": n, "threads": args.threads, "seed": args.seed, "rows": rows,
             "torch": torch.__version__}, indent=2) + "\n")
 

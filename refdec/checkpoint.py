@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .errors import CheckpointError
 from .decoding.adapters import SharedEncoder
+from .errors import CheckpointError, first_line
 from .model import Transformer
 from .tokenizer import Tokenizer
 
@@ -57,7 +57,7 @@ def load_checkpoint(path: str | Path) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, foreign pickle, truncated download
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {first_line(e, 200)}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a refdec checkpoint (format {FORMAT})")
     if "frozen_base" in ckpt and "model" not in ckpt:
@@ -150,7 +150,7 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
     try:
         tokenizer = Tokenizer.load(tok_path)
     except Exception as e:
-        raise CheckpointError(f"cannot load tokenizer {tok_path}: {str(e).splitlines()[0][:200]}") from None
+        raise CheckpointError(f"cannot load tokenizer {tok_path}: {first_line(e, 200)}") from None
     if tokenizer.sha256 != ckpt.get("tokenizer_sha256"):
         raise CheckpointError(f"{tok_path} is not the vocabulary {path} was trained with")
     try:
@@ -158,7 +158,7 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
         model = Transformer(cfg)
         model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in ckpt["model"].items()})
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: model weights do not fit its config: {str(e).splitlines()[0][:200]}") from None
+        raise CheckpointError(f"{path}: model weights do not fit its config: {first_line(e, 200)}") from None
     if cfg.vocab_size != tokenizer.vocab_size:
         raise CheckpointError(f"{path} has {cfg.vocab_size} embeddings but {tok_path} {tokenizer.vocab_size} tokens")
     model.to(device=device, dtype=dtype).eval()

@@ -40,8 +40,10 @@ from pathlib import Path
 import torch
 
 from . import data as data_mod
-from .checkpoint import CheckpointError, file_sha256, load_model
+from .checkpoint import file_sha256, load_model
 from .decoding import decode_beam, decode_greedy
+from .errors import UsageError, run_command
+from .inputs import shown_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,10 +114,10 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
         src, docs = read_sources(Path(sources))
         refs = None
     n = min(limit, len(src)) if limit else len(src)
-    options = {"teacher": str(model_path), "teacher_sha256": file_sha256(model_path),
+    options = {"teacher": shown_path(model_path), "teacher_sha256": file_sha256(model_path),
                "algo": algo, "beam_size": beam_size if algo == "beam" else None, "sentences": n}
     if sources is not None:
-        options |= {"sources": str(sources), "sources_sha256": file_sha256(Path(sources))}
+        options |= {"sources": shown_path(sources), "sources_sha256": file_sha256(Path(sources))}
     extra = added_pairs(Path(add), task, options) if add is not None else None
     folder = out / task
     folder.mkdir(parents=True, exist_ok=True)
@@ -195,27 +197,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", help="source data folder (default: the repo's data/)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when one is available, else cpu)")
-    args = p.parse_args(argv)
+    return run_command(lambda: run(p.parse_args(argv)), known=(FileNotFoundError, ValueError))
+
+
+def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"error: --device {device}: this machine has no CUDA device; use --device cpu", file=sys.stderr)
-        return 2
+        raise UsageError(f"--device {device}: this machine has no CUDA device; use --device cpu")
     if args.beam_size < 1 or args.batch_size < 1 or args.limit < 0 or args.save_every < 1:
-        print("error: --beam-size, --batch-size and --save-every must be at least 1, --limit at least 0", file=sys.stderr)
-        return 2
+        raise UsageError("--beam-size, --batch-size and --save-every must be at least 1, --limit at least 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     model = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
-    try:
-        report = distill(args.task, model, Path(args.out), algo=args.algo, beam_size=args.beam_size,
-                         batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,
-                         data_dir=Path(args.data_dir) if args.data_dir else None,
-                         sources=Path(args.sources) if args.sources else None,
-                         add=Path(args.add) if args.add else None, device=device,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    report = distill(args.task, model, Path(args.out), algo=args.algo, beam_size=args.beam_size,
+                     batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,
+                     data_dir=Path(args.data_dir) if args.data_dir else None,
+                     sources=Path(args.sources) if args.sources else None,
+                     add=Path(args.add) if args.add else None, device=device,
+                     log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(report, indent=2))
     return 0
 

@@ -6,7 +6,7 @@ model families built to tie.
 
 Each drawn model (a family below, a random shape: vocabulary 8-24, width 8-24, 1-2 layers each
 side, pre- or post-norm, tied or not) decodes a batch of 1-3 random sources with a random max_len,
-all models in row-invariant mode (refdec.model.set_row_invariant; --default-mode: without it).
+all models in row-invariant mode (refdec.kernels.set_row_invariant; --default-mode: without it).
 Greedy decoding of the batch is the reference; each comparison is one decoder with random
 options against it, on one source row, by torch.equal:
 
@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
+from .errors import UsageError, run_command
 from .kernels import set_row_invariant
 from .model import Transformer
 
@@ -181,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--default-mode", action="store_true", help="run the models in the default mode instead "
                    "(its mismatches on ties are what row-invariant mode removes)")
-    args = p.parse_args(argv)
+    return run_command(lambda: run(p.parse_args(argv)))
+
+
+def run(args: argparse.Namespace) -> int:
     if args.models < 1 or args.threads < 1:
-        print("error: --models and --threads must be at least 1", file=sys.stderr)
-        return 2
+        raise UsageError("--models and --threads must be at least 1")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     counts: Counter = Counter()

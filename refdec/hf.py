@@ -480,7 +480,7 @@ def audit(args) -> dict:
 
 
 def _audit(args, lines: list[str], tmp: Path) -> dict:
-    from . import runner
+    from . import exactness, inputs
     from .data import TASKS
     from .decoding import decode_iad, decode_speculative
     from .decoding.greedy import decode_greedy
@@ -496,7 +496,7 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
             raise HFError(f"{args.small} does not share the vocabulary and forced tokens of {args.model}")
     cfg = model.cfg
     limit = cfg.max_positions - max(len(cfg.encoder_prefix), len(cfg.decoder_prefix))
-    ids = runner.source_ids(tok, lines, limit)
+    ids = inputs.source_ids(tok, lines, limit)
 
     def src_of(s):
         return torch.tensor([s + [cfg.eos_id]])
@@ -513,12 +513,12 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
 
     for s in ids[: args.warmup]:  # untimed: first-call allocations and kernel choices
         for run in methods.values():
-            run(s, runner.max_len_for([s], None, limit))
+            run(s, inputs.max_len_for([s], None, limit))
     outputs = {name: [] for name in methods}
     seconds = dict.fromkeys(methods, 0.0)
     errors = {name: [] for name in methods}  # a method that fails on a line (its output None) goes on with the next
     for i, s in enumerate(ids):  # interleaved: every method decodes a sentence before the next sentence
-        budget = runner.max_len_for([s], None, limit)
+        budget = inputs.max_len_for([s], None, limit)
         for name, run in methods.items():
             t0 = time.perf_counter()
             try:
@@ -537,7 +537,7 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
         rows.append({"method": name, "seconds": seconds[name], "tokens": tokens,
                      "ms_per_token": 1000 * seconds[name] / max(tokens, 1), "identical": same / max(len(ids), 1),
                      "differing": [] if name == "refdec-greedy" else
-                     runner.divergences(model, ids, greedy_out, outputs[name], "cpu"), "errors": errors[name]})
+                     exactness.divergences(model, ids, greedy_out, outputs[name], "cpu"), "errors": errors[name]})
     import transformers
     return {"task": args.task, "model": args.model, "small": args.small, "lines": len(ids), "warmup": args.warmup,
             "threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         if not is_hf_folder(args.model) and (args.src_lang or args.tgt_lang):
             raise HFError("--src-lang and --tgt-lang choose the language tokens of a transformers folder's model")
         if args.report:
-            from .runner import check_writable
+            from .inputs import check_writable
             check_writable(args.report, "--report")
         report = audit(args)
         print(audit_table(report))
@@ -610,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if os.environ.get("REFDEC_DEBUG"):
             raise
-        from .runner import UsageError
+        from .errors import UsageError
         known = isinstance(e, (CheckpointError, UsageError))
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"error: {msg}" if known else f"error: {type(e).__name__}: {msg}", file=sys.stderr)

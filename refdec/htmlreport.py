@@ -21,7 +21,8 @@ import re
 
 import torch
 
-from . import runner
+from . import report, runner
+from .errors import UsageError
 from .trace import Step, iterations
 
 PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
@@ -34,7 +35,7 @@ def check_available() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise runner.UsageError("--html needs matplotlib (pip install -r requirements.txt)") from None
+        raise UsageError("--html needs matplotlib (pip install -r requirements.txt)") from None
 
 
 def write_page(path: str, **kw) -> None:
@@ -42,10 +43,10 @@ def write_page(path: str, **kw) -> None:
         f.write(build_page(**kw))
 
 
-def build_page(*, title: str, facts: dict, summary: "runner.Summary", sources: list[str], refs: list[list[str]],
+def build_page(*, title: str, facts: dict, summary: "report.Summary", sources: list[str], refs: list[list[str]],
                ids: list, runs: list, tokenizer) -> str:
     """The page for runs decoded on `sources` (`ids` their token ids, None for an empty line), with
-    the figures of runner.summarise; a sentence's time is its own at batch size 1, its batch's
+    the figures of report.summarise; a sentence's time is its own at batch size 1, its batch's
     average otherwise. `facts`: name -> value lines of the header (task, model, command ...). Every
     run must have been decoded with traces."""
     e = html.escape
@@ -76,7 +77,7 @@ def build_page(*, title: str, facts: dict, summary: "runner.Summary", sources: l
 
 def summary_html(rows: list[dict], matrix, checks: list[dict]) -> str:
     e = html.escape
-    cells = runner.table_cells(rows)
+    cells = report.table_cells(rows)
     out = ['<table class="num"><thead><tr>' + "".join(f"<th>{e(c)}</th>" for c in cells[0]) + "</tr></thead><tbody>"]
     out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in cells[1:]]
     out.append("</tbody></table>")

@@ -21,6 +21,7 @@ import torch
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .drafter import Drafter
 from .decoding.adapters import EarlyExit
+from .kernels import set_row_invariant
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
 
@@ -43,9 +44,6 @@ class Models:
 
 class LoadError(CheckpointError):
     """A checkpoint that does not fit the run (another tokenizer, no heads, not a drafter): one line."""
-
-
-SECOND_MODEL_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
 
 
 def load_any(path: str | Path, *, task: str | None, device, dtype: torch.dtype, loaded: dict | None = None,
@@ -142,25 +140,23 @@ class RunLoader:
         return Models(large, path, **{k: v for k, v in found.items() if k in keep})
 
 
-def load_runs(specs: list, shared: dict, *, task: str, device, dtype: torch.dtype, trace: bool = False,
-              invariant: bool = False, languages: tuple[str | None, str | None] = (None, None)):
-    """The runs of refdec.plan's `specs`, every checkpoint loaded once: the first run's model, the
-    other checkpoints compared runs name, the `shared` second models (role -> path) and each run's
-    own. With `invariant`, every model in row-invariant mode. Returns the loader and the runs."""
-    from .kernels import set_row_invariant
-    from .runner import Run
+def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dtype, invariant: bool = False,
+                languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
+    """The models of each of refdec.plan's `specs`, every checkpoint loaded once: the first run's
+    model, the other checkpoints compared runs name, the `shared` second models (role -> path) and
+    each run's own. With `invariant`, every model in row-invariant mode. Returns the loader (the
+    tokenizer, the main checkpoint) and one Models per spec."""
     loader = RunLoader(specs[0].path, task=task, device=device, dtype=dtype, languages=languages)
     for s in specs[1:]:
         loader.add(s.path)
     for role, value in shared.items():
         loader.share(role, value)
-    runs = [Run(s.algo, s.options, loader.models_for(s.path, s.algo.second, s.seconds), s.label, s.batch_size, trace)
-            for s in specs]
+    models = [loader.models_for(s.path, s.algo.second, s.seconds) for s in specs]
     if invariant:  # every model the runs use, second models and proposal heads included
-        for r in runs:
-            for m in r.models.all():
-                set_row_invariant(m)
-    return loader, runs
+        for m in models:
+            for module in m.all():
+                set_row_invariant(module)
+    return loader, models
 
 
 def number_values(tokenizer: Tokenizer) -> torch.Tensor:

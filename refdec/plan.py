@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
-from .runner import UsageError
+from .errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKPOINTS = REPO / "checkpoints"

@@ -47,6 +47,7 @@ def test_scripted_gad_is_greedy_in_the_calls_its_acceptance_allows(seed, k):
         assert out == y and -(-len(y) // (k + 1)) <= calls <= len(y)
 
 
+@pytest.mark.slow
 def test_ceiling_command_reports_every_run(trained_tiny, tmp_path, capsys):
     rep = tmp_path / "ceiling.json"
     assert main(["--model", str(trained_tiny / "model.pt"), "--drafter", "none", "--limit", "3", "--warmup", "1",
@@ -62,6 +63,7 @@ def test_ceiling_command_reports_every_run(trained_tiny, tmp_path, capsys):
     assert "speed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ceiling_command_times_a_small_model(trained_tiny, tmp_path):
     rep = tmp_path / "ceiling.json"
     path = str(trained_tiny / "model.pt")
@@ -80,6 +82,7 @@ def test_ceiling_refuses_bad_options_with_one_line(args, capsys):
     assert len(err) == 1 and err[0].startswith("error:")
 
 
+@pytest.mark.slow
 def test_ceiling_refuses_a_model_that_is_not_a_drafter(trained_tiny, capsys):
     path = str(trained_tiny / "model.pt")
     assert main(["--model", path, "--drafter", path, "--limit", "1"]) == 2

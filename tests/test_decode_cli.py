@@ -26,6 +26,7 @@ def one_line_error(r) -> str:
     return err
 
 
+@pytest.mark.slow
 def test_every_input_line_gets_an_output_line(trained_tiny, tmp_path):
     """Guards against lost or shifted lines: empty lines, whitespace-only lines, an overlong line
     (warning, still decoded) and ordinary lines give exactly one output line each, in order."""
@@ -40,6 +41,7 @@ def test_every_input_line_gets_an_output_line(trained_tiny, tmp_path):
     assert "warning: input line 4" in r.stderr.decode()
 
 
+@pytest.mark.slow
 def test_stdin_and_output_file(trained_tiny, tmp_path):
     """Guards against --input - and --output being parsed but not honoured."""
     out = tmp_path / "out.txt"
@@ -50,6 +52,7 @@ def test_stdin_and_output_file(trained_tiny, tmp_path):
     assert b"greedy" in r.stdout  # the table goes to stdout when outputs go to a file
 
 
+@pytest.mark.slow
 def test_report_and_compare(trained_tiny, tmp_path):
     """Guards against the report missing the keys the benchmarks read, and against --compare
     greedy not reproducing beam(1)."""
@@ -67,13 +70,14 @@ def test_report_and_compare(trained_tiny, tmp_path):
     assert len(r.stdout.decode().splitlines()) == 6
 
 
-def test_gec_report_has_f05(tmp_path, trained_tiny):
+def test_gec_report_has_f05():
     """Guards against GEC tasks missing the edit-level F0.5."""
-    from refdec.runner import scores
+    from refdec.report import scores
     s = scores("gec", ["a b c"], ["a x c"], [["a x c"]])
     assert s["gec_f05"] == 1.0 and "bleu" in s
 
 
+@pytest.mark.slow
 def test_trace_prints_per_sentence(trained_tiny):
     """Guards against --trace being accepted but printing nothing."""
     r = decode(trained_tiny, "--algo", "greedy", "--limit", "2", "--trace", "--max-len", "6")
@@ -81,6 +85,7 @@ def test_trace_prints_per_sentence(trained_tiny):
     assert "[1]" in r.stderr.decode() and "[2]" in r.stderr.decode()
 
 
+@pytest.mark.slow
 def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
     """Guards the comparison machinery the IAD benchmark reads: several --compare runs, one on another
     checkpoint, the speedup matrix, the lossless check against greedy of the same model (with its
@@ -107,7 +112,7 @@ def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
 def test_edit_ratio_buckets_for_gec():
     """On a GEC task a lossless run beside greedy at batch size 1 gets its speedup by edit ratio,
     every sentence in one bucket."""
-    from refdec import runner
+    from refdec import report, runner
     from refdec.algorithms import ALGORITHMS
     from refdec.tokenizer import Tokenizer
     from test_batched_decoders import fake_models
@@ -119,7 +124,7 @@ def test_edit_ratio_buckets_for_gec():
         r.outputs = [torch.tensor(tok.encode(s)) for s in lines]
         r.times, r.calls, r.seconds = [secs] * 3, [1] * 3, 3 * secs
         r.stats.sentences = 3
-    summary = runner.summarise("gec-uk", runs, lines, [lines], [tok.encode(s) for s in lines], tok, "cpu")
+    summary = report.summarise("gec-uk", runs, lines, [lines], [tok.encode(s) for s in lines], tok, "cpu")
     (check,) = summary.checks
     assert check["identical"] == 1.0 and [b["sentences"] for b in check["edit_buckets"]] == [3]
     assert check["edit_buckets"][0]["speedup"] == pytest.approx(4.0) and "edit ratio" in summary.text
@@ -127,6 +132,7 @@ def test_edit_ratio_buckets_for_gec():
     assert "<svg" in chart_edit_buckets(summary.checks)  # the --html page's chart of it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo,extra", [
     ("gad", ["--drafter", "{drafter}"]),
     ("blockwise", ["--model", "{heads}"]),
@@ -148,6 +154,7 @@ def test_second_model_algorithms_reproduce_greedy(trained_tiny, tiny_extras, tmp
     assert "[1]" in r.stderr.decode()
 
 
+@pytest.mark.slow
 def test_second_models_are_checked(trained_tiny, tiny_extras):
     r = decode(trained_tiny, "--algo", "blockwise", "--limit", "1")
     assert "no proposal heads" in one_line_error(r)
@@ -162,6 +169,7 @@ def test_second_models_are_checked(trained_tiny, tiny_extras):
     assert "no drafter checkpoint" in one_line_error(r)
 
 
+@pytest.mark.slow
 def test_compared_runs_take_their_own_options_and_small_models(trained_tiny, tmp_path):
     """A sweep in one process: each --compare entry may set its own algorithm options and second
     model after colons; the rows are told apart by them, the report keeps each run's options, and
@@ -182,6 +190,7 @@ def test_compared_runs_take_their_own_options_and_small_models(trained_tiny, tmp
     assert report["runs"][2]["options"]["gamma"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,message", [
     ("bild:gamma=3", "not an option of bild"),
     ("bild:fallback-threshold=high", "not a float"),
@@ -203,7 +212,7 @@ def test_divergences_name_position_and_margin():
 
     from conftest import tiny_model
     from refdec.decoding import decode_greedy
-    from refdec.runner import divergences
+    from refdec.exactness import divergences
     m = tiny_model(1, vocab=40)
     src = [[7, 8, 9]]
     g = decode_greedy(m, torch.tensor([[7, 8, 9, 2]]), max_len=8).tokens
@@ -215,12 +224,14 @@ def test_divergences_name_position_and_margin():
     assert divergences(m, src, g, g, "cpu") == []
 
 
+@pytest.mark.slow
 def test_iad_trace_shows_iterations(trained_tiny):
     r = decode(trained_tiny, "--algo", "iad", "--limit", "2", "--trace", "--max-len", "6")
     assert r.returncode == 0, r.stderr.decode()
     assert "[1]" in r.stderr.decode() and re.search(r"iterations? for", r.stderr.decode())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--algo", "nope"], "invalid choice"),
     (["--algo", "greedy", "--match", "longest"], "not used by"),
@@ -244,6 +255,7 @@ def test_invalid_options(trained_tiny, args, needle):
     assert r.returncode != 0 and needle in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_non_utf8_input_is_a_one_line_error(trained_tiny, tmp_path):
     """Guards against a UnicodeDecodeError traceback on Latin-1 input."""
     bad = tmp_path / "latin1.txt"
@@ -251,6 +263,7 @@ def test_non_utf8_input_is_a_one_line_error(trained_tiny, tmp_path):
     assert "line 2 is not valid UTF-8" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--input", str(bad)))
 
 
+@pytest.mark.slow
 def test_checkpoint_problems_are_one_line_errors(trained_tiny, tmp_path):
     """Guards against tracebacks for a missing checkpoint, a wrong task, or a swapped tokenizer."""
     assert "not found" in one_line_error(run_py(*DECODE, "--algo", "greedy", "--model", str(tmp_path / "none.pt")))
@@ -270,12 +283,14 @@ def test_checkpoint_problems_are_one_line_errors(trained_tiny, tmp_path):
         decode(trained_tiny, "--algo", "iad", "--compare", f"greedy@{shipped}", "--limit", "1"))
 
 
+@pytest.mark.slow
 def test_help_explains():
     """Guards against a --help that does not say what the algorithms are."""
     r = run_py("decode.py", "--help")
     assert r.returncode == 0 and b"--compare" in r.stdout and b"beam search" in r.stdout
 
 
+@pytest.mark.slow
 def test_bild_with_an_early_exit(tmp_path):
     """Guards BiLD's early-exit variant end to end: train.py --early-exit marks the checkpoint,
     decode.py --small early-exit uses its first layers; falling back at every step is greedy."""
@@ -321,6 +336,7 @@ def test_cli_options_are_the_decoders_keyword_options():
     assert "bild 0.9, speculative 1" in flags["top_p"].help  # the one option whose defaults differ
 
 
+@pytest.mark.slow
 def test_bild_with_a_small_model_on_the_large_models_encoder(trained_tiny, tmp_path):
     """Guards the shared-encoder small model end to end: train.py --encoder-from trains a decoder on
     the frozen encoder (its checkpoint records where that is and which file); decode.py pairs it with
@@ -357,6 +373,7 @@ def test_bild_with_a_small_model_on_the_large_models_encoder(trained_tiny, tmp_p
         assert bad.returncode != 0 and needle in bad.stderr.decode() and "Traceback" not in bad.stderr.decode()
 
 
+@pytest.mark.slow
 def test_gad_with_a_drafter_on_the_verifiers_encoder(trained_tiny, tmp_path):
     """Guards the shared-encoder drafter end to end: train.py --drafter-k --encoder-from trains a block
     drafter on the verifier's frozen encoder; decode.py pairs it with that verifier, so GAD runs the
@@ -376,6 +393,7 @@ def test_gad_with_a_drafter_on_the_verifiers_encoder(trained_tiny, tmp_path):
     assert report["runs"][0]["encoder_calls"] == 3 and report["runs"][0]["drafter_calls"] > 0
 
 
+@pytest.mark.slow
 def test_compare_blockwise_finds_its_heads_as_algo_blockwise_does():
     """Guards against --compare blockwise running on the task's main model (which has no proposal
     heads) while --algo blockwise finds the shipped heads by itself."""

@@ -10,6 +10,8 @@ from conftest import run_py
 from refdec.data import load_split
 from refdec.distill import distill, write_gz
 
+pytestmark = pytest.mark.slow  # every test trains a tiny model and runs the distill command
+
 
 class Stop(Exception):
     pass

@@ -24,6 +24,8 @@ from refdec.decoding import decode_beam, decode_greedy, decode_iad, decode_specu
 from refdec.model import Transformer  # noqa: E402
 from refdec.tokenizer import Tokenizer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # transformers models and commands
+
 transformers.logging.set_verbosity_error()
 WORDS = [f"w{i}" for i in range(40)]
 LANGS = ["__en__", "__de__"]

@@ -94,6 +94,7 @@ def iad_page(trained_tiny, tmp_path_factory):
     return d / "page.html", r.stderr.decode(), r.stdout.decode()
 
 
+@pytest.mark.slow
 def test_page_is_well_formed_self_contained_and_holds_every_sentence(iad_page):
     path, err, out = iad_page
     page = path.read_text(encoding="utf-8")
@@ -112,6 +113,7 @@ def test_page_is_well_formed_self_contained_and_holds_every_sentence(iad_page):
     assert page.count("<svg") >= 1  # charts: tokens per call (speedup by edit ratio: GEC only, test_decode_cli)
 
 
+@pytest.mark.slow
 def test_page_draws_each_iteration_of_the_trace(iad_page):
     """The IAD block of each sentence has one row per iteration that --trace printed, and greedy's
     one own token per step: the output's tokens and eos."""
@@ -129,6 +131,7 @@ def test_page_draws_each_iteration_of_the_trace(iad_page):
     assert "<details" not in secs[2] and "(blank line" in secs[2]  # the empty line has no trace
 
 
+@pytest.mark.slow
 def test_html_with_second_model_algorithms(trained_tiny, tiny_extras, tmp_path):
     """GAD's draft/verify lines, BiLD's and speculative decoding's S/L marks, blockwise's heads and
     GAD's time per module."""
@@ -151,6 +154,7 @@ def test_html_with_second_model_algorithms(trained_tiny, tiny_extras, tmp_path):
     assert '<option value="gad@' in page  # the differs-from-greedy filter names the lossless run
 
 
+@pytest.mark.slow
 def test_html_path_is_checked_before_decoding(trained_tiny, tmp_path):
     r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "greedy", "--limit", "1",
                "--html", str(tmp_path / "missing" / "p.html"))
@@ -161,6 +165,7 @@ def test_html_path_is_checked_before_decoding(trained_tiny, tmp_path):
     assert r.returncode == 2 and "also the --report" in r.stderr.decode()
 
 
+@pytest.mark.slow
 def test_library_and_decode_import_without_matplotlib():
     """matplotlib is imported only when a page is drawn."""
     code = ("import sys, builtins\nreal = builtins.__import__\n"
@@ -223,6 +228,7 @@ def test_a_step_ending_on_a_drafted_eos_has_no_verifier_token():
     assert s == Step(own=5)
 
 
+@pytest.mark.slow
 def test_trace_text_colour_is_the_plain_text_painted(tokenizer):
     m = copy_model()
     src = random_src(5, 3, 16, min_len=4, max_len=10)
@@ -286,6 +292,7 @@ def stderr_through_a_terminal(args: list[str], env: dict) -> str:
     return b"".join(chunks).decode("utf-8", errors="replace").replace("\r\n", "\n")
 
 
+@pytest.mark.slow
 def test_trace_is_coloured_in_a_terminal_and_plain_when_piped_or_no_color(trained_tiny):
     args = [*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "iad", "--limit", "2", "--max-len", "8",
             "--trace"]
@@ -342,6 +349,7 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     return width, height, [bytes(r[i:i + 3]) for r in rows for i in range(0, stride, bpp)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not any(shutil.which(b) for b in BROWSERS), reason="no chromium or chrome on PATH")
 def test_page_renders_in_headless_chromium(iad_page, tmp_path):
     """The page paints (text, coloured token chips, charts: many colours, far from blank) and its

@@ -47,6 +47,7 @@ def readme_training_commands() -> list[str]:
 
 # -- train.py ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_path):
     """Case: `python train.py --preset gec-uk ...` from the README overwrote the shipped
     checkpoints/gec-uk/model.pt. Every training command the documentation gives (and that one), run
@@ -81,6 +82,7 @@ def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_pa
     assert tree_digest(REPO / "checkpoints") == before
 
 
+@pytest.mark.slow
 def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path):
     """Case: rerunning into an existing --out-dir restarted silently at step 0 and overwrote its
     checkpoints (log.jsonl then read 20, 40, 60, 20, 22). Now it is refused; --overwrite starts afresh."""
@@ -97,6 +99,7 @@ def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path)
     assert "choose one" in one_line_error(run_py(*TINY, "--out-dir", str(out), "--resume", "--overwrite"))
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_configuration(tmp_path):
     """Cases: --resume with another --task trained the old model on other data under the new task's
     name; another --lr or --batch-tokens was accepted silently; another preset or --d-model died with
@@ -116,6 +119,7 @@ def test_resume_refuses_another_configuration(tmp_path):
     assert r.returncode == 0 and b"resumed from" in r.stderr, r.stderr.decode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--max-steps", "0"], "max-steps must be at least 1"),
     (["--eval-every", "0"], "eval-every must be at least 1"),
@@ -132,6 +136,7 @@ def test_bad_training_options_are_one_line_errors(tmp_path, args, needle):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_an_out_dir_that_is_a_file_is_a_one_line_error(tmp_path):
     """Case: --out-dir naming a file gave a traceback."""
     f = tmp_path / "file"
@@ -147,6 +152,7 @@ def _wait_for(proc, path: Path, needle: str, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path):
     """Case: Ctrl-C during training gave a traceback and lost the steps since the last evaluation.
     Now it stops after the current update with last.pt saved, exits 130 in one line, and --resume
@@ -172,6 +178,7 @@ def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_is_one_line(tmp_path):
     """Case: Ctrl-C while train.py or decode.py was still starting gave a traceback."""
     for cmd in ([*TINY, "--out-dir", str(tmp_path / "x")], [*DECODE, "--algo", "greedy"]):
@@ -219,6 +226,7 @@ def many_lines(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_output_paths_are_checked_before_decoding(trained_tiny, tmp_path, many_lines):
     """Case: an unwritable --report or --output (a missing folder, a folder, /proc) was discovered only
     after all the decoding, and nothing was written. Now the run stops at once, in one line, and an
@@ -249,6 +257,7 @@ def _interrupt_decode(ckpt, many_lines, out, report, sig):
     return proc.returncode, err.decode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_an_interrupted_decode_keeps_every_finished_line(trained_tiny, tmp_path, many_lines, sig):
     """Case: Ctrl-C printed "interrupted" and wrote neither the outputs decoded so far nor a report.
@@ -272,6 +281,7 @@ def test_an_interrupted_decode_keeps_every_finished_line(trained_tiny, tmp_path,
         assert code == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
     """Cases: --beam-size 100000 reached 22.8 GB and was killed by the kernel; --threads 10000 ran
     3 sentences in 290 s; --batch-size 100000 peaked at 11.8 GB. Beams and batch rows are bounded by
@@ -293,6 +303,7 @@ def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
     runner.check_fits(run, ids, None, 128, torch.float32)  # fits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--algo", "beam", "--length-penalty", "nan"], "finite"),
     (["--algo", "beam", "--length-penalty", "1e300"], "between -10 and 10"),
@@ -322,6 +333,7 @@ def test_warm_up_is_a_few_sentences_whatever_the_batch_size():
     assert seen == [runner.WARMUP_ROWS, 500]
 
 
+@pytest.mark.slow
 def test_exit_codes_are_one_for_every_usage_error(trained_tiny, tiny_extras, tmp_path):
     """Cases: a non-gzip .gz input and an out-of-range --block-size exited 1 where every other usage
     error exits 2; a text file as --model said "IndexError: pop from empty list"."""
@@ -334,6 +346,7 @@ def test_exit_codes_are_one_for_every_usage_error(trained_tiny, tiny_extras, tmp
     assert "is not a checkpoint" in one_line_error(r)
 
 
+@pytest.mark.slow
 def test_a_missing_default_checkpoint_names_the_tasks_that_have_one():
     """Case: --algo gad --task gec-uk failed on a missing checkpoint and nothing said which algorithms
     have shipped models for which task."""
@@ -341,6 +354,7 @@ def test_a_missing_default_checkpoint_names_the_tasks_that_have_one():
     assert "--algo gad has shipped models for --task mt-en-de" in one_line_error(r)
 
 
+@pytest.mark.slow
 def test_the_relative_column_says_what_it_means(trained_tiny):
     """Case: the table printed `greedy ... speedup 0.55x` for the faster algorithm, its meaning in a
     footnote. The column now reads "speed vs <first row>" with "... slower" or "... faster"."""
@@ -350,6 +364,7 @@ def test_the_relative_column_says_what_it_means(trained_tiny):
     assert "speedup = " not in err
 
 
+@pytest.mark.slow
 def test_invalid_utf8_from_the_model_is_named_in_a_warning(tmp_path):
     """Case: outputs for Chinese or emoji input held U+FFFD with nothing saying why. Such lines are
     counted (the model wrote part of a multi-byte character, shown as Unicode's replacement
@@ -373,10 +388,11 @@ def test_invalid_utf8_from_the_model_is_named_in_a_warning(tmp_path):
         assert "line(s) 1" in r.stderr.decode() and "U+FFFD" in r.stderr.decode()
 
 
+@pytest.mark.slow
 def test_busy_cores_sees_another_process():
     """Case: with another job on the machine a 2-thread decode ran 45x slower than --threads 1 and
     nothing said so. decode.py's probe of other processes' CPU use sees a busy loop beside it."""
-    from refdec.runner import BusyCores
+    from refdec.machine import BusyCores
     probe = BusyCores()
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
     burner.wait()

@@ -194,6 +194,7 @@ def test_few_row_route_is_switched_per_model():
     torch.testing.assert_close(logits(False), logits(True), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
     """refdec.stepcost: a cost per q for the few-row and for the plain route, and both one-row
     projection timings."""
@@ -212,6 +213,7 @@ def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
     assert all(c["ms_per_position"] == pytest.approx(c["ms"] / c["q"]) for c in r["calls"])
 
 
+@pytest.mark.slow
 def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
     """refdec.stepcost --rows: every call decodes that many rows; the cost per position divides by
     rows x q, and the encoder is timed over as many sources."""

@@ -12,6 +12,8 @@ from refdec.checkpoint import load_checkpoint, load_model
 from refdec.data import TASKS, load_split, source_tensor
 from refdec.decoding import decode_beam, decode_greedy, decode_iad
 
+pytestmark = pytest.mark.slow  # the shipped checkpoints on their test sets
+
 # checkpoints/<task>/ and checkpoints/<task>-<variant>/ (gec-uk-6x6, gec-uk-9x3: the SAD pair)
 SHIPPED = sorted(p for p in (REPO / "checkpoints").glob("*/model.pt")
                  if any(p.parent.name == t or p.parent.name.startswith(t + "-") for t in TASKS))

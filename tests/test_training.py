@@ -77,6 +77,7 @@ def _weights(path: Path) -> dict:
     return load_checkpoint(path)["model"]
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     """Guards against resume losing optimizer state, data position or RNG state: 8 steps straight
     equal 4 steps, an interruption, and 4 more after --resume."""
@@ -97,6 +98,7 @@ def test_resume_continues_exactly(tmp_path):
     assert not model.training and ck["step"] == 8
 
 
+@pytest.mark.slow
 def test_seeded_runs_are_reproducible(tmp_path):
     """Guards against hidden nondeterminism (unseeded init, shuffling, dropout)."""
     for name in ("x", "y"):
@@ -106,6 +108,7 @@ def test_seeded_runs_are_reproducible(tmp_path):
     assert all(torch.equal(wx[k], wy[k]) for k in wx)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     """Guards against the data-parallel path rotting: 2 CPU processes (gloo) train a few steps,
     with a time limit so that the ranks' shared stopping decision is exercised too."""
@@ -121,6 +124,7 @@ def test_torchrun_two_processes(tmp_path):
     assert (out / "model.pt").exists()
 
 
+@pytest.mark.slow
 def test_bad_preset_value_is_one_line_error():
     """Guards against a traceback for an impossible model shape."""
     r = run_py("train.py", "--preset", "tiny", "--d-model", "30", "--n-heads", "4")
@@ -128,6 +132,7 @@ def test_bad_preset_value_is_one_line_error():
     assert r.stderr.decode().strip().startswith("error:") and "Traceback" not in r.stderr.decode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("freeze", [True, False])
 def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
     """Guards the blockwise training regimes: frozen base (the model's weights stay bit-identical,
@@ -193,6 +198,7 @@ def test_base_plus_random_head_loss_always_trains_the_base():
     assert seen == {2, 3, 4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--proposal-k", "3", "--freeze-base", "true", "--head-loss", "base+random"], "needs freeze_base false"),
     (["--proposal-k", "1"], "proposal_k"),
@@ -212,6 +218,7 @@ def test_bad_proposal_options_are_one_line_errors(args, needle):
     assert r.returncode != 0 and needle in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["causal", "bidirectional"])
 def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
     """Guards the drafter's training path (random prefix, k masks, glancing) and its checkpoint mark."""
@@ -225,6 +232,7 @@ def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
     assert ck["meta"]["train_config"]["init_from"].endswith("model.pt")
 
 
+@pytest.mark.slow
 def test_a_second_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny, tmp_path):
     """Guards BiLD's small-model path: --tokenizer-from trains a model of another shape on the same
     vocabulary (decode.py refuses pairs that differ), and --pick last makes model.pt the final
@@ -256,6 +264,7 @@ def test_soft_cross_entropy_is_cross_entropy_against_the_teachers_distribution()
                           torch.nn.functional.cross_entropy(logits[keep].float(), hard[keep]), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_word_level_distillation_trains_against_a_teacher(trained_tiny, tmp_path):
     """Guards the --kd-from path: the teacher is loaded frozen, the run trains and records it, and a
     teacher on another vocabulary is refused with one line."""

@@ -1,0 +1,103 @@
+"""What this machine gives a run: cores, free memory, and how busy other processes keep it.
+
+A timing taken while other processes hold the cores a run's threads need is not a measurement of the
+algorithm: a thread that waits for a busy core can make decoding many times slower. BusyCores measures
+the other processes' share from /proc/stat over a window long enough to see it, so that decode.py can
+say so before decoding and again in its table.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# A sample: (monotonic seconds, seconds of CPU time every process used, seconds of CPU time this process used).
+Sample = tuple[float, float, float]
+
+MIN_WINDOW = 0.5  # seconds a measurement of other processes' CPU use spans at least (a tick is 10 ms)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (MemAvailable on Linux), or None if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def decode_bytes(cfg, rows: int, src_len: int, out_len: int, itemsize: int) -> int:
+    """A rough peak of the memory decoding `rows` rows at once takes (beams count as rows): per row,
+    every decoder layer's self-attention keys and values over the output and cross-attention ones
+    over the source, the encoder's activations, and a few vocabulary-wide score rows. Within ~10% of
+    the measured peak for a whole UA-GEC test set in one batch."""
+    per_row = (cfg.dec_layers * 2 * (out_len + src_len) * cfg.d_model
+               + 2 * src_len * max(cfg.d_ff, 4 * cfg.d_model) + 4 * cfg.vocab_size)
+    return rows * per_row * itemsize
+
+
+def proc_stat_sample() -> Sample | None:
+    """Now, the machine's busy CPU seconds (/proc/stat's first line, idle and iowait left out) and this
+    process's own; None where /proc/stat cannot be read."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    own = os.times()
+    return time.monotonic(), (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+class BusyCores:
+    """How many cores other processes kept busy since this object was made (the machine's busy CPU
+    time less this process's own, over the wall time between two samples). `sample` and `sleep` are
+    the clock and /proc/stat reader (replaceable, so that a test can drive a busy machine)."""
+
+    def __init__(self, sample: Callable[[], Sample | None] = proc_stat_sample,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.sample, self.sleep = sample, sleep
+        self.start = sample()
+
+    def others(self, min_window: float = MIN_WINDOW) -> float | None:
+        """Cores other processes kept busy since the start, on average; if less than `min_window`
+        seconds have passed, this waits for the rest first (so a check made right after the start still
+        measures something). None where the machine does not say."""
+        now = self.sample()
+        if self.start is None or now is None:
+            return None
+        if now[0] - self.start[0] < min_window:
+            self.sleep(min_window - (now[0] - self.start[0]))
+            now = self.sample()
+        wall = now[0] - self.start[0]
+        if wall <= 0:
+            return None
+        return max(0.0, ((now[1] - self.start[1]) - (now[2] - self.start[2])) / wall)
+
+
+def busy_warning(others: float | None, threads: int, cores: int, when: str) -> str | None:
+    """The warning for a run of `threads` threads while other processes keep `others` of `cores` cores
+    busy (`when`: "keep" before the run, "kept" after it), or None when the run's threads fit."""
+    if others is None or others < 0.5 or others + threads <= cores + 0.25:
+        return None
+    return (f"other processes {when} about {others:.1f} of this machine's {cores} cores busy and this run "
+            f"uses {threads} thread(s): timings will not be reliable, and threads that wait for a busy core can "
+            f"make decoding many times slower; run alone" + (", or with --threads 1" if threads > 1 else ""))
+
+
+def environment(threads: int, device, dtype) -> dict:
+    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "threads": threads, "device": str(device), "dtype": str(dtype).replace("torch.", "")}

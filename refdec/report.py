@@ -1,0 +1,178 @@
+"""What decode.py reports once the runs are done: the summary table (one row per run, each with its
+speed and identical rate against the first), the speedup matrix, each lossless run's check against
+greedy decoding of its model (refdec.exactness), the speedup by edit ratio, and the JSON report.
+refdec.htmlreport draws the same figures as a page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import data as data_mod
+from .exactness import divergences, identical_rate
+from .metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
+from .runner import Run, texts
+from .tokenizer import Tokenizer
+
+NOTHING_DECODED = ("nothing was decoded: no line with text was finished (an empty input, blank lines only, or an "
+                   "interruption before the first); no figures to report")
+
+
+def scores(task_kind: str, sources: list[str], hyps: list[str], refs: list[list[str]] | None) -> dict:
+    if not refs:
+        return {}
+    out = {"bleu": corpus_bleu(hyps, refs), "chrf": corpus_chrf(hyps, refs)}
+    if task_kind == "gec":
+        per_sentence = [list(r) for r in zip(*refs)]
+        g = gec_scores(sources, hyps, per_sentence)
+        out.update(gec_precision=g["precision"], gec_recall=g["recall"], gec_f05=g["f05"])
+    return out
+
+
+def summary_row(run: Run, metrics: dict) -> dict:
+    st = run.stats
+    return {"algo": run.name, "n": st.sentences, "seconds": run.seconds, "batch_size": run.batch_size,
+            "sent_per_s": st.sentences / run.seconds if run.seconds else float("nan"), "tokens": st.tokens,
+            "ms_per_token": 1000 * run.seconds / max(st.tokens, 1), "verifier_calls": st.verifier_calls,
+            "calls_per_sentence": st.verifier_calls / max(st.sentences, 1), "drafter_calls": st.drafter_calls, "tokens_per_call": st.mean_committed,
+            "hit_max_len": st.hit_max_len, "encoder_calls": st.encoder_calls, **({"module_seconds": st.module_seconds} if st.module_seconds else {}),
+            **metrics}
+
+
+def format_table(rows: list[dict]) -> str:
+    cells = table_cells(rows)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def table_cells(rows: list[dict]) -> list[list[str]]:
+    """The summary table as text cells, its header first: the columns some row has a figure for."""
+    cols = [("algo", "algo", "{}"), ("n", "sent", "{}"), ("seconds", "seconds", "{:.2f}"), ("sent_per_s", "sent/s", "{:.1f}"),
+            ("ms_per_token", "ms/tok", "{:.2f}"), ("tokens", "tokens", "{}"), ("verifier_calls", "verif.calls", "{}"),
+            ("calls_per_sentence", "calls/sent", "{:.2f}"),
+            ("drafter_calls", "draft.calls", "{}"), ("tokens_per_call", "tok/call", "{:.2f}"),
+            ("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"), ("gec_f05", "F0.5", "{:.4f}"),
+            ("speedup", f"speed vs {rows[0]['algo']}", relative_speed),
+            ("identical", f"identical to {rows[0]['algo']}", "{:.4f}")]
+    cols = [c for c in cols if any(c[0] in r for r in rows)]
+    show = lambda fmt, v: fmt(v) if callable(fmt) else fmt.format(v)  # noqa: E731
+    return [[c[1] for c in cols]] + [[show(c[2], r[c[0]]) if c[0] in r else "" for c in cols] for r in rows]
+
+
+def relative_speed(seconds_ratio: float) -> str:
+    """A row's seconds over the first row's, in words: "2.00x slower" (it took twice as long) or
+    "1.50x faster"."""
+    if not math.isfinite(seconds_ratio) or seconds_ratio <= 0:
+        return "n/a"
+    if abs(seconds_ratio - 1) < 0.005:
+        return "same"
+    return f"{seconds_ratio:.2f}x slower" if seconds_ratio > 1 else f"{1 / seconds_ratio:.2f}x faster"
+
+
+def speedup_matrix(rows: list[dict]) -> tuple[list[list[float]], str]:
+    """m[i][j] = seconds of row j / seconds of row i: how many times faster row i ran than row j
+    (all rows timed in one process, interleaved). Returns the matrix and its printed form."""
+    names = [r["algo"] for r in rows]
+    m = [[(c["seconds"] / r["seconds"]) if r["seconds"] else float("nan") for c in rows] for r in rows]
+    cells = [["speedup of row over column"] + names] + [[n] + [f"{v:.2f}x" for v in line] for n, line in zip(names, m)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return m, "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
+
+
+EDIT_BUCKETS = ((0.0, 0.0), (0.0, 0.1), (0.1, 0.2), (0.2, 0.4), (0.4, float("inf")))
+
+
+def edit_buckets(sources: list[str], hyps: list[str], fast: Run, base: Run) -> tuple[list[dict], str]:
+    """Per-sentence speedup of `fast` over `base` grouped by the edit ratio of the output (word edit
+    distance between input and output over input length): how the gain depends on how much of the
+    input survives. Needs per-sentence times (batch size 1)."""
+    ratio = {i: edit_ratio(s, h) for i, (s, h) in enumerate(zip(sources, hyps)) if fast.times[i] and base.times[i]}
+    rows = []
+    for lo, hi in EDIT_BUCKETS:
+        idx = [i for i, r in ratio.items() if (r == lo if lo == hi else lo < r <= hi)]
+        if not idx:
+            continue
+        per = sorted(base.times[i] / fast.times[i] for i in idx)
+        rows.append({"edit_ratio": "0" if lo == hi else (f"({lo:g}, {hi:g}]" if hi != float("inf") else f"> {lo:g}"),
+                     "sentences": len(idx), "calls_per_sentence": sum(fast.calls[i] for i in idx) / len(idx),
+                     "speedup": sum(base.times[i] for i in idx) / sum(fast.times[i] for i in idx),
+                     "median_sentence_speedup": per[len(per) // 2]})
+    head = ("edit ratio", "sentences", f"{fast.name} calls/sent", f"speedup over {base.name}", "median per sentence")
+    cells = [list(head)] + [[r["edit_ratio"], str(r["sentences"]), f"{r['calls_per_sentence']:.2f}",
+                              f"{r['speedup']:.2f}x", f"{r['median_sentence_speedup']:.2f}x"] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    return rows, "\n".join("  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells)
+
+
+def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, extra: dict) -> dict:
+    """The JSON report: the first run's figures at the top level, the second run's under "compare"
+    (every run's are under "runs")."""
+    first = rows[0]
+    keys = ("seconds", "tokens", "ms_per_token", "verifier_calls", "drafter_calls", "tokens_per_call", "hit_max_len")
+    report = {"algo": runs[0].algo.name, "task": task, "n": n_lines, "decoded": first["n"],
+              **{k: first[k] for k in keys}, "bleu": first.get("bleu"), "chrf": first.get("chrf"),
+              **{k: first[k] for k in ("gec_f05", "gec_precision", "gec_recall") if k in first},
+              "options": runs[0].options, **extra}
+    if len(rows) > 1:
+        second = rows[1]
+        report["compare"] = {"algo": runs[1].algo.name, "seconds": second["seconds"], "speedup": second["speedup"],
+                             "identical": second["identical"], "bleu": second.get("bleu"), "chrf": second.get("chrf"),
+                             "tokens": second["tokens"], "verifier_calls": second["verifier_calls"],
+                             **{k: second[k] for k in ("gec_f05",) if k in second}, "options": runs[1].options}
+    return report
+
+
+def write_report(path: str, report: dict) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@dataclass
+class Summary:
+    rows: list[dict]  # one per run (summary_row), with speedup and identical rate against the first
+    matrix: list[list[float]] | None  # speedup of every run over every other (three runs or more)
+    checks: list[dict]  # each lossless run against greedy of its model: identical rate, divergences
+    text: str  # the printed form
+
+
+def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: list, tokenizer: Tokenizer,
+              device, *, warning: str | None = None) -> Summary:
+    """The table's rows, the speedup matrix, the lossless checks (every line where a lossless run
+    differs from greedy of the same model, with the margin there; for GEC at batch size 1 the
+    speedup by edit ratio) and the printed text: `warning` (e.g. that the machine was busy) under the
+    table, or, where no line was decoded, that sentence instead of a table of empty figures."""
+    kind = data_mod.TASKS[task]
+    rows = [{**summary_row(r, scores(kind, lines, texts(tokenizer, r.outputs), refs)), "options": r.options}
+            for r in runs]
+    for row, r in zip(rows[1:], runs[1:]):
+        row["speedup"] = row["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else float("nan")
+        row["identical"] = identical_rate(runs[0].outputs, r.outputs)
+    notes, matrix, checks = [], None, []
+    if len(runs) > 2:
+        matrix, text = speedup_matrix(rows)
+        notes.append(text)
+    for fast in runs:
+        base = min((r for r in runs if r.algo.name == "greedy" and r.models.model is fast.models.model),
+                   key=lambda r: r.batch_size, default=None)  # batch-1 greedy where there is one
+        if base is None or fast is base or not fast.algo.is_lossless(fast.options):
+            continue
+        div = divergences(fast.models.model, ids, base.outputs, fast.outputs, device)
+        check = {"algo": fast.name, "greedy": base.name, "identical": identical_rate(base.outputs, fast.outputs),
+                 "divergences": div}
+        notes.append(f"{fast.name} vs {base.name}: {check['identical']:.4f} identical, {len(div)} line(s) differ"
+                     + "".join(f"\n  line {d['line']}: first divergence at token {d['position']} "
+                               f"(greedy {tokenizer.tokens([d['greedy_token']])[0]!r}, "
+                               f"{fast.name} {tokenizer.tokens([d['other_token']])[0]!r}); top-1/top-2 logit "
+                               f"margin {d['margin_top1_top2']:.3g}" for d in div))
+        if kind == "gec" and fast.batch_size == 1 and base.batch_size == 1:  # how much of the input survives
+            check["edit_buckets"], text = edit_buckets(lines, texts(tokenizer, base.outputs), fast, base)
+            notes.append(text)
+        checks.append(check)
+    if not any(r["n"] for r in rows):
+        return Summary(rows, matrix, checks, NOTHING_DECODED)
+    table = format_table(rows) + (f"\nwarning: {warning}" if warning else "")
+    return Summary(rows, matrix, checks, "\n\n".join([table] + notes))

@@ -1,0 +1,135 @@
+"""What decode.py says about a run beside its figures: a busy machine, an input with nothing to
+decode, and paths that read the same on every machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO, run_py
+
+
+class BusyMachine:
+    """A /proc/stat reader and a clock driven by the test: other processes keep `others` cores busy,
+    and time moves only when someone sleeps or the test says so."""
+
+    def __init__(self, others: float):
+        self.others, self.now = others, 0.0
+
+    def sample(self):
+        return self.now, self.others * self.now, 0.0  # (wall, CPU seconds of every process, our own)
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_busy_cores_measure_a_check_made_right_after_the_start():
+    """Case: the probe was made right before its first check, and a check less than 0.2 s after the
+    start returned nothing, so the busy-machine warning could never fire. A check at once now waits
+    for a window long enough to see the machine."""
+    from refdec.machine import BusyCores, busy_warning
+    machine = BusyMachine(others=1.5)
+    busy = BusyCores(sample=machine.sample, sleep=machine.sleep)
+    others = busy.others()  # no time has passed since the start
+    assert others == pytest.approx(1.5)
+    assert "1.5 of this machine's 2 cores" in busy_warning(others, 2, 2, "keep")
+    assert busy_warning(0.1, 2, 2, "keep") is None and busy_warning(1.5, 1, 4, "keep") is None
+
+
+def fake_run(name: str = "greedy", outputs: list | None = None):
+    from refdec.algorithms import ALGORITHMS
+    from refdec.runner import Run
+    from test_batched_decoders import fake_models
+    run = Run(ALGORITHMS[name], {}, fake_models())
+    run.outputs = outputs or []
+    return run
+
+
+def test_decoding_on_a_busy_machine_warns_before_it_starts(tmp_path, capsys, monkeypatch):
+    """Case: with another process spinning on one core a 2-thread decode ran 3.6x slower and said
+    nothing. decode_to_output warns before decoding from what the probe saw since the run started."""
+    from refdec import runner
+    from refdec.machine import BusyCores
+    machine = BusyMachine(others=1.8)
+    monkeypatch.setattr(runner, "usable_cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    tokenizer = SimpleNamespace(decode=lambda ids: "", invalid_bytes=lambda ids: 0)
+    done = runner.decode_to_output([fake_run()], [None, None], tokenizer, output=str(tmp_path / "out.txt"),
+                                   max_len=None, max_positions=64, device="cpu", warmup=0, progress=False,
+                                   busy=BusyCores(sample=machine.sample, sleep=machine.sleep))
+    assert done == 2 and (tmp_path / "out.txt").read_text() == "\n\n"
+    assert "warning: other processes keep about 1.8 of this machine's 2 cores busy" in capsys.readouterr().err
+
+
+def summary_of(runs, ids, **kw):
+    from refdec.report import summarise
+    tokenizer = SimpleNamespace(decode=lambda ids: "x", invalid_bytes=lambda ids: 0)
+    return summarise("mt-en-de", runs, ["a"] * len(ids), [], ids, tokenizer, "cpu", **kw)
+
+
+def test_a_machine_busy_during_the_run_is_said_under_the_table():
+    """The warning before decoding covers the loading; a machine that became busy later is said
+    again under the table."""
+    run = fake_run(outputs=[torch.tensor([5])])
+    run.stats.sentences, run.stats.tokens, run.seconds = 1, 1, 0.5
+    text = summary_of([run], [[5]], warning="other processes kept about 1.0 of this machine's 2 cores busy").text
+    table, warning = text.split("\n")[2:4]
+    assert table.split()[:2] == ["greedy", "1"] and warning.startswith("warning: other processes kept about 1.0")
+
+
+def test_an_empty_input_says_nothing_was_decoded():
+    """Case: an empty input file printed a table of `sent/s nan`."""
+    from refdec.report import NOTHING_DECODED
+    for ids in ([], [None, None]):  # an empty file; blank lines only
+        text = summary_of([fake_run(outputs=[None] * len(ids))], ids).text
+        assert text == NOTHING_DECODED and "nan" not in text
+
+
+def test_paths_are_recorded_relative_to_the_repository_or_as_given():
+    """Case: reports named the default checkpoint and test set by this machine's absolute path."""
+    from refdec.inputs import shown_path
+    assert shown_path(REPO / "checkpoints" / "mt-en-de" / "model.pt") == "checkpoints/mt-en-de/model.pt"
+    assert shown_path("checkpoints/x/model.pt") == "checkpoints/x/model.pt"
+    assert shown_path("../elsewhere/model.pt") == "../elsewhere/model.pt"
+    assert shown_path("/srv/models/model.pt") == "/srv/models/model.pt"  # outside the repository: as given
+
+
+def strings(value):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+@pytest.mark.slow
+def test_a_fresh_report_carries_no_absolute_path(tmp_path):
+    """Case: reports/*.json named the checkpoints and the test set by the absolute path of the machine
+    they were made on. A report of the shipped model on the task's test set names them relative to the
+    repository."""
+    report = tmp_path / "r.json"
+    r = run_py("decode.py", "--algo", "greedy", "--task", "mt-en-de", "--limit", "2", "--threads", "1", "--quiet",
+               "--output", str(tmp_path / "out.txt"), "--report", str(report))
+    assert r.returncode == 0, r.stderr.decode()
+    rep = json.loads(report.read_text())
+    assert rep["model"] == "checkpoints/mt-en-de/model.pt" and rep["input"] == "data/mt-en-de/test.src.gz"
+    assert not [s for s in strings(rep) if Path(s).is_absolute() or str(REPO) in s]
+
+
+@pytest.mark.slow
+def test_an_empty_input_file_decodes_to_nothing_and_says_so(tmp_path):
+    """Case: `decode.py --input empty.txt` printed a table with `sent/s nan`."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = run_py("decode.py", "--algo", "greedy", "--task", "mt-en-de", "--input", str(empty), "--threads", "1",
+               "--quiet")
+    assert r.returncode == 0 and r.stdout == b""
+    assert "nothing was decoded" in r.stderr.decode() and "nan" not in r.stderr.decode()
