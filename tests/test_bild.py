@@ -96,6 +96,7 @@ def test_greedy_speculative_decoding_with_a_good_drafter_saves_calls():
     assert r.stats.verifier_calls * 3 < r.stats.tokens
 
 
+@pytest.mark.slow  # 3000 Monte Carlo draws
 def test_speculative_sampling_keeps_the_large_models_distribution():
     """The first two output tokens, drawn 3000 times: their joint distribution under speculative
     sampling matches sampling from the large model, to within Monte Carlo error."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 DATA = Path(__file__).resolve().parent.parent / "data"
 sys.path.insert(0, str(DATA))
 
@@ -71,6 +73,7 @@ def test_prose_filter_and_overlap_key():
     assert overlap_key("I haven\u2019t the faintest idea.") == overlap_key('"I haven\'t the  faintest IDEA.')
 
 
+@pytest.mark.slow  # reads the whole shipped corpus
 def test_shipped_corpus_holds_no_mt_en_de_sentence():
     """Guards against distilling a held-out sentence: no mono-en line shares its normalised key with
     an mt-en-de source, and no line repeats."""
