@@ -159,8 +159,9 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str]) -
             for size in args.batch_sizes for algo, options, label in methods]
 
 
-def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int) -> list[dict]:
-    """One thread count: every run decodes every line, interleaved; a row of figures per run."""
+def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int) -> tuple[list[dict], int]:
+    """One thread count: every run decodes every line, interleaved; a row of figures per run, and how
+    many leading lines every run finished (all of them unless Ctrl-C stopped the loop)."""
     ctranslate2 = _ctranslate2()
     torch.set_num_threads(threads)
     ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=threads, inter_threads=1)
@@ -178,7 +179,7 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
         rows.append({**{k: row[k] for k in ROW_KEYS}, "threads": threads,
                      "identical": exactness.identical_rate(base, outs),
                      "differing": exactness.divergences(model, ids, base, outs, "cpu")})
-    return rows
+    return rows, done
 
 
 def table(rows: list[dict]) -> str:
@@ -249,17 +250,21 @@ def run(args) -> int:
     folder, conversion = convert(args.model, model, tokenizer, Path(args.cache_dir))
     tokens = vocabulary(folder, model.cfg.vocab_size)
     models = Models(model, Path(args.model))
-    results = []
+    results, interrupted = [], False
     for threads in args.threads:
-        rows = compare(args, models, folder, tokens, ids, threads)
-        print(f"{args.task}: {sum(s is not None for s in ids)} lines, {threads} thread(s), warm-up {args.warmup}")
+        rows, done = compare(args, models, folder, tokens, ids, threads)
+        interrupted = done < len(ids)
+        print(f"{args.task}: {sum(s is not None for s in ids[:done])} lines{' (interrupted)' if interrupted else ''}, "
+              f"{threads} thread(s), warm-up {args.warmup}")
         print(table(rows), flush=True)
         results.append({"threads": threads, "rows": rows})
+        if interrupted:  # Ctrl-C: report what was finished, start no other thread count
+            break
     if args.report:
         write_report(args.report, {
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
             "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "threads": args.threads,
-            "iad": args.iad, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
+            "interrupted": interrupted, "iad": args.iad, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
             "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
             "ctranslate2": ctranslate2.__version__, "results": results})
     return 0

@@ -81,7 +81,7 @@ def test_command_writes_report(tmp_path):
     assert "ct2-greedy-float32 b2" in out and "identical to refdec-greedy b1" in out
     rep = json.loads(report.read_text())
     assert rep["model"] == str(ckpt) and rep["batch_sizes"] == [1, 2] and rep["threads"] == [1]
-    assert rep["conversion"]["cached"] is False
+    assert rep["conversion"]["cached"] is False and rep["interrupted"] is False
     rows = rep["results"][0]["rows"]
     names = [row["algo"] for row in rows]
     assert names == [f"{m} b{b}" for b in (1, 2) for m in ("refdec-greedy", "refdec-iad", "ct2-greedy-float32",
@@ -108,3 +108,15 @@ def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("error: this needs the ctranslate2 package (pip install ctranslate2==")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-draft", "4"], "error: --max-draft has no effect without --iad"),
+    (["--threads", "1,100000"], "error: --threads must be at most the"),
+    (["--limit", "0"], "error: --limit must be at least 1"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
+    from refdec import ctranslate2 as ct2
+    code = ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), "--cache-dir", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(message)
