@@ -1,0 +1,279 @@
+"""refdec against CTranslate2 on the same weights: the engine people pick for fast seq2seq decoding on
+a CPU, as the baseline refdec's decoders are measured against.
+
+    python -m refdec.ctranslate2 --task gec-uk --model checkpoints/gec-uk-6x6/model.pt \\
+        --batch-sizes 1,32 --limit 500 --threads 1,2 [--iad] --report reports/ct2.json
+
+The checkpoint goes through refdec.hf's export (a Pegasus folder that stock transformers loads, checked
+against refdec's float64 logits) and then CTranslate2's own converter, TransformersConverter, with two
+of its stock Pegasus loader's settings made right for refdec's models:
+  * the loader reads `normalize_before` from the config to choose pre-norm layers; transformers 5's
+    Pegasus config no longer carries it (Pegasus is always pre-norm), and refdec exports pre-norm
+    models only, so it is set to True on the loaded model before the loader reads it (and
+    `normalize_embedding`, read the same way, to False: Pegasus has no LayerNorm on its embeddings);
+  * the loader starts the decoder at the pad token (Pegasus's own convention); refdec's decoders start
+    at bos, so the converted model's decoder_start_token is refdec's bos token.
+The converted model (float32 weights; int8 is CTranslate2's quantisation of them at load time) is
+cached in a folder named by the checkpoint's sha256 and the CTranslate2 version, under --cache-dir
+(default: $XDG_CACHE_HOME/refdec/ctranslate2, else ~/.cache/refdec/ctranslate2), never in the repository.
+
+Each CTranslate2 compute type is a run of refdec.runner's timing loop like any refdec decoder: one
+translate_batch call (beam_size 1, no minimum length, the same output budget as refdec's, eos
+returned so that it is counted) per batch. For each thread count, refdec greedy, optionally refdec
+IAD, and CTranslate2 greedy in float32 and int8, each at batch 1 and at every --batch-sizes value,
+decode the same lines interleaved after a warm-up; the table gives ms per output token (eos
+included), sentences per second and the identical rate against refdec greedy at batch 1 (token ids
+equal), and every differing line's first divergent position with refdec's top-1/top-2 margin there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import exactness
+from .algorithms import ALGORITHMS, Algorithm
+from .checkpoint import file_sha256, load_model
+from .decoding.result import DecodeResult, DecodeStats, result_of
+from .errors import UsageError, run_command
+from .hf import PEGASUS, check_export, export_route, write_folder
+from .inputs import check_writable, read_input, shown_path, source_ids
+from .loading import Models
+from .machine import usable_cores
+from .report import format_table, summary_row, write_report
+from .runner import Run, decode_lines
+
+PINNED = "4.8.5"  # the version requirements.txt pins
+COMPUTE_TYPES = ("float32", "int8")
+ROW_KEYS = ("algo", "batch_size", "n", "seconds", "sent_per_s", "ms_per_token", "tokens", "hit_max_len")
+
+
+def _ctranslate2():
+    try:
+        import ctranslate2
+    except ImportError:
+        raise UsageError(f"this needs the ctranslate2 package (pip install ctranslate2=={PINNED}, "
+                         f"listed in requirements.txt)") from None
+    return ctranslate2
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "refdec" / "ctranslate2"
+
+
+def converter(ctranslate2, folder: Path, start_token: str):
+    """CTranslate2's TransformersConverter on refdec's Pegasus export, its stock loader's two settings
+    made right (module docstring)."""
+
+    class PegasusFromRefdec(ctranslate2.converters.TransformersConverter):
+        def load_model(self, model_class, model_name_or_path, **kwargs):
+            model = super().load_model(model_class, model_name_or_path, **kwargs)
+            model.config.normalize_before = True  # refdec exports pre-norm models only
+            model.config.normalize_embedding = False  # Pegasus has no LayerNorm on the embeddings
+            return model
+
+        def _load(self):
+            spec = super()._load()
+            spec.config.decoder_start_token = start_token  # refdec's decoders start at bos, not pad
+            return spec
+
+    return PegasusFromRefdec(str(folder))
+
+
+def convert(ckpt: str | Path, model, tokenizer, cache_dir: Path) -> tuple[Path, dict]:
+    """The CTranslate2 model folder for a refdec checkpoint (`model`, `tokenizer`: it, loaded), from the
+    cache or converted now; and what the conversion did ({"cached": True} or the export's check)."""
+    ctranslate2 = _ctranslate2()
+    if export_route(model.cfg) != PEGASUS:
+        raise UsageError(f"{ckpt}: only models exported as Pegasus (refdec's sinusoidal positions) are converted")
+    folder = cache_dir / f"{file_sha256(ckpt)[:20]}-ctranslate2-{ctranslate2.__version__}"
+    if (folder / "model.bin").is_file():
+        return folder, {"cached": True}
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_dir))
+    except OSError as e:
+        raise UsageError(f"--cache-dir {cache_dir} cannot be written: {e.strerror}") from None
+    try:
+        hf_dir = write_folder(model, tokenizer, work / "hf")
+        checked = check_export(model, hf_dir, tokenizer.encode("A short sentence to check the export."))
+        start = tokenizer.tokens([model.cfg.bos_id])[0]
+        converter(ctranslate2, hf_dir, start).convert(str(work / "ct2"), quantization="float32")
+        try:
+            os.replace(work / "ct2", folder)  # whole or absent: a run killed midway leaves no half model
+        except OSError:
+            if not (folder / "model.bin").is_file():  # another run's conversion got there first: keep it
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder, {"cached": False, **checked}
+
+
+def vocabulary(folder: Path, vocab_size: int) -> list[str]:
+    """The converted model's tokens, by id: the converter writes the tokenizer's vocabulary in id order."""
+    import json
+    tokens = json.loads((folder / "shared_vocabulary.json").read_text(encoding="utf-8"))
+    if len(tokens) != vocab_size:
+        raise UsageError(f"{folder}: {len(tokens)} tokens in the converted vocabulary, the model has {vocab_size}")
+    return tokens
+
+
+def ct2_algorithm(translator, tokens: list[str], name: str) -> Algorithm:
+    """A CTranslate2 translator as an Algorithm of refdec.runner's timing loop: greedy decoding of a
+    batch of refdec source rows in one translate_batch call, returned as refdec's decoders return it."""
+    index = {t: i for i, t in enumerate(tokens)}
+
+    def decode_ct2(model, src: torch.Tensor, *, max_len: int, trace: bool = False) -> DecodeResult:
+        cfg = model.cfg
+        rows = []
+        for row in src.tolist():  # (B, S): each source ends in eos, then right padding
+            while row and row[-1] == cfg.pad_id:
+                row.pop()
+            rows.append([tokens[t] for t in row])
+        results = translator.translate_batch(rows, beam_size=1, max_decoding_length=max_len, min_decoding_length=0,
+                                             max_input_length=0, return_end_token=True)
+        outs = [[index[t] for t in r.hypotheses[0]] for r in results]  # eos included where produced
+        return result_of(outs, cfg.eos_id, DecodeStats(sentences=len(rows), encoder_calls=1), None, src.device)
+
+    return Algorithm(name, decode_ct2, f"CTranslate2 greedy ({name})")
+
+
+def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str]) -> list[Run]:
+    """Every method at batch 1 and at each --batch-sizes value; refdec greedy at batch 1 first (the
+    reference of the identical rate)."""
+    methods = [(ALGORITHMS["greedy"], {}, "refdec-greedy")]
+    if args.iad:
+        iad = ALGORITHMS["iad"]
+        methods.append((iad, {**iad.defaults(), "max_draft": args.max_draft}, "refdec-iad"))
+    for compute_type, translator in ct2.items():
+        name = f"ct2-greedy-{compute_type}"
+        methods.append((ct2_algorithm(translator, tokens, name), {}, name))
+    return [Run(algo, options, models, f"{label} b{size}", size)
+            for size in args.batch_sizes for algo, options, label in methods]
+
+
+def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int) -> tuple[list[dict], int]:
+    """One thread count: every run decodes every line, interleaved; a row of figures per run, and how
+    many leading lines every run finished (all of them unless Ctrl-C stopped the loop)."""
+    ctranslate2 = _ctranslate2()
+    torch.set_num_threads(threads)
+    ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=threads, inter_threads=1)
+           for c in COMPUTE_TYPES}
+    runs = make_runs(args, models, ct2, tokens)
+    model = models.model
+    done = decode_lines(runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu",
+                        warmup=args.warmup, progress=True)
+    ids = ids[:done]
+    base = runs[0].outputs[:done]
+    rows = []
+    for run in runs:
+        row = summary_row(run, {})
+        outs = run.outputs[:done]
+        rows.append({**{k: row[k] for k in ROW_KEYS}, "threads": threads,
+                     "identical": exactness.identical_rate(base, outs),
+                     "differing": exactness.divergences(model, ids, base, outs, "cpu")})
+    return rows, done
+
+
+def table(rows: list[dict]) -> str:
+    """The printed figures of one thread count, and every line that differs from refdec greedy."""
+    out = [format_table(rows)]
+    for r in rows:
+        for d in r["differing"]:
+            out.append(f"{r['algo']}: line {d['line']} differs from refdec greedy at position {d['position']} "
+                       f"(refdec's top-1/top-2 margin there {d['margin_top1_top2']:.3g})")
+    return "\n".join(out)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of at least 1")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m refdec.ctranslate2", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", required=True, help="the checkpoint's task; its data/<task>/test.src.gz is decoded")
+    p.add_argument("--model", required=True, help="a refdec model.pt")
+    p.add_argument("--input", help="decode this UTF-8 text file instead of the task's test set")
+    p.add_argument("--limit", type=int, default=200, help="first N lines decoded (default 200)")
+    p.add_argument("--batch-sizes", type=int_list, default=[], metavar="B,B",
+                   help="batch sizes besides 1, comma-separated (default: batch 1 only)")
+    p.add_argument("--threads", type=int_list, default=[1], metavar="T,T",
+                   help="thread counts, comma-separated: each one a round of every run (default 1)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches per run (default 2)")
+    p.add_argument("--iad", action="store_true", help="time refdec IAD too (GEC: drafts a copy of the input)")
+    p.add_argument("--max-draft", type=int, default=0, metavar="N",
+                   help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source)")
+    p.add_argument("--cache-dir", default=str(default_cache_dir()),
+                   help="where converted models are kept, one folder per checkpoint (default %(default)s)")
+    p.add_argument("--report", help="write the figures as JSON here")
+    return p
+
+
+def check_args(args) -> None:
+    if args.limit < 1:
+        raise UsageError("--limit must be at least 1")
+    if args.warmup < 0:
+        raise UsageError("--warmup must be at least 0")
+    if args.max_draft < 0:
+        raise UsageError("--max-draft must be at least 0")
+    if args.max_draft and not args.iad:
+        raise UsageError("--max-draft has no effect without --iad")
+    if max(args.threads) > usable_cores():
+        raise UsageError(f"--threads must be at most the {usable_cores()} cores this machine gives the run")
+    args.batch_sizes = sorted({1, *args.batch_sizes})
+    args.threads = sorted(set(args.threads))
+    if args.report:
+        check_writable(args.report, "--report", not_paths={"input": args.input})
+
+
+def run(args) -> int:
+    check_args(args)
+    ctranslate2 = _ctranslate2()
+    model, tokenizer, _ = load_model(args.model, task=args.task)
+    lines, _ = read_input(args.task, args.input, [], args.limit)
+    ids = source_ids(tokenizer, lines, model.cfg.max_positions)
+    if all(s is None for s in ids):
+        raise UsageError("no line with text to decode")
+    folder, conversion = convert(args.model, model, tokenizer, Path(args.cache_dir))
+    tokens = vocabulary(folder, model.cfg.vocab_size)
+    models = Models(model, Path(args.model))
+    results, interrupted = [], False
+    for threads in args.threads:
+        rows, done = compare(args, models, folder, tokens, ids, threads)
+        interrupted = done < len(ids)
+        print(f"{args.task}: {sum(s is not None for s in ids[:done])} lines{' (interrupted)' if interrupted else ''}, "
+              f"{threads} thread(s), warm-up {args.warmup}")
+        print(table(rows), flush=True)
+        results.append({"threads": threads, "rows": rows})
+        if interrupted:  # Ctrl-C: report what was finished, start no other thread count
+            break
+    if args.report:
+        write_report(args.report, {
+            "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
+            "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "threads": args.threads,
+            "interrupted": interrupted, "iad": args.iad, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
+            "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
+            "ctranslate2": ctranslate2.__version__, "results": results})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

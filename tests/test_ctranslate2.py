@@ -1,0 +1,122 @@
+"""refdec.ctranslate2: a refdec checkpoint converted by CTranslate2's own converter decodes as refdec
+does, and the comparison command runs end to end.
+
+A tiny random checkpoint with a trained byte-level tokenizer (nothing downloaded). The conversion
+test guards against the two settings of CTranslate2's stock Pegasus loader that break refdec's
+models: a post-norm model (normalize_before missing from transformers 5's config) and the decoder
+started at pad instead of bos; either one changes the greedy outputs.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_py, tiny_model
+
+from refdec.checkpoint import load_model, make_checkpoint, save_atomic
+from refdec.data import source_tensor
+from refdec.decoding import decode_greedy
+from refdec.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow  # transformers, CTranslate2 and a command in a subprocess
+
+TEXTS = ["the cat sat on the mat", "a dog ran in the park", "der Hund lief im Park", "the park",
+         "a cat", "on the mat the dog sat", "im Park lief der Hund", "the dog ran"]
+
+
+def random_checkpoint(path: Path, seed: int = 0, eos_bias: float = 0.0) -> Path:
+    """A random tied pre-norm refdec model (conftest's tiny_model) on a byte-level tokenizer of TEXTS.
+    Its outputs run to max_len; `eos_bias` adds that much to eos's logit (through the final decoder
+    norm's bias): 14 makes eos the first output token of some sources and not of others."""
+    tok = Tokenizer.train(TEXTS * 5, vocab_size=300, min_frequency=1)
+    model = tiny_model(seed, tok.vocab_size, d_model=16, n_heads=2, tie=True).float()
+    with torch.no_grad():
+        e = model.tgt_embed.weight[tok.eos_id]
+        model.dec_norm.bias += eos_bias * e / e.norm() ** 2
+    path.mkdir(parents=True, exist_ok=True)
+    save_atomic(make_checkpoint(model, "mt-en-de", tok, step=1), path / "model.pt")
+    tok.save(path / "tokenizer.json")
+    return path / "model.pt"
+
+
+@pytest.mark.parametrize("eos_bias", [0.0, 14.0])
+def test_converted_model_greedy_equals_refdec_greedy_in_float32(tmp_path, eos_bias):
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    pytest.importorskip("transformers")
+    from refdec import ctranslate2 as ct2
+    ckpt = random_checkpoint(tmp_path / "ckpt", eos_bias=eos_bias)
+    model, tok, _ = load_model(ckpt)
+    folder, conversion = ct2.convert(ckpt, model, tok, tmp_path / "cache")
+    assert conversion["cached"] is False and conversion["max_logit_difference"] < 1e-12
+    assert ct2.convert(ckpt, model, tok, tmp_path / "cache") == (folder, {"cached": True})
+    translator = ctranslate2.Translator(str(folder), device="cpu", compute_type="float32", intra_threads=1)
+    algo = ct2.ct2_algorithm(translator, ct2.vocabulary(folder, model.cfg.vocab_size), "ct2-float32")
+    ids = [tok.encode(t) for t in TEXTS]
+    for batch in ([ids[0]], ids[:3], ids):  # batch 1 and padded batches
+        src = source_tensor(batch, model.cfg.eos_id, model.cfg.pad_id)
+        for max_len in (3, 24):
+            ours = decode_greedy(model, src, max_len=max_len)
+            theirs = algo.decoder(model, src, max_len=max_len)
+            assert [o.tolist() for o in theirs.tokens] == [o.tolist() for o in ours.tokens]
+            assert (theirs.stats.tokens, theirs.stats.hit_max_len) == (ours.stats.tokens, ours.stats.hit_max_len)
+    assert 0 < ours.stats.hit_max_len < len(ids) if eos_bias else ours.stats.hit_max_len == len(ids)
+
+
+def test_command_writes_report(tmp_path):
+    pytest.importorskip("ctranslate2")
+    pytest.importorskip("transformers")
+    ckpt = random_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS[:5]) + "\n", encoding="utf-8")
+    report = tmp_path / "r.json"
+    r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
+               str(tmp_path / "in.txt"), "--batch-sizes", "2", "--threads", "1", "--warmup", "1", "--iad",
+               "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert "ct2-greedy-float32 b2" in out and "identical to refdec-greedy b1" in out
+    rep = json.loads(report.read_text())
+    assert rep["model"] == str(ckpt) and rep["batch_sizes"] == [1, 2] and rep["threads"] == [1]
+    assert rep["conversion"]["cached"] is False and rep["interrupted"] is False
+    rows = rep["results"][0]["rows"]
+    names = [row["algo"] for row in rows]
+    assert names == [f"{m} b{b}" for b in (1, 2) for m in ("refdec-greedy", "refdec-iad", "ct2-greedy-float32",
+                                                            "ct2-greedy-int8")]
+    for row in rows:
+        assert {"ms_per_token", "sent_per_s", "identical", "differing", "tokens", "threads"} <= set(row)
+        assert row["n"] == 5 and row["tokens"] > 0
+    by_name = {row["algo"]: row for row in rows}
+    for name in ("refdec-iad b1", "refdec-iad b2", "ct2-greedy-float32 b1"):
+        assert by_name[name]["identical"] == 1.0 and by_name[name]["differing"] == []
+
+
+def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
+    from refdec import ctranslate2 as ct2
+    real_import = builtins.__import__
+
+    def no_ctranslate2(name, *args, **kwargs):
+        if name == "ctranslate2":
+            raise ImportError("No module named 'ctranslate2'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ctranslate2)
+    code = ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), "--cache-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: this needs the ctranslate2 package (pip install ctranslate2==")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-draft", "4"], "error: --max-draft has no effect without --iad"),
+    (["--threads", "1,100000"], "error: --threads must be at most the"),
+    (["--limit", "0"], "error: --limit must be at least 1"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
+    from refdec import ctranslate2 as ct2
+    code = ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), "--cache-dir", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(message)
