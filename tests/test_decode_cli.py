@@ -159,7 +159,7 @@ def test_second_models_are_checked(trained_tiny, tiny_extras):
     r = decode(trained_tiny, "--algo", "gad", "--limit", "1")  # the shipped drafter, on another vocabulary
     assert "does not share the tokenizer" in one_line_error(r)
     r = decode(trained_tiny, "--algo", "gad", "--drafter", str(trained_tiny / "missing.pt"), "--limit", "1")
-    assert "no drafter checkpoint" in one_line_error(r)
+    assert f"--drafter {trained_tiny / 'missing.pt'}: no such file or folder" in one_line_error(r)
 
 
 def test_compared_runs_take_their_own_options_and_small_models(trained_tiny, tmp_path):
@@ -187,7 +187,7 @@ def test_compared_runs_take_their_own_options_and_small_models(trained_tiny, tmp
     ("bild:fallback-threshold=high", "not a float"),
     ("bild:fallback-threshold", "NAME=VALUE"),
     ("greedy:small=x.pt", "uses no small model"),
-    ("bild:small=nowhere.pt", "no checkpoint at nowhere.pt"),
+    ("bild:small=nowhere.pt", "--compare bild:small=nowhere.pt: no such file or folder"),
     ("beam:beam-size=0", "--beam-size must be at least 1"),
     ("speculative:seed=3", "--seed has no effect without --sample"),
 ])
