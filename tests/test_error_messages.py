@@ -100,3 +100,15 @@ def test_a_checkpoint_folder_given_to_train_points_at_the_model_pt(train, capsys
                                 str(tmp_path / "run")], capsys, monkeypatch)
     assert err == ("error: --init-from checkpoints/mt-en-de is a folder: give the checkpoint in it, "
                    "--init-from checkpoints/mt-en-de/model.pt")
+
+
+def test_every_command_loading_a_checkpoint_points_a_folder_at_its_model_pt(tmp_path, monkeypatch):
+    """Was: `python -m refdec.distill --model checkpoints/mt-en-de` (and stepcost, ceiling) said
+    "checkpoint checkpoints/mt-en-de not found" of a folder that exists."""
+    from refdec.checkpoint import CheckpointError, load_checkpoint
+    monkeypatch.chdir(REPO)
+    with pytest.raises(CheckpointError, match=r"^checkpoints/mt-en-de is a folder: give the checkpoint in it, "
+                                              r"checkpoints/mt-en-de/model\.pt$"):
+        load_checkpoint("checkpoints/mt-en-de")
+    with pytest.raises(CheckpointError, match="is a folder with no model.pt in it"):
+        load_checkpoint(tmp_path)
