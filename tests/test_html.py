@@ -438,6 +438,14 @@ def test_a_link_to_a_sentence_shows_it_in_headless_chromium(iad_page, tmp_path):
     s4 = dom.split('id="s4"')[1].split('<section class="sent')[0]
     assert s4.count("<details") == len(re.findall(r"<details[^>]* open", s4)) == 3  # iad, greedy, beam
     assert "scroll-margin-top" in path.read_text(encoding="utf-8")
+    # A search that hides the linked sentence is cleared (the input starts with a query matching nothing).
+    hiding = tmp_path / "searched.html"
+    hiding.write_text(path.read_text(encoding="utf-8").replace('<input id="q" ', '<input id="q" value="zzzqqq" '),
+                      encoding="utf-8")
+    for fragment, shown in (("#s4", len(LINES)), ("", 0)):
+        dom = subprocess.run([browser, *flags, "--dump-dom", hiding.as_uri() + fragment], capture_output=True,
+                             timeout=120).stdout.decode()
+        assert f"{shown} of {len(LINES)} sentences" in dom, fragment
     mark = bytes((0xf3, 0xd3, 0x6b))  # the linked sentence's outline
     for fragment, marked in (("#s4", True), ("", False)):
         shot = tmp_path / f"page{fragment.strip('#')}.png"
