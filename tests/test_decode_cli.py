@@ -226,7 +226,7 @@ def test_iad_trace_shows_iterations(trained_tiny):
     (["--algo", "greedy", "--match", "longest"], "not used by"),
     (["--algo", "iad", "--max-draft", "-1"], "at least 0"),
     (["--algo", "iad", "--compare", "greedy,nope"], "unknown algorithm"),
-    (["--algo", "iad", "--compare", "beam@missing.pt"], "no checkpoint"),
+    (["--algo", "iad", "--compare", "beam@missing.pt"], "--compare beam@missing.pt: no such file or folder"),
     (["--algo", "bild", "--small", "x.pt", "--gamma", "2"], "not used by"),
     (["--algo", "speculative", "--small", "x.pt", "--temperature", "0"], "above 0"),
     (["--algo", "iad", "--drafter", "x.pt"], "not used by"),
@@ -253,7 +253,9 @@ def test_non_utf8_input_is_a_one_line_error(trained_tiny, tmp_path):
 
 def test_checkpoint_problems_are_one_line_errors(trained_tiny, tmp_path):
     """Guards against tracebacks for a missing checkpoint, a wrong task, or a swapped tokenizer."""
-    assert "not found" in one_line_error(run_py(*DECODE, "--algo", "greedy", "--model", str(tmp_path / "none.pt")))
+    missing = tmp_path / "none.pt"
+    assert f"--model {missing}: no such file or folder" in one_line_error(run_py(*DECODE, "--algo", "greedy", "--model",
+                                                                                 str(missing)))
     r = run_py("decode.py", "--algo", "greedy", "--task", "gec-uk", "--model", str(trained_tiny / "model.pt"))
     assert "trained for task" in one_line_error(r)
     other = tmp_path / "swapped"
