@@ -109,10 +109,17 @@ def train(args) -> int:
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     from refdec.checkpoint import CheckpointError
     from refdec.runner import usable_cores
-    from refdec.training import Interrupted, Trainer, TrainingError, log_to_stderr
+    from refdec.training import PATH_FIELDS, Interrupted, Trainer, TrainingError, log_to_stderr
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     try:
         cfg = preset_config(args.preset, changes)
+        for name in PATH_FIELDS:  # a path typed on the command line that is not there is most likely a typo
+            flag, value = f"--{name.replace('_', '-')}", changes.get(name)
+            if value and not os.path.exists(value):
+                raise ValueError(f"{flag} {value}: no such {'folder' if name == 'data_dir' else 'file'}; check the path")
+            if value and name != "data_dir" and os.path.isfile(os.path.join(value, "model.pt")):
+                raise ValueError(f"{flag} {value} is a folder: give the checkpoint in it, {flag} "
+                                 f"{os.path.join(value, 'model.pt')}")
         cfg.model_config(cfg.vocab_size)  # validates the shape before any work
         if cfg.threads > usable_cores():
             raise ValueError(f"--threads {cfg.threads} is more than the {usable_cores()} cores this machine gives "

@@ -47,6 +47,10 @@ def save_atomic(obj: dict, path: str | Path) -> None:
 
 def load_checkpoint(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():  # train.py's output folder given for the model.pt in it
+        inside = f": give the checkpoint in it, {path / 'model.pt'}" if (path / "model.pt").is_file() else \
+            " with no model.pt in it: give a checkpoint file (a model.pt written by train.py)"
+        raise CheckpointError(f"{path} is a folder{inside}")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found")
     with open(path, "rb") as f:

@@ -93,15 +93,21 @@ def summary_html(rows: list[dict], matrix, checks: list[dict]) -> str:
                           f'margin {d["margin_top1_top2"]:.3g})' for d in div)
         out.append(f'<p class="check"><b>{e(c["algo"])}</b> vs <b>{e(c["greedy"])}</b>: '
                    f'{c["identical"]:.4f} identical, {len(div)} line(s) differ' + (f": {links}" if div else "") + "</p>")
-        if c.get("edit_buckets"):
-            head = ("edit ratio", "sentences", f"{c['algo']} calls/sent", f"speedup over {c['greedy']}",
-                    "median per sentence")
+        if c.get("edit_buckets"):  # the statistic the edit-ratio chart draws, under the same name
+            head = ("edit ratio", "sentences", f"{c['algo']} calls/sent", bucket_speedup_name(c['greedy']))
             out.append('<table class="num"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr></thead><tbody>"
                        + "".join(f"<tr><td>{e(b['edit_ratio'])}</td><td>{b['sentences']}</td>"
-                                 f"<td>{b['calls_per_sentence']:.2f}</td><td>{b['speedup']:.2f}x</td>"
-                                 f"<td>{b['median_sentence_speedup']:.2f}x</td></tr>" for b in c["edit_buckets"])
+                                 f"<td>{b['calls_per_sentence']:.2f}</td><td>{b['speedup']:.2f}x</td></tr>"
+                                 for b in c["edit_buckets"])
                        + "</tbody></table>")
     return "\n".join(out)
+
+
+def bucket_speedup_name(greedy: str) -> str:
+    """The one statistic of an edit-ratio bucket that the page shows, in its table and its chart: the
+    bucket's summed time of greedy over the run's (a few slow sentences weigh as they do in the total),
+    not a per-sentence median, which can lie on the other side of 1x."""
+    return f"speedup over {greedy} (bucket's total time)"
 
 
 def legend_html() -> str:
@@ -262,30 +268,47 @@ PALETTE = ["#3b6fb6", "#e07b39", "#4c9a5b", "#b0478f", "#8c7a3a", "#5aa9b8", "#c
 
 
 def chart_quality_speed(rows: list[dict]) -> str:
-    """BLEU (and F0.5 on GEC tasks) against speed relative to the first row, one point per run."""
+    """BLEU (and F0.5 on GEC tasks) against speed relative to the first row, one point per run.
+
+    Both axes start at 0, so that the distance between two points is in proportion to the
+    difference (an autoscaled axis spreads 89.41 and 89.43 BLEU over the whole chart); each point
+    beside the first is labelled with its difference from the first, which the eye cannot read there."""
     if len(rows) < 2 or not all(r.get("bleu") is not None and r["seconds"] > 0 for r in rows):
         return ""
     import matplotlib.pyplot as plt
-    metrics = [("bleu", "BLEU")] + ([("gec_f05", "F0.5")] if all("gec_f05" in r for r in rows) else [])
+    metrics = [("bleu", "BLEU", 100.0, "{:+.2f}")] + (
+        [("gec_f05", "F0.5", 1.0, "{:+.4f}")] if all("gec_f05" in r for r in rows) else [])
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
     base = rows[0]["seconds"]
-    for ax, (key, name) in zip(axes[0], metrics):
+    speeds = [base / r["seconds"] for r in rows]
+    for ax, (key, name, scale, fmt) in zip(axes[0], metrics):
         ax.spines[["top", "right"]].set_visible(False)
         ax.grid(color="#e5e5e5", linewidth=0.8)
         ax.set_axisbelow(True)
-        for n, r in enumerate(rows):
-            x = base / r["seconds"]
+        for n, (r, x) in enumerate(zip(rows, speeds)):
             ax.scatter([x], [r[key]], s=50, color=PALETTE[n % len(PALETTE)], zorder=3, label=r["algo"],
                        marker="os^Dvp<>"[n % 8])
+            if n:
+                ax.annotate(quality_delta(r[key] - rows[0][key], fmt), (x, r[key]), textcoords="offset points",
+                            xytext=(6, -12 if n % 2 else 5), fontsize=7, color="#555")
         ax.set_xlabel(f"speed relative to {rows[0]['algo']} (higher is faster)")
-        ax.set_ylabel(name)
-        ax.margins(x=0.25, y=0.25)
+        ax.set_ylabel(f"{name} (difference from {rows[0]['algo']} beside each point)")
+        ax.set_xlim(0, 1.15 * max(speeds))
+        ax.set_ylim(0, min(scale, 1.15 * max(r[key] for r in rows)) or scale)
     axes[0][0].legend(frameon=False, fontsize=8)
-    return svg(fig, "quality", "Quality against speed: one point per run, all timed in one process.")
+    return svg(fig, "quality", f"Quality against speed: one point per run, all timed in one process; both axes start "
+                               f"at 0, and each point is labelled with its difference from {rows[0]['algo']}.")
+
+
+def quality_delta(delta: float, fmt: str) -> str:
+    """A difference from the first row's score, "same" when it prints as zero."""
+    text = fmt.format(delta)
+    return "same" if float(text) == 0 else text
 
 
 def chart_edit_buckets(checks: list[dict]) -> str:
-    """Speedup over greedy by the output's edit ratio (the lossless checks' buckets, batch size 1)."""
+    """Speedup over greedy by the output's edit ratio (the lossless checks' buckets, batch size 1):
+    bucket_speedup_name's statistic, the one the summary's bucket table gives. The axis starts at 0."""
     checks = [c for c in checks if c.get("edit_buckets")]
     if not checks:
         return ""
@@ -305,12 +328,13 @@ def chart_edit_buckets(checks: list[dict]) -> str:
     ax.axhline(1, color="#999", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(labels)), labels)
     ax.set_xlabel("edit ratio of the output (word edits / source words)")
-    ax.set_ylabel("speedup over greedy")
-    ax.margins(y=0.2)
+    ax.set_ylabel(bucket_speedup_name(checks[0]["greedy"] if len(checks) == 1 else "greedy"))
+    ax.set_ylim(0, 1.2 * max(b["speedup"] for c in checks for b in c["edit_buckets"]))
     if len(checks) > 1:
         ax.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
-    return svg(fig, "edit", "Speedup over greedy by the edit ratio of the output (how much of the source it changes), "
-                            "from per-sentence times at batch size 1; n = sentences in the bucket.")
+    return svg(fig, "edit", "Speedup over greedy by the edit ratio of the output (how much of the source it changes): "
+                            "greedy's summed time over the bucket's sentences divided by the run's, from per-sentence "
+                            "times at batch size 1 (the table above gives the same figures); n = sentences in the bucket.")
 
 
 def chart_tokens_per_call(runs: list) -> str:
@@ -383,7 +407,9 @@ figcaption { color: var(--muted); font-size: 12px; margin-top: 4px; }
 #q { flex: 1; font: inherit; padding: 6px 10px; border: 1px solid #c9c9c9; border-radius: 5px; }
 #only { font: inherit; padding: 5px; } #count { color: var(--muted); font-size: 13px; white-space: nowrap; }
 .legend { font-size: 13px; color: var(--muted); }
-.sent { background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 10px 14px; margin: 10px 0; }
+.sent { background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 10px 14px; margin: 10px 0;
+        scroll-margin-top: 64px; }
+.sent.linked { border-color: #e0a800; box-shadow: 0 0 0 2px #f3d36b; }
 .src { font-size: 15px; } .src .n { display: inline-block; min-width: 2.4em; color: var(--muted); text-decoration: none; font-size: 13px; }
 .ref { color: #3d3d3d; font-size: 13px; margin-left: 2.4em; } .lab { color: var(--muted); font-size: 11px; margin-right: 6px; text-transform: uppercase; }
 .run { margin: 6px 0 0 2.4em; border-left: 3px solid var(--line); padding-left: 10px; }
@@ -429,9 +455,21 @@ SCRIPT = """
     });
     count.textContent = shown + ' of ' + sents.length + ' sentences';
   }
+  // A link to a sentence (#s78, the lossless checks' "line 78"): clear a search or menu that hides
+  // it, open every run's decoding, mark it, and bring it into view below the sticky search bar.
+  function reveal() {
+    var m = /^#s(\\d+)$/.exec(location.hash), target = m && document.getElementById('s' + m[1]);
+    sents.forEach(function (s) { s.classList.toggle('linked', s === target); });
+    if (!target) return;
+    if (target.classList.contains('hidden')) { q.value = ''; only.value = ''; update(); }
+    Array.prototype.forEach.call(target.querySelectorAll('details'), function (d) { d.open = true; });
+    target.scrollIntoView();
+  }
   q.addEventListener('input', update);
   only.addEventListener('change', update);
+  window.addEventListener('hashchange', reveal);
   update();
+  reveal();
 })();
 """
 

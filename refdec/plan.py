@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
 from .errors import UsageError
+from .hints import check_checkpoint_path, shown, train_hint
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKPOINTS = REPO / "checkpoints"
@@ -44,10 +45,12 @@ class RunSpec:
 def check_counts(*, batch_size: int | None, max_len: int | None, limit: int | None, warmup: int, refs: list,
                  input: str | None) -> None:
     """Numbers that cannot be right whatever the algorithm."""
-    if (batch_size is not None and batch_size < 1) or (max_len is not None and max_len < 1):
-        raise UsageError("--batch-size and --max-len must be at least 1")
-    if (limit is not None and limit < 0) or warmup < 0:
-        raise UsageError("--limit and --warmup must be at least 0")
+    for flag, value in (("--batch-size", batch_size), ("--max-len", max_len)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
+    for flag, value in (("--limit", limit), ("--warmup", warmup)):
+        if value is not None and value < 0:
+            raise UsageError(f"{flag} {value}: must be at least 0")
     if refs and not input:
         raise UsageError("--ref needs --input (the default test set brings its own references)")
 
@@ -75,8 +78,8 @@ def parse_compare(spec: str) -> list[Compared]:
         name, _, path = head.partition("@")
         if name not in ALGORITHMS:
             raise UsageError(f"--compare: unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
-        if path and not Path(path).exists():
-            raise UsageError(f"--compare: no checkpoint at {path}")
+        if path:
+            check_checkpoint_path(f"--compare {name}@", path)
         algo, options, seconds, size = ALGORITHMS[name], {}, {}, None
         for setting in settings:
             key, eq, value = setting.partition("=")
@@ -90,8 +93,8 @@ def parse_compare(spec: str) -> list[Compared]:
             elif key in ("small", "drafter"):
                 if key not in algo.roles:
                     raise UsageError(f"--compare {item}: {name} uses no {key} model")
-                if not (key == "small" and value == "early-exit") and not Path(value).exists():
-                    raise UsageError(f"--compare {item}: no checkpoint at {value}")
+                if not (key == "small" and value == "early-exit"):
+                    check_checkpoint_path(f"--compare {head}:{setting.partition('=')[0]}=", value)
                 seconds[key] = value
             elif key in algo.options:
                 try:
@@ -109,15 +112,17 @@ def default_checkpoint(algo: Algorithm, task: str) -> Path:
     """checkpoints/<the algorithm's folder for task>/model.pt, or a one-line error saying what is shipped."""
     path = CHECKPOINTS / algo.checkpoint_dir(task) / "model.pt"
     if not path.exists():
-        raise UsageError(f"no checkpoint at {path}; {shipped_for(algo)}; train one (README, 'Training') or pass --model")
+        raise UsageError(f"--algo {algo.name} --task {task}: no checkpoint at {shown(path)}; {shipped_for(algo)}; "
+                         f"pass --model PATH or {train_hint(algo.checkpoint_dir(task), task)}")
     return path
 
 
 def default_second(role: str, task: str, algo: Algorithm) -> str:
-    path = CHECKPOINTS / SECOND_MODEL_DIRS[role].format(task=task) / "model.pt"
+    folder = SECOND_MODEL_DIRS[role].format(task=task)
+    path = CHECKPOINTS / folder / "model.pt"
     if not path.exists():
-        raise UsageError(f"no {role} checkpoint at {path}; {shipped_for(algo)}; pass --{role} or train one "
-                         f"(README, 'Training')")
+        raise UsageError(f"--algo {algo.name} --task {task}: no {role} checkpoint at {shown(path)}; {shipped_for(algo)}; "
+                         f"pass --{role} PATH or {train_hint(folder, task)}")
     return str(path)
 
 
@@ -147,6 +152,8 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         if any(c.batch_size for c in compares):
             raise UsageError("--batch-sizes sets every run's batch size: a --compare run cannot set its own")
         items = [Compared(c.name, c.path, c.options, c.seconds, n) for n in sizes for c in items]
+    if model:
+        check_checkpoint_path("--model ", model)
     main = Path(model) if model else default_checkpoint(first, task)
     specs = []
     for c in items:
@@ -188,9 +195,8 @@ def shared_seconds(specs: list[RunSpec], task: str, given: dict) -> dict:
     first, out = specs[0].algo, {}
     for role in sorted(need):
         out[role] = given.get(role) or default_second(role, task, first)
-        if out[role] != "early-exit" and not Path(out[role]).exists():
-            raise UsageError(f"no {role} checkpoint at {out[role]}; {shipped_for(first)}; pass --{role} or train one "
-                             f"(README, 'Training')")
+        if out[role] != "early-exit" and given.get(role):
+            check_checkpoint_path(f"--{role} ", out[role])
     return out
 
 

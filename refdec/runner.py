@@ -231,7 +231,7 @@ def check_fits(run: Run, ids: list, max_len: int | None, max_positions: int, dty
             need, worst = b, len(batch)
     if need > 0.8 * free:
         fit = int(0.8 * free / (need / (worst * beams)))
-        what = f"--beam-size {beams} with --batch-size {rows}" if beams > 1 else f"--batch-size {rows}"
+        what = f"beam size {beams} at batch size {rows}" if beams > 1 else f"batch size {rows}"
         advice = (f"use at most {max(fit // worst, 0)} beams" if beams > 1 and fit >= worst
                   else f"use at most {max(fit // beams, 1)} sentences per batch" + (" with one beam" if beams > 1 else ""))
         raise UsageError(f"{run.name}: {what} needs about {need / 2**30:.1f} GiB for its caches and scores, more than "

@@ -166,7 +166,7 @@ def test_second_models_are_checked(trained_tiny, tiny_extras):
     r = decode(trained_tiny, "--algo", "gad", "--limit", "1")  # the shipped drafter, on another vocabulary
     assert "does not share the tokenizer" in one_line_error(r)
     r = decode(trained_tiny, "--algo", "gad", "--drafter", str(trained_tiny / "missing.pt"), "--limit", "1")
-    assert "no drafter checkpoint" in one_line_error(r)
+    assert f"--drafter {trained_tiny / 'missing.pt'}: no such file or folder" in one_line_error(r)
 
 
 @pytest.mark.slow
@@ -196,7 +196,7 @@ def test_compared_runs_take_their_own_options_and_small_models(trained_tiny, tmp
     ("bild:fallback-threshold=high", "not a float"),
     ("bild:fallback-threshold", "NAME=VALUE"),
     ("greedy:small=x.pt", "uses no small model"),
-    ("bild:small=nowhere.pt", "no checkpoint at nowhere.pt"),
+    ("bild:small=nowhere.pt", "--compare bild:small=nowhere.pt: no such file or folder"),
     ("beam:beam-size=0", "--beam-size must be at least 1"),
     ("speculative:seed=3", "--seed has no effect without --sample"),
 ])
@@ -237,7 +237,7 @@ def test_iad_trace_shows_iterations(trained_tiny):
     (["--algo", "greedy", "--match", "longest"], "not used by"),
     (["--algo", "iad", "--max-draft", "-1"], "at least 0"),
     (["--algo", "iad", "--compare", "greedy,nope"], "unknown algorithm"),
-    (["--algo", "iad", "--compare", "beam@missing.pt"], "no checkpoint"),
+    (["--algo", "iad", "--compare", "beam@missing.pt"], "--compare beam@missing.pt: no such file or folder"),
     (["--algo", "bild", "--small", "x.pt", "--gamma", "2"], "not used by"),
     (["--algo", "speculative", "--small", "x.pt", "--temperature", "0"], "above 0"),
     (["--algo", "iad", "--drafter", "x.pt"], "not used by"),
@@ -266,7 +266,9 @@ def test_non_utf8_input_is_a_one_line_error(trained_tiny, tmp_path):
 @pytest.mark.slow
 def test_checkpoint_problems_are_one_line_errors(trained_tiny, tmp_path):
     """Guards against tracebacks for a missing checkpoint, a wrong task, or a swapped tokenizer."""
-    assert "not found" in one_line_error(run_py(*DECODE, "--algo", "greedy", "--model", str(tmp_path / "none.pt")))
+    missing = tmp_path / "none.pt"
+    assert f"--model {missing}: no such file or folder" in one_line_error(run_py(*DECODE, "--algo", "greedy", "--model",
+                                                                                 str(missing)))
     r = run_py("decode.py", "--algo", "greedy", "--task", "gec-uk", "--model", str(trained_tiny / "model.pt"))
     assert "trained for task" in one_line_error(r)
     other = tmp_path / "swapped"

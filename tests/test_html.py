@@ -371,3 +371,93 @@ def test_page_renders_in_headless_chromium(iad_page, tmp_path):
     assert background < 0.97 * len(pixels), "the page is almost one colour"
     dom = subprocess.run([browser, *flags, "--dump-dom", path.as_uri()], capture_output=True, timeout=120).stdout.decode()
     assert f"{len(LINES)} of {len(LINES)} sentences" in dom
+
+
+# ---------------------------------------------------------------- charts that do not exaggerate, links that land
+
+def chart_figure(monkeypatch, draw, *args):
+    """The matplotlib figure a chart function draws (its SVG step skipped)."""
+    from refdec import htmlreport
+    monkeypatch.setattr(htmlreport, "svg", lambda fig, name, caption: fig)
+    return draw(*args)
+
+
+@pytest.mark.slow
+def test_quality_axes_start_at_zero_and_name_the_difference(monkeypatch):
+    """Case: the quality chart autoscaled its axis to 89.410-89.435 BLEU and 0.394-0.401 F0.5, so a
+    0.02 BLEU difference filled the chart. Both axes now start at 0 and each point beside the first
+    carries its difference from the first row."""
+    from refdec import htmlreport
+    rows = [{"algo": "iad", "seconds": 10.0, "bleu": 89.41, "gec_f05": 0.3940},
+            {"algo": "greedy", "seconds": 40.0, "bleu": 89.43, "gec_f05": 0.4010},
+            {"algo": "beam", "seconds": 70.0, "bleu": 89.41, "gec_f05": 0.3940}]
+    fig = chart_figure(monkeypatch, htmlreport.chart_quality_speed, rows)
+    bleu, f05 = fig.axes
+    assert bleu.get_ylim()[0] == 0 and f05.get_ylim()[0] == 0
+    assert bleu.get_xlim()[0] == 0 and f05.get_xlim()[0] == 0
+    assert bleu.get_ylim()[1] <= 100 and f05.get_ylim()[1] <= 1
+    assert {t.get_text() for t in bleu.texts} == {"+0.02", "same"}
+    assert {t.get_text() for t in f05.texts} == {"+0.0070", "same"}
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+@pytest.mark.slow
+def test_edit_ratio_chart_and_table_show_one_named_statistic(monkeypatch):
+    """Case: the bar of bucket (0.1, 0.2] read 0.65x where the table beside it gave a median of 2.27x
+    for the same bucket. The page now shows one statistic, the bucket's total-time speedup, under one
+    name in the chart and the table."""
+    from refdec import htmlreport
+    buckets = [{"edit_ratio": "0", "sentences": 5, "calls_per_sentence": 1.0, "speedup": 4.1,
+                "median_sentence_speedup": 4.3},
+               {"edit_ratio": "(0.1, 0.2]", "sentences": 3, "calls_per_sentence": 5.0, "speedup": 0.65,
+                "median_sentence_speedup": 2.27}]
+    checks = [{"algo": "iad", "greedy": "greedy", "identical": 1.0, "divergences": [], "edit_buckets": buckets}]
+    rows = [{"algo": "iad", "seconds": 1.0}, {"algo": "greedy", "seconds": 3.0}]
+    table = htmlreport.summary_html(rows, None, checks)
+    fig = chart_figure(monkeypatch, htmlreport.chart_edit_buckets, checks)
+    ax = fig.axes[0]
+    name = htmlreport.bucket_speedup_name("greedy")
+    assert ax.get_ylabel() == name and f"<th>{html.escape(name)}</th>" in table
+    assert [round(b.get_height(), 2) for b in ax.patches] == [4.1, 0.65]
+    assert ax.get_ylim()[0] == 0
+    assert "0.65x" in table and "4.10x" in table and "2.27x" not in table and "median" not in table
+    assert [t.get_text().split("\n")[0] for t in ax.texts] == ["4.10x", "0.65x"]
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(shutil.which(b) for b in BROWSERS), reason="no chromium or chrome on PATH")
+def test_a_link_to_a_sentence_shows_it_in_headless_chromium(iad_page, tmp_path):
+    """Case: page.html#s78 screenshotted blank in headless Chromium. The cause is the screenshot, not
+    the page: headless --screenshot paints nothing of a scrolled viewport (a plain page of 100
+    paragraphs opened at #s78, or scrolled by a script, comes out blank too), while its DOM is
+    scrolled to the sentence. So the page is opened at #s4 in a window taller than the page: the
+    linked sentence must be marked (and its runs' decodings opened) by the page's script, and be
+    painted with its mark; the sticky search bar must not cover it when the browser scrolls."""
+    path = iad_page[0]
+    browser = next(shutil.which(b) for b in BROWSERS if shutil.which(b))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'prof'}"]
+    dom = subprocess.run([browser, *flags, "--dump-dom", path.as_uri() + "#s4"], capture_output=True,
+                         timeout=120).stdout.decode()
+    linked = re.findall(r'<section class="sent linked" id="s(\d+)"', dom)
+    assert linked == ["4"], linked
+    s4 = dom.split('id="s4"')[1].split('<section class="sent')[0]
+    assert s4.count("<details") == len(re.findall(r"<details[^>]* open", s4)) == 3  # iad, greedy, beam
+    assert "scroll-margin-top" in path.read_text(encoding="utf-8")
+    # A search that hides the linked sentence is cleared (the input starts with a query matching nothing).
+    hiding = tmp_path / "searched.html"
+    hiding.write_text(path.read_text(encoding="utf-8").replace('<input id="q" ', '<input id="q" value="zzzqqq" '),
+                      encoding="utf-8")
+    for fragment, shown in (("#s4", len(LINES)), ("", 0)):
+        dom = subprocess.run([browser, *flags, "--dump-dom", hiding.as_uri() + fragment], capture_output=True,
+                             timeout=120).stdout.decode()
+        assert f"{shown} of {len(LINES)} sentences" in dom, fragment
+    mark = bytes((0xf3, 0xd3, 0x6b))  # the linked sentence's outline
+    for fragment, marked in (("#s4", True), ("", False)):
+        shot = tmp_path / f"page{fragment.strip('#')}.png"
+        subprocess.run([browser, *flags, "--window-size=1280,6000", f"--screenshot={shot}", path.as_uri() + fragment],
+                       capture_output=True, timeout=120)
+        pixels = png_pixels(shot)[2]
+        assert (pixels.count(mark) > 200) == marked, fragment

@@ -1,0 +1,49 @@
+"""The README and docs/ against the code they describe: the words decode.py prints, the commands
+the repository has, the files the quick start writes. Reads text only; a fraction of a second."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from conftest import REPO
+
+PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "hf.md")]
+
+
+def text(path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def test_every_runnable_module_is_in_the_readme_layout():
+    """Case: `python -m refdec.fuzz` was missing from the README's layout."""
+    layout = text(REPO / "README.md").split("## Layout", 1)[1].split("\n## ", 1)[0]
+    runnable = sorted(p.stem for p in (REPO / "refdec").glob("*.py") if '__name__ == "__main__"' in text(p))
+    assert runnable
+    for name in runnable:
+        assert f"python -m refdec.{name}" in layout, name
+
+
+def test_the_docs_speak_the_speed_column_decode_py_prints():
+    """Case: the docs read "speedup = row seconds / first row's" and "time vs greedy 1.64x" where
+    decode.py prints "speed vs greedy: 1.64x slower"."""
+    from refdec.runner import relative_speed
+    assert relative_speed(1.64) == "1.64x slower" and relative_speed(1 / 1.5) == "1.50x faster"
+    for page in PAGES:
+        body = text(page)
+        for old in ("speedup = ", "time vs greedy", "speedup over large greedy", "one-minute demo"):
+            assert old not in body, f"{page.name}: {old!r}"
+        assert not re.search(r"\bcommit [0-9a-f]{7,40}\b", body), page.name  # development history
+
+
+def test_the_quick_starts_outputs_are_ignored_by_git():
+    """Case: `r.html` from the quick start showed up as an untracked file while `r.json` did not."""
+    readme = text(REPO / "README.md")
+    written = set(re.findall(r"^    .*?--(?:report|html) ([\w.]+)", readme.split("## Algorithm map")[0], re.M))
+    assert {"r.json", "r.html"} <= written
+    r = subprocess.run(["git", "check-ignore", *sorted(written)], cwd=REPO, capture_output=True, text=True)
+    if r.returncode == 128:  # not a git checkout (an unpacked archive): read the file instead
+        ignored = set(text(REPO / ".gitignore").split())
+        assert written <= ignored
+    else:
+        assert set(r.stdout.split()) == written
