@@ -27,7 +27,7 @@ def test_every_runnable_module_is_in_the_readme_layout():
 def test_the_docs_speak_the_speed_column_decode_py_prints():
     """Case: the docs read "speedup = row seconds / first row's" and "time vs greedy 1.64x" where
     decode.py prints "speed vs greedy: 1.64x slower"."""
-    from refdec.runner import relative_speed
+    from refdec.report import relative_speed
     assert relative_speed(1.64) == "1.64x slower" and relative_speed(1 / 1.5) == "1.50x faster"
     for page in PAGES:
         body = text(page)
