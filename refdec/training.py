@@ -20,10 +20,11 @@ run resumes it (its stored configuration, task and vocabulary must then agree wi
 beyond the schedule fields of RESUMABLE_CHANGES) or is told to overwrite it. Ctrl-C (SIGINT) ends
 the run after the current update with last.pt saved, so --resume continues it exactly.
 
-Each mode trains on a loss of its own, chosen once per run (`build_objective`): CrossEntropyLoss
+Each mode trains on a loss of its own, chosen once per run (`objective_class`): CrossEntropyLoss
 (a plain model), DistillationLoss (kd_from), EarlyExitLoss (early_exit), ProposalHeadsLoss
-(proposal_k) and DrafterLoss (drafter_k); each also evaluates on the dev set and names what its
-checkpoints carry beside the model.
+(proposal_k) and DrafterLoss (drafter_k). Each mode also owns what it adds to a run: what it loads
+or creates beside the model (the teacher, the heads), its dev evaluation, what its checkpoints
+carry and how those are averaged and kept in model.pt, so the loop (Trainer) is the same for all.
 
 With `proposal_k` the run trains the proposal heads of blockwise parallel decoding (refdec.proposal)
 on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
@@ -61,6 +62,7 @@ from .decoding.greedy import decode_greedy
 from .metrics import corpus_bleu
 from .model import SharedEncoder, Transformer
 from .drafter import block_batch, glance, glancing_ratio
+from .errors import UsageError
 from .proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from .tokenizer import Tokenizer, iter_training_text
 
@@ -73,7 +75,7 @@ RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eva
 PATH_FIELDS = ("init_from", "tokenizer_from", "encoder_from", "kd_from", "data_dir")
 
 
-class TrainingError(Exception):
+class TrainingError(UsageError):
     """A run that cannot start or go on as asked: train.py prints the message on one line and exits 2."""
 
 

@@ -52,6 +52,26 @@ AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ChooseRule = Callable[[torch.Tensor, int, bool], int]
 
 
+def accept_row(draft: list[int], logits: torch.Tensor, argmax: list[int], *, budget: int, eos_id: int,
+               accept: AcceptRule | None = None, choose: ChooseRule | None = None,
+               draft_ids: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """One row's acceptance, the step above: (the committed tokens, n the number of drafted tokens
+    that passed). logits (m + 1, V) and argmax (m + 1 ids, the lowest among equal maxima) are the
+    verifier's at positions last, d_1 .. d_m; draft_ids: the draft as a tensor on their device."""
+    if not draft:
+        passed = []
+    elif accept is None:
+        passed = [d == p for d, p in zip(draft, argmax)]  # d_i passes when it is p_(i-1)
+    else:
+        ids = draft_ids if draft_ids is not None else torch.tensor(draft, device=logits.device)
+        passed = accept(logits[:len(draft)], ids).tolist()
+    n = next((i for i, good in enumerate(passed) if not good), len(passed))  # the bifurcation
+    tokens = draft[:n] + [argmax[n] if choose is None else choose(logits[n], n, n < len(draft))]
+    if eos_id in tokens:
+        tokens = tokens[: tokens.index(eos_id) + 1]  # nothing after the first eos
+    return tokens[:budget], n  # nothing past max_len
+
+
 def per_row(rule, b: int):
     """Row b's rule: `rule` itself when one rule serves every row, else rule[b] (a rule per row)."""
     return rule[b] if isinstance(rule, (list, tuple)) else rule
@@ -75,26 +95,6 @@ class Verified:
     hidden: torch.Tensor
 
 
-def accept_row(draft: list[int], logits: torch.Tensor, argmax: list[int], *, budget: int, eos_id: int,
-               accept: AcceptRule | None = None, choose: ChooseRule | None = None,
-               draft_ids: torch.Tensor | None = None) -> tuple[list[int], int]:
-    """One row's acceptance, the step above: (the committed tokens, n the number of drafted tokens
-    that passed). logits (m + 1, V) and argmax (m + 1 ids, the lowest among equal maxima) are the
-    verifier's at positions last, d_1 .. d_m; draft_ids: the draft as a tensor on their device."""
-    if not draft:
-        passed = []
-    elif accept is None:
-        passed = [d == p for d, p in zip(draft, argmax)]  # d_i passes when it is p_(i-1)
-    else:
-        ids = draft_ids if draft_ids is not None else torch.tensor(draft, device=logits.device)
-        passed = accept(logits[:len(draft)], ids).tolist()
-    n = next((i for i, good in enumerate(passed) if not good), len(passed))  # the bifurcation
-    tokens = draft[:n] + [argmax[n] if choose is None else choose(logits[n], n, n < len(draft))]
-    if eos_id in tokens:
-        tokens = tokens[: tokens.index(eos_id) + 1]  # nothing after the first eos
-    return tokens[:budget], n  # nothing past max_len
-
-
 def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft: list[int], *,
            budget: int, eos_id: int, accept: AcceptRule | None = None,
            choose: ChooseRule | None = None) -> Verified:
@@ -116,7 +116,7 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     each row's drafting distributions).
 
     Drafts of different lengths are right-padded to the longest; a padded position comes after all
-    of its row's real ones, so causal attention keeps it out of them, and it is cut with the rest.
+    of its row's fed ones, so causal attention keeps it out of them, and it is cut with the rest.
     Acceptance, the bifurcation token (the lowest id among equal maxima, as greedy's argmax) and
     the cuts are decided per row, and row b's cache is truncated to what row b committed: the
     cache is ragged afterwards whenever rows committed different numbers of tokens."""
@@ -134,7 +134,7 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     if lengths is None:
         logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
         argmax = logits.argmax(dim=-1).tolist()  # the lowest id among equal maxima, as greedy's
-    else:  # only real positions are projected (the projection is the widest product); rows split again
+    else:  # only fed positions are projected (the projection is the widest product); rows split again
         flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < lengths[:, None]][None])[0]
         logits = flat.split(widths)  # row b: (widths[b], V)
         ids = flat.argmax(dim=-1).tolist()  # one argmax for every row's positions, then split as the logits
