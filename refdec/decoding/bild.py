@@ -84,14 +84,7 @@ def decode_bild(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
     while rows:  # Algorithm 1, line 2: while y[-1] != eos
         # Lines 3-6: the small model writes while it is confident (each row until it falls back or ends).
         runs = small_run(follower, rows, pick, fallback_threshold=fallback_threshold, max_window=max_window)
-        waiting = []
-        for r, (out, run) in enumerate(zip(rows.outputs(), runs)):
-            if rows.done(out):  # ended by the small model (eos or max_len): leaves without a large-model check
-                rows.record(r, Step(drafted=tuple(run), accepted=len(run), drafted_by="small", verified=False))
-            else:
-                waiting.append(r)
-        rows.keep(waiting)
-        runs = [runs[r] for r in waiting]
+        runs = end_unchecked(rows, runs)  # rows the small model ended leave, as in the paper, unchecked
         if not rows:
             break
         # The runs become the large model's draft: each output goes back to where its large-model call starts.
@@ -108,6 +101,19 @@ def decode_bild(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
         # Lines 11-16: y <- y[:m] + [sample(p_L[m])] (rollback), else y + [sample(p_L[-1])].
         rows.commit(runs, verified, drafted_by="small", rollback=rolled)
     return rows.result(src.device)
+
+
+def end_unchecked(rows: Rows, runs: list[list[int]]) -> list[list[int]]:
+    """Rows whose run ended the sentence (the small model's eos, or max_len) leave the batch without
+    a large-model check, traced as unverified; returns the runs of the rows that wait for one."""
+    waiting = []
+    for r, (out, run) in enumerate(zip(rows.outputs(), runs)):
+        if rows.done(out):
+            rows.record(r, Step(drafted=tuple(run), accepted=len(run), drafted_by="small", verified=False))
+        else:
+            waiting.append(r)
+    rows.keep(waiting)
+    return [runs[r] for r in waiting]
 
 
 def small_run(follower: Follower, rows: Rows, pick, *, fallback_threshold: float, max_window: int) -> list[list[int]]:
