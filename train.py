@@ -2,8 +2,8 @@
 
     python train.py --preset mt-en-de                 # about an hour on a 2-core CPU, into runs/mt-en-de/
     python train.py --preset mt-en-de --resume        # continue after an interruption (or Ctrl-C)
-    python train.py --preset tiny --max-steps 20 --out-dir /tmp/tiny    # seconds: a smoke run
-    torchrun --nproc_per_node 2 train.py --preset tiny --out-dir /tmp/ddp   # data-parallel
+    python train.py --preset tiny --max-steps 20 --out-dir runs/smoke  # seconds: a smoke run
+    torchrun --nproc_per_node 2 train.py --preset tiny --out-dir runs/ddp    # data-parallel
 
 Any field of a preset can be overridden (see --help). Output: refdec/training.py's docstring.
 A run writes into runs/<preset>/ (under the current folder) unless --out-dir says otherwise; the
@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from refdec.config import PRESETS, TrainConfig
+from refdec.errors import UsageError, run_command
 from refdec.interrupt import hold_sigint, release_sigint
 
 REPO = Path(__file__).resolve().parent
@@ -97,50 +98,41 @@ def preset_config(preset: str, changes: dict) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     hold_sigint()  # a Ctrl-C while torch is imported waits for the import to finish (see refdec/interrupt.py)
     try:
-        return train(build_parser().parse_args(argv))
-    except KeyboardInterrupt:  # before training started (loading data, training the vocabulary)
-        print("interrupted before training started: nothing was saved", file=sys.stderr)
-        return 130
+        # A Ctrl-C that reaches here came before training started (loading data, training the vocabulary).
+        return run_command(lambda: train(build_parser().parse_args(argv)), known=(
+            FileNotFoundError, NotADirectoryError, PermissionError, ValueError, TypeError),
+            interrupted="interrupted before training started: nothing was saved")
     finally:
         release_sigint(raise_held=False)  # --help or a bad flag ends main before train() released it
 
 
+def check_paths(changes: dict, path_fields) -> None:
+    """A path typed on the command line that is not there is most likely a typo: say so, naming the flag."""
+    for name in path_fields:
+        flag, value = f"--{name.replace('_', '-')}", changes.get(name)
+        if value and not os.path.exists(value):
+            raise UsageError(f"{flag} {value}: no such {'folder' if name == 'data_dir' else 'file'}; check the path")
+        if value and name != "data_dir" and os.path.isfile(os.path.join(value, "model.pt")):
+            raise UsageError(f"{flag} {value} is a folder: give the checkpoint in it, {flag} "
+                             f"{os.path.join(value, 'model.pt')}")
+
+
 def train(args) -> int:
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
-    from refdec.checkpoint import CheckpointError
-    from refdec.runner import usable_cores
-    from refdec.training import PATH_FIELDS, Interrupted, Trainer, TrainingError, log_to_stderr
+    from refdec.machine import usable_cores
+    from refdec.training import PATH_FIELDS, Interrupted, Trainer, log_to_stderr
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
-    try:
-        cfg = preset_config(args.preset, changes)
-        for name in PATH_FIELDS:  # a path typed on the command line that is not there is most likely a typo
-            flag, value = f"--{name.replace('_', '-')}", changes.get(name)
-            if value and not os.path.exists(value):
-                raise ValueError(f"{flag} {value}: no such {'folder' if name == 'data_dir' else 'file'}; check the path")
-            if value and name != "data_dir" and os.path.isfile(os.path.join(value, "model.pt")):
-                raise ValueError(f"{flag} {value} is a folder: give the checkpoint in it, {flag} "
-                                 f"{os.path.join(value, 'model.pt')}")
-        cfg.model_config(cfg.vocab_size)  # validates the shape before any work
-        if cfg.threads > usable_cores():
-            raise ValueError(f"--threads {cfg.threads} is more than the {usable_cores()} cores this machine gives "
-                             f"the run (more threads than cores only slows it down)")
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = preset_config(args.preset, changes)
+    check_paths(changes, PATH_FIELDS)
+    cfg.model_config(cfg.vocab_size)  # validates the shape before any work
+    if cfg.threads > usable_cores():
+        raise UsageError(f"--threads {cfg.threads} is more than the {usable_cores()} cores this machine gives "
+                         f"the run (more threads than cores only slows it down)")
     try:
         results = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, log=log_to_stderr).run()
     except Interrupted as e:
         print(str(e), file=sys.stderr)
         return 130
-    except (TrainingError, CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
-    except Exception as e:  # one line, whatever failed; REFDEC_DEBUG=1 shows the traceback
-        if os.environ.get("REFDEC_DEBUG"):
-            raise
-        msg = str(e).splitlines()[0] if str(e) else ""
-        print(f"error: {type(e).__name__}: {msg} (REFDEC_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return 1
     for name, r in results.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
     return 0

@@ -20,10 +20,11 @@ run resumes it (its stored configuration, task and vocabulary must then agree wi
 beyond the schedule fields of RESUMABLE_CHANGES) or is told to overwrite it. Ctrl-C (SIGINT) ends
 the run after the current update with last.pt saved, so --resume continues it exactly.
 
-Each mode trains on a loss of its own, chosen once per run (`build_objective`): CrossEntropyLoss
+Each mode trains on a loss of its own, chosen once per run (`objective_class`): CrossEntropyLoss
 (a plain model), DistillationLoss (kd_from), EarlyExitLoss (early_exit), ProposalHeadsLoss
-(proposal_k) and DrafterLoss (drafter_k); each also evaluates on the dev set and names what its
-checkpoints carry beside the model.
+(proposal_k) and DrafterLoss (drafter_k). Each mode also owns what it adds to a run: what it loads
+or creates beside the model (the teacher, the heads), its dev evaluation, what its checkpoints
+carry and how those are averaged and kept in model.pt, so the loop (Trainer) is the same for all.
 
 With `proposal_k` the run trains the proposal heads of blockwise parallel decoding (refdec.proposal)
 on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
@@ -46,7 +47,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -62,6 +63,7 @@ from .metrics import corpus_bleu
 from .decoding.adapters import SharedEncoder
 from .model import Transformer
 from .drafter import block_batch, glance, glancing_ratio
+from .errors import UsageError
 from .proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from .tokenizer import Tokenizer, iter_training_text
 
@@ -74,7 +76,7 @@ RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eva
 PATH_FIELDS = ("init_from", "tokenizer_from", "encoder_from", "kd_from", "data_dir")
 
 
-class TrainingError(Exception):
+class TrainingError(UsageError):
     """A run that cannot start or go on as asked: train.py prints the message on one line and exits 2."""
 
 
@@ -144,7 +146,12 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, keep: t
 
 class Objective(torch.nn.Module):
     """A training mode's loss as one module (what DistributedDataParallel wraps), chosen once per run
-    by `build_objective`: one subclass per mode, each with its own forward(src, tgt_in, tgt_out)."""
+    by `objective_class`: one subclass per mode, each with its own forward(src, tgt_in, tgt_out), and
+    each owning what the mode adds to a run: the parts it loads or creates beside the model (`load`),
+    what its checkpoints carry (`checkpoint_entries`, `load_entries`), how snapshots of those are
+    averaged (`average_entries`), what model.pt keeps (`final_checkpoint`) and how it is logged."""
+
+    unused_parameters = False  # DistributedDataParallel must look for weights without a gradient
 
     def __init__(self, model: Transformer, cfg: TrainConfig, encoder: Transformer | None = None):
         super().__init__()
@@ -154,7 +161,32 @@ class Objective(torch.nn.Module):
         # encoder_from: the other model's encoder, frozen and in eval mode. Kept in a tuple, not as a
         # submodule: its weights are not trained, saved, or switched to training mode with the rest.
         self.frozen_encoder = (encoder,) if encoder is not None else ()
+        # Where that encoder is, from the run's folder, and which file it was (checkpoints record both).
+        self.shared_encoder = ({"path": os.path.relpath(cfg.encoder_from, cfg.out_dir),
+                                "sha256": file_sha256(cfg.encoder_from)} if encoder is not None and cfg.encoder_from
+                               else None)
         self.step = 0  # set by the trainer: the drafter's glancing ratio decays with it
+
+    @classmethod
+    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
+             encoder: Transformer | None = None) -> "Objective":
+        """The mode's loss on `model`, with whatever else the mode loads or creates (after the model:
+        new weights draw from torch's generator in that order)."""
+        return cls.of_parts(cfg, model, encoder=encoder)
+
+    @classmethod
+    def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
+                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> "Objective":
+        """The mode's loss over parts already built (those the mode does not use are ignored)."""
+        return cls(model, cfg, encoder)
+
+    def describe(self) -> str:
+        """What the run's log line about the model adds for this mode."""
+        return f"; reads the frozen encoder of {self.cfg.encoder_from}" if self.frozen_encoder else ""
+
+    def eval_note(self, dev_size: int) -> str:
+        """What the log line of an evaluation adds after the scores."""
+        return f" (greedy BLEU on {min(self.cfg.eval_sentences, dev_size)} sentences)"
 
     def hidden(self, src: torch.Tensor, tgt_in: torch.Tensor, self_block: torch.Tensor | None = None) -> torch.Tensor:
         """The model's final decoder states, on its own encoder or on the frozen one of encoder_from
@@ -170,12 +202,22 @@ class Objective(torch.nn.Module):
         return SharedEncoder(self.model, self.frozen_encoder[0]) if self.frozen_encoder else self.model
 
     def checkpoint_entries(self, half: bool) -> dict:
-        """What a checkpoint carries beside the model to be decoded in this mode (none for a plain model)."""
-        return {}
+        """What a checkpoint carries beside the model to be decoded in this mode (for a plain model,
+        only where its frozen encoder is)."""
+        return {"shared_encoder": self.shared_encoder} if self.shared_encoder else {}
+
+    def load_entries(self, ck: dict) -> None:
+        """Take the weights beside the model back from checkpoint `ck` (none for a plain model)."""
+
+    def average_entries(self, snaps: list[dict]) -> None:
+        """Load the average of the snapshots' weights beside the model (none for a plain model)."""
+
+    def final_checkpoint(self, ck: dict) -> str:
+        """Turn checkpoint `ck` into model.pt's content in place; returns what the log says about it."""
+        return ""
 
     def smoothed(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return smoothed_loss(logits, target, self.cfg.label_smoothing, self.model.cfg.pad_id)
-
 
     @torch.no_grad()
     def evaluate(self, tok: Tokenizer, dev: data_mod.Split, device: torch.device) -> dict:
@@ -240,6 +282,23 @@ class DistillationLoss(Objective):
         super().__init__(model, cfg, encoder)
         self.teacher = (teacher,)  # frozen, kept out of the submodules as the frozen encoder is
 
+    @classmethod
+    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
+             encoder: Transformer | None = None) -> "DistillationLoss":
+        """The teacher of kd_from, frozen; it must be on the run's task and vocabulary."""
+        ck = load_checkpoint(cfg.kd_from)
+        if ck.get("tokenizer_sha256") != tok.sha256 or ck.get("task") != cfg.task:
+            raise ValueError(f"the teacher {cfg.kd_from} is not on this run's task and vocabulary")
+        return cls(model, cfg, frozen_model(ck, device), encoder)
+
+    @classmethod
+    def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
+                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> "DistillationLoss":
+        return cls(model, cfg, teacher, encoder)
+
+    def describe(self) -> str:
+        return super().describe() + f"; distils {self.cfg.kd_from} (weight {self.cfg.kd_weight})"
+
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         logits = self.model.project(self.hidden(src, tgt_in))
         loss = self.smoothed(logits, tgt_out)
@@ -252,24 +311,69 @@ class DistillationLoss(Objective):
 class EarlyExitLoss(Objective):
     """BiLD's early exit: the mean of the full model's loss and that of its first early_exit layers."""
 
+    @classmethod
+    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
+             encoder: Transformer | None = None) -> "EarlyExitLoss":
+        if not cfg.early_exit < model.cfg.dec_layers:
+            raise ValueError(f"early_exit={cfg.early_exit} needs more than {cfg.early_exit} decoder layers")
+        return cls(model, cfg)
+
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         final, early = self.model.early_exit_hidden(src, tgt_in, self.cfg.early_exit)
         return 0.5 * (self.smoothed(self.model.project(final), tgt_out)
                       + self.smoothed(self.model.project(early), tgt_out))
 
     def checkpoint_entries(self, half: bool) -> dict:
-        return {"early_exit": self.cfg.early_exit}
+        return {"early_exit": self.cfg.early_exit, **super().checkpoint_entries(half)}
 
 
 class ProposalHeadsLoss(Objective):
     """Blockwise parallel decoding's proposal heads: the loss of one random head (head_loss random),
     of the base and one random far head (base+random), or the mean over heads (mean)."""
 
+    unused_parameters = True  # head 1 (the base) is skipped in some batches when heads are drawn at random
+
     def __init__(self, model: Transformer, heads: ProposalHeads, cfg: TrainConfig):
         super().__init__(model, cfg)
         self.heads = heads
         # Head 1 is the base model itself: trained only when the base is not frozen.
         self.trained_heads = list(range(2 if cfg.freeze_base else 1, heads.k + 1))
+        # Heads on a frozen base ship without the base's weights: model.pt names the init_from file instead.
+        self.frozen_base = ({"path": os.path.relpath(cfg.init_from, cfg.out_dir), "sha256": file_sha256(cfg.init_from)}
+                            if cfg.freeze_base and cfg.init_from else None)
+
+    @classmethod
+    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
+             encoder: Transformer | None = None) -> "ProposalHeadsLoss":
+        """New heads of cfg's shape on the model, whose weights are frozen with freeze_base."""
+        heads = ProposalHeads(model.cfg.d_model, cfg.proposal_d_ff or model.cfg.d_ff, cfg.proposal_k).to(device)
+        if cfg.freeze_base:
+            model.requires_grad_(False)
+        return cls(model, heads, cfg)
+
+    @classmethod
+    def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
+                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> "ProposalHeadsLoss":
+        return cls(model, heads, cfg)
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        return super().describe() + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
+                                     f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss")
+
+    def load_entries(self, ck: dict) -> None:
+        self.heads.load_state_dict({k: v.float() for k, v in ck["proposal"]["state"].items()})
+
+    def average_entries(self, snaps: list[dict]) -> None:
+        self.heads.load_state_dict(average_states([ck["proposal"]["state"] for ck in snaps]))
+
+    def final_checkpoint(self, ck: dict) -> str:
+        """On a frozen base: the heads alone, naming the base's file (refdec.checkpoint loads it from there)."""
+        if self.frozen_base is None:
+            return ""
+        del ck["model"]
+        ck["frozen_base"] = self.frozen_base
+        return f", the heads alone: the base is {self.cfg.init_from}"
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
@@ -279,7 +383,7 @@ class ProposalHeadsLoss(Objective):
         return sum(losses) / len(losses)
 
     def checkpoint_entries(self, half: bool) -> dict:
-        return {"proposal": proposal_state(self.heads, half)}
+        return {"proposal": proposal_state(self.heads, half), **super().checkpoint_entries(half)}
 
     def chosen_heads(self) -> list[int]:
         """This batch's heads; random ones drawn from torch's generator, whose state last.pt keeps."""
@@ -324,7 +428,11 @@ class DrafterLoss(Objective):
         return {"dev_loss": loss / max(count, 1), "dev_block_accuracy": correct / max(count, 1)}
 
     def checkpoint_entries(self, half: bool) -> dict:
-        return {"drafter": {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout}}
+        return {"drafter": {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout},
+                **super().checkpoint_entries(half)}
+
+    def eval_note(self, dev_size: int) -> str:
+        return ""  # no decoding: the scores are the block's
 
     def drafter_batch(self, tgt_out: torch.Tensor, generator: torch.Generator | None = None):
         """Block inputs for every row: a random prefix length p in 0 .. len(y), then k masks."""
@@ -334,18 +442,23 @@ class DrafterLoss(Objective):
         return (t.to(tgt_out.device) for t in block_batch(ys, self.cfg.drafter_k, ps, self.cfg.drafter_layout))
 
 
-def build_objective(cfg: TrainConfig, model: Transformer, heads: ProposalHeads | None = None,
-                    encoder: Transformer | None = None, teacher: Transformer | None = None) -> Objective:
+def objective_class(cfg: TrainConfig) -> type[Objective]:
     """The loss of the run's mode (TrainConfig's rules let at most one of them be on)."""
     if cfg.drafter_k:
-        return DrafterLoss(model, cfg, encoder)
+        return DrafterLoss
     if cfg.early_exit:
-        return EarlyExitLoss(model, cfg)
-    if heads is not None:
-        return ProposalHeadsLoss(model, heads, cfg)
-    if teacher is not None:
-        return DistillationLoss(model, cfg, teacher, encoder)
-    return CrossEntropyLoss(model, cfg, encoder)
+        return EarlyExitLoss
+    if cfg.proposal_k:
+        return ProposalHeadsLoss
+    if cfg.kd_from:
+        return DistillationLoss
+    return CrossEntropyLoss
+
+
+def build_objective(cfg: TrainConfig, model: Transformer, heads: ProposalHeads | None = None,
+                    encoder: Transformer | None = None, teacher: Transformer | None = None) -> Objective:
+    """The loss of the run's mode over parts already built (a run loads its own: Objective.load)."""
+    return objective_class(cfg).of_parts(cfg, model, heads=heads, encoder=encoder, teacher=teacher)
 
 
 def frozen_model(ck: dict, device: torch.device) -> Transformer:
@@ -368,9 +481,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, base: dict | None = None, enc
     return Transformer(cfg.model_config(vocab_size)).to(device)
 
 
-class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, log=print):
-        self.cfg, self.log = cfg, log
+class Processes:
+    """The processes of a run: one, or world_size under torchrun (DistributedDataParallel; gloo on
+    CPU, nccl on CUDA), each with its rank and device. Rank 0 (the main one) writes the files."""
+
+    def __init__(self):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = torch.device("cpu")
@@ -382,313 +497,318 @@ class Trainer:
             dist.init_process_group(backend)
         elif torch.cuda.is_available():
             self.device = torch.device("cuda")
+
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def agree(self, stop: bool) -> bool:
+        """Rank 0's decision, for every rank: ranks that stopped on their own clocks or signals at
+        different steps would leave the others waiting forever in the gradient all-reduce."""
+        if self.world == 1:
+            return stop
+        flag = torch.tensor([float(stop)], device=self.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def end(self) -> None:
+        self.barrier()
+        if self.world > 1:
+            dist.destroy_process_group()
+
+
+def claim_out_dir(cfg: TrainConfig, procs: Processes, *, resume: bool, overwrite: bool) -> dict | None:
+    """Check out_dir before any work (every rank, before rank 0 writes into it); on --resume,
+    return last.pt once its stored configuration, task and vocabulary agree with this run's."""
+    out = Path(cfg.out_dir)
+    check_out_dir(out, resume=resume, overwrite=overwrite)
+    procs.barrier()
+    if overwrite and procs.is_main():
+        remove_run(out, keep=(cfg.init_from, cfg.tokenizer_from, cfg.encoder_from, cfg.kd_from))
+    if not resume:
+        return None
+    last = load_checkpoint(out / "last.pt")
+    changed = config_changes(last.get("meta", {}).get("train_config", {}), cfg)
+    if changed:
+        raise TrainingError(f"{out}/last.pt was trained with another configuration ({'; '.join(changed)}); "
+                            f"resume with the same options, or start a new run in another --out-dir")
+    return last
+
+
+def load_data(cfg: TrainConfig) -> tuple[list[tuple[str, str]], data_mod.Split]:
+    """The training pairs and the dev set, each cut to train_limit / dev_limit when set."""
+    data_dir = cfg.data_dir or data_mod.DATA_DIR
+    train = data_mod.load_split(cfg.task, "train", data_dir)
+    dev = data_mod.load_split(cfg.task, "dev", data_dir)
+    if cfg.dev_limit:  # smoke runs: validate on the first dev pairs only
+        n = cfg.dev_limit
+        dev = data_mod.Split(dev.src[:n], [r[:n] for r in dev.refs], dev.docs[:n])
+    pairs = list(zip(train.src, train.tgt))
+    return (pairs[: cfg.train_limit] if cfg.train_limit else pairs), dev
+
+
+def prepare_tokenizer(cfg: TrainConfig, procs: Processes, pairs: list[tuple[str, str]], base: dict | None,
+                      base_path: str, log) -> Tokenizer:
+    """out_dir/tokenizer.json (rank 0 writes it once): the starting model's (or the encoder's), the
+    tokenizer_from file, or a new BPE trained on the pairs; then every rank reads it."""
+    out = Path(cfg.out_dir)
+    tok_path = out / "tokenizer.json"
+    if procs.is_main() and not tok_path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        if base is not None:  # the starting model (or the encoder's) brings its vocabulary
+            shutil.copyfile(Path(base_path).parent / "tokenizer.json", tok_path)
+        elif cfg.tokenizer_from:
+            shutil.copyfile(cfg.tokenizer_from, tok_path)
+        else:
+            t0 = time.time()
+            Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size).save(tok_path)
+            log(f"tokenizer: {cfg.vocab_size} BPE tokens trained in {time.time() - t0:.0f}s -> {tok_path}")
+    procs.barrier()
+    tok = Tokenizer.load(tok_path)
+    if base is not None and base.get("tokenizer_sha256") != tok.sha256:
+        raise ValueError(f"{tok_path} is not the vocabulary of {base_path}")
+    return tok
+
+
+def encode_pairs(cfg: TrainConfig, tok: Tokenizer, pairs: list[tuple[str, str]], dev_size: int,
+                 log) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of the pairs that fit: both sides non-empty and within max_train_len tokens."""
+    src_ids = tok.encode_batch([s for s, _ in pairs])
+    tgt_ids = tok.encode_batch([t for _, t in pairs])
+    limit = min(cfg.max_train_len, cfg.max_positions - 1)
+    keep = [i for i in range(len(pairs)) if 0 < len(src_ids[i]) <= limit and 0 < len(tgt_ids[i]) <= limit]
+    src_ids, tgt_ids = [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
+    n_tok = sum(map(len, src_ids)) + sum(map(len, tgt_ids))
+    log(f"train: {len(keep)} pairs ({len(pairs) - len(keep)} skipped: empty or over {limit} tokens), "
+        f"{n_tok} tokens; dev: {dev_size} pairs")
+    return src_ids, tgt_ids
+
+
+def build_run_objective(cfg: TrainConfig, tok: Tokenizer, base: dict | None, device: torch.device) -> Objective:
+    """The frozen encoder of encoder_from, the model, and what the mode adds (Objective.load), in this
+    order: each new one draws its initial weights from torch's generator."""
+    encoder = frozen_model(base, device) if cfg.encoder_from else None
+    model = build_model(cfg, tok.vocab_size, base if cfg.init_from else None, encoder, device)
+    return objective_class(cfg).load(cfg, model, tok, device, encoder)
+
+
+@dataclass
+class Progress:
+    """How far a run is: what last.pt keeps, beside the weights and the optimizer, to resume exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    elapsed: float = 0.0  # seconds spent in updates so far (neither setup nor evaluations)
+    best_loss: float = float("inf")
+    snapshots: list[str] = field(default_factory=list)
+
+    def state(self, opt: torch.optim.Optimizer) -> dict:
+        return {"optimizer": opt.state_dict(), "step": self.step, "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch, "elapsed": self.elapsed, "best_loss": self.best_loss,
+                "snapshots": self.snapshots, "rng": torch.get_rng_state()}
+
+    @classmethod
+    def restore(cls, st: dict, opt: torch.optim.Optimizer) -> "Progress":
+        opt.load_state_dict(st["optimizer"])
+        torch.set_rng_state(st["rng"])
+        return cls(st["step"], st["epoch"], st["batch_in_epoch"], st["elapsed"], st["best_loss"], list(st["snapshots"]))
+
+
+class RunFolder:
+    """The checkpoints a run writes into out_dir (refdec/training.py's docstring lists them)."""
+
+    def __init__(self, cfg: TrainConfig, objective: Objective, tok: Tokenizer, log):
+        self.cfg, self.objective, self.tok, self.log = cfg, objective, tok, log
+        self.out = Path(cfg.out_dir)
+
+    def checkpoint(self, progress: Progress, extra: dict | None = None, half: bool = False) -> dict:
+        meta = {"train_config": self.cfg.to_dict(), "minutes": round(progress.elapsed / 60, 2), **(extra or {})}
+        ck = make_checkpoint(self.objective.model, self.cfg.task, self.tok, progress.step, meta, half=half)
+        ck.update(self.objective.checkpoint_entries(half))
+        return ck
+
+    def save_last(self, progress: Progress, opt: torch.optim.Optimizer) -> None:
+        ck = self.checkpoint(progress)
+        ck["train_state"] = progress.state(opt)
+        save_atomic(ck, self.out / "last.pt")
+
+    def load_last(self, ck: dict, opt: torch.optim.Optimizer) -> Progress:
+        if ck.get("tokenizer_sha256") != self.tok.sha256:
+            raise TrainingError(f"{self.out}/last.pt does not match {self.out}/tokenizer.json (another vocabulary)")
+        self.objective.model.load_state_dict(ck["model"])
+        self.objective.load_entries(ck)
+        progress = Progress.restore(ck["train_state"], opt)
+        self.log(f"resumed from {self.out}/last.pt at step {progress.step} (epoch {progress.epoch}, "
+                 f"{progress.elapsed / 60:.1f} min trained)")
+        return progress
+
+    def save_evaluation(self, scores: dict, progress: Progress, opt: torch.optim.Optimizer) -> None:
+        """A snapshot (the oldest beyond keep_last removed), best.pt when the dev loss is the lowest
+        yet, last.pt, and the scores' line in log.jsonl."""
+        snap = self.out / "snapshots" / f"step{progress.step:07d}.pt"
+        save_atomic(self.checkpoint(progress, scores), snap)
+        progress.snapshots.append(str(snap))
+        while len(progress.snapshots) > self.cfg.keep_last:
+            Path(progress.snapshots.pop(0)).unlink(missing_ok=True)
+        if scores["dev_loss"] < progress.best_loss:
+            progress.best_loss = scores["dev_loss"]
+            save_atomic(self.checkpoint(progress, scores), self.out / "best.pt")
+        self.save_last(progress, opt)
+        with open(self.out / "log.jsonl", "a") as f:
+            f.write(json.dumps({"step": progress.step, "minutes": round(progress.elapsed / 60, 2), **scores}) + "\n")
+
+    def finish(self, progress: Progress, evaluate) -> dict:
+        """Average the kept snapshots, evaluate best and average, write model.pt (float16) from the better
+        (or from last.pt, the final weights, with pick="last")."""
+        results = {}
+        snaps = [load_checkpoint(p) for p in progress.snapshots if Path(p).exists()]
+        if snaps:
+            self.objective.model.load_state_dict(average_states([ck["model"] for ck in snaps]))
+            self.objective.average_entries(snaps)
+            avg = evaluate()
+            save_atomic(self.checkpoint(progress, {**avg, "averaged": len(snaps)}), self.out / "average.pt")
+            results["average"] = avg
+            self.log(f"average of {len(snaps)} snapshots: " + format_scores(avg))
+        if (self.out / "best.pt").exists():
+            best = load_checkpoint(self.out / "best.pt")
+            results["best"] = {"dev_loss": progress.best_loss, **{k: best["meta"][k] for k in ("dev_bleu", "dev_block_accuracy")
+                                                                   if k in best["meta"]}, "step": best["step"]}
+        pick = "average" if "average" in results and results["average"]["dev_loss"] <= progress.best_loss else "best"
+        if self.cfg.pick == "last":  # e.g. alignment to a teacher: the references' dev loss is not the aim
+            pick = "last"
+        if (self.out / f"{pick}.pt").exists():
+            ck = load_checkpoint(self.out / f"{pick}.pt")
+            self.objective.model.load_state_dict(ck["model"])
+            self.objective.load_entries(ck)
+            final = self.checkpoint(progress, {**ck["meta"], "picked": pick}, half=True)
+            note = self.objective.final_checkpoint(final)
+            save_atomic(final, self.out / "model.pt")
+            self.log(f"model.pt <- {pick}.pt (float16{note})")
+        return results
+
+
+class Trainer:
+    """The training loop: batches of a fixed number of tokens, the learning-rate schedule, one update
+    per batch, an evaluation and checkpoints every eval_every updates, and the run's end (Ctrl-C or
+    time limit: last.pt saved; otherwise model.pt written by RunFolder.finish)."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, log=print):
+        self.cfg, self.log = cfg, log
+        self.procs = Processes()
+        self.device = self.procs.device
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.out = Path(cfg.out_dir)
         self.resume, self.overwrite = resume, overwrite
         self.stop_requested = False  # set by Ctrl-C: the loop saves last.pt and stops after this update
 
-    # -- setup -------------------------------------------------------------------------------------
-    def _is_main(self) -> bool:
-        return self.rank == 0
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-    def claim_out_dir(self) -> dict | None:
-        """Check out_dir before any work (every rank, before rank 0 writes into it); on --resume,
-        return last.pt once its stored configuration, task and vocabulary agree with this run's."""
-        check_out_dir(self.out, resume=self.resume, overwrite=self.overwrite)
-        self._barrier()
-        if self.overwrite and self._is_main():
-            cfg = self.cfg
-            remove_run(self.out, keep=(cfg.init_from, cfg.tokenizer_from, cfg.encoder_from, cfg.kd_from))
-        if not self.resume:
-            return None
-        last = load_checkpoint(self.out / "last.pt")
-        stored = last.get("meta", {}).get("train_config", {})
-        changed = config_changes(stored, self.cfg)
-        if changed:
-            raise TrainingError(f"{self.out}/last.pt was trained with another configuration ({'; '.join(changed)}); "
-                                f"resume with the same options, or start a new run in another --out-dir")
-        return last
-
     def prepare(self) -> None:
         """Everything before the first update: out_dir, data, vocabulary, models, loss and optimizer,
         and on --resume the state of last.pt."""
         cfg = self.cfg
-        last = self.claim_out_dir()
-        pairs = self._load_data()
+        last = claim_out_dir(cfg, self.procs, resume=self.resume, overwrite=self.overwrite)
+        pairs, self.dev = load_data(cfg)
         base_path = cfg.init_from or cfg.encoder_from  # a starting model, or the model whose encoder is read
         base = load_checkpoint(base_path) if base_path else None
         if base is not None and base.get("task") != cfg.task:
             raise ValueError(f"{base_path} was trained for {base.get('task')}, not {cfg.task}")
-        self._prepare_tokenizer(pairs, base, base_path)
-        self._encode_training_pairs(pairs)
+        self.tok = prepare_tokenizer(cfg, self.procs, pairs, base, base_path, self.log)
+        self.src_ids, self.tgt_ids = encode_pairs(cfg, self.tok, pairs, len(self.dev), self.log)
+        self.lengths = [(len(s), len(t)) for s, t in zip(self.src_ids, self.tgt_ids)]
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self._build_models(base)
-        self.objective = build_objective(cfg, self.model, self.heads, self.encoder_model, self.teacher)
+        self.objective = build_run_objective(cfg, self.tok, base, self.device)
+        self.model = self.objective.model
         params = [p for p in self.objective.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
-        self.step, self.epoch, self.batch_in_epoch, self.elapsed = 0, 0, 0, 0.0
-        self.best_loss = float("inf")
-        self.snapshots: list[str] = []
-        if last is not None:
-            self._load_last(last)
-        # Head 1 (the base) is skipped in some batches when drawn at random: those weights get no gradient.
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective, find_unused_parameters=self.heads is not None)
-                    if self.world > 1 else self.objective)
-        self._log_models()
-
-    def _load_data(self) -> list[tuple[str, str]]:
-        """The dev set (self.dev) and the training pairs, each cut to train_limit / dev_limit when set."""
-        cfg = self.cfg
-        data_dir = cfg.data_dir or data_mod.DATA_DIR
-        train = data_mod.load_split(cfg.task, "train", data_dir)
-        self.dev = data_mod.load_split(cfg.task, "dev", data_dir)
-        if cfg.dev_limit:  # smoke runs: validate on the first dev pairs only
-            n = cfg.dev_limit
-            self.dev = data_mod.Split(self.dev.src[:n], [r[:n] for r in self.dev.refs], self.dev.docs[:n])
-        pairs = list(zip(train.src, train.tgt))
-        return pairs[: cfg.train_limit] if cfg.train_limit else pairs
-
-    def _prepare_tokenizer(self, pairs: list[tuple[str, str]], base: dict | None, base_path: str) -> None:
-        """out_dir/tokenizer.json (rank 0 writes it once): the starting model's (or the encoder's), the
-        tokenizer_from file, or a new BPE trained on the pairs; then self.tok reads it."""
-        cfg, tok_path = self.cfg, self.out / "tokenizer.json"
-        if self._is_main() and not tok_path.exists():
-            self.out.mkdir(parents=True, exist_ok=True)
-            if base is not None:  # the starting model (or the encoder's) brings its vocabulary
-                shutil.copyfile(Path(base_path).parent / "tokenizer.json", tok_path)
-            elif cfg.tokenizer_from:
-                shutil.copyfile(cfg.tokenizer_from, tok_path)
-            else:
-                t0 = time.time()
-                Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size).save(tok_path)
-                self.log(f"tokenizer: {cfg.vocab_size} BPE tokens trained in {time.time() - t0:.0f}s -> {tok_path}")
-        self._barrier()
-        self.tok = Tokenizer.load(tok_path)
-        if base is not None and base.get("tokenizer_sha256") != self.tok.sha256:
-            raise ValueError(f"{tok_path} is not the vocabulary of {base_path}")
-
-    def _encode_training_pairs(self, pairs: list[tuple[str, str]]) -> None:
-        """Token ids of the pairs that fit (self.src_ids, self.tgt_ids) and their lengths (self.lengths)."""
-        cfg = self.cfg
-        src_ids = self.tok.encode_batch([s for s, _ in pairs])
-        tgt_ids = self.tok.encode_batch([t for _, t in pairs])
-        limit = min(cfg.max_train_len, cfg.max_positions - 1)
-        keep = [i for i in range(len(pairs)) if 0 < len(src_ids[i]) <= limit and 0 < len(tgt_ids[i]) <= limit]
-        self.src_ids = [src_ids[i] for i in keep]
-        self.tgt_ids = [tgt_ids[i] for i in keep]
-        n_tok = sum(map(len, self.src_ids)) + sum(map(len, self.tgt_ids))
-        self.log(f"train: {len(keep)} pairs ({len(pairs) - len(keep)} skipped: empty or over {limit} tokens), "
-                 f"{n_tok} tokens; dev: {len(self.dev)} pairs")
-        self.lengths = [(len(s), len(t)) for s, t in zip(self.src_ids, self.tgt_ids)]
-
-    def _build_models(self, base: dict | None) -> None:
-        """The frozen encoder of encoder_from, the model, its proposal heads and the teacher of kd_from
-        (in this order: each new one draws its initial weights from torch's generator)."""
-        cfg = self.cfg
-        self.encoder_model = frozen_model(base, self.device) if cfg.encoder_from else None
-        self.encoder_sha256 = file_sha256(cfg.encoder_from) if cfg.encoder_from else None
-        # Heads on a frozen base ship without the base's weights: model.pt names this file instead.
-        self.base_sha256 = file_sha256(cfg.init_from) if cfg.init_from and cfg.proposal_k and cfg.freeze_base else None
-        self.model = build_model(cfg, self.tok.vocab_size, base if cfg.init_from else None, self.encoder_model,
-                                 self.device)
-        if cfg.early_exit and not cfg.early_exit < self.model.cfg.dec_layers:
-            raise ValueError(f"early_exit={cfg.early_exit} needs more than {cfg.early_exit} decoder layers")
-        self.heads = None
-        if cfg.proposal_k:
-            mc = self.model.cfg
-            self.heads = ProposalHeads(mc.d_model, cfg.proposal_d_ff or mc.d_ff, cfg.proposal_k).to(self.device)
-            if cfg.freeze_base:
-                self.model.requires_grad_(False)
-        self.teacher = None
-        if cfg.kd_from:
-            t_ck = load_checkpoint(cfg.kd_from)
-            if t_ck.get("tokenizer_sha256") != self.tok.sha256 or t_ck.get("task") != cfg.task:
-                raise ValueError(f"the teacher {cfg.kd_from} is not on this run's task and vocabulary")
-            self.teacher = frozen_model(t_ck, self.device)
-
-    def _log_models(self) -> None:
-        cfg, mc = self.cfg, self.model.cfg
+        self.folder = RunFolder(cfg, self.objective, self.tok, self.log)
+        self.progress = Progress() if last is None else self.folder.load_last(last, self.opt)
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective,
+                                                              find_unused_parameters=self.objective.unused_parameters)
+                    if self.procs.world > 1 else self.objective)
+        mc = self.model.cfg
         self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, {mc.enc_layers}+{mc.dec_layers} "
-                 f"layers, d_model {mc.d_model}; {self.world} process(es) on {self.device}"
-                 + (f"; reads the frozen encoder of {cfg.encoder_from}" if cfg.encoder_from else "")
-                 + (f"; distils {cfg.kd_from} (weight {cfg.kd_weight})" if cfg.kd_from else "")
-                 + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
-                    f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss" if self.heads else ""))
+                 f"layers, d_model {mc.d_model}; {self.procs.world} process(es) on {self.device}"
+                 + self.objective.describe())
 
-    def _load_last(self, ck: dict) -> None:
-        if ck.get("tokenizer_sha256") != self.tok.sha256:
-            raise TrainingError(f"{self.out}/last.pt does not match {self.out}/tokenizer.json (another vocabulary)")
-        self.model.load_state_dict(ck["model"])
-        if self.heads is not None:
-            self.heads.load_state_dict(ck["proposal"]["state"])
-        st = ck["train_state"]
-        self.opt.load_state_dict(st["optimizer"])
-        self.step, self.epoch, self.batch_in_epoch = st["step"], st["epoch"], st["batch_in_epoch"]
-        self.elapsed, self.best_loss, self.snapshots = st["elapsed"], st["best_loss"], list(st["snapshots"])
-        torch.set_rng_state(st["rng"])
-        self.log(f"resumed from {self.out}/last.pt at step {self.step} (epoch {self.epoch}, "
-                 f"{self.elapsed / 60:.1f} min trained)")
-
-    # -- evaluation --------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """The run's mode's dev scores (Objective.evaluate, DrafterLoss.evaluate)."""
         return self.objective.evaluate(self.tok, self.dev, self.device)
 
-    # -- checkpoints -------------------------------------------------------------------------------
-    def _meta(self, extra: dict | None = None) -> dict:
-        return {"train_config": self.cfg.to_dict(), "minutes": round(self.elapsed / 60, 2), **(extra or {})}
+    def update(self, idx: list[int]) -> tuple[float, int]:
+        """One update on the training pairs `idx`: the loss and the batch's non-pad tokens."""
+        cfg, p = self.cfg, self.progress
+        src, tgt_in, tgt_out = (x.to(self.device) for x in data_mod.training_tensors(
+            [self.src_ids[i] for i in idx], [self.tgt_ids[i] for i in idx]))
+        self.lr = cfg.lr * inverse_sqrt(p.step + 1, cfg.warmup_steps)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr
+        self.objective.step = p.step
+        loss = self.ddp(src, tgt_in, tgt_out)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.objective.parameters(), cfg.clip_norm)
+        self.opt.step()
+        p.step += 1
+        p.batch_in_epoch += 1
+        pad = self.model.cfg.pad_id
+        return loss.item(), int(src.ne(pad).sum() + tgt_out.ne(pad).sum())
 
-    def _ckpt(self, meta: dict, half: bool = False) -> dict:
-        ck = make_checkpoint(self.model, self.cfg.task, self.tok, self.step, meta, half=half)
-        ck.update(self.objective.checkpoint_entries(half))
-        if self.cfg.encoder_from:  # where the encoder is, from this checkpoint's folder, and which file it was
-            ck["shared_encoder"] = {"path": os.path.relpath(self.cfg.encoder_from, self.out),
-                                    "sha256": self.encoder_sha256}
-        return ck
-
-    def _save_last(self) -> None:
-        ck = self._ckpt(self._meta())
-        ck["train_state"] = {"optimizer": self.opt.state_dict(), "step": self.step, "epoch": self.epoch,
-                             "batch_in_epoch": self.batch_in_epoch, "elapsed": self.elapsed,
-                             "best_loss": self.best_loss, "snapshots": self.snapshots, "rng": torch.get_rng_state()}
-        save_atomic(ck, self.out / "last.pt")
-
-    def _checkpoint(self, scores: dict) -> None:
-        meta = self._meta(scores)
-        snap = self.out / "snapshots" / f"step{self.step:07d}.pt"
-        save_atomic(self._ckpt(meta), snap)
-        self.snapshots.append(str(snap))
-        while len(self.snapshots) > self.cfg.keep_last:
-            Path(self.snapshots.pop(0)).unlink(missing_ok=True)
-        if scores["dev_loss"] < self.best_loss:
-            self.best_loss = scores["dev_loss"]
-            save_atomic(self._ckpt(meta), self.out / "best.pt")
-        self._save_last()
-        with open(self.out / "log.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step, "minutes": round(self.elapsed / 60, 2), **scores}) + "\n")
-
-    def finish(self) -> dict:
-        """Average the kept snapshots, evaluate best and average, write model.pt (float16) from the better
-        (or from last.pt, the final weights, with pick="last")."""
-        snaps = [load_checkpoint(p) for p in self.snapshots if Path(p).exists()]
-        states = [ck["model"] for ck in snaps]
-        results = {}
-        if states:
-            self.model.load_state_dict(average_states(states))
-            if self.heads is not None:
-                self.heads.load_state_dict(average_states([ck["proposal"]["state"] for ck in snaps]))
-            avg = self.evaluate()
-            save_atomic(self._ckpt(self._meta({**avg, "averaged": len(states)})), self.out / "average.pt")
-            results["average"] = avg
-            self.log(f"average of {len(states)} snapshots: " + format_scores(avg))
-        best_path = self.out / "best.pt"
-        if best_path.exists():
-            best = load_checkpoint(best_path)
-            results["best"] = {"dev_loss": self.best_loss, **{k: best["meta"][k] for k in ("dev_bleu", "dev_block_accuracy")
-                                                               if k in best["meta"]}, "step": best["step"]}
-        pick = "average" if "average" in results and results["average"]["dev_loss"] <= self.best_loss else "best"
-        if self.cfg.pick == "last":  # e.g. alignment to a teacher: the references' dev loss is not the aim
-            pick = "last"
-        src_file = self.out / f"{pick}.pt"
-        if src_file.exists():
-            ck = load_checkpoint(src_file)
-            self.model.load_state_dict(ck["model"])
-            if self.heads is not None:
-                self.heads.load_state_dict({k: v.float() for k, v in ck["proposal"]["state"].items()})
-            final = self._ckpt({**ck["meta"], "picked": pick}, half=True)
-            if self.heads is not None and self.cfg.freeze_base and self.cfg.init_from:  # the heads alone; the base: init_from
-                del final["model"]
-                final["frozen_base"] = {"path": os.path.relpath(self.cfg.init_from, self.out), "sha256": self.base_sha256}
-            save_atomic(final, self.out / "model.pt")
-            self.log(f"model.pt <- {pick}.pt (float16" + (", the heads alone: the base is "
-                     f"{self.cfg.init_from})" if "frozen_base" in final else ")"))
-        return results
-
-    # -- the loop ----------------------------------------------------------------------------------
     def train(self) -> dict:
-        cfg = self.cfg
+        cfg, p, world = self.cfg, self.progress, self.procs.world
         self.objective.train()
         limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else float("inf")
-        t_last, tok_count, loss_sum, loss_n = time.time(), 0, 0.0, 0
-        while self.step < cfg.max_steps and not self._should_stop(limit_s):
-            batches = data_mod.token_batches(self.lengths, cfg.batch_tokens, seed=cfg.seed * 1000 + self.epoch)
-            mine = batches[self.rank::self.world]
-            n_steps = len(batches) // self.world  # every rank must run the same number of steps
-            while self.batch_in_epoch < n_steps and self.step < cfg.max_steps and not self._should_stop(limit_s):
-                idx = mine[self.batch_in_epoch]
-                src, tgt_in, tgt_out = (x.to(self.device) for x in data_mod.training_tensors(
-                    [self.src_ids[i] for i in idx], [self.tgt_ids[i] for i in idx]))
-                lr = cfg.lr * inverse_sqrt(self.step + 1, cfg.warmup_steps)
-                for g in self.opt.param_groups:
-                    g["lr"] = lr
-                self.objective.step = self.step
-                loss = self.ddp(src, tgt_in, tgt_out)
-                self.opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.objective.parameters(), cfg.clip_norm)
-                self.opt.step()
-                self.step += 1
-                self.batch_in_epoch += 1
-                tok_count += int(src.ne(self.model.cfg.pad_id).sum() + tgt_out.ne(self.model.cfg.pad_id).sum())
-                loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+        t_last, window_start, tok_count, loss_sum, loss_n = time.time(), self._t0, 0, 0.0, 0
+        while p.step < cfg.max_steps and not self._should_stop(limit_s):
+            batches = data_mod.token_batches(self.lengths, cfg.batch_tokens, seed=cfg.seed * 1000 + p.epoch)
+            mine = batches[self.procs.rank::world]
+            n_steps = len(batches) // world  # every rank must run the same number of steps
+            while p.batch_in_epoch < n_steps and p.step < cfg.max_steps and not self._should_stop(limit_s):
+                loss, n_tok = self.update(mine[p.batch_in_epoch])
+                tok_count, loss_sum, loss_n = tok_count + n_tok, loss_sum + loss, loss_n + 1
                 now = time.time()
-                self.elapsed += now - t_last
+                p.elapsed += now - t_last
                 t_last = now
-                if self._is_main() and self.step % cfg.log_every == 0:
-                    eta = min((cfg.max_steps - self.step) * self.elapsed / max(self.step, 1), limit_s - self.elapsed)
-                    self.log(f"step {self.step:6d} | epoch {self.epoch} | loss {loss_sum / loss_n:.3f} | lr {lr:.2e} | "
-                             f"{tok_count * self.world / max(self._window(now), 1e-9):,.0f} tok/s | "
-                             f"{self.elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min")
+                if self.procs.is_main() and p.step % cfg.log_every == 0:
+                    eta = min((cfg.max_steps - p.step) * p.elapsed / max(p.step, 1), limit_s - p.elapsed)
+                    self.log(f"step {p.step:6d} | epoch {p.epoch} | loss {loss_sum / loss_n:.3f} | lr {self.lr:.2e} | "
+                             f"{tok_count * world / max(now - window_start, 1e-9):,.0f} tok/s | "
+                             f"{p.elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min")
                     tok_count, loss_sum, loss_n = 0, 0.0, 0
-                    self._window_start = now
-                if self.step % cfg.eval_every == 0:
+                    window_start = now
+                if p.step % cfg.eval_every == 0:
                     self._eval_and_save()
                     t_last = time.time()
-            if self.batch_in_epoch >= n_steps:
-                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            if p.batch_in_epoch >= n_steps:
+                p.epoch, p.batch_in_epoch = p.epoch + 1, 0
         if self.stop_requested:  # Ctrl-C: keep what was trained, resumable, and stop
-            if self._is_main():
-                self._save_last()
-            self._barrier()
-            raise Interrupted(f"interrupted at step {self.step}: {self.out}/last.pt saved; "
+            if self.procs.is_main():
+                self.folder.save_last(p, self.opt)
+            self.procs.barrier()
+            raise Interrupted(f"interrupted at step {p.step}: {self.out}/last.pt saved; "
                               f"continue with the same command and --resume")
-        if self.step % cfg.eval_every:
+        if p.step % cfg.eval_every:
             self._eval_and_save()
-        results = self.finish() if self._is_main() else {}
-        self._barrier()
-        if self.world > 1:
-            dist.destroy_process_group()
+        results = self.folder.finish(p, self.evaluate) if self.procs.is_main() else {}
+        self.procs.end()
         return results
 
     def _should_stop(self, limit_s: float) -> bool:
-        """Out of time, or Ctrl-C was pressed. Rank 0 decides for everyone: ranks that stopped on their
-        own clocks or signals at different steps would leave the others waiting forever in the
-        gradient all-reduce."""
-        stop = self.elapsed >= limit_s or self.stop_requested
-        if self.world > 1:
-            flag = torch.tensor([float(stop)], device=self.device)
-            dist.broadcast(flag, src=0)
-            stop = bool(flag.item())
-            self.stop_requested = self.stop_requested or (stop and self.elapsed < limit_s)
+        """Out of time, or Ctrl-C was pressed (rank 0 decides for every rank)."""
+        stop = self.procs.agree(self.progress.elapsed >= limit_s or self.stop_requested)
+        self.stop_requested = self.stop_requested or (stop and self.progress.elapsed < limit_s)
         return stop
 
-    def _window(self, now: float) -> float:
-        start = getattr(self, "_window_start", None) or self._t0
-        return now - start
-
     def _eval_and_save(self) -> None:
-        if self._is_main():
+        if self.procs.is_main():
             scores = self.evaluate()
-            self.log(f"eval step {self.step}: " + format_scores(scores)
-                     + ("" if self.cfg.drafter_k else f" (greedy BLEU on {min(self.cfg.eval_sentences, len(self.dev))} sentences)"))
-            self._checkpoint(scores)
-        self._barrier()
+            self.log(f"eval step {self.progress.step}: " + format_scores(scores) + self.objective.eval_note(len(self.dev)))
+            self.folder.save_evaluation(scores, self.progress, self.opt)
+        self.procs.barrier()
 
     def run(self) -> dict:
         self._t0 = time.time()

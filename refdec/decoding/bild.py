@@ -49,9 +49,10 @@ import torch
 from ..model import Transformer
 from ..trace import Step
 from .pairing import Follower, check_pair, encoder_passes, small_memory
-from .result import DecodeResult, DecodeStats, result_of
+from .result import DecodeResult, DecodeStats
+from .rows import Rows
 from .sampling import distribution, draw
-from .verify import commit, leave, verify_rows
+from .verify import verify_rows
 
 
 def rollback_rule(threshold: float):
@@ -78,68 +79,63 @@ def decode_bild(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
     B = src.shape[0]
     stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(large, small))
     mem_l = large.encode(src)
-    cache_l = large.new_cache(B, capacity=max_len + 1)
     follower = Follower(small, small_memory(large, small, mem_l, src), capacity=max_len + 1)
-    outs: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
-    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
-    while alive:  # Algorithm 1, line 2: while y[-1] != eos
+    rows = Rows(cfg, B, max_len, stats, trace, memories=[mem_l], caches=[large.new_cache(B, capacity=max_len + 1), follower])
+    while rows:  # Algorithm 1, line 2: while y[-1] != eos
         # Lines 3-6: the small model writes while it is confident (each row until it falls back or ends).
-        pending, finished = small_run(follower, alive, outs, stats, pick, fallback_threshold=fallback_threshold,
-                                      max_window=max_window, max_len=max_len, cfg=cfg)
-        for r in finished:  # ended by the small model, without a large-model check
-            if steps is not None:
-                steps[alive[r]].append(Step(drafted=tuple(pending[r]), accepted=len(pending[r]), drafted_by="small",
-                                            verified=False))
-        waiting = [r for r in range(len(alive)) if r not in finished]
-        if len(waiting) < len(alive):
-            mem_l, = leave(waiting, len(alive), [mem_l], [cache_l, follower])
-            alive, pending = [alive[r] for r in waiting], [pending[r] for r in waiting]
-        if not alive:
+        runs = small_run(follower, rows, pick, fallback_threshold=fallback_threshold, max_window=max_window)
+        runs = end_unchecked(rows, runs)  # rows the small model ended leave, as in the paper, unchecked
+        if not rows:
             break
+        # The runs become the large model's draft: each output goes back to where its large-model call starts.
+        for out, run in zip(rows.outputs(), runs):
+            del out[len(out) - len(run):]
         # Lines 8-10: fall back; one large-model call over every token since its last call finds m,
         # the first small-model token with d(p_L[m], p_S[m]) > rollback_threshold.
-        before = [len(outs[b]) - len(p) for b, p in zip(alive, pending)]  # committed before the small model's run
-        verified = verify_rows(large, mem_l, cache_l, [outs[b][n - 1] if n else cfg.bos_id for b, n in zip(alive, before)],
-                               pending, budgets=[max_len - n for n in before], eos_id=cfg.eos_id, accept=accept,
-                               choose=choose)
+        verified = verify_rows(large, rows.memory, rows.cache, rows.lasts(), runs, budgets=rows.budgets(),
+                               eos_id=cfg.eos_id, accept=accept, choose=choose)
         stats.verifier_calls += 1
-        stats.fallbacks += len(alive)
-        rolled = [v.accepted < len(p) for v, p in zip(verified, pending)]
+        stats.fallbacks += len(rows)
+        rolled = [v.accepted < len(run) for v, run in zip(verified, runs)]
         stats.rollbacks += sum(rolled)
         # Lines 11-16: y <- y[:m] + [sample(p_L[m])] (rollback), else y + [sample(p_L[-1])].
-        for b, n in zip(alive, before):
-            del outs[b][n:]
-        going = commit(alive, pending, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
-                       drafted_by="small", rollback=rolled)
-        mem_l, = leave(going, len(alive), [mem_l], [cache_l, follower])
-        alive = [alive[r] for r in going]
-    return result_of(outs, cfg.eos_id, stats, steps, src.device)
+        rows.commit(runs, verified, drafted_by="small", rollback=rolled)
+    return rows.result(src.device)
 
 
-def small_run(follower: Follower, alive: list[int], outs: list[list[int]], stats: DecodeStats, pick, *,
-              fallback_threshold: float, max_window: int, max_len: int, cfg) -> tuple[list[list[int]], list[int]]:
-    """Algorithm 1, lines 3-6, for every alive row in the same small-model calls: the small model
+def end_unchecked(rows: Rows, runs: list[list[int]]) -> list[list[int]]:
+    """Rows whose run ended the sentence (the small model's eos, or max_len) leave the batch without
+    a large-model check, traced as unverified; returns the runs of the rows that wait for one."""
+    waiting = []
+    for r, (out, run) in enumerate(zip(rows.outputs(), runs)):
+        if rows.done(out):
+            rows.record(r, Step(drafted=tuple(run), accepted=len(run), drafted_by="small", verified=False))
+        else:
+            waiting.append(r)
+    rows.keep(waiting)
+    return [runs[r] for r in waiting]
+
+
+def small_run(follower: Follower, rows: Rows, pick, *, fallback_threshold: float, max_window: int) -> list[list[int]]:
+    """Algorithm 1, lines 3-6, for every batch row in the same small-model calls: the small model
     appends its token to a row's output while its max probability is at least fallback_threshold
-    and it wrote fewer than max_window tokens in this run. Returns each batch row's run and the
-    batch rows that ended on the small model's eos or at max_len."""
-    pending: list[list[int]] = [[] for _ in alive]  # each row's small-model tokens since the large model's last call
-    writing = list(range(len(alive)))  # rows the small model still writes for; the others fell back or finished
-    finished = []
+    and it wrote fewer than max_window tokens in this run, and the row has not finished (eos or
+    max_len). Returns each batch row's run: the tokens the small model appended."""
+    outs = rows.outputs()
+    runs: list[list[int]] = [[] for _ in outs]  # each row's small-model tokens since the large model's last call
+    writing = list(range(len(rows)))  # rows the small model still writes for; the others fell back or finished
     while writing:
-        logits_s = follower.next_logits([[cfg.bos_id] + outs[b] for b in alive])  # line 3: p_S <- small(y)
-        stats.drafter_calls += 1
+        logits_s = follower.next_logits(rows.prefixes())  # line 3: p_S <- small(y)
+        rows.stats.drafter_calls += 1
         confident = (torch.softmax(logits_s.double(), dim=-1).max(dim=-1).values >= fallback_threshold).tolist()
         still = []
         for r in writing:
-            if not (confident[r] and len(pending[r]) < max_window):  # line 4 fails: falls back, waits for the large model
+            if not (confident[r] and len(runs[r]) < max_window):  # line 4 fails: falls back, waits for the large model
                 continue
             tok = pick(logits_s[r])  # line 6: y <- y + [sample(p_S[-1])]
-            outs[alive[r]].append(tok)
-            pending[r].append(tok)
-            if tok == cfg.eos_id or len(outs[alive[r]]) >= max_len:
-                finished.append(r)
-            else:
+            outs[r].append(tok)
+            runs[r].append(tok)
+            if not rows.done(outs[r]):
                 still.append(r)
         writing = still
-    return pending, finished
+    return runs

@@ -29,7 +29,7 @@ output. Approximate inference (section 5), each lossy:
 
 Batches: every row still decoding is verified in the same call (refdec.decoding.verify.verify_rows),
 its proposals padded to the longest; each row accepts its own prefix, its heads read its own row of
-the bifurcation, and a row that reaches eos or max_len leaves the batch.
+the bifurcation, and a row that reaches eos or max_len leaves the batch (refdec.decoding.rows).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import torch
 
 from ..model import Transformer
 from ..proposal import ProposalHeads
-from ..trace import Step
-from .result import DecodeResult, DecodeStats, check_eval, result_of
+from .result import DecodeResult, DecodeStats, check_eval
+from .rows import Rows
 from .ties import rank
-from .verify import commit, last_tokens, leave, verify_rows
+from .verify import Verified, verify_rows
 
 BLOCK_RULES = ("exact", "top-k", "distance")
 
@@ -91,26 +91,28 @@ def decode_blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor
     accept = accept_rule(block_rule, top_k=top_k, values=values, epsilon=epsilon, min_block=min_block)
     cfg = model.cfg
     B = src.shape[0]
-    memory = model.encode(src)
     stats = DecodeStats(sentences=B, encoder_calls=1)
-    cache = model.new_cache(B, capacity=max_len + k + 1)
-    outs: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
-    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
-    proposals: list[list[int]] = [[] for _ in alive]  # per alive row; the first call proposes nothing
-    while alive:
+    rows = Rows(cfg, B, max_len, stats, trace, memories=[model.encode(src)],
+                caches=[model.new_cache(B, capacity=max_len + k + 1)])
+    proposals: list[list[int]] = [[] for _ in rows.alive]  # per batch row; the first call proposes nothing
+    while rows:
         # Verify (section 3): the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^,
         # all i in one call, which also gives p_1's own token after them.
-        verified = verify_rows(model, memory, cache, last_tokens(outs, alive, cfg.bos_id), proposals,
-                               budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id, accept=accept)
+        verified = verify_rows(model, rows.memory, rows.cache, rows.lasts(), proposals, budgets=rows.budgets(),
+                               eos_id=cfg.eos_id, accept=accept)
         stats.verifier_calls += 1
         # Accept: extend the output by the k^ verified tokens (p_1's own included); j <- j + k^.
-        going = commit(alive, proposals, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
-                       drafted_by="heads")
+        going = rows.commit(proposals, verified, drafted_by="heads")
         # Predict, merged into this call (section 4): y^_(j+i) = argmax p_i(. | y^_<=j, x), i = 2 .. k,
-        # by the heads at the row that produced each row's last token.
-        rows = torch.stack([verified[r].hidden[verified[r].accepted] for r in going]) if going else None  # (b, D)
-        proposals = model.project(heads(rows[:, None])[:, 0, 1:k]).argmax(-1).tolist() if going else []
-        memory, = leave(going, len(alive), [memory], [cache])
-        alive = [alive[r] for r in going]
-    return result_of(outs, cfg.eos_id, stats, steps, src.device)
+        # by the heads at the position that produced each row's last token.
+        proposals = propose(model, heads, [verified[r] for r in going], k)
+    return rows.result(src.device)
+
+
+def propose(model: Transformer, heads: ProposalHeads, verified: list[Verified], k: int) -> list[list[int]]:
+    """Each row's next proposals: heads 2 .. k at the final decoder state of the position where its
+    verification stopped (the bifurcation, or the last drafted token when all passed)."""
+    if not verified:
+        return []
+    states = torch.stack([v.hidden[v.accepted] for v in verified])  # (b, D)
+    return model.project(heads(states[:, None])[:, 0, 1:k]).argmax(-1).tolist()

@@ -25,26 +25,27 @@ over the verifier) reads the verifier's encoder states: the encoder runs once fo
 Batches: every row still decoding drafts in one drafter call (refdec.drafter.draft_blocks: rows of
 different lengths padded, each row's masks open within its own row) and is verified in one
 verifier call (refdec.decoding.verify.verify_rows); each row accepts its own prefix, both caches
-keep a length per row, and a row that reaches eos or max_len leaves the batch.
+keep a length per row, and a row that reaches eos or max_len leaves the batch (refdec.decoding.rows).
 
-Stats: drafter and verifier calls, tokens per verifier call, and the time per part
-(module_seconds: verifier encoder, drafter encoder, drafter decoder, verifier decoder; the caller's
-total minus these is "other"), like the paper's table 15.
+Stats: drafter and verifier calls, tokens per verifier call, and the time per part (PARTS:
+verifier encoder, drafter encoder, drafter decoder, verifier decoder; the caller's total minus
+these is "other"), like the paper's table 15, measured by a timing hook (`times`) around each part.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
 from ..drafter import Drafter, draft_blocks
 from ..model import Transformer
-from ..trace import Step
 from .pairing import check_pair, encoder_passes, small_memory
-from .result import DecodeResult, DecodeStats, result_of
+from .result import DecodeResult, DecodeStats, PartTimes
+from .rows import Rows
 from .ties import rank
-from .verify import commit, last_tokens, leave, verify_rows
+from .verify import verify_rows
+
+# The parts GAD's time is reported in, as the paper's table 15 (the caller's total minus these is "other").
+PARTS = ("verifier encoder", "drafter encoder", "drafter decoder", "verifier decoder")
 
 
 def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
@@ -65,49 +66,43 @@ def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
 
 @torch.inference_mode()
 def decode_gad(verifier: Transformer, drafter: Drafter, src: torch.Tensor, *, max_len: int, block_size: int = 0,
-               top_beta: int = 1, tau: float = 0.0, trace: bool = False) -> DecodeResult:
+               top_beta: int = 1, tau: float = 0.0, trace: bool = False,
+               times: PartTimes | None = None) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row.
 
     block_size: tokens drafted per iteration, the paper's k (0 = the k the drafter was trained for).
     top_beta 1 and tau 0 (the default) verify by argmax equality: GAD, the verifier's greedy output;
-    anything else is GAD++'s relaxed test."""
+    anything else is GAD++'s relaxed test. times: the timing hook called around each of the PARTS
+    (`with times(part): ...`; a new PartTimes by default); its seconds become stats.module_seconds."""
     check_pair(verifier, drafter.model)
     k = block_size or drafter.k
     if k < 1:
         raise ValueError(f"the block size must be at least 1 (0: the drafter's {drafter.k}), not {block_size}")
     accept = None if top_beta == 1 and tau == 0 else gadpp_rule(top_beta, tau)
+    times = PartTimes(*PARTS) if times is None else times
     cfg = verifier.cfg
     B = src.shape[0]
     stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(verifier, drafter.model))
-    secs = {"verifier encoder": 0.0, "drafter encoder": 0.0, "drafter decoder": 0.0, "verifier decoder": 0.0}
-    t0 = time.perf_counter()
-    mem_v = verifier.encode(src)
-    t1 = time.perf_counter()
-    mem_d = small_memory(verifier, drafter.model, mem_v, src)  # from the verifier's when it reads that encoder
-    secs["verifier encoder"] += t1 - t0
-    secs["drafter encoder"] += time.perf_counter() - t1
-    cache_v = verifier.new_cache(B, capacity=max_len + 1)
+    with times("verifier encoder"):
+        mem_v = verifier.encode(src)
+    with times("drafter encoder"):
+        mem_d = small_memory(verifier, drafter.model, mem_v, src)  # from the verifier's when it reads that encoder
     cache_d = drafter.model.new_cache(B, capacity=max_len + k + 1) if drafter.layout == "causal" else None
-    outs: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
-    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
-    while alive:  # until eos or max_len
-        t0 = time.perf_counter()
+    rows = Rows(cfg, B, max_len, stats, trace, memories=[mem_v, mem_d],
+                caches=[verifier.new_cache(B, capacity=max_len + 1), cache_d])
+    while rows:  # until eos or max_len
+        mem_v, mem_d = rows.memories
         # Draft: o~_(j+1 .. j+k), the drafter's argmax at k masks after o_<=j (section 3.2).
-        drafts = draft_blocks(drafter.model, mem_d, cache_d, [[cfg.bos_id] + outs[b] for b in alive], k, drafter.layout)
-        t1 = time.perf_counter()
+        with times("drafter decoder"):
+            drafts = draft_blocks(drafter.model, mem_d, cache_d, rows.prefixes(), k, drafter.layout)
         # Verify: o^_(j+i) given o_<=j and o~_(j+1 .. j+i-1), all i in one call (Eq. 7; GAD++: Eq. 8-9);
         # the bifurcation c is the first i where the draft fails.
-        verified = verify_rows(verifier, mem_v, cache_v, last_tokens(outs, alive, cfg.bos_id), drafts,
-                               budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id, accept=accept)
-        secs["drafter decoder"] += t1 - t0
-        secs["verifier decoder"] += time.perf_counter() - t1
+        with times("verifier decoder"):
+            verified = verify_rows(verifier, mem_v, rows.cache, rows.lasts(), drafts, budgets=rows.budgets(),
+                                   eos_id=cfg.eos_id, accept=accept)
         stats.drafter_calls += 1
         stats.verifier_calls += 1
-        # Accept: o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)).
-        going = commit(alive, drafts, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
-                       drafted_by="drafter")
-        mem_v, mem_d = leave(going, len(alive), [mem_v, mem_d], [cache_v] + ([cache_d] if cache_d is not None else []))
-        alive = [alive[r] for r in going]
-    stats.module_seconds = secs
-    return result_of(outs, cfg.eos_id, stats, steps, src.device)
+        # Accept: o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)). Finished rows leave the batch.
+        rows.commit(drafts, verified, drafted_by="drafter")
+    stats.module_seconds = dict(times.seconds)
+    return rows.result(src.device)

@@ -41,13 +41,8 @@ decoder (9+3 instead of 6+6): every decoder call gets cheaper, the encoder runs 
 Batches: every row still decoding verifies its own draft in the same decoder call
 (refdec.decoding.verify.verify_rows): drafts of different lengths are padded, each row accepts its
 own prefix and its cache keeps its own length. A row that reaches eos or max_len leaves the batch
-(its cache and memory rows with it), so a batch costs what its longest sentence costs in calls:
-
-    alive <- every row
-    while alive:
-        each alive row finds its match and drafts, as above
-        one decoder call verifies every alive row's [last] + draft; each row commits its own tokens
-        rows that produced eos or reached max_len leave the batch
+with its cache and memory rows (refdec.decoding.rows.Rows), so a batch costs what its longest
+sentence costs in calls.
 """
 
 from __future__ import annotations
@@ -55,9 +50,9 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from ..trace import Step
-from .result import DecodeResult, DecodeStats, check_eval, result_of
-from .verify import commit, last_tokens, leave, verify_rows
+from .result import DecodeResult, DecodeStats, check_eval
+from .rows import Rows
+from .verify import verify_rows
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")
 
@@ -87,6 +82,15 @@ def find_match(x: list[int], out: list[int], policy: str = "unique", max_suffix:
     return found
 
 
+def source_span(x: list[int], i: int | None, max_draft: int) -> list[int]:
+    """The draft after a match at x_i: x_(i+1) .. up to the pad sentinel (never fed), at most
+    max_draft tokens (0 = no limit); nothing without a match."""
+    if i is None:
+        return []
+    draft = x[i + 1: len(x) - 1]
+    return draft[:max_draft] if max_draft > 0 else draft
+
+
 @torch.inference_mode()
 def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "unique", max_suffix: int = 0,
                max_draft: int = 0, trace: bool = False) -> DecodeResult:
@@ -98,29 +102,19 @@ def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: st
         raise ValueError(f"unknown match policy {match!r}; choose one of {', '.join(MATCH_POLICIES)}")
     cfg = model.cfg
     B = src.shape[0]
-    memory = model.encode(src)
-    cache = model.new_cache(B, capacity=max_len + 1)
     stats = DecodeStats(sentences=B, encoder_calls=1)
+    rows = Rows(cfg, B, max_len, stats, trace, memories=[model.encode(src)],
+                caches=[model.new_cache(B, capacity=max_len + 1)])
     xs = [[cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id] for row in src]
-    outs: list[list[int]] = [[] for _ in range(B)]  # output tokens after bos, per source row
-    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
-    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
-    while alive:  # Algorithm 1, line 2: while o_j != eos and j < max_len
-        matches, drafts = [], []
-        for b in alive:
-            x = xs[b]
-            i = find_match(x, [cfg.bos_id] + outs[b], match, max_suffix)  # line 3: a suffix of o found in x, at x_i
-            draft = x[i + 1: len(x) - 1] if i is not None else []  # x_(i+1) ..; drafts stop before the pad sentinel
-            matches.append(i)
-            drafts.append(draft[:max_draft] if max_draft > 0 else draft)
+    while rows:  # Algorithm 1, line 2: while o_j != eos and j < max_len
+        # Line 3: a suffix of o found in x, ending at x_i; line 4: draft x_(i+1) .., stopping before the pad.
+        matches = [find_match(xs[b], prefix, match, max_suffix) for b, prefix in zip(rows.alive, rows.prefixes())]
+        drafts = [source_span(xs[b], i, max_draft) for b, i in zip(rows.alive, matches)]
         # Lines 4-5 (an empty draft: line 9): one parallel call decodes o~_(j+1) .. after the draft
         # (Eq. 5-6) and finds the bifurcation j + k.
-        verified = verify_rows(model, memory, cache, last_tokens(outs, alive, cfg.bos_id), drafts,
-                               budgets=[max_len - len(outs[b]) for b in alive], eos_id=cfg.eos_id)
+        verified = verify_rows(model, rows.memory, rows.cache, rows.lasts(), drafts, budgets=rows.budgets(),
+                               eos_id=cfg.eos_id)
         stats.verifier_calls += 1
-        # Lines 6-7 (10-11): o <- CAT(o, o~_(j+1 .. j+k)); j <- j + k.
-        going = commit(alive, drafts, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
-                       drafted_by="source", origin=matches)
-        memory, = leave(going, len(alive), [memory], [cache])  # finished rows leave the batch
-        alive = [alive[r] for r in going]
-    return result_of(outs, cfg.eos_id, stats, steps, src.device)
+        # Lines 6-7 (10-11): o <- CAT(o, o~_(j+1 .. j+k)); j <- j + k. Finished rows leave the batch.
+        rows.commit(drafts, verified, drafted_by="source", origin=matches)
+    return rows.result(src.device)

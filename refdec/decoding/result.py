@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -61,6 +64,23 @@ class DecodeResult:
     tokens: list[torch.Tensor]
     stats: DecodeStats
     trace: list[list[Step]] | None = None  # trace[b] = the steps of row b
+
+
+class PartTimes:
+    """A timing hook: `with times("drafter decoder"): ...` adds the wall time of the block to that
+    part's seconds. A decoder that reports time per part (GAD) calls its hook around each part and
+    copies `seconds` into DecodeStats.module_seconds; the algorithm itself keeps no clock."""
+
+    def __init__(self, *parts: str):
+        self.seconds = dict.fromkeys(parts, 0.0)  # the parts in report order, each from zero
+
+    @contextlib.contextmanager
+    def __call__(self, part: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
 
 
 def check_eval(model: torch.nn.Module) -> None:

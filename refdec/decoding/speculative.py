@@ -21,7 +21,7 @@ its own cache in step (a Follower: cut back to the first changed token, catch up
 Batches: the small model drafts for every row still decoding in the same calls (a row whose
 window is full, or that drafted eos, waits), the large model verifies every row's draft in one call
 (refdec.decoding.verify.verify_rows, each row with its own rules when sampling), each row commits its
-own tokens, and a row that reaches eos or max_len leaves the batch. Sampling draws each row's
+own tokens, and a row that reaches eos or max_len leaves the batch (refdec.decoding.rows). Sampling draws each row's
 tokens from the one seeded generator, rows in turn.
 """
 
@@ -30,11 +30,11 @@ from __future__ import annotations
 import torch
 
 from ..model import Transformer
-from ..trace import Step
 from .pairing import Follower, check_pair, encoder_passes, small_memory
-from .result import DecodeResult, DecodeStats, result_of
+from .result import DecodeResult, DecodeStats
+from .rows import Rows
 from .sampling import distribution, draw
-from .verify import commit, last_tokens, leave, verify_rows
+from .verify import verify_rows
 
 
 @torch.inference_mode()
@@ -49,46 +49,48 @@ def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor
         raise ValueError("temperature must be positive (sample=False is the greedy case)")
     cfg = large.cfg
     gen = torch.Generator().manual_seed(seed)
-    stats = DecodeStats(sentences=src.shape[0], encoder_calls=encoder_passes(large, small))
     B = src.shape[0]
+    stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(large, small))
     mem_l = large.encode(src)
-    cache_l = large.new_cache(B, capacity=max_len + 1)
     follower = Follower(small, small_memory(large, small, mem_l, src), capacity=max_len + gamma + 1)
-    outs: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
-    alive = list(range(B)) if max_len > 0 else []  # source row of each batch row still decoding
-    while alive:
-        budgets = [max_len - len(outs[b]) for b in alive]
-        drafts: list[list[int]] = [[] for _ in alive]
-        qs: list[list[torch.Tensor]] = [[] for _ in alive]  # the small model's distribution at each drafted position
-        while True:  # Algorithm 1: sample gamma guesses x_1 .. x_gamma from M_q autoregressively
-            drafting = [r for r, d in enumerate(drafts) if len(d) < min(gamma, budgets[r] - 1) and (not d or d[-1] != cfg.eos_id)]
-            if not drafting:
-                break
-            logits = follower.next_logits([[cfg.bos_id] + outs[b] + d for b, d in zip(alive, drafts)])
-            stats.drafter_calls += 1
-            for r in drafting:
-                if sample:  # q_i(x) <- M_q(prefix + [x_1 .. x_(i-1)]); x_i ~ q_i(x)
-                    qs[r].append(distribution(logits[r], temperature, top_p))
-                    drafts[r].append(draw(qs[r][-1], gen))
-                else:
-                    drafts[r].append(int(logits[r].argmax()))
+    rows = Rows(cfg, B, max_len, stats, trace, memories=[mem_l], caches=[large.new_cache(B, capacity=max_len + 1), follower])
+    while rows:
+        # Algorithm 1: sample gamma guesses x_1 .. x_gamma from M_q autoregressively (q: their distributions).
+        drafts, qs = small_drafts(follower, rows, gamma, sample, temperature, top_p, gen)
         accept = choose = None
         if sample:
             accept = [residual_test(q, temperature, top_p, gen) for q in qs]
             choose = [residual_draw(q, temperature, top_p, gen) for q in qs]
         # Algorithm 1: run M_p in parallel (p_1 .. p_(gamma+1)), determine the number of accepted
         # guesses n, adjust the distribution from M_p if needed and draw t from it.
-        verified = verify_rows(large, mem_l, cache_l, last_tokens(outs, alive, cfg.bos_id), drafts,
-                               budgets=budgets, eos_id=cfg.eos_id, accept=accept, choose=choose)
+        verified = verify_rows(large, rows.memory, rows.cache, rows.lasts(), drafts, budgets=rows.budgets(),
+                               eos_id=cfg.eos_id, accept=accept, choose=choose)
         stats.verifier_calls += 1
-        # Algorithm 1: return prefix + [x_1 .. x_n, t].
-        going = commit(alive, drafts, verified, outs, stats, steps, max_len=max_len, eos_id=cfg.eos_id,
-                       drafted_by="small")
-        mem_l, = leave(going, len(alive), [mem_l], [cache_l, follower])
-        alive = [alive[r] for r in going]
-    return result_of(outs, cfg.eos_id, stats, steps, src.device)
+        # Algorithm 1: return prefix + [x_1 .. x_n, t]. Finished rows leave the batch.
+        rows.commit(drafts, verified, drafted_by="small")
+    return rows.result(src.device)
 
+
+def small_drafts(follower: Follower, rows: Rows, gamma: int, sample: bool, temperature: float, top_p: float,
+                 gen: torch.Generator) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Each batch row's draft, written by the small model in shared calls, and (when sampling) the
+    small model's distribution q_i at each drafted position. A row stops at gamma tokens, at a
+    drafted eos, or where its budget leaves no room past the verifier's own token."""
+    budgets, eos_id = rows.budgets(), rows.eos_id
+    drafts: list[list[int]] = [[] for _ in rows.alive]
+    qs: list[list[torch.Tensor]] = [[] for _ in rows.alive]
+    while True:
+        drafting = [r for r, d in enumerate(drafts) if len(d) < min(gamma, budgets[r] - 1) and (not d or d[-1] != eos_id)]
+        if not drafting:
+            return drafts, qs
+        logits = follower.next_logits([prefix + d for prefix, d in zip(rows.prefixes(), drafts)])
+        rows.stats.drafter_calls += 1
+        for r in drafting:
+            if sample:  # q_i(x) <- M_q(prefix + [x_1 .. x_(i-1)]); x_i ~ q_i(x)
+                qs[r].append(distribution(logits[r], temperature, top_p))
+                drafts[r].append(draw(qs[r][-1], gen))
+            else:
+                drafts[r].append(int(logits[r].argmax()))
 
 def residual_test(q: list[torch.Tensor], temperature: float, top_p: float, gen: torch.Generator):
     """Speculative sampling's acceptance test for one row's draft, whose small-model distributions are q:

@@ -28,17 +28,12 @@ With neither, the step is exactly greedy.
 Two cuts keep the step equal to greedy at the boundaries: the committed tokens stop at the first
 eos, and at `budget` tokens (what is left of max_len).
 
-Batched (`verify_rows`), each row of a batch runs this step on its own draft in the same decoder
-call; rows accept different numbers of tokens, so each row's cache length moves by its own count
-(a ragged KVCache, whose attention never sees a row's rejected tail). Every batched decoder (IAD,
-GAD, blockwise, BiLD, speculative) runs the same loop around it:
-
-    alive <- every row
-    while alive:
-        each alive row drafts (its own way, its own length)
-        one verify_rows call: each row commits its accepted prefix and its own bifurcation token
-            (`commit`: the output, the stats and the trace's Step of each row)
-        rows that produced eos or reached max_len leave the batch (`leave`: memory and cache rows)
+The whole exactness argument lives in `accept_row`, one row's acceptance: the first failing draft
+position n, the committed d_1 .. d_n plus the verifier's p_n, and the two cuts. `verify_rows` runs
+the decoder call for every row of a batch at once (drafts of different lengths padded, each row's
+cache length moved by its own count: a ragged KVCache, whose attention never sees a row's rejected
+tail) and applies `accept_row` to each row; `verify` is the same for one sentence. The loop around
+it, rows leaving the batch as they finish, is refdec.decoding.rows.
 """
 
 from __future__ import annotations
@@ -52,10 +47,29 @@ import torch
 from ..cache import KVCache
 from ..model import Memory, Transformer
 from ..trace import Step
-from .result import DecodeStats
 
 AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ChooseRule = Callable[[torch.Tensor, int, bool], int]
+
+
+def accept_row(draft: list[int], logits: torch.Tensor, argmax: list[int], *, budget: int, eos_id: int,
+               accept: AcceptRule | None = None, choose: ChooseRule | None = None,
+               draft_ids: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """One row's acceptance, the step above: (the committed tokens, n the number of drafted tokens
+    that passed). logits (m + 1, V) and argmax (m + 1 ids, the lowest among equal maxima) are the
+    verifier's at positions last, d_1 .. d_m; draft_ids: the draft as a tensor on their device."""
+    if not draft:
+        passed = []
+    elif accept is None:
+        passed = [d == p for d, p in zip(draft, argmax)]  # d_i passes when it is p_(i-1)
+    else:
+        ids = draft_ids if draft_ids is not None else torch.tensor(draft, device=logits.device)
+        passed = accept(logits[:len(draft)], ids).tolist()
+    n = next((i for i, good in enumerate(passed) if not good), len(passed))  # the bifurcation
+    tokens = draft[:n] + [argmax[n] if choose is None else choose(logits[n], n, n < len(draft))]
+    if eos_id in tokens:
+        tokens = tokens[: tokens.index(eos_id) + 1]  # nothing after the first eos
+    return tokens[:budget], n  # nothing past max_len
 
 
 def per_row(rule, b: int):
@@ -81,11 +95,6 @@ class Verified:
     hidden: torch.Tensor
 
 
-def last_tokens(outs: list[list[int]], alive: list[int], bos_id: int) -> list[int]:
-    """What each alive row feeds the verifier first: its last committed token (bos before any)."""
-    return [outs[b][-1] if outs[b] else bos_id for b in alive]
-
-
 def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft: list[int], *,
            budget: int, eos_id: int, accept: AcceptRule | None = None,
            choose: ChooseRule | None = None) -> Verified:
@@ -107,7 +116,7 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     each row's drafting distributions).
 
     Drafts of different lengths are right-padded to the longest; a padded position comes after all
-    of its row's real ones, so causal attention keeps it out of them, and it is cut with the rest.
+    of its row's fed ones, so causal attention keeps it out of them, and it is cut with the rest.
     Acceptance, the bifurcation token (the lowest id among equal maxima, as greedy's argmax) and
     the cuts are decided per row, and row b's cache is truncated to what row b committed: the
     cache is ragged afterwards whenever rows committed different numbers of tokens."""
@@ -120,46 +129,24 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     pad = model.cfg.pad_id
     inp = torch.tensor([[t] + d + [pad] * (width - w) for t, d, w in zip(lasts, drafts, widths)],
                        dtype=torch.long, device=memory.states.device)  # (B, width)
-    real = None if min(widths) == width else torch.tensor(widths, device=inp.device)
-    hidden = model.decode_hidden(inp, memory, cache, real=real)  # (B, width, D)
-    if real is None:
+    lengths = None if min(widths) == width else torch.tensor(widths, device=inp.device)  # (B,) fed positions per row
+    hidden = model.decode_hidden(inp, memory, cache, real=lengths)  # (B, width, D)
+    if lengths is None:
         logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
         argmax = logits.argmax(dim=-1).tolist()  # the lowest id among equal maxima, as greedy's
-    else:  # only real positions are projected (the projection is the widest product); rows split again
-        flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < real[:, None]][None])[0]
+    else:  # only fed positions are projected (the projection is the widest product); rows split again
+        flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < lengths[:, None]][None])[0]
         logits = flat.split(widths)  # row b: (widths[b], V)
         ids = flat.argmax(dim=-1).tolist()  # one argmax for every row's positions, then split as the logits
         argmax = [ids[start:start + w] for start, w in zip(itertools.accumulate([0] + widths), widths)]
     out, keep = [], []
     for b, (draft, w) in enumerate(zip(drafts, widths)):
-        rule, pick = per_row(accept, b), per_row(choose, b)
-        if not draft:
-            passed = []
-        elif rule is None:
-            passed = [d == p for d, p in zip(draft, argmax[b])]
-        else:
-            passed = rule(logits[b][:len(draft)], inp[b, 1:w]).tolist()
-        n = next((i for i, good in enumerate(passed) if not good), len(passed))
-        tokens = draft[:n] + [argmax[b][n] if pick is None else pick(logits[b][n], n, n < len(draft))]
-        if eos_id in tokens:
-            tokens = tokens[: tokens.index(eos_id) + 1]
-        tokens = tokens[:budgets[b]]
+        tokens, n = accept_row(draft, logits[b], argmax[b], budget=budgets[b], eos_id=eos_id, accept=per_row(accept, b),
+                               choose=per_row(choose, b), draft_ids=inp[b, 1:w])
         keep.append(int(base[b]) + len(tokens))  # last, d_1 .. d_(c-1): the committed output minus its new last token
         out.append(Verified(tokens, n, logits[b][:w], hidden[b, :w]))
     cache.truncate(keep[0] if len(keep) == 1 else keep)
     return out
-
-
-def leave(going: list[int], alive: int, memories: list[Memory], caches: list) -> list[Memory]:
-    """Rows `going` (indices into the `alive` batch rows) stay, the others leave: each cache (a
-    KVCache or a Follower) keeps those rows in place, and the memories of those rows are returned.
-    Nothing moves when every row stays or none does."""
-    if not going or len(going) == alive:
-        return memories
-    keep = torch.tensor(going, device=memories[0].states.device)
-    for cache in caches:
-        cache.select(keep)
-    return [m.select(keep) for m in memories]
 
 
 def step_of(draft: list[int], v: Verified, drafted_by: str, **marks) -> Step:
@@ -169,21 +156,3 @@ def step_of(draft: list[int], v: Verified, drafted_by: str, **marks) -> Step:
     kept = min(v.accepted, len(v.tokens))
     own = v.tokens[kept] if len(v.tokens) > kept else None
     return Step(drafted=tuple(draft), accepted=kept, own=own, drafted_by=drafted_by if draft else "", **marks)
-
-
-def commit(alive: list[int], drafts: list[list[int]], verified: list[Verified], outs: list[list[int]],
-           stats: DecodeStats, steps: list[list[Step]] | None, *, max_len: int, eos_id: int, drafted_by: str,
-           **marks) -> list[int]:
-    """Batch row r (source row alive[r]) takes what its verification of drafts[r] committed: appended
-    to its output, counted in stats.committed and, when `steps` is kept, traced as a Step (`marks`:
-    the Step's other fields, one value for every row or a list of one per row). Returns the batch
-    rows that go on: those without eos and below max_len."""
-    going = []
-    for r, (b, v) in enumerate(zip(alive, verified)):
-        outs[b] += v.tokens
-        stats.committed.append(len(v.tokens))
-        if steps is not None:
-            steps[b].append(step_of(drafts[r], v, drafted_by, **{k: per_row(m, r) for k, m in marks.items()}))
-        if outs[b][-1] != eos_id and len(outs[b]) < max_len:
-            going.append(r)
-    return going
