@@ -136,7 +136,7 @@ def run(args) -> int:
     compares = plan.parse_compare(args.compare) if args.compare else []
     specs = plan.plan_runs(args.algo, args.task, model=args.model, given=given, compares=compares,
                            batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size))
-    shared = plan.shared_seconds(specs, args.task, {"small": args.small, "drafter": args.drafter})
+    shared = plan.shared_second_models(specs, args.task, {"small": args.small, "drafter": args.drafter})
     inputs.check_machine(args.device, args.threads, output=args.output, report=args.report, html=args.html,
                          reads={"input": args.input, **{f"--ref file {r}": r for r in args.ref}})
     if args.html:

@@ -66,7 +66,7 @@ class RunLoader:
         self.main_path = Path(main_path)
         model, self.tokenizer, ckpt = load_any(main_path, task=task, device=device, dtype=dtype, languages=languages)
         self.loaded = {self.main_path.resolve(): (model, ckpt)}  # large models by file
-        self.seconds: dict = {}  # (role, file, large model's file) -> {role: model}
+        self.second_models: dict = {}  # (role, file, large model's file) -> {role: model}
         self.hashes: dict = {}
         self.shared: dict = {}  # second models of every run that names none of its own
 
@@ -106,7 +106,7 @@ class RunLoader:
                 raise LoadError(f"{large_path} has no early exit; train one with train.py --early-exit N")
             return {"small": EarlyExit(large, ck["early_exit"])}
         key = (role, Path(value).resolve(), large_path.resolve())
-        if key not in self.seconds:
+        if key not in self.second_models:
             model, tok, ck2 = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
                                        loaded={self.sha256(large_path): large})
             if tok.sha256 != self.tokenizer.sha256:
@@ -115,8 +115,8 @@ class RunLoader:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
             if role == "drafter":  # the model with the block size and layout it was trained for
                 model = Drafter(model, k=ck2["drafter"]["k"], layout=ck2["drafter"]["layout"])
-            self.seconds[key] = {role: model}
-        return self.seconds[key]
+            self.second_models[key] = {role: model}
+        return self.second_models[key]
 
     def sha256(self, path: Path) -> str:
         if path.resolve() not in self.hashes:
@@ -151,7 +151,7 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
         loader.add(s.path)
     for role, value in shared.items():
         loader.share(role, value)
-    models = [loader.models_for(s.path, s.algo.second, s.seconds) for s in specs]
+    models = [loader.models_for(s.path, s.algo.second, s.second_models) for s in specs]
     if invariant:  # every model the runs use, second models and proposal heads included
         for m in models:
             for module in m.all():

@@ -28,7 +28,7 @@ class Compared:
     name: str
     path: str | None = None
     options: dict = field(default_factory=dict)  # option -> value
-    seconds: dict = field(default_factory=dict)  # "small" / "drafter" -> PATH or "early-exit"
+    second_models: dict = field(default_factory=dict)  # "small" / "drafter" -> PATH or "early-exit"
     batch_size: int | None = None
 
 
@@ -37,7 +37,7 @@ class RunSpec:
     algo: Algorithm
     path: Path  # the checkpoint whose output the run produces
     options: dict  # every option of the algorithm, with its value
-    seconds: dict  # the run's own second models (the others are the shared ones)
+    second_models: dict  # the run's own second models (the others are the shared ones)
     batch_size: int
     label: str
 
@@ -80,7 +80,7 @@ def parse_compare(spec: str) -> list[Compared]:
             raise UsageError(f"--compare: unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
         if path:
             check_checkpoint_path(f"--compare {name}@", path)
-        algo, options, seconds, size = ALGORITHMS[name], {}, {}, None
+        algo, options, second_models, size = ALGORITHMS[name], {}, {}, None
         for setting in settings:
             key, eq, value = setting.partition("=")
             key = key.replace("-", "_")
@@ -95,7 +95,7 @@ def parse_compare(spec: str) -> list[Compared]:
                     raise UsageError(f"--compare {item}: {name} uses no {key} model")
                 if not (key == "small" and value == "early-exit"):
                     check_checkpoint_path(f"--compare {head}:{setting.partition('=')[0]}=", value)
-                seconds[key] = value
+                second_models[key] = value
             elif key in algo.options:
                 try:
                     options[key] = parse_value(key, value, algo.defaults()[key])
@@ -104,7 +104,7 @@ def parse_compare(spec: str) -> list[Compared]:
             else:
                 raise UsageError(f"--compare {item}: {key.replace('_', '-')} is not an option of {name} "
                                  f"(its options: {', '.join(k.replace('_', '-') for k in algo.options) or 'none'})")
-        out.append(Compared(name, path or None, options, seconds, size))
+        out.append(Compared(name, path or None, options, second_models, size))
     return out
 
 
@@ -151,7 +151,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
     if sizes:
         if any(c.batch_size for c in compares):
             raise UsageError("--batch-sizes sets every run's batch size: a --compare run cannot set its own")
-        items = [Compared(c.name, c.path, c.options, c.seconds, n) for n in sizes for c in items]
+        items = [Compared(c.name, c.path, c.options, c.second_models, n) for n in sizes for c in items]
     if model:
         check_checkpoint_path("--model ", model)
     main = Path(model) if model else default_checkpoint(first, task)
@@ -167,7 +167,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
             check_options(algo, options, set(given) | set(c.options))
         except ValueError as e:
             raise UsageError(f"--compare {c.name}: {e}" if specs else str(e)) from None
-        specs.append(RunSpec(algo, Path(own) if own else main, options, c.seconds,
+        specs.append(RunSpec(algo, Path(own) if own else main, options, c.second_models,
                              c.batch_size or batch_size or 1, ""))
     several = len({s.path.resolve() for s in specs}) > 1
     return [replace(s, label=label(s, c, several, bool(sizes))) for s, c in zip(specs, items)]
@@ -177,7 +177,7 @@ def label(spec: RunSpec, item: Compared, with_model: bool, with_size: bool) -> s
     """Row name: the algorithm, plus the checkpoint's folder when the runs use several checkpoints,
     plus what the run sets itself (a second model by its folder)."""
     name = f"{spec.algo.name}@{spec.path.parent.name}" if with_model else spec.algo.name
-    own = {**item.options, **item.seconds, **({"batch_size": spec.batch_size} if with_size or item.batch_size else {})}
+    own = {**item.options, **item.second_models, **({"batch_size": spec.batch_size} if with_size or item.batch_size else {})}
     for k, v in own.items():
         v = (Path(v).parent.name if k in ("small", "drafter") and v != "early-exit"
              else f"{v:g}" if isinstance(v, float) else v)
@@ -185,10 +185,10 @@ def label(spec: RunSpec, item: Compared, with_model: bool, with_size: bool) -> s
     return name
 
 
-def shared_seconds(specs: list[RunSpec], task: str, given: dict) -> dict:
+def shared_second_models(specs: list[RunSpec], task: str, given: dict) -> dict:
     """The second models of the runs that name none of their own: --small / --drafter, or the
     shipped default. A --small or --drafter that no run reads is refused."""
-    need = {r for s in specs for r in s.algo.roles if r not in s.seconds}
+    need = {r for s in specs for r in s.algo.roles if r not in s.second_models}
     for role, value in given.items():
         if value and role not in need:
             raise UsageError(f"--{role} is not used by --algo {specs[0].algo.name}")
@@ -212,4 +212,4 @@ def help_default(name: str) -> str:
 
 __all__ = ["Compared", "OPTIONS", "RunSpec", "check_counts", "default_checkpoint", "help_default", "parse_compare",
            "parse_sizes", "plan_runs",
-           "shared_seconds"]
+           "shared_second_models"]
