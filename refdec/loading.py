@@ -53,7 +53,7 @@ def load_any(path: str | Path, *, task: str | None, device, dtype: torch.dtype, 
     """load_model for a refdec checkpoint; a transformers model folder (refdec.hf, which carries no
     task) for a folder, with `languages` (source, target) its forced language tokens."""
     if Path(path).is_dir():
-        from .hf import load_folder
+        from .hf.importing import load_folder
         return load_folder(path, device=device, dtype=dtype, src_lang=languages[0], tgt_lang=languages[1])
     if any(languages):
         raise LoadError("--src-lang and --tgt-lang choose the language tokens of a transformers model folder; "
