@@ -34,6 +34,7 @@ from torch import nn
 
 from .cache import KVCache
 from .config import ModelConfig
+from .variants import RelativePositionBias, RMSNorm, activation, marian_positions
 
 
 def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
@@ -61,9 +62,14 @@ def m2m100_positions(n: int, d: int, pad_id: int) -> torch.Tensor:
 
 
 def position_table(cfg: ModelConfig) -> torch.Tensor:
-    """The (max_positions, d_model) float64 table cfg.positions names."""
+    """The (max_positions, d_model) float64 table cfg.positions names (learned and relative
+    positions have none: zeros, never read)."""
     if cfg.positions == "m2m100":
         return m2m100_positions(cfg.max_positions, cfg.d_model, cfg.pad_id)
+    if cfg.positions == "marian":
+        return marian_positions(cfg.max_positions, cfg.d_model)
+    if cfg.positions in ("learned", "relative"):
+        return torch.zeros(cfg.max_positions, cfg.d_model, dtype=torch.float64)
     return sinusoidal_positions(cfg.max_positions, cfg.d_model)
 
 
@@ -211,27 +217,30 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.reshape(*x.shape[:-1], O)
 
 
-def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                      scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`attention` computed so that each query sees exactly the keys it may attend to (never a
     masked longer row: more terms change how a sum rounds): queries that share their keys (no mask,
     or a mask without a query dimension) go together, the others one by one, batch row by row."""
     B, H, Q, Dh = q.shape
     L = k.shape[2]
-    scale = 1.0 / math.sqrt(Dh)
+    scale = 1.0 / math.sqrt(Dh) if scale is None else scale
     out = q.new_empty(B, H, Q, Dh)
     allowed = None if blocked is None else ~blocked.expand(B, 1, Q, L)
     shared = allowed is None or blocked.shape[-2] == 1
     for b in range(B):
         for i0, i1 in ([(0, Q)] if shared else [(i, i + 1) for i in range(Q)]):
-            if allowed is None:
-                kb, vb = k[b], v[b]  # (H, n, Dh)
-            else:
-                keys = allowed[b, 0, i0].nonzero().squeeze(1)
-                kb, vb = k[b].index_select(1, keys), v[b].index_select(1, keys)
+            keys = None if allowed is None else allowed[b, 0, i0].nonzero().squeeze(1)
+            kb, vb = (k[b], v[b]) if keys is None else (k[b].index_select(1, keys), v[b].index_select(1, keys))  # (H, n, Dh)
+            bb = None if bias is None else bias[b if bias.shape[0] > 1 else 0]  # (H, q, L)
+            if bb is not None and keys is not None:
+                bb = bb.index_select(2, keys)
             step = max(1, INVARIANT_BLOCK // (max(1, kb.shape[1]) * H * Dh * q.element_size()))  # queries per temporary
             for j in range(i0, i1, step):
                 qj = q[b, :, j:min(j + step, i1)]  # (H, m, Dh)
                 scores = (qj[:, :, None, :] * kb[:, None]).sum(-1) * scale  # (H, m, n)
+                if bb is not None:
+                    scores = scores + bb[:, j:j + qj.shape[1]]
                 p = torch.softmax(scores, dim=-1)
                 out[b, :, j:j + qj.shape[1]] = (p[..., None] * vb[:, None]).sum(-2)  # (H, m, Dh)
     return out
@@ -258,13 +267,17 @@ class LayerNorm(nn.LayerNorm, RowInvariant):
         return torch.stack([super(LayerNorm, self).forward(r) for r in rows.unbind(0)]).reshape(x.shape)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+              scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention (section 3.2.1).
 
     q (B, H, q, Dh), k and v (B, H, L, Dh); blocked broadcasts to (B, H, q, L), True = may not attend.
+    scale: 1/sqrt(Dh) unless given; bias (B or 1, H, q, L) added to the scores (T5's relative positions).
     Returns (B, H, q, Dh).
     """
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, q, L)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)  # (B, H, q, L)
+    if bias is not None:
+        scores = scores + bias
     if blocked is not None:
         scores = scores.masked_fill(blocked, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
@@ -280,15 +293,17 @@ def causal_block(q_len: int, offset: int, device: torch.device) -> torch.Tensor:
 class MultiHeadAttention(nn.Module, RowInvariant):
     """Section 3.2.2; self-attention when `kv_input` is the query input, cross-attention otherwise."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, d_kv: int = 0):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, d_kv: int = 0, cfg: ModelConfig | None = None):
         """d_kv: the width of the states keys and values are made from (cross-attention over another
-        model's encoder; 0 = d_model)."""
+        model's encoder; 0 = d_model). cfg: the head width, biases and score scale it names."""
         super().__init__()
-        self.h, self.dh = n_heads, d_model // n_heads
-        self.wq = Linear(d_model, d_model)
-        self.wk = Linear(d_kv or d_model, d_model)
-        self.wv = Linear(d_kv or d_model, d_model)
-        self.wo = Linear(d_model, d_model)
+        self.h, self.dh = n_heads, cfg.head_dim if cfg else d_model // n_heads
+        bias, inner = cfg.bias if cfg else True, self.h * self.dh
+        self.scale = None if cfg is None or cfg.scale_attention else 1.0  # None: 1/sqrt(Dh)
+        self.wq = Linear(d_model, inner, bias=bias)
+        self.wk = Linear(d_kv or d_model, inner, bias=bias)
+        self.wv = Linear(d_kv or d_model, inner, bias=bias)
+        self.wo = Linear(inner, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,34 +313,45 @@ class MultiHeadAttention(nn.Module, RowInvariant):
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.split(self.wk(x)), self.split(self.wv(x))  # each (B, H, T, Dh)
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
-        """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
-        B, q_len, D = x.shape
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, q, D) queries over given keys/values (B, H, L, Dh), `bias` added to the scores; returns (B, q, D)."""
+        B, q_len, _ = x.shape
         attend = rowwise_attention if self.row_invariant else attention
-        out = attend(self.split(self.wq(x)), k, v, blocked)  # (B, H, q, Dh)
+        out = attend(self.split(self.wq(x)), k, v, blocked, self.scale, bias)  # (B, H, q, Dh)
         if self.training:
             out = self.drop(out)
-        return self.wo(out.transpose(1, 2).reshape(B, q_len, D))
+        return self.wo(out.transpose(1, 2).reshape(B, q_len, self.h * self.dh))
 
 
 class FeedForward(nn.Module):
-    """Section 3.3: two linear maps with a ReLU between."""
+    """Section 3.3: two linear maps with a ReLU between (cfg.activation: another nonlinearity;
+    cfg.gated_ff: the gated form w2(act(w1 x) * w3 x))."""
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float):
+    def __init__(self, d_model: int, d_ff: int, dropout: float, cfg: ModelConfig | None = None):
         super().__init__()
-        self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
+        bias = cfg.bias if cfg else True
+        self.w1, self.w2 = Linear(d_model, d_ff, bias=bias), Linear(d_ff, d_model, bias=bias)
+        self.w3 = Linear(d_model, d_ff, bias=bias) if cfg and cfg.gated_ff else None
+        self.act = activation(cfg.activation if cfg else "relu")
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.drop(F.relu(self.w1(x))))
+        h = self.act(self.w1(x))
+        return self.w2(self.drop(h if self.w3 is None else h * self.w3(x)))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The layer normalisation cfg.norm names: LayerNorm (Ba et al. 2016) or T5's RMSNorm."""
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
 class Sublayer(nn.Module):
     """Residual + layer norm around a sublayer, pre-norm (x + f(norm(x))) or post-norm (norm(x + f(x)))."""
 
-    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm, self.drop, self.norm_first = LayerNorm(d_model), nn.Dropout(dropout), norm_first
+        self.norm, self.drop, self.norm_first = make_norm(cfg), nn.Dropout(cfg.dropout), cfg.norm_first
 
     def forward(self, x: torch.Tensor, f) -> torch.Tensor:
         if self.norm_first:
@@ -336,30 +362,28 @@ class Sublayer(nn.Module):
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
-        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
-        self.sub1 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sub2 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg=cfg)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg)
+        self.sub1, self.sub2 = Sublayer(cfg), Sublayer(cfg)
 
-    def forward(self, x: torch.Tensor, pad_block: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pad_block: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         def self_attn(h):
             k, v = self.attn.project_kv(h)
-            return self.attn.attend(h, k, v, pad_block)
+            return self.attn.attend(h, k, v, pad_block, bias)
         return self.sub2(self.sub1(x, self_attn), self.ff)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.memory_dim)
-        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
-        self.sub1 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sub2 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sub3 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg=cfg)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.memory_dim, cfg)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg)
+        self.sub1, self.sub2, self.sub3 = Sublayer(cfg), Sublayer(cfg), Sublayer(cfg)
 
     def forward(self, x: torch.Tensor, cross_kv: tuple[torch.Tensor, torch.Tensor], src_block: torch.Tensor,
-                self_kv, self_block: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+                self_kv, self_block: torch.Tensor, real: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D). `self_kv(h)` returns the self-attention keys/values for the new states h:
         from the cache (incremental) or from h alone (training). `real` (B, q) bool, True at the real
         positions of a right-padded ragged batch: the feed-forward sublayer, position by position,
@@ -367,7 +391,7 @@ class DecoderLayer(nn.Module):
         out of every real one, and the caller cuts it)."""
         def self_attn(h):
             k, v = self_kv(h)
-            return self.self_attn.attend(h, k, v, self_block)
+            return self.self_attn.attend(h, k, v, self_block, bias)
 
         def cross_attn(h):
             return self.cross_attn.attend(h, cross_kv[0], cross_kv[1], src_block)
@@ -392,12 +416,23 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         self.src_embed = (self.tgt_embed if cfg.tie_embeddings or not cfg.enc_layers
                           else nn.Embedding(V, D, padding_idx=cfg.pad_id))
         self.register_buffer("positions", position_table(cfg).to(self.tgt_embed.weight.dtype), persistent=False)
+        learned = cfg.positions == "learned"  # a table per side, learned (BART, mBART)
+        self.src_positions = nn.Parameter(torch.zeros(cfg.max_positions, D)) if learned and cfg.enc_layers else None
+        self.tgt_positions = nn.Parameter(torch.zeros(cfg.max_positions, D)) if learned else None
+        relative = cfg.positions == "relative"  # T5: a bias on the self-attention scores per side instead
+        self.src_relative = (RelativePositionBias(cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance, True)
+                             if relative and cfg.enc_layers else None)
+        self.tgt_relative = (RelativePositionBias(cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance, False)
+                             if relative else None)
+        self.src_embed_norm = make_norm(cfg) if cfg.embed_norm and cfg.enc_layers else nn.Identity()
+        self.tgt_embed_norm = make_norm(cfg) if cfg.embed_norm else nn.Identity()
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
-        self.enc_norm = LayerNorm(D) if cfg.norm_first and cfg.enc_layers else nn.Identity()
-        self.dec_norm = LayerNorm(D) if cfg.norm_first else nn.Identity()
+        self.enc_norm = make_norm(cfg) if cfg.norm_first and cfg.enc_layers else nn.Identity()
+        self.dec_norm = make_norm(cfg) if cfg.norm_first else nn.Identity()
         self.out_proj = None if cfg.tie_embeddings else Linear(D, V, bias=False)
+        self.register_buffer("logits_bias", torch.zeros(V) if cfg.logits_bias else None)
         self.drop = nn.Dropout(cfg.dropout)
         self.reset_parameters()
 
@@ -419,10 +454,10 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _embed(self, table: nn.Embedding, tokens: torch.Tensor, offset: int | torch.Tensor,
+    def _embed(self, side: str, tokens: torch.Tensor, offset: int | torch.Tensor,
                real: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) at positions offset .. offset + T - 1: one offset for every row, or (B,) one
-        per row (a ragged cache). `real` (B,): how many of the T tokens of each row are real; the
+        """tokens (B, T) of `side` ("src" or "tgt") at positions offset .. offset + T - 1: one offset
+        for every row, or (B,) one per row (a ragged cache). `real` (B,): how many of the T tokens of each row are real; the
         rest pad a ragged batch, and their positions are clamped to the table's end (their states
         are never read), so only real positions must fit in max_positions."""
         T = tokens.shape[1]
@@ -430,13 +465,28 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         top = int(ends.max()) if torch.is_tensor(ends) else ends
         if top > self.cfg.max_positions:
             raise ValueError(f"sequence of {top} positions exceeds max_positions={self.cfg.max_positions}")
+        table = self.src_positions if side == "src" else self.tgt_positions
+        table = self.positions if table is None else table
         if torch.is_tensor(offset) or real is not None:
             at = torch.as_tensor(offset, device=tokens.device).reshape(-1, 1) + torch.arange(T, device=tokens.device)
-            pos = self.positions[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
+            pos = table[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
         else:
-            pos = self.positions[offset:offset + T]
-        x = table(tokens) * math.sqrt(self.cfg.d_model) + pos
+            pos = table[offset:offset + T]
+        x = (self.src_embed if side == "src" else self.tgt_embed)(tokens)
+        if self.cfg.scale_embeddings:
+            x = x * math.sqrt(self.cfg.d_model)
+        if self.cfg.positions != "relative":
+            x = x + pos
+        x = (self.src_embed_norm if side == "src" else self.tgt_embed_norm)(x)
         return self.drop(x) if self.training else x
+
+    def _relative_bias(self, side: str, queries: int, offset: int | torch.Tensor, keys: int) -> torch.Tensor | None:
+        """T5's position bias (B or 1, H, q, keys) for `queries` new positions from `offset` (or None)."""
+        bias = self.src_relative if side == "src" else self.tgt_relative
+        if bias is None:
+            return None
+        at = torch.as_tensor(offset, device=self.positions.device).reshape(-1, 1)
+        return bias(at + torch.arange(queries, device=at.device), keys)
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         p = self.tgt_embed.weight
@@ -449,14 +499,16 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
         embedding (Memory.projection): the same products and sums, in float32 possibly rounded
         differently in the last bits (the row-invariant mode never takes it)."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
+        if self.cfg.rescale_head:  # T5 v1.0's tied head reads d_model^-0.5 x the decoder's output
+            hidden = hidden * (self.cfg.d_model ** -0.5)
         if self.row_invariant:
-            return rowwise_linear(hidden, W, None)
-        if (memory is not None and hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu"
-                and not torch.is_grad_enabled()):
-            W_t = memory.projection(W, self._transposed)
-            if W_t is not None:
-                return hidden @ W_t
-        return linear(hidden, W, None, self.few_rows)
+            logits = rowwise_linear(hidden, W, None)
+        elif (memory is not None and hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu"
+                and not torch.is_grad_enabled() and (W_t := memory.projection(W, self._transposed)) is not None):
+            logits = hidden @ W_t
+        else:
+            logits = linear(hidden, W, None, self.few_rows)
+        return logits if self.logits_bias is None else logits + self.logits_bias
 
     def _transposed(self, W: torch.Tensor) -> torch.Tensor:
         """W.t() as a contiguous copy, kept beside the values it was made from and checked against
@@ -482,9 +534,10 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
             src = torch.cat([src.new_tensor(self.cfg.encoder_prefix).expand(src.shape[0], -1), src], dim=1)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S) keys that are padding
-        x = self._embed(self.src_embed, src, 0)
+        x = self._embed("src", src, 0)
+        bias = self._relative_bias("src", src.shape[1], 0, src.shape[1])  # T5: the first layer's, shared by all
         for layer in self.encoder:
-            x = layer(x, pad_block)
+            x = layer(x, pad_block, bias)
         return self.enc_norm(x), src_pad
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
@@ -534,12 +587,13 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
             self_block = causal_block(q_len, offset, tgt_new.device) if q_len > 1 else None  # (q, L + q)
             if open_from is not None and self_block is not None:
                 self_block[open_from:] = False
-        x = self._embed(self.tgt_embed, tgt_new, offset, real)
+        x = self._embed("tgt", tgt_new, offset, real)
+        bias = self._relative_bias("tgt", q_len, offset, cache.prefix + cache.end + q_len)
         src_block = memory.src_block
         rows = None if real is None else torch.arange(q_len, device=x.device)[None, :] < real.to(x.device)[:, None]
         for i, layer in enumerate(self.decoder[:layers]):
             x = layer(x, memory.cross_kv[i], src_block,
-                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, rows)
+                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, rows, bias)
         cache.advance(q_len)
         if forced:
             cache.hide(forced)
@@ -589,12 +643,12 @@ class Transformer(nn.Module, RowInvariant, FewRowRoute):
             if self_block is not None:
                 raise ValueError("a model with a decoder_prefix takes no self_block")
             tgt = self._after_start(tgt)
-        x = self._embed(self.tgt_embed, tgt, 0)
+        x = self._embed("tgt", tgt, 0)
         if self_block is None:
             self_block = causal_block(tgt.shape[1], 0, x.device)
-        src_block = memory.src_block
+        src_block, bias = memory.src_block, self._relative_bias("tgt", tgt.shape[1], 0, tgt.shape[1])
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)
+            x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block, bias=bias)
             yield x[:, forced:]
 
     def num_parameters(self) -> int:

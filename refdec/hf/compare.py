@@ -14,9 +14,14 @@ def hf_from_pretrained(folder: str | Path, dtype: torch.dtype = torch.float32):
     """Stock transformers' model for a folder (eval mode), as any user would load it."""
     transformers = require_transformers()
     try:
-        return transformers.AutoModelForSeq2SeqLM.from_pretrained(str(folder), dtype=dtype).eval()
+        model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(folder), dtype=dtype).eval()
     except Exception as e:
         raise HFError(f"transformers cannot load {folder}: {type(e).__name__}: {first_line(e, 200)}") from None
+    # refdec's decoders stop after max_len tokens without writing </s>; transformers' forced_eos_token_id
+    # (BART's and Marian's configs set it) would make </s> the last of max_new_tokens: cleared, so that
+    # both stop alike at the length limit and differ nowhere else
+    model.generation_config.forced_eos_token_id = None
+    return model
 
 
 def hf_inputs(cfg: ModelConfig, src_ids: list[int], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,49 +22,32 @@ from ..config import ModelConfig
 from ..model import Transformer, sinusoidal_positions
 from ..tokenizer import Tokenizer
 from .common import HFError, first_line, is_hf_folder, read_json, read_weights
-from .layout import half_split, hf_names, permute_state
+from .families import FAMILIES, Family, family_of
+from .layout import half_split, permute_state
 
-M2M100, PEGASUS = "M2M100ForConditionalGeneration", "PegasusForConditionalGeneration"
-MODEL_TYPES = {"m2m_100": M2M100, "pegasus": PEGASUS}
-
-def architecture(config: dict, folder: Path) -> str:
-    arch = MODEL_TYPES.get(config.get("model_type"))
-    if arch is None or (config.get("architectures") and arch not in config["architectures"]):
-        got = ", ".join(config.get("architectures") or []) or config.get("model_type") or "unknown"
-        raise HFError(f"{folder}: unsupported architecture {got}; refdec imports {M2M100} (M2M100, NLLB) "
-                      f"and the {PEGASUS} folders `python -m refdec.hf export` writes")
-    return arch
+M2M100, PEGASUS = FAMILIES["m2m_100"].architecture, FAMILIES["pegasus"].architecture
+MODEL_TYPES = {name: f.architecture for name, f in FAMILIES.items()}
+SOURCE_BOS = ("bart",)  # families whose tokenizer writes <s> before every source (BartTokenizer)
+LEARNED_OFFSET = 2  # BartLearnedPositionalEmbedding: position p is row p + 2 of the stored table
 
 
-def model_config(config: dict, arch: str, folder: Path, encoder_prefix=(), decoder_prefix=()) -> ModelConfig:
-    """refdec's ModelConfig for a transformers config.json, or one line on what does not fit."""
+def model_config(config: dict, family: Family, folder: Path, **over) -> ModelConfig:
+    """refdec's ModelConfig for a transformers config.json (`over`: fields the folder's other files
+    decide), or one line on what does not fit."""
     def need(cond: bool, what: str) -> None:
         if not cond:
             raise HFError(f"{folder}: {what}; refdec's Transformer cannot hold this model")
-    need(config.get("activation_function", "relu") == "relu", f"activation {config.get('activation_function')!r}, not relu")
-    need(config.get("scale_embedding", False), "embeddings not scaled by sqrt(d_model) (scale_embedding false)")
-    need(config.get("tie_word_embeddings", True), "untied input and output embeddings")
-    need(config["encoder_attention_heads"] == config["decoder_attention_heads"], "different encoder and decoder head counts")
-    need(config["encoder_ffn_dim"] == config["decoder_ffn_dim"], "different encoder and decoder feed-forward widths")
-    need(config.get("encoder_layers", 0) >= 1, "no encoder layers")
-    start = config.get("decoder_start_token_id")
-    need(start is not None, "no decoder_start_token_id")
     try:
-        return ModelConfig(
-            vocab_size=config["vocab_size"], d_model=config["d_model"], n_heads=config["encoder_attention_heads"],
-            d_ff=config["encoder_ffn_dim"], enc_layers=config["encoder_layers"], dec_layers=config["decoder_layers"],
-            dropout=config.get("dropout", 0.1), norm_first=True, tie_embeddings=True,
-            max_positions=config["max_position_embeddings"], pad_id=config["pad_token_id"], bos_id=start,
-            eos_id=config["eos_token_id"], positions="m2m100" if arch == M2M100 else "sinusoidal",
-            encoder_prefix=tuple(encoder_prefix), decoder_prefix=tuple(decoder_prefix))
+        return ModelConfig(**{**family.fields(config, need), **over})
     except KeyError as e:
         raise HFError(f"{folder}/config.json has no {e.args[0]}") from None
     except (TypeError, ValueError) as e:
         raise HFError(f"{folder}/config.json: {first_line(e, 200)}") from None
 
 
-def _embedding(weights: dict[str, torch.Tensor], folder: Path) -> torch.Tensor:
-    names = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")
+def _embedding(weights: dict[str, torch.Tensor], folder: Path, head_too: bool) -> torch.Tensor:
+    """The shared embedding; every copy the files hold must be equal (the output one too if `head_too`)."""
+    names = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight") + (("lm_head.weight",) * head_too)
     present = [weights[n] for n in names if n in weights]
     if not present:
         raise HFError(f"{folder}: no embedding matrix (shared.weight) in the weights")
@@ -73,14 +56,14 @@ def _embedding(weights: dict[str, torch.Tensor], folder: Path) -> torch.Tensor:
     return present[0]
 
 
-def load_tokenizer(folder: Path, config: dict) -> Tokenizer:
+def load_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
     """tokenizer.json of the folder: refdec's own kind when it is one (an exported refdec model),
-    else wrapped with the config's special ids."""
+    else wrapped with the model's special ids."""
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise HFError(f"{folder} has no tokenizer.json")
     text = path.read_text(encoding="utf-8")
-    cfg_ids = (config.get("pad_token_id"), config.get("decoder_start_token_id"), config.get("eos_token_id"))
+    cfg_ids = (cfg.pad_id, cfg.bos_id, cfg.eos_id)
     try:
         tok = Tokenizer.load(path)
         if cfg_ids == (tok.pad_id, tok.bos_id, tok.eos_id):
@@ -120,21 +103,51 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype
     if not (folder / "config.json").is_file():
         raise HFError(f"{folder} has no config.json (not a transformers model folder)")
     config = read_json(folder / "config.json")
-    arch = architecture(config, folder)
-    model_config(config, arch, folder)  # what does not fit is told before the tokenizer is read
-    tokenizer = load_tokenizer(folder, config)
+    family = family_of(config, folder)
+    cfg = model_config(config, family, folder)  # what does not fit is told before the tokenizer is read
+    tokenizer = load_tokenizer(folder, cfg)
     enc, dec = language_ids(tokenizer, folder, config, src_lang, tgt_lang)
-    cfg = model_config(config, arch, folder, enc, dec)
+    if family.name in SOURCE_BOS:
+        enc = (config.get("bos_token_id", 0),) + enc
+    weights = read_weights(folder)
+    shared = weights.get("shared.weight", weights.get("encoder.embed_tokens.weight"))
+    # T5 v1.1 / Flan-T5 keep an lm_head of their own; the other families tie it to the embedding
+    untied = family.name == "t5" and "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"], shared)
+    cfg = model_config(config, family, folder, encoder_prefix=enc, decoder_prefix=dec, tie_embeddings=not untied)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise HFError(f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
-    weights = read_weights(folder)
-    names = hf_names(cfg)
-    missing = sorted(theirs for ours, theirs in names.items() if theirs != "shared.weight" and theirs not in weights)
+    model = Transformer(cfg)
+    state = _state(model, family, weights, folder)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise HFError(f"{folder}: weights do not fit config.json: {first_line(e, 200)}") from None
+    model.to(device=device, dtype=dtype).eval()
+    return model, tokenizer, {"format": "transformers", "task": None, "step": None, "architecture": family.architecture,
+                              "model_config": cfg.to_dict(), "meta": {"folder": str(folder)}}
+
+
+def _state(model: Transformer, family: Family, weights: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """refdec's state dict for `model` from the folder's tensors, renamed (and reshaped) per family."""
+    cfg, names = model.cfg, family.names(model.cfg)
+    keys = [k for k in model.state_dict() if k != "src_embed.weight" or not cfg.tie_embeddings]
+    missing = sorted(names.get(k, k) for k in keys if names.get(k, k) not in weights
+                     and names.get(k) not in ("shared.weight", "final_logits_bias"))
     if missing:
         raise HFError(f"{folder}: {len(missing)} weight(s) missing from the files, e.g. {missing[0]}")
-    state = {ours: (_embedding(weights, folder) if theirs == "shared.weight" else weights[theirs]).float()
-             for ours, theirs in names.items()}
-    if arch == PEGASUS:  # refdec's own export: undo its permutation and check the table it carries
+    state = {}
+    for key in keys:
+        theirs = names.get(key, key)
+        if theirs == "shared.weight" or key == "src_embed.weight":
+            t = _embedding(weights, folder, head_too=cfg.tie_embeddings)
+        elif theirs == "final_logits_bias":  # transformers starts it at zeros when a folder has none
+            t = weights.get(theirs, torch.zeros(1, cfg.vocab_size)).reshape(-1)
+        elif key.endswith("_positions"):  # learned: drop the offset rows, keep max_positions
+            t = weights[theirs][LEARNED_OFFSET:LEARNED_OFFSET + cfg.max_positions]
+        else:
+            t = weights[theirs]
+        state[key] = t.float()
+    if family.architecture == PEGASUS:  # refdec's own export: undo its permutation and check the table it carries
         perm = half_split(cfg.d_model)
         state = permute_state(state, torch.argsort(perm))
         table = sinusoidal_positions(cfg.max_positions, cfg.d_model)[:, perm]
@@ -143,13 +156,6 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype
             if stored is None or stored.shape != table.shape or not torch.equal(stored, table.to(stored.dtype)):
                 raise HFError(f"{folder}: the {side}'s position table is not refdec's sinusoidal table; refdec imports "
                               f"Pegasus folders that `python -m refdec.hf export` wrote")
-    state["src_embed.weight"] = state["tgt_embed.weight"]
-    model = Transformer(cfg)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise HFError(f"{folder}: weights do not fit config.json: {first_line(e, 200)}") from None
-    model.to(device=device, dtype=dtype).eval()
-    return model, tokenizer, {"format": "transformers", "task": None, "step": None, "architecture": arch,
-                              "model_config": cfg.to_dict(), "meta": {"folder": str(folder)}}
-
+    if cfg.tie_embeddings:
+        state["src_embed.weight"] = state["tgt_embed.weight"]
+    return state
