@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__ + "\nalgorithms:\n" + algos,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algo", required=True, choices=sorted(ALGORITHMS), help="decoding algorithm")
-    p.add_argument("--task", required=True, choices=sorted(TASKS),
-                   help="task: picks the default test set, checkpoint and metrics (GEC tasks add F0.5)")
+    p.add_argument("--task", choices=sorted(TASKS),
+                   help="task: picks the default test set, checkpoint and metrics (GEC tasks add F0.5); optional "
+                   "with a Hugging Face folder as --model and an --input (plain text in, text out)")
     g = p.add_argument_group("input and output")
     g.add_argument("--input", metavar="FILE|-", help="source sentences, one per line, UTF-8 ('-' = stdin; "
                    "default: the task's test set with its references)")
@@ -139,7 +140,9 @@ def run(args) -> int:
     from refdec.interrupt import release_sigint
     from refdec.loading import load_runs
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
-    default_input = DATA_DIR / args.task / "test.src.gz"
+    if args.task is None and not (args.model and os.path.isdir(args.model) and args.input):
+        raise runner.UsageError("--task is needed unless --model is a Hugging Face folder and --input names the text")
+    default_input = DATA_DIR / (args.task or "") / "test.src.gz"
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
                       refs=args.ref, input=args.input)
     given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
@@ -149,7 +152,7 @@ def run(args) -> int:
     shared = plan.shared_seconds(specs, args.task, {"small": args.small, "drafter": args.drafter})
     runner.check_machine(args.device, args.threads, output=args.output, report=args.report, html=args.html,
                          reads={"input": args.input, **{f"--ref file {r}": r for r in args.ref}})
-    lines, refs = runner.read_input(args.task, args.input, args.ref, args.limit)
+    lines, refs = runner.read_input(args.task or "", args.input, args.ref, args.limit)
     dtype = getattr(torch, args.dtype)
     loader, runs = load_runs(specs, shared, task=args.task, device=args.device, dtype=dtype, invariant=args.invariant,
                              trace=args.trace or bool(args.html), languages=(args.src_lang, args.tgt_lang))
@@ -190,7 +193,7 @@ def run(args) -> int:
                  "sentences": f"{len(lines)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
                  "batch size": args.batch_size or 1, "device": f"{args.device}, {args.dtype}, "
                  f"{torch.get_num_threads()} thread(s)", "command": shlex.join(["python", "decode.py", *args.argv])}
-        htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r.name for r in runs)} on {args.task}",
+        htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r.name for r in runs)} on {args.task or args.model}",
                               facts=facts, summary=summary, sources=lines, refs=refs, ids=ids, runs=runs,
                               tokenizer=loader.tokenizer)
     print(summary.text, file=sys.stderr if not args.output else sys.stdout)

@@ -64,7 +64,7 @@ def load_any(path: str | Path, *, task: str | None, device, dtype: torch.dtype, 
 class RunLoader:
     def __init__(self, main_path: str | Path, *, task: str, device: str, dtype: torch.dtype,
                  languages: tuple[str | None, str | None] = (None, None)):
-        self.task, self.device, self.dtype = task, device, dtype
+        self.task, self.device, self.dtype, self.languages = task, device, dtype, languages
         self.main_path = Path(main_path)
         model, self.tokenizer, ckpt = load_any(main_path, task=task, device=device, dtype=dtype, languages=languages)
         self.loaded = {self.main_path.resolve(): (model, ckpt)}  # large models by file
@@ -110,9 +110,12 @@ class RunLoader:
         key = (role, Path(value).resolve(), large_path.resolve())
         if key not in self.seconds:
             model, tok, ck2 = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
-                                       loaded={self.sha256(large_path): large})
+                                       loaded={self.sha256(large_path): large},
+                                       languages=self.languages if Path(value).is_dir() else (None, None))
             if tok.sha256 != self.tokenizer.sha256:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
+            if (model.cfg.encoder_prefix, model.cfg.decoder_prefix) != (large.cfg.encoder_prefix, large.cfg.decoder_prefix):
+                raise LoadError(f"{role} {value} does not force the tokens {large_path} forces (language codes, <s>)")
             if role == "drafter" and "drafter" not in ck2:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
             if role == "drafter":  # the model with the block size and layout it was trained for
