@@ -1,6 +1,7 @@
-"""KVCache: the decoder's self-attention keys and values, with an explicit length per batch row.
+"""What the decoder keeps between calls: KVCache, its self-attention keys and values with an explicit
+length per batch row, and Memory, what it reads from the encoder.
 
-Every decoder in refdec uses this one object and only its verbs:
+Every decoder in refdec uses one KVCache and only its verbs:
 
     append(layer, k, v)  write q new positions for one layer at each row's [length, length + q)
                          and return that layer's keys/values for [0, end + q)
@@ -29,15 +30,18 @@ truncate and append speak of the positions after them, so a decoder never knows 
 `hide(p)` turns the first p committed positions into that prefix; a cache emptied by truncate(0)
 drops it (the model writes it anew with the next start token).
 
-Cross-attention keys and values do not live here: they are computed once per source by
-`Transformer.encode` and kept in `Memory`.
+Memory: what the decoder reads from one encoder pass, the encoder states and the cross-attention
+keys and values, computed once per source by `Transformer.encode`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from .kernels import StepCopies
 
 
 class KVCache:
@@ -181,3 +185,38 @@ class KVCache:
         if self.prefix:
             length += f", prefix={self.prefix}"
         return f"KVCache(layers={L}, batch={B}, heads={H}, head_dim={Dh}, {length}, capacity={cap})"
+
+
+@dataclass
+class Memory(StepCopies):
+    """What the decoder needs from one encoder pass (and, as StepCopies, its decoding call's copy of
+    the vocabulary projection: refdec.kernels).
+
+    states:   (B, S, D) encoder output
+    src_pad:  (B, S) True where the source is padding
+    cross_kv: per decoder layer, the cross-attention keys and values, each (B, H, S, Dh)
+    """
+
+    states: torch.Tensor
+    src_pad: torch.Tensor
+    cross_kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def batch(self) -> int:
+        return self.states.shape[0]
+
+    @property
+    def src_block(self) -> torch.Tensor | None:
+        """(B, 1, 1, S) cross-attention mask, or None when no row has padding (batch 1): the
+        masked_fill it saves is a no-op then, so the logits are the same either way."""
+        if not hasattr(self, "_src_block"):
+            self._src_block = self.src_pad[:, None, None, :] if bool(self.src_pad.any()) else None
+        return self._src_block
+
+    def select(self, rows: torch.Tensor) -> "Memory":
+        """The memory of batch rows `rows` (repeats allowed: beam search expands each source)."""
+        return Memory(
+            self.states.index_select(0, rows),
+            self.src_pad.index_select(0, rows),
+            [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cross_kv],
+        )

@@ -21,7 +21,8 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .model import SharedEncoder, Transformer
+from .decoding.adapters import SharedEncoder
+from .model import Transformer
 from .tokenizer import Tokenizer
 
 FORMAT = "refdec-checkpoint-1"

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, Memory
 from .config import BOS_ID, DRAFTER_LAYOUTS, EOS_ID, MASK_ID, PAD_ID
-from .model import Memory, Transformer
+from .model import Transformer
 
 
 @dataclass(frozen=True)

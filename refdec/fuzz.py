@@ -39,7 +39,8 @@ from contextlib import contextmanager
 import torch
 
 from .config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
-from .model import Transformer, set_row_invariant
+from .kernels import set_row_invariant
+from .model import Transformer
 
 FAMILIES = ("random", "exact", "near", "constant")
 

@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .drafter import Drafter
-from .model import EarlyExit
+from .decoding.adapters import EarlyExit
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
 
@@ -150,7 +150,7 @@ def load_runs(specs: list, shared: dict, *, task: str, device, dtype: torch.dtyp
     """The runs of refdec.plan's `specs`, every checkpoint loaded once: the first run's model, the
     other checkpoints compared runs name, the `shared` second models (role -> path) and each run's
     own. With `invariant`, every model in row-invariant mode. Returns the loader and the runs."""
-    from .model import set_row_invariant
+    from .kernels import set_row_invariant
     from .runner import Run
     loader = RunLoader(specs[0].path, task=task, device=device, dtype=dtype, languages=languages)
     for s in specs[1:]:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PAD_ID
-from .model import Linear
+from .kernels import Linear
 
 
 class ProposalHeads(nn.Module):

@@ -5,14 +5,13 @@
     python -m refdec.stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
---src source tokens, interleaving the q values round by
-round, and prints the median cost and cost(q) / cost(1): the price of verifying a draft of q tokens
-in one call, which decides what every speculative decoder can gain on this machine. Each call is
-timed twice, interleaved: with refdec.model's few-row route for the linear layers (the default:
+--src source tokens, interleaving the q values round by round, and prints the median cost and
+cost(q) / cost(1): the price of verifying a draft of q tokens in one call, which decides what every
+speculative decoder can gain on this machine. Each call is
+timed twice, interleaved: with refdec.kernels' few-row route for the linear layers (the default:
 (W @ x.T).T for 2-16 rows) and with the plain x @ W.T of torch's F.linear. It also times the one-row
-vocabulary projection both ways (the strided W.t() that Transformer.project uses for the greedy step
-against a contiguous transposed copy, which the model does not keep: a copy of the weights goes
-stale when they change through .data or a fused optimizer step).
+vocabulary projection both ways: the strided view W.t() against the contiguous transposed copy that
+a decoding call takes from its second one-row step on (refdec.kernels, the projection copy).
 
 With --rows B every call decodes B batch rows at once (a batched decoder's call: B rows x q tokens),
 and the table adds the cost per decoder position (ms / (B x q)): once a call holds a few hundred
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .model import FEW_ROWS, set_few_row_route
+from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +54,7 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="mt-en-de", help="task whose shipped checkpoint to load (default mt-en-de)")
     p.add_argument("--model", help="checkpoint path (default: checkpoints/<task>/model.pt)")
@@ -66,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     p.add_argument("--report", help="write the figures as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         qs = [int(x) for x in args.q.split(",")]
         if min(qs) < 1 or args.rounds < 1 or args.threads < 1 or args.rows < 1 or args.src < 1:

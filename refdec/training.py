@@ -59,7 +59,8 @@ from .config import ModelConfig, TrainConfig
 from .decoding.blockwise import decode_blockwise
 from .decoding.greedy import decode_greedy
 from .metrics import corpus_bleu
-from .model import SharedEncoder, Transformer
+from .decoding.adapters import SharedEncoder
+from .model import Transformer
 from .drafter import block_batch, glance, glancing_ratio
 from .proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from .tokenizer import Tokenizer, iter_training_text

@@ -6,9 +6,12 @@ config.json). Each is written as transformers computes it, operation for operati
 imported model's float64 logits equal transformers' to the last few bits:
 
     activation(name)        the feed-forward nonlinearity: relu, gelu, gelu_new (tanh form), silu
-    RMSNorm                 T5LayerNorm: x / rms(x) x gain, no mean and no bias
-    marian_positions        MarianSinusoidalPositionalEmbedding's table
+    make_norm(cfg)          LayerNorm (with its epsilon) or RMSNorm, T5LayerNorm: x / rms(x) x gain
+    learned_positions(cfg)  BART's and mBART's learned position tables, one per side
     RelativePositionBias    T5's bucketed relative position bias, added to the attention scores
+    embed_norms(cfg)        BART's and mBART's layernorm_embedding, one per side
+
+The families' fixed position tables (Marian's, M2M100's) are in refdec.positions.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .config import ModelConfig
+from .kernels import LayerNorm
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -49,19 +54,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)  # (..., 1)
         return self.weight * (x * torch.rsqrt(variance + self.eps))
-
-
-def marian_positions(n: int, d: int) -> torch.Tensor:
-    """MarianSinusoidalPositionalEmbedding's (n, d) table in float64: the paper's frequencies
-    10000^(-2i/d) laid out [sin | cos], computed in numpy's float64 and rounded to float32, as
-    transformers computes it (the values a float64 transformers model holds too)."""
-    denom = np.array([np.power(10000, 2 * (j // 2) / d) for j in range(d)])  # (d,) one scalar power each
-    position_enc = np.arange(n)[:, None] / denom[None, :]  # (n, d)
-    out = torch.empty(n, d, dtype=torch.float32)
-    sentinel = d // 2 if d % 2 == 0 else d // 2 + 1
-    out[:, :sentinel] = torch.tensor(np.sin(position_enc[:, 0::2]), dtype=torch.float32)
-    out[:, sentinel:] = torch.tensor(np.cos(position_enc[:, 1::2]), dtype=torch.float32)
-    return out.double()
 
 
 def relative_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int, max_distance: int) -> torch.Tensor:
@@ -96,3 +88,41 @@ class RelativePositionBias(nn.Module):
         relative = torch.arange(keys, device=query_positions.device)[None, None, :] - query_positions[:, :, None]
         bucket = relative_bucket(relative, self.bidirectional, self.buckets, self.max_distance)  # (R, q, L)
         return self.embedding(bucket).permute(0, 3, 1, 2)
+
+
+def position_bias(bias: RelativePositionBias | None, offset: int | torch.Tensor, queries: int,
+                  keys: int) -> torch.Tensor | None:
+    """T5's bias (1 or B, H, queries, keys) for the queries at positions offset .. offset + queries - 1
+    (offset one int, or (B,) one per row of a ragged cache), or None for a model without one."""
+    if bias is None:
+        return None
+    at = torch.as_tensor(offset, device=bias.embedding.weight.device).reshape(-1, 1)
+    return bias(at + torch.arange(queries, device=at.device), keys)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The layer normalisation cfg.norm names: LayerNorm (Ba et al. 2016) or T5's RMSNorm."""
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+def learned_positions(cfg: ModelConfig) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    """(source, target) learned position tables, each (max_positions, D), for positions "learned"."""
+    if cfg.positions != "learned":
+        return None, None
+    table = lambda: nn.Parameter(torch.zeros(cfg.max_positions, cfg.d_model))  # noqa: E731
+    return (table() if cfg.enc_layers else None), table()
+
+
+def relative_biases(cfg: ModelConfig) -> tuple[RelativePositionBias | None, RelativePositionBias | None]:
+    """(encoder, decoder) relative position biases for positions "relative": the encoder's sees both
+    directions, the decoder's only the past."""
+    if cfg.positions != "relative":
+        return None, None
+    make = lambda both: RelativePositionBias(cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance, both)  # noqa: E731
+    return (make(True) if cfg.enc_layers else None), make(False)
+
+
+def embed_norms(cfg: ModelConfig) -> tuple[nn.Module, nn.Module]:
+    """(source, target) norms of embeddings + positions (cfg.embed_norm), else identities."""
+    on = cfg.embed_norm
+    return (make_norm(cfg) if on and cfg.enc_layers else nn.Identity()), (make_norm(cfg) if on else nn.Identity())

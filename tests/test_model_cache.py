@@ -142,7 +142,7 @@ def test_cuda_matches_cpu():
 def test_few_row_route_computes_the_linear_map(bias):
     """refdec.model.linear: the (W @ x.T).T route for 2-16 rows on CPU gives F.linear's values (the
     same products, at most summed in another order) and keeps the shape for every row count."""
-    from refdec import model as M
+    from refdec import kernels as M
     g = torch.Generator().manual_seed(0)
     W = torch.randn(24, 8, generator=g, dtype=torch.float64)
     b = torch.randn(24, generator=g, dtype=torch.float64) if bias else None
@@ -160,7 +160,7 @@ def test_few_row_route_computes_the_linear_map(bias):
 
 def test_model_linears_take_the_route():
     """Every linear layer of the model and of the proposal heads is refdec.model.Linear."""
-    from refdec import model as M
+    from refdec import kernels as M
     from refdec.proposal import ProposalHeads
     for module in (tiny_model(0), ProposalHeads(16, 8, 3)):
         linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
@@ -171,7 +171,7 @@ def test_few_row_route_is_switched_per_model():
     """set_few_row_route: off, a model's inference takes F.linear everywhere, so a 4-token decoder
     call gives bitwise the logits of the plain route (the one taken with gradients on); on (the
     default), its linear layers and projection take (W @ x.T).T; another model is untouched."""
-    from refdec.model import Linear, set_few_row_route
+    from refdec.kernels import Linear, set_few_row_route
     m, other = tiny_model(3, vocab=40), tiny_model(4, vocab=40)
     src, tgt = random_src(3, 1, 40), torch.tensor([[BOS_ID, 7, 8, 9]])
 

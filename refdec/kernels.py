@@ -1,0 +1,204 @@
+"""How the model computes its primitive operations: a linear map, attention and layer norm, and the
+vocabulary projection. refdec.model writes the Transformer with these; each mode below swaps one
+primitive for another that computes the same mathematics, and is switched per model.
+
+Few-row route (`linear`, on by default, `set_few_row_route`). On CPU, MKL's matrix product picks a
+much faster routine for a few rows x (r, D) when asked for (W @ x.T).T than for x @ W.T: on the
+mt-en-de model a decoder call over 2-16 new tokens costs 1.30-1.57 single steps instead of 1.38-1.92
+(`python -m refdec.stepcost` times both; docs/cpu-cost.md). Beyond 16 rows (an encoder pass) it
+loses, so the route depends on the row count. The products are the same, possibly summed in another
+order: float32 logits may differ in the last bits between routes.
+
+Projection copy (`VocabularyProjection`, `StepCopies`). On CPU, MKL's (1, D) @ (D, V) with a
+contiguous (D, V) copy of the output embedding W (V, D) takes about half the time of the strided
+view W.t() inside a decoding loop. The copy is kept beside the values it was made from and checked
+against W's current values (torch.equal costs a fraction of a transposition), so weights changed in
+any way, through `.data` or a fused optimizer step included, give a new copy. A decoding call (one
+Memory) takes it on its second one-row step: a call with a single one-row step, as IAD's often are,
+does not pay for the check, and no call ever decodes with weights older than its own.
+
+Row-invariant compute (`set_row_invariant`, off by default). A matrix product x @ W.T may round row
+i differently depending on how many rows x has (MKL picks its blocking by shape, and by the memory
+alignment of its operands). In row-invariant mode every dot product is an elementwise product summed
+over its last dimension by torch's own reduction, which sums each output alone over the same D
+elements in the same order whatever else is in the tensor and wherever it lies in memory; every
+attention query sees exactly its own keys; every layer-norm row is normalised by a call of its own.
+So a position's logits do not depend on the call shape (new tokens, batch rows, cache length), and a
+decoder that verifies k tokens in one call computes bitwise what greedy computes one by one, ties
+included; it is slower (docs/algorithms.md, "Row-invariant mode"). Temporaries are kept to
+INVARIANT_BLOCK bytes: glibc serves larger ones (from 128 KiB) by mmap, and their page faults made a
+greedy step several times slower. This mode never takes the few-row route or the projection copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FEW_ROWS = range(2, 17)  # row counts that take the few-row route
+INVARIANT_BLOCK = 1 << 16  # bytes per temporary in row-invariant mode
+
+
+# -- the switches -----------------------------------------------------------------------------------
+class RowInvariant:
+    """Marks a layer with a row-invariant code path; `set_row_invariant` switches it per model."""
+
+    row_invariant = False
+
+
+class FewRowRoute:
+    """Marks a layer whose products may take the few-row route; `set_few_row_route` switches it per model."""
+
+    few_rows = True
+
+
+def set_row_invariant(module: nn.Module, on: bool = True) -> nn.Module:
+    """Switch row-invariant compute on (or off) for every layer of `module` (a Transformer, an
+    EarlyExit, a SharedEncoder, proposal heads) and return it. Other models are untouched."""
+    for m in module.modules():
+        if isinstance(m, RowInvariant):
+            m.row_invariant = on
+    return module
+
+
+def set_few_row_route(module: nn.Module, on: bool = True) -> nn.Module:
+    """Let the linear layers and the vocabulary projection of `module` take the few-row route of
+    `linear` (on, the default) or always F.linear (off), and return it. Other models are untouched."""
+    for m in module.modules():
+        if isinstance(m, FewRowRoute):
+            m.few_rows = on
+    return module
+
+
+def is_row_invariant(module: nn.Module) -> bool:
+    """Whether `module` computes in row-invariant mode (all of its layers: the switch sets them together)."""
+    layers = [m for m in module.modules() if isinstance(m, RowInvariant)]
+    return bool(layers) and all(m.row_invariant for m in layers)
+
+
+# -- the few-row route --------------------------------------------------------------------------------
+def few_row_route(x: torch.Tensor) -> bool:
+    """Whether `linear` takes the (W @ x.T).T route for x (..., D): inference on CPU, 2-16 rows."""
+    return x.device.type == "cpu" and not torch.is_grad_enabled() and x.numel() // x.shape[-1] in FEW_ROWS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = True) -> torch.Tensor:
+    """x (..., D) @ weight (O, D).T + bias (O,) -> (..., O); F.linear except for few rows on CPU
+    (`few_rows` False: F.linear always)."""
+    if not (few_rows and few_row_route(x)):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).t()  # (D, r)
+    y = weight @ rows if bias is None else torch.addmm(bias[:, None], weight, rows)  # (O, r)
+    return y.t().reshape(*x.shape[:-1], weight.shape[0])
+
+
+# -- row-invariant compute ------------------------------------------------------------------------------
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., D) @ weight (O, D).T + bias -> (..., O), each output the sum over D of x * w alone
+    (blocks of rows and outputs bound the temporary; a block's size changes no output)."""
+    D, O = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, D)
+    out = rows.new_empty(rows.shape[0], O)
+    per_block = max(1, INVARIANT_BLOCK // (D * x.element_size()))  # (row, output) pairs per temporary
+    o_step = min(O, per_block)
+    r_step = max(1, per_block // O) if o_step == O else 1
+    for r in range(0, rows.shape[0], r_step):
+        for o in range(0, O, o_step):
+            torch.sum(rows[r:r + r_step, None, :] * weight[o:o + o_step], dim=-1, out=out[r:r + r_step, o:o + o_step])
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], O)
+
+
+def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                      scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """refdec.model.attention computed so that each query sees exactly the keys it may attend to
+    (never a masked longer row: more terms change how a sum rounds): queries that share their keys
+    (no mask, or a mask without a query dimension) go together, the others one by one, batch row by row."""
+    B, H, Q, Dh = q.shape
+    L = k.shape[2]
+    scale = 1.0 / math.sqrt(Dh) if scale is None else scale
+    out = q.new_empty(B, H, Q, Dh)
+    allowed = None if blocked is None else ~blocked.expand(B, 1, Q, L)
+    shared = allowed is None or blocked.shape[-2] == 1
+    for b in range(B):
+        for i0, i1 in ([(0, Q)] if shared else [(i, i + 1) for i in range(Q)]):
+            keys = None if allowed is None else allowed[b, 0, i0].nonzero().squeeze(1)
+            kb, vb = (k[b], v[b]) if keys is None else (k[b].index_select(1, keys), v[b].index_select(1, keys))  # (H, n, Dh)
+            bb = None if bias is None else bias[b if bias.shape[0] > 1 else 0]  # (H, Q, L): T5's position bias
+            bb = bb if bb is None or keys is None else bb.index_select(2, keys)
+            step = max(1, INVARIANT_BLOCK // (max(1, kb.shape[1]) * H * Dh * q.element_size()))  # queries per temporary
+            for j in range(i0, i1, step):
+                qj = q[b, :, j:min(j + step, i1)]  # (H, m, Dh)
+                scores = (qj[:, :, None, :] * kb[:, None]).sum(-1) * scale  # (H, m, n)
+                scores = scores if bb is None else scores + bb[:, j:j + qj.shape[1]]
+                p = torch.softmax(scores, dim=-1)
+                out[b, :, j:j + qj.shape[1]] = (p[..., None] * vb[:, None]).sum(-2)  # (H, m, Dh)
+    return out
+
+
+# -- the layers the model is built from ------------------------------------------------------------------
+class Linear(nn.Linear, RowInvariant, FewRowRoute):
+    """nn.Linear (same parameters and state-dict keys) whose forward is `linear`, or `rowwise_linear`
+    in row-invariant mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            return rowwise_linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.few_rows)
+
+
+class LayerNorm(nn.LayerNorm, RowInvariant):
+    """nn.LayerNorm (same parameters and state-dict keys); in row-invariant mode each row is
+    normalised by a call of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.row_invariant:
+            return super().forward(x)
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.stack([super(LayerNorm, self).forward(r) for r in rows.unbind(0)]).reshape(x.shape)
+
+
+# -- the vocabulary projection and its copy -----------------------------------------------------------
+class StepCopies:
+    """The projection copies of one decoding call (a Memory): taken on its second one-row step."""
+
+    def projection(self, W: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """A contiguous (D, V) copy of the output embedding W (V, D) for one-row steps, from
+        `make(W)` on this call's second one-row step; None before it."""
+        got = self.__dict__.setdefault("_projections", {}).get(W.data_ptr())
+        if got is None:
+            self._projections[W.data_ptr()] = False  # one one-row step seen
+            return None
+        if got is False:
+            got = self._projections[W.data_ptr()] = make(W)
+        return got
+
+
+class VocabularyProjection(RowInvariant, FewRowRoute):
+    """The model's output projection (B, q, D) -> (B, q, V) under its compute mode."""
+
+    def project_vocabulary(self, hidden: torch.Tensor, W: torch.Tensor, copies: StepCopies | None) -> torch.Tensor:
+        """hidden (B, q, D) @ W (V, D).T; a one-row inference step on CPU with the `copies` of its
+        decoding call uses the contiguous transposed copy."""
+        if self.row_invariant:
+            return rowwise_linear(hidden, W, None)
+        if (copies is not None and hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu"
+                and not torch.is_grad_enabled()):
+            W_t = copies.projection(W, self._transposed)
+            if W_t is not None:
+                return hidden @ W_t
+        return linear(hidden, W, None, self.few_rows)
+
+    def _transposed(self, W: torch.Tensor) -> torch.Tensor:
+        """W.t() as a contiguous copy, remade unless the values it was made from equal W's now."""
+        kept = self.__dict__.get("_projection_copy")
+        if (kept is None or kept[0].shape != W.shape or kept[0].dtype != W.dtype or kept[0].device != W.device
+                or not torch.equal(kept[0], W)):
+            kept = (W.detach().clone(), W.detach().t().contiguous())
+            self.__dict__["_projection_copy"] = kept
+        return kept[1]
