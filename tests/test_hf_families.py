@@ -24,6 +24,7 @@ from test_hf import LANGS, WORDS, m2m_folder, one_line_error, sources, word_toke
 
 from refdec import hf  # noqa: E402
 from refdec.decoding import decode_beam, decode_bild, decode_greedy, decode_iad, decode_speculative  # noqa: E402
+from refdec.kernels import set_row_invariant  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 V = 4 + len(WORDS) + len(LANGS)  # <s> 0, <pad> 1, </s> 2, <unk> 3, words, language codes
@@ -117,6 +118,9 @@ def test_logits_and_every_decoder_equal_transformers_greedy(family, folders):
                    lambda b: decode_speculative(model, drafter, b, max_len=20, gamma=3)):
         assert all(torch.equal(o, w) for o, w in zip(decode(batch).tokens, wants))
     assert len(decode_bild(model, drafter, batch, max_len=20).tokens) == len(srcs)  # BiLD runs (not lossless)
+    invariant = set_row_invariant(hf.load_folder(large, dtype=torch.float64)[0])  # T5's bias in rowwise_attention
+    assert all(torch.equal(decode_iad(invariant, padded([s], model.cfg.eos_id, model.cfg.pad_id), max_len=20).tokens[0], w)
+               for s, w in zip(srcs[:6], wants))
 
 
 def test_family_switches(folders):
@@ -205,3 +209,22 @@ def test_one_line_errors(folders, tmp_path):
                                 "--model", str(large), "--small", str(other), stdin=b"w1\n"))
     assert "does not share the tokenizer" in err
     assert "--task is needed" in one_line_error(run_py("decode.py", *args, stdin=b"w1\n"))
+
+
+@pytest.mark.parametrize("family", ["marian", "bart", "t5"])
+def test_audit_on_a_family_pair(family, folders, tmp_path, capsys):
+    """python -m refdec.hf audit on a folder pair and a text file: refdec greedy, IAD and speculative,
+    transformers' greedy, beam-free assisted generation and prompt lookup; refdec's lossless decoders
+    and transformers' greedy identical to refdec greedy, differing lines reported with a margin."""
+    from refdec.hf.cli import main as hf_main
+    large, small = folders(family)
+    (tmp_path / "in.txt").write_text("\n".join(" ".join(WORDS[t - 4] for t in s) for s in sources(4, seed=8)) + "\n")
+    assert hf_main(["audit", "--model", str(large), "--small", str(small), "--input", str(tmp_path / "in.txt"),
+                    "--limit", "4", "--warmup", "0", "--threads", "1", "--report", str(tmp_path / "r.json")]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "r.json").read_text())["methods"]}
+    assert list(rows) == ["refdec-greedy", "refdec-iad", "refdec-speculative", "hf-greedy", "hf-assisted", "hf-prompt-lookup"]
+    assert all(rows[m]["identical"] == 1 for m in ("refdec-iad", "refdec-speculative", "hf-greedy"))
+    for r in rows.values():
+        assert len(r["differing"]) == round(4 * (1 - r["identical"])) and not r["errors"]
+        assert all(d["margin_top1_top2"] >= 0 for d in r["differing"])
+    assert "hf-assisted" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """refdec's and transformers' decoders on the same weights and inputs, line by line.
 
-Audit. refdec greedy, refdec IAD (GEC tasks) and speculative decoding (with --small), transformers'
+Audit. refdec greedy, refdec IAD (GEC tasks, and a transformers folder's own --input) and speculative decoding (with --small), transformers'
 greedy generate, assisted generation (the small model as assistant_model) and prompt-lookup
 decoding, on the same weights and inputs, in one process, interleaved sentence by sentence after a
 warm-up: seconds, ms per output token, and how many outputs equal refdec greedy's, each differing
@@ -36,10 +36,15 @@ def audit(args) -> dict:
     from ..data import DATA_DIR, read_lines
 
     torch.set_num_threads(args.threads)
-    src_path = DATA_DIR / args.task / "test.src.gz"
-    if not src_path.is_file():
-        raise HFError(f"{src_path} not found (an unknown task, or data/build.py not run)")
-    lines = [line for line in read_lines(src_path) if line.strip()][: args.limit]
+    if args.input:  # a file of the user's (a transformers folder needs no task)
+        from ..runner import read_text_lines
+        lines = read_text_lines(args.input)
+    else:
+        src_path = DATA_DIR / args.task / "test.src.gz"
+        if not src_path.is_file():
+            raise HFError(f"{src_path} not found (an unknown task, or data/build.py not run)")
+        lines = read_lines(src_path)
+    lines = [line for line in lines if line.strip()][: args.limit]
     tmp = Path(tempfile.mkdtemp(prefix="refdec-hf-"))
     try:  # exported folders live while their transformers models do
         return _audit(args, lines, tmp)
@@ -69,7 +74,7 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     def src_of(s):
         return torch.tensor([s + [cfg.eos_id]])
     methods = {"refdec-greedy": lambda s, n: decode_greedy(model, src_of(s), max_len=n).tokens[0]}
-    if TASKS.get(args.task) == "gec":
+    if args.task is None or TASKS.get(args.task) == "gec":  # IAD copies the source: GEC, or the user's own model
         methods["refdec-iad"] = lambda s, n: decode_iad(model, src_of(s), max_len=n).tokens[0]
     if small is not None:
         methods["refdec-speculative"] = lambda s, n: decode_speculative(model, small, src_of(s), max_len=n,
@@ -114,7 +119,7 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
 
 def audit_table(report: dict) -> str:
     head = f"{'method':<20} {'seconds':>9} {'ms/token':>9} {'tokens':>7} {'identical':>9}"
-    out = [f"{report['task']}: {report['lines']} lines, {report['threads']} thread(s), warm-up {report['warmup']}", head]
+    out = [f"{report['task'] or report['model']}: {report['lines']} lines, {report['threads']} thread(s), warm-up {report['warmup']}", head]
     for r in report["methods"]:
         out.append(f"{r['method']:<20} {r['seconds']:>9.2f} {r['ms_per_token']:>9.2f} {r['tokens']:>7} "
                    f"{100 * r['identical']:>8.1f}%")

@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("ckpt", help="a refdec model.pt")
     e.add_argument("out_dir", help="the folder to write (created)")
     a = sub.add_parser("audit", help="refdec's and transformers' decoders on the same weights and inputs")
-    a.add_argument("--task", required=True, help="its data/<task>/test.src.gz is decoded")
+    a.add_argument("--task", help="its data/<task>/test.src.gz is decoded (or --input)")
+    a.add_argument("--input", metavar="FILE", help="the sentences to decode, one per line (a transformers folder "
+                   "needs no --task then)")
     a.add_argument("--model", required=True, help="a refdec model.pt or a transformers folder")
     a.add_argument("--small", help="a small model on the same vocabulary: speculative and assisted generation")
     a.add_argument("--limit", type=int, default=100, help="sentences decoded (default 100)")
@@ -52,6 +54,8 @@ def _run(args: argparse.Namespace) -> int:
             raise HFError(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         raise HFError("--warmup must be at least 0")
+    if not (args.task or args.input) or (args.task is None and not is_hf_folder(args.model)):
+        raise HFError("audit needs --task (a refdec checkpoint's task) or a transformers folder and --input")
     if not is_hf_folder(args.model) and (args.src_lang or args.tgt_lang):
         raise HFError("--src-lang and --tgt-lang choose the language tokens of a transformers folder's model")
     if args.report:
