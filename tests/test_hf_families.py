@@ -228,3 +228,27 @@ def test_audit_on_a_family_pair(family, folders, tmp_path, capsys):
         assert len(r["differing"]) == round(4 * (1 - r["identical"])) and not r["errors"]
         assert all(d["margin_top1_top2"] >= 0 for d in r["differing"])
     assert "hf-assisted" in capsys.readouterr().out
+
+
+def test_banned_tokens_never_written(folders, tmp_path):
+    """opus-mt's generation_config.json forbids the pad token (bad_words_ids): refdec's logits carry
+    -inf there, so greedy, IAD and speculative decoding write what transformers' greedy writes."""
+    large, small = folders("marian")
+    model, _, _ = hf.load_folder(large, dtype=torch.float64)
+    srcs = sources(8, seed=5)
+    first = [decode_greedy(model, padded([s]), max_len=20).tokens[0] for s in srcs]
+    banned = int(torch.cat(first).mode().values)  # the token greedy writes most: banning it changes outputs
+    for folder in (large, small):
+        shutil.copytree(folder, tmp_path / folder.name)
+        gen = json.loads((tmp_path / folder.name / "generation_config.json").read_text())
+        (tmp_path / folder.name / "generation_config.json").write_text(json.dumps({**gen, "bad_words_ids": [[banned]]}))
+    theirs = hf.hf_from_pretrained(tmp_path / "large", torch.float64)
+    model, _, _ = hf.load_folder(tmp_path / "large", dtype=torch.float64)
+    drafter, _, _ = hf.load_folder(tmp_path / "small", dtype=torch.float64)
+    assert model.logits_bias[banned] == float("-inf")
+    for src, before in zip(srcs, first):
+        want = hf.hf_generate(theirs, model.cfg, src, 20)
+        assert banned not in want.tolist()
+        for out in (decode_greedy(model, padded([src]), max_len=20), decode_iad(model, padded([src]), max_len=20),
+                    decode_speculative(model, drafter, padded([src]), max_len=20)):
+            assert torch.equal(out.tokens[0], want)

@@ -113,11 +113,15 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype
     shared = weights.get("shared.weight", weights.get("encoder.embed_tokens.weight"))
     # T5 v1.1 / Flan-T5 keep an lm_head of their own; the other families tie it to the embedding
     untied = family.name == "t5" and "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"], shared)
-    cfg = model_config(config, family, folder, encoder_prefix=enc, decoder_prefix=dec, tie_embeddings=not untied)
+    banned = banned_tokens(folder)
+    cfg = model_config(config, family, folder, encoder_prefix=enc, decoder_prefix=dec, tie_embeddings=not untied,
+                       **({"logits_bias": True} if banned else {}))
     if tokenizer.vocab_size > cfg.vocab_size:
         raise HFError(f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
     model = Transformer(cfg)
     state = _state(model, family, weights, folder)
+    if banned:  # -inf logits: never written, as transformers' NoBadWordsLogitsProcessor does at every step
+        state["logits_bias"][list(banned)] = float("-inf")
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
@@ -125,6 +129,16 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype
     model.to(device=device, dtype=dtype).eval()
     return model, tokenizer, {"format": "transformers", "task": None, "step": None, "architecture": family.architecture,
                               "model_config": cfg.to_dict(), "meta": {"folder": str(folder)}}
+
+
+def banned_tokens(folder: Path) -> tuple[int, ...]:
+    """The tokens the folder's generation_config.json forbids (bad_words_ids of one token each: opus-mt
+    folders forbid their pad token), or one line for a banned sequence, which depends on the context."""
+    gen = folder / "generation_config.json"
+    bad = (read_json(gen).get("bad_words_ids") if gen.is_file() else None) or []
+    if any(len(seq) != 1 for seq in bad):
+        raise HFError(f"{gen}: bad_words_ids of more than one token; refdec forbids single tokens only")
+    return tuple(seq[0] for seq in bad)
 
 
 def _state(model: Transformer, family: Family, weights: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
