@@ -252,3 +252,55 @@ def test_banned_tokens_never_written(folders, tmp_path):
         for out in (decode_greedy(model, padded([src]), max_len=20), decode_iad(model, padded([src]), max_len=20),
                     decode_speculative(model, drafter, padded([src]), max_len=20)):
             assert torch.equal(out.tokens[0], want)
+
+
+def opus_mt_folder(path: Path) -> Path:
+    """An opus-mt-like folder with no tokenizer.json: a sentencepiece model trained here (source.spm =
+    target.spm) and a vocab.json numbering <pad>, </s>, <unk> and its pieces, beside a random Marian model."""
+    spm = pytest.importorskip("sentencepiece")
+    path.mkdir(parents=True)
+    text = ["the cat sat on the mat", "a dog ran in the park", "the house is small", "we see a red car"] * 20
+    (path / "train.txt").write_text("\n".join(text))
+    spm.SentencePieceTrainer.train(input=str(path / "train.txt"), model_prefix=str(path / "m"), vocab_size=30,
+                                   model_type="unigram", minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(path / "m.model"))
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_unknown(i)]
+    vocab = {t: i for i, t in enumerate(["</s>", "<unk>", ">>de<<"] + pieces + ["<pad>"])}
+    for name in ("source.spm", "target.spm"):
+        shutil.copy(path / "m.model", path / name)
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    for name in ("m.model", "m.vocab", "train.txt"):
+        (path / name).unlink()
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=len(vocab), d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=vocab["<pad>"], eos_token_id=0, decoder_start_token_id=vocab["<pad>"], scale_embedding=True,
+        activation_function="swish"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.05))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:Recommended")  # MarianTokenizer asks for sacremoses, which it does not call
+def test_opus_mt_folder_with_sentencepiece_files_only(tmp_path):
+    """Its tokenizer is read from source.spm and vocab.json as transformers' MarianTokenizer reads
+    them (the same ids, the same text back), and decode.py writes transformers' greedy text."""
+    folder = opus_mt_folder(tmp_path / "opus")
+    theirs_tok = transformers.MarianTokenizer.from_pretrained(str(folder))
+    model, tok, _ = hf.load_folder(folder, dtype=torch.float64)
+    lines = ["the cat sat", ">>de<< a dog ran in the park", "we see the small house", "zebra"]
+    for line in lines:
+        assert tok.encode(line) + [model.cfg.eos_id] == theirs_tok(line).input_ids
+    theirs = hf.hf_from_pretrained(folder, torch.float64)
+    want = [theirs_tok.decode(hf.hf_generate(theirs, model.cfg, tok.encode(x), 2 * len(tok.encode(x)) + 10).tolist(),
+                              skip_special_tokens=True) for x in lines]
+    assert all(tok.decode(theirs_tok(x).input_ids) == theirs_tok.decode(theirs_tok(x).input_ids, skip_special_tokens=True)
+               for x in lines)
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    r = run_py("decode.py", "--algo", "greedy", "--compare", "iad", "--model", str(folder), "--input",
+               str(tmp_path / "in.txt"), "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert (tmp_path / "out.txt").read_text().splitlines() == want

@@ -20,7 +20,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model import Transformer, sinusoidal_positions
-from ..tokenizer import Tokenizer
+from ..tokenizer import MarianPieces, Tokenizer
 from .common import HFError, first_line, is_hf_folder, read_json, read_weights
 from .families import FAMILIES, Family, family_of
 from .layout import half_split, permute_state
@@ -56,12 +56,18 @@ def _embedding(weights: dict[str, torch.Tensor], folder: Path, head_too: bool) -
     return present[0]
 
 
-def load_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
+def load_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer | MarianPieces:
     """tokenizer.json of the folder: refdec's own kind when it is one (an exported refdec model),
     else wrapped with the model's special ids."""
     path = folder / "tokenizer.json"
+    if not path.is_file() and (folder / "source.spm").is_file() and (folder / "vocab.json").is_file():
+        try:  # an opus-mt folder: its sentencepiece model and vocab.json, as transformers' MarianTokenizer reads them
+            return MarianPieces(folder / "source.spm", folder / "vocab.json", pad_id=cfg.pad_id, bos_id=cfg.bos_id,
+                                eos_id=cfg.eos_id)
+        except Exception as e:
+            raise HFError(f"cannot load the tokenizer of {folder} (source.spm, vocab.json): {first_line(e, 200)}") from None
     if not path.is_file():
-        raise HFError(f"{folder} has no tokenizer.json")
+        raise HFError(f"{folder} has no tokenizer.json (nor an opus-mt source.spm and vocab.json)")
     text = path.read_text(encoding="utf-8")
     cfg_ids = (cfg.pad_id, cfg.bos_id, cfg.eos_id)
     try:
@@ -80,9 +86,9 @@ def language_ids(tokenizer: Tokenizer, folder: Path, config: dict, src_lang: str
     """(encoder_prefix, decoder_prefix): the language-code tokens named, the target's defaulting to
     the folder's forced_bos_token_id (config.json or generation_config.json)."""
     def token(name: str, what: str) -> int:
-        i = tokenizer._tok.token_to_id(name)
+        i = tokenizer.token_id(name)
         if i is None:
-            raise HFError(f"{what} {name!r} is not a token of {folder}/tokenizer.json")
+            raise HFError(f"{what} {name!r} is not a token of {folder}'s vocabulary")
         return i
     enc = (token(src_lang, "--src-lang"),) if src_lang else ()
     if tgt_lang:
