@@ -90,7 +90,8 @@ class RunLoader:
         """Another large model for compared runs (`ALGO@CKPT`), on the main model's tokenizer."""
         if Path(path).resolve() in self.loaded:
             return
-        model, tok, ckpt = load_any(path, task=self.task, device=self.device, dtype=self.dtype)
+        model, tok, ckpt = load_any(path, task=self.task, device=self.device, dtype=self.dtype,
+                                    languages=self.languages if Path(path).is_dir() else (None, None))
         if tok.sha256 != self.tokenizer.sha256:
             raise LoadError(f"{path} has a different tokenizer from {self.main_path}; compared runs must share one")
         self.loaded[Path(path).resolve()] = (model, ckpt)

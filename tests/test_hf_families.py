@@ -304,3 +304,39 @@ def test_opus_mt_folder_with_sentencepiece_files_only(tmp_path):
                str(tmp_path / "in.txt"), "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"))
     assert r.returncode == 0, r.stderr.decode()
     assert (tmp_path / "out.txt").read_text().splitlines() == want
+
+
+def test_bart_folder_with_vocab_and_merges_only(tmp_path):
+    """A BART folder from before tokenizer.json: vocab.json and merges.txt read as transformers 5's
+    BartTokenizer reads them (the same ids), and decode.py writes transformers' greedy text."""
+    from tokenizers import ByteLevelBPETokenizer
+    folder = tmp_path / "bart"
+    folder.mkdir()
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the cat sat on the mat", "a dog ran in the park", "we see the small house"] * 10,
+                            vocab_size=300, min_frequency=1, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe.save_model(str(folder))
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=bpe.get_vocab_size(), d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.05))
+    model.save_pretrained(folder)
+    theirs_tok = transformers.BartTokenizer.from_pretrained(str(folder))
+    ours, tok, _ = hf.load_folder(folder, dtype=torch.float64)
+    lines = ["the cat sat", "a dog ran in the park", "we see <mask> house!", "Zebras, 42 of them"]
+    for line in lines:
+        assert list(ours.cfg.encoder_prefix) + tok.encode(line) + [ours.cfg.eos_id] == theirs_tok(line).input_ids
+    theirs = hf.hf_from_pretrained(folder, torch.float64)
+    want = [theirs_tok.decode(hf.hf_generate(theirs, ours.cfg, tok.encode(x), 2 * len(tok.encode(x)) + 10).tolist(),
+                              skip_special_tokens=True) for x in lines]
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    r = run_py("decode.py", "--algo", "iad", "--model", str(folder), "--input", str(tmp_path / "in.txt"),
+               "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"))
+    assert r.returncode == 0, r.stderr.decode()
+    # a random model writes any bytes, form feeds included: one line per input, newlines written as spaces
+    with open(tmp_path / "out.txt", encoding="utf-8", newline="") as f:
+        written = f.read().split("\n")[:-1]
+    assert written == [w.replace("\r", " ").replace("\n", " ") for w in want]

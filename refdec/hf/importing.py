@@ -66,9 +66,13 @@ def load_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer | MarianPieces:
                                 eos_id=cfg.eos_id)
         except Exception as e:
             raise HFError(f"cannot load the tokenizer of {folder} (source.spm, vocab.json): {first_line(e, 200)}") from None
-    if not path.is_file():
-        raise HFError(f"{folder} has no tokenizer.json (nor an opus-mt source.spm and vocab.json)")
-    text = path.read_text(encoding="utf-8")
+    if not path.is_file() and (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        text = byte_level_bpe(folder)  # a BART folder from before tokenizer.json
+    elif not path.is_file():
+        raise HFError(f"{folder} has no tokenizer.json (nor an opus-mt source.spm and vocab.json, nor a BART "
+                      f"vocab.json and merges.txt)")
+    else:
+        text = path.read_text(encoding="utf-8")
     cfg_ids = (cfg.pad_id, cfg.bos_id, cfg.eos_id)
     try:
         tok = Tokenizer.load(path)
@@ -80,6 +84,24 @@ def load_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer | MarianPieces:
         return Tokenizer.foreign(text, pad_id=cfg_ids[0], bos_id=cfg_ids[1], eos_id=cfg_ids[2])
     except Exception as e:
         raise HFError(f"cannot load tokenizer {path}: {first_line(e, 200)}") from None
+
+
+def byte_level_bpe(folder: Path) -> str:
+    """The tokenizer.json text of a folder's vocab.json and merges.txt, built as transformers 5 builds
+    BartTokenizer (RobertaTokenizer): byte-level BPE, its special tokens matched in the text,
+    add_prefix_space from tokenizer_config.json (false by default)."""
+    from tokenizers import Tokenizer as Tok
+    from tokenizers import decoders, models, pre_tokenizers
+    try:
+        settings = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+        tok = Tok(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"), dropout=None,
+                                       continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(settings.get("add_prefix_space", False)))
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([t for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>") if tok.token_to_id(t) is not None])
+        return tok.to_str()
+    except Exception as e:
+        raise HFError(f"cannot read {folder}/vocab.json and merges.txt: {first_line(e, 200)}") from None
 
 
 def language_ids(tokenizer: Tokenizer, folder: Path, config: dict, src_lang: str | None, tgt_lang: str | None):
