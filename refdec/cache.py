@@ -15,12 +15,12 @@ Storage is preallocated, (layers, B, H, capacity, Dh), and grows by doubling, so
 token never copies the cache.
 
 Lengths. While every row holds the same number of positions (greedy and beam advance all rows
-together) the cache is uniform: `length` is that one number and append writes one slice, as it
-always did. A batched verification step commits a different number of tokens per row; truncating
+together) the cache is uniform: `length` is that one number and append writes one slice. A batched verification step commits a different number of tokens per row; truncating
 to per-row lengths makes the cache ragged: `lengths` (B,) holds each row's own length, `end` the
 longest, and `length` refuses to answer (a caller that wants one offset for every row would read a
 wrong one). Row b's storage past lengths[b] is stale, a rejected tail or nothing at all, and is
-never attended: the model blocks every key at or beyond lengths[b] + i for new query i of row b.
+never attended: the model blocks every key past lengths[b] + i for new query i of row b
+(refdec.model.ragged_block).
 The cache becomes uniform again as soon as its rows agree (a truncate or select that leaves equal
 lengths), so a batch of one is never ragged.
 
@@ -28,7 +28,9 @@ Hidden prefix. A model with forced decoder tokens (refdec.config.ModelConfig.dec
 them in storage positions [0, prefix) of every row, below position 0 as decoders count it: lengths,
 truncate and append speak of the positions after them, so a decoder never knows they are there.
 `hide(p)` turns the first p committed positions into that prefix; a cache emptied by truncate(0)
-drops it (the model writes it anew with the next start token).
+drops it (the model writes it anew with the next start token). A row cut back to length 0 while
+other rows keep theirs keeps it: the model then feeds that row's start token as the last forced
+token, in the slot that token held (refdec.forced).
 
 Memory: what the decoder reads from one encoder pass, the encoder states and the cross-attention
 keys and values, computed once per source by `Transformer.encode`.

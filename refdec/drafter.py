@@ -118,7 +118,7 @@ def draft_blocks(drafter: Transformer, memory: Memory, cache: KVCache | None, se
     call, and each row's cache is cut back to its whole sequence afterwards (the masks never stay).
     bidirectional: `cache` is ignored; the whole sequences and the masks are recomputed."""
     device = memory.states.device
-    limit = drafter.cfg.max_positions
+    limit = drafter.cfg.max_positions - len(drafter.cfg.decoder_prefix)  # the forced tokens take hidden positions
     ks = [max(0, min(k, limit - len(s))) for s in sequences]
     if max(ks) == 0:
         return [[] for _ in sequences]

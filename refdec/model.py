@@ -16,7 +16,8 @@ and the parts they are made of, for callers that need what lies between them:
     early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
 
 Linear maps, attention, layer norm and the vocabulary projection have compute modes switched per
-model (row-invariant compute, the few-row route, the projection copy: refdec.kernels).
+model (row-invariant compute, the few-row route, the projection copy: refdec.kernels). A model's
+forced decoder tokens (ModelConfig.decoder_prefix) are its own business (refdec.forced).
 Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head dim, D d_model, V vocab.
 """
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from .cache import KVCache, Memory
 from .config import ModelConfig
+from .forced import after_start, with_forced_prefix
 from .kernels import Linear, RowInvariant, VocabularyProjection, rowwise_attention
 from .positions import FAMILY_TABLES
 from .variants import activation, embed_norms, learned_positions, make_norm, position_bias, relative_biases
@@ -201,30 +203,6 @@ class DecoderLayer(nn.Module):
             return out
 
         return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff if is_real is None else packed_ff)
-
-
-def after_start(tgt: torch.Tensor, prefix: tuple[int, ...]) -> torch.Tensor:
-    """tgt (B, T) beginning with the start token -> (B, T + P) with the P forced tokens after it."""
-    forced = tgt.new_tensor(prefix).expand(tgt.shape[0], -1)
-    return torch.cat([tgt[:, :1], forced, tgt[:, 1:]], dim=1)
-
-
-def with_forced_prefix(prefix: tuple[int, ...], tgt_new: torch.Tensor, cache: KVCache,
-                       open_from: int | torch.Tensor | None, real: torch.Tensor | None):
-    """A decoder call's input with the model's forced decoder tokens `prefix` (P of them, an imported
-    model's language code) where they belong -> (tgt_new, forced, open_from, real), `forced` the
-    positions to hide in the cache after the call.
-
-    An empty cache: the P tokens go after the start token (open_from and real shift by P); the start
-    token and the first P - 1 of them become the cache's hidden prefix, and the last one's slot is
-    visible position 0, whose state predicts the first output token."""
-    P = len(prefix)
-    if P and not cache.ragged and cache.end == 0:
-        cache.truncate(0)  # drops an earlier hidden prefix
-        real = None if real is None else real + P
-        open_from = None if open_from is None else open_from + P
-        return after_start(tgt_new, prefix), P, open_from, real
-    return tgt_new, 0, open_from, real
 
 
 class Transformer(nn.Module, VocabularyProjection):
