@@ -9,7 +9,8 @@ inside the functions that need it: the rest of refdec imports and runs without i
 
     common.py     HFError, the optional imports, a folder's config and weight files read
     layout.py     refdec's state-dict names and the M2M100/Pegasus names; the export's permutation
-    importing.py  a folder -> (Transformer, Tokenizer): each family's config and weights mapped
+    families.py   each family (Marian, BART, mBART, T5, M2M100, Pegasus): config.json -> ModelConfig, weight names
+    importing.py  a folder -> (Transformer, Tokenizer): the family's mapping applied, its tokenizer read
     compare.py    transformers' model, generate and logits beside refdec's on the same weights
     export.py     a refdec checkpoint -> a Pegasus or M2M100 folder, checked by loading it back
     audit.py      refdec's and transformers' decoders on the same weights, line by line
