@@ -1,17 +1,18 @@
 """A transformers model folder -> a refdec Transformer and its tokenizer.
 
-Import. An `M2M100ForConditionalGeneration` folder (M2M100, NLLB: config.json, model.safetensors or
-pytorch_model.bin, sharded or not, and tokenizer.json) is refdec's pre-norm Transformer: pre-norm
-layers, biased q/k/v/out projections, a ReLU feed-forward, final encoder and decoder LayerNorms,
-embeddings scaled by sqrt(d_model) and tied. Only its position table differs, and ModelConfig's
-positions="m2m100" builds that table exactly as transformers does (refdec.model.m2m100_positions:
-[sin | cos] halves, its frequencies, float32 arithmetic, position p at row p + pad_id + 1). Its
-special ids are kept as they are (ModelConfig's pad/bos/eos ids, Tokenizer.foreign); the decoder's
-start token is its decoder_start_token_id. Language codes are forced tokens: the source language's
-before every source (encoder_prefix), the target language's after the start token (decoder_prefix,
-NLLB's forced_bos_token_id); the model inserts them, so every decoder honours them unchanged.
-"""
+A folder holds config.json, model.safetensors or pytorch_model.bin (sharded or not: an *.index.json
+names the shards) and its tokenizer: tokenizer.json, or what the family has instead (an opus-mt
+folder's source.spm and vocab.json, an old BART folder's vocab.json and merges.txt). Its family
+(refdec.hf.families) maps config.json onto ModelConfig and each weight name onto refdec's; the model
+is then refdec's Transformer with those switches, computing the logits transformers computes.
 
+Special ids are kept as the folder has them (ModelConfig's pad/bos/eos ids, Tokenizer.foreign); the
+decoder's start token is its decoder_start_token_id (Marian and T5: the pad token). Forced tokens
+are inserted by the model itself, so every decoder honours them unchanged: the source language's code
+before every source and BART's <s> (encoder_prefix), the target language's code or the folder's
+forced_bos_token_id after the start token (decoder_prefix). A folder's bad_words_ids of one token
+each become -inf logits. BART's learned position tables lose their first 2 rows (its offset) here.
+"""
 from __future__ import annotations
 
 from pathlib import Path
