@@ -30,6 +30,7 @@ position and the model's top-1/top-2 logit margin there (a near-tie, or a bug), 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -42,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__ + "\nalgorithms:\n" + algos,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algo", required=True, choices=sorted(ALGORITHMS), help="decoding algorithm")
-    p.add_argument("--task", required=True, choices=sorted(TASKS),
-                   help="task: picks the default test set, checkpoint and metrics (GEC tasks add F0.5)")
+    p.add_argument("--task", choices=sorted(TASKS),
+                   help="task: picks the default test set, checkpoint and metrics (GEC tasks add F0.5); optional "
+                   "with a Hugging Face folder as --model and an --input (plain text in, text out)")
     g = p.add_argument_group("input and output")
     g.add_argument("--input", metavar="FILE|-", help="source sentences, one per line, UTF-8 ('-' = stdin; "
                    "default: the task's test set with its references)")
@@ -124,12 +126,15 @@ def run(args) -> int:
     from refdec import inputs, plan, report, runner
     from refdec.algorithms import OPTIONS
     from refdec.data import DATA_DIR
+    from refdec.errors import UsageError
     from refdec.interrupt import release_sigint
     from refdec.loading import load_models
     from refdec.machine import BusyCores, busy_warning, environment, usable_cores
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load
-    input_path = inputs.shown_path(args.input or DATA_DIR / args.task / "test.src.gz")
+    if args.task is None and not (args.model and os.path.isdir(args.model) and args.input):
+        raise UsageError("--task is needed unless --model is a Hugging Face folder and --input names the text")
+    input_path = inputs.shown_path(args.input or DATA_DIR / (args.task or "") / "test.src.gz")
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
                       refs=args.ref, input=args.input)
     given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
@@ -142,7 +147,7 @@ def run(args) -> int:
     if args.html:
         from refdec.htmlreport import check_available
         check_available()
-    lines, refs = inputs.read_input(args.task, args.input, args.ref, args.limit)
+    lines, refs = inputs.read_input(args.task or "", args.input, args.ref, args.limit)
     dtype = getattr(torch, args.dtype)
     loader, models = load_models(specs, shared, task=args.task, device=args.device, dtype=dtype,
                                  invariant=args.invariant, languages=(args.src_lang, args.tgt_lang))
@@ -186,7 +191,7 @@ def run(args) -> int:
                  "sentences": f"{len(lines)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
                  "batch size": args.batch_size or 1, "device": f"{args.device}, {args.dtype}, "
                  f"{torch.get_num_threads()} thread(s)", "command": shlex.join(["python", "decode.py", *args.argv])}
-        htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r.name for r in runs)} on {args.task}",
+        htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r.name for r in runs)} on {args.task or args.model}",
                               facts=facts, summary=summary, sources=lines, refs=refs, ids=ids, runs=runs,
                               tokenizer=loader.tokenizer)
     print(summary.text, file=sys.stderr if not args.output else sys.stdout)

@@ -15,7 +15,7 @@ The pieces, bottom up:
     runner.py     what decode.py does: decode a file, compare, time, report
     trace.py      Step, one record per decoding iteration for every decoder, and the --trace text
     htmlreport.py decode.py --html: a self-contained page of a run (matplotlib charts, inline SVG)
-    hf.py         Hugging Face folders in and out, and an audit of transformers' decoders
+    hf/           Hugging Face folders in and out, and an audit of transformers' decoders
                   (transformers is imported only when these are called)
 """
 

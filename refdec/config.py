@@ -9,7 +9,9 @@ from dataclasses import dataclass
 # Special token ids, fixed by the order in which refdec.tokenizer registers them.
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<mask>")
-POSITION_TABLES = ("sinusoidal", "m2m100")
+POSITION_TABLES = ("sinusoidal", "m2m100", "marian", "learned", "relative")
+ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")  # refdec.variants.activation
+NORMS = ("layer", "rms")
 DRAFTER_LAYOUTS = ("causal", "bidirectional")  # the block drafter's self-attention (refdec.drafter)
 
 
@@ -43,6 +45,29 @@ class ModelConfig:
     # them: the model inserts them (refdec.model.Transformer.encode_states / decode_hidden).
     encoder_prefix: tuple[int, ...] = ()
     decoder_prefix: tuple[int, ...] = ()
+    # -- How Hugging Face's seq2seq families differ from the paper's Transformer (refdec.hf.importing
+    # maps each family's config.json onto these; the defaults are the paper's model). positions above
+    # also takes "marian" (MarianSinusoidalPositionalEmbedding: [sin | cos] halves at the paper's
+    # frequencies, rounded to float32), "learned" (BartLearnedPositionalEmbedding, a table per side;
+    # its first 2 rows, BART's offset, are dropped at import) and "relative" (no absolute positions:
+    # T5's bucketed relative position bias, T5Attention.compute_bias).
+    activation: str = "relu"  # section 3.3's ReLU; BART/mBART "gelu", opus-mt "swish" (silu), T5 v1.1 "gelu_new"
+    # T5 v1.1 / Flan-T5 feed_forward_proj "gated-gelu" (T5DenseGatedActDense; Shazeer 2020, "GLU
+    # Variants Improve Transformer"): w2(act(w1 x) * w3 x)
+    gated_ff: bool = False
+    norm: str = "layer"  # "rms": T5LayerNorm (no mean, no bias, the mean square taken in float32)
+    norm_eps: float = 1e-5  # nn.LayerNorm's default; T5 layer_norm_epsilon 1e-6
+    bias: bool = True  # biases in every linear map (T5's have none)
+    d_head: int = 0  # the width of one attention head (0 = d_model / n_heads); T5's d_kv, free of d_model
+    scale_attention: bool = True  # Eq. 1's 1/sqrt(d_k); T5 has none (T5Attention.scaling = 1.0)
+    scale_embeddings: bool = True  # section 3.4's embeddings x sqrt(d_model); config scale_embedding (BART false), T5 none
+    embed_norm: bool = False  # a LayerNorm on embeddings + positions, per side (BART/mBART layernorm_embedding)
+    logits_bias: bool = False  # a bias on the logits (BART/mBART/Marian final_logits_bias)
+    # The decoder output x d_model^-0.5 before the vocabulary projection: T5 v1.0's tied head
+    # (T5Config.scale_decoder_outputs, true unless the config says tie_word_embeddings false)
+    rescale_head: bool = False
+    relative_buckets: int = 32  # T5 relative_attention_num_buckets (positions "relative")
+    relative_max_distance: int = 128  # T5 relative_attention_max_distance
 
     def __post_init__(self) -> None:
         if self.positions not in POSITION_TABLES:
@@ -52,7 +77,10 @@ class ModelConfig:
             if not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids):
                 raise ValueError(f"{name} must hold token ids below vocab_size={self.vocab_size}, not {list(ids)}")
             object.__setattr__(self, name, ids)  # a list from a checkpoint's dict becomes the tuple the field holds
-        if self.d_model % self.n_heads:
+        for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        if self.d_model % self.n_heads and not self.d_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.enc_layers < 0 or self.dec_layers < 1:
             raise ValueError("enc_layers must be at least 0 (0 = another model's encoder) and dec_layers at least 1")
@@ -62,7 +90,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head or self.d_model // self.n_heads
 
     @property
     def memory_dim(self) -> int:

@@ -114,27 +114,28 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.reshape(*x.shape[:-1], O)
 
 
-def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                      scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """refdec.model.attention computed so that each query sees exactly the keys it may attend to
     (never a masked longer row: more terms change how a sum rounds): queries that share their keys
     (no mask, or a mask without a query dimension) go together, the others one by one, batch row by row."""
     B, H, Q, Dh = q.shape
     L = k.shape[2]
-    scale = 1.0 / math.sqrt(Dh)
+    scale = 1.0 / math.sqrt(Dh) if scale is None else scale
     out = q.new_empty(B, H, Q, Dh)
     allowed = None if blocked is None else ~blocked.expand(B, 1, Q, L)
     shared = allowed is None or blocked.shape[-2] == 1
     for b in range(B):
         for i0, i1 in ([(0, Q)] if shared else [(i, i + 1) for i in range(Q)]):
-            if allowed is None:
-                kb, vb = k[b], v[b]  # (H, n, Dh)
-            else:
-                keys = allowed[b, 0, i0].nonzero().squeeze(1)
-                kb, vb = k[b].index_select(1, keys), v[b].index_select(1, keys)
+            keys = None if allowed is None else allowed[b, 0, i0].nonzero().squeeze(1)
+            kb, vb = (k[b], v[b]) if keys is None else (k[b].index_select(1, keys), v[b].index_select(1, keys))  # (H, n, Dh)
+            bb = None if bias is None else bias[b if bias.shape[0] > 1 else 0]  # (H, Q, L): T5's position bias
+            bb = bb if bb is None or keys is None else bb.index_select(2, keys)
             step = max(1, INVARIANT_BLOCK // (max(1, kb.shape[1]) * H * Dh * q.element_size()))  # queries per temporary
             for j in range(i0, i1, step):
                 qj = q[b, :, j:min(j + step, i1)]  # (H, m, Dh)
                 scores = (qj[:, :, None, :] * kb[:, None]).sum(-1) * scale  # (H, m, n)
+                scores = scores if bb is None else scores + bb[:, j:j + qj.shape[1]]
                 p = torch.softmax(scores, dim=-1)
                 out[b, :, j:j + qj.shape[1]] = (p[..., None] * vb[:, None]).sum(-2)  # (H, m, Dh)
     return out

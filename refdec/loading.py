@@ -51,7 +51,7 @@ def load_any(path: str | Path, *, task: str | None, device, dtype: torch.dtype, 
     """load_model for a refdec checkpoint; a transformers model folder (refdec.hf, which carries no
     task) for a folder, with `languages` (source, target) its forced language tokens."""
     if Path(path).is_dir():
-        from .hf import load_folder
+        from .hf.importing import load_folder
         return load_folder(path, device=device, dtype=dtype, src_lang=languages[0], tgt_lang=languages[1])
     if any(languages):
         raise LoadError("--src-lang and --tgt-lang choose the language tokens of a transformers model folder; "
@@ -62,7 +62,7 @@ def load_any(path: str | Path, *, task: str | None, device, dtype: torch.dtype, 
 class RunLoader:
     def __init__(self, main_path: str | Path, *, task: str, device: str, dtype: torch.dtype,
                  languages: tuple[str | None, str | None] = (None, None)):
-        self.task, self.device, self.dtype = task, device, dtype
+        self.task, self.device, self.dtype, self.languages = task, device, dtype, languages
         self.main_path = Path(main_path)
         model, self.tokenizer, ckpt = load_any(main_path, task=task, device=device, dtype=dtype, languages=languages)
         self.loaded = {self.main_path.resolve(): (model, ckpt)}  # large models by file
@@ -88,7 +88,8 @@ class RunLoader:
         """Another large model for compared runs (`ALGO@CKPT`), on the main model's tokenizer."""
         if Path(path).resolve() in self.loaded:
             return
-        model, tok, ckpt = load_any(path, task=self.task, device=self.device, dtype=self.dtype)
+        model, tok, ckpt = load_any(path, task=self.task, device=self.device, dtype=self.dtype,
+                                    languages=self.languages if Path(path).is_dir() else (None, None))
         if tok.sha256 != self.tokenizer.sha256:
             raise LoadError(f"{path} has a different tokenizer from {self.main_path}; compared runs must share one")
         self.loaded[Path(path).resolve()] = (model, ckpt)
@@ -108,9 +109,12 @@ class RunLoader:
         key = (role, Path(value).resolve(), large_path.resolve())
         if key not in self.second_models:
             model, tok, ck2 = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
-                                       loaded={self.sha256(large_path): large})
+                                       loaded={self.sha256(large_path): large},
+                                       languages=self.languages if Path(value).is_dir() else (None, None))
             if tok.sha256 != self.tokenizer.sha256:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
+            if (model.cfg.encoder_prefix, model.cfg.decoder_prefix) != (large.cfg.encoder_prefix, large.cfg.decoder_prefix):
+                raise LoadError(f"{role} {value} does not force the tokens {large_path} forces (language codes, <s>)")
             if role == "drafter" and "drafter" not in ck2:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
             if role == "drafter":  # the model with the block size and layout it was trained for

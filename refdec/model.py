@@ -26,14 +26,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, Memory
 from .config import ModelConfig
 from .forced import after_start, with_forced_prefix
-from .kernels import LayerNorm, Linear, RowInvariant, VocabularyProjection, rowwise_attention
+from .kernels import Linear, RowInvariant, VocabularyProjection, rowwise_attention
 from .positions import FAMILY_TABLES
+from .variants import activation, embed_norms, learned_positions, make_norm, position_bias, relative_biases
 
 
 def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
@@ -53,13 +53,15 @@ def position_table(cfg: ModelConfig) -> torch.Tensor:
     return sinusoidal_positions(cfg.max_positions, cfg.d_model)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+              scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention (section 3.2.1).
 
     q (B, H, q, Dh), k and v (B, H, L, Dh); blocked broadcasts to (B, H, q, L), True = may not attend.
-    Returns (B, H, q, Dh).
+    Returns (B, H, q, Dh). T5 (refdec.variants): `scale` replaces 1/sqrt(Dh), `bias` joins the scores.
     """
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, q, L)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)  # (B, H, q, L)
+    scores = scores if bias is None else scores + bias
     if blocked is not None:
         scores = scores.masked_fill(blocked, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
@@ -96,13 +98,15 @@ class MultiHeadAttention(nn.Module, RowInvariant):
     """Section 3.2.2: H heads of `attention` over keys and values from project_kv (self-attention:
     of the same states as the queries, or cached; cross-attention: of the encoder's)."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, d_kv: int = 0):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, d_kv: int = 0, cfg: ModelConfig | None = None):
         super().__init__()  # d_kv: the width of the states keys and values are made from (0 = d_model)
-        self.h, self.dh = n_heads, d_model // n_heads
-        self.wq = Linear(d_model, d_model)
-        self.wk = Linear(d_kv or d_model, d_model)
-        self.wv = Linear(d_kv or d_model, d_model)
-        self.wo = Linear(d_model, d_model)
+        self.h, self.dh = n_heads, cfg.head_dim if cfg else d_model // n_heads  # cfg: an imported family's
+        inner, bias = self.h * self.dh, cfg is None or cfg.bias  # head width, biases and score scale
+        self.scale = None if cfg is None or cfg.scale_attention else 1.0
+        self.wq = Linear(d_model, inner, bias=bias)
+        self.wk = Linear(d_kv or d_model, inner, bias=bias)
+        self.wv = Linear(d_kv or d_model, inner, bias=bias)
+        self.wo = Linear(inner, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,34 +116,39 @@ class MultiHeadAttention(nn.Module, RowInvariant):
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.split(self.wk(x)), self.split(self.wv(x))  # each (B, H, T, Dh)
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
-        B, q_len, D = x.shape
+        B, q_len, _ = x.shape
         attend = rowwise_attention if self.row_invariant else attention
-        out = attend(self.split(self.wq(x)), k, v, blocked)  # (B, H, q, Dh)
+        out = attend(self.split(self.wq(x)), k, v, blocked, self.scale, bias)  # (B, H, q, Dh)
         if self.training:
             out = self.drop(out)
-        return self.wo(out.transpose(1, 2).reshape(B, q_len, D))
+        return self.wo(out.transpose(1, 2).reshape(B, q_len, self.h * self.dh))
 
 
 class FeedForward(nn.Module):
-    """Section 3.3: two linear maps with a ReLU between."""
+    """Section 3.3: two linear maps with a ReLU between (an imported family's cfg: its activation and
+    biases, or the gated form w2(act(w1 x) * w3 x); refdec.variants)."""
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float):
+    def __init__(self, d_model: int, d_ff: int, dropout: float, cfg: ModelConfig | None = None):
         super().__init__()
-        self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.drop = nn.Dropout(dropout)
+        bias = cfg is None or cfg.bias
+        self.w1, self.w2 = Linear(d_model, d_ff, bias=bias), Linear(d_ff, d_model, bias=bias)
+        self.w3 = Linear(d_model, d_ff, bias=bias) if cfg is not None and cfg.gated_ff else None
+        self.act, self.drop = activation(cfg.activation if cfg else "relu"), nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.drop(F.relu(self.w1(x))))
+        h = self.act(self.w1(x))
+        return self.w2(self.drop(h if self.w3 is None else h * self.w3(x)))
 
 
 class Sublayer(nn.Module):
     """Residual + layer norm around a sublayer, pre-norm (x + f(norm(x))) or post-norm (norm(x + f(x)))."""
 
-    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm, self.drop, self.norm_first = LayerNorm(d_model), nn.Dropout(dropout), norm_first
+        self.norm, self.drop, self.norm_first = make_norm(cfg), nn.Dropout(cfg.dropout), cfg.norm_first
 
     def forward(self, x: torch.Tensor, f) -> torch.Tensor:
         if self.norm_first:
@@ -152,15 +161,14 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
-        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
-        self.sub1 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sub2 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg=cfg)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg)
+        self.sub1, self.sub2 = Sublayer(cfg), Sublayer(cfg)
 
-    def forward(self, x: torch.Tensor, pad_block: torch.Tensor) -> torch.Tensor:
-        def self_attn(h):
+    def forward(self, x: torch.Tensor, pad_block: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        def self_attn(h):  # bias: T5's relative position bias
             k, v = self.attn.project_kv(h)
-            return self.attn.attend(h, k, v, pad_block)
+            return self.attn.attend(h, k, v, pad_block, bias)
         return self.sub2(self.sub1(x, self_attn), self.ff)
 
 
@@ -169,15 +177,14 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.memory_dim)
-        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
-        self.sub1 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sub2 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sub3 = Sublayer(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg=cfg)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.memory_dim, cfg)
+        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg)
+        self.sub1, self.sub2, self.sub3 = Sublayer(cfg), Sublayer(cfg), Sublayer(cfg)
 
     def forward(self, x: torch.Tensor, cross_kv: tuple[torch.Tensor, torch.Tensor], src_block: torch.Tensor,
-                self_kv, self_block: torch.Tensor, is_real: torch.Tensor | None = None) -> torch.Tensor:
+                self_kv, self_block: torch.Tensor, is_real: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D). `self_kv(h)` returns the self-attention keys/values for the new states h:
         from the cache (incremental) or from h alone (training). `is_real` (B, q), True at the real
         positions of a right-padded ragged batch: the feed-forward sublayer, position by position,
@@ -185,7 +192,7 @@ class DecoderLayer(nn.Module):
         out of every real one, and the caller cuts it)."""
         def self_attn(h):
             k, v = self_kv(h)
-            return self.self_attn.attend(h, k, v, self_block)
+            return self.self_attn.attend(h, k, v, self_block, bias)  # bias: T5's relative position bias
 
         def cross_attn(h):
             return self.cross_attn.attend(h, cross_kv[0], cross_kv[1], src_block)
@@ -210,12 +217,17 @@ class Transformer(nn.Module, VocabularyProjection):
         self.src_embed = (self.tgt_embed if cfg.tie_embeddings or not cfg.enc_layers
                           else nn.Embedding(V, D, padding_idx=cfg.pad_id))
         self.register_buffer("positions", position_table(cfg).to(self.tgt_embed.weight.dtype), persistent=False)
+        # An imported family's (refdec.variants): learned tables, T5's relative biases, embedding norms
+        self.src_positions, self.tgt_positions = learned_positions(cfg)
+        self.src_relative, self.tgt_relative = relative_biases(cfg)
+        self.src_embed_norm, self.tgt_embed_norm = embed_norms(cfg)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
-        self.enc_norm = LayerNorm(D) if cfg.norm_first and cfg.enc_layers else nn.Identity()
-        self.dec_norm = LayerNorm(D) if cfg.norm_first else nn.Identity()
+        self.enc_norm = make_norm(cfg) if cfg.norm_first and cfg.enc_layers else nn.Identity()
+        self.dec_norm = make_norm(cfg) if cfg.norm_first else nn.Identity()
         self.out_proj = None if cfg.tie_embeddings else Linear(D, V, bias=False)
+        self.register_buffer("logits_bias", torch.zeros(V) if cfg.logits_bias else None)  # final_logits_bias
         self.drop = nn.Dropout(cfg.dropout)
         self.reset_parameters()
 
@@ -236,9 +248,9 @@ class Transformer(nn.Module, VocabularyProjection):
         self.positions = position_table(self.cfg).to(self.positions.device, self.positions.dtype)
         return out
 
-    def _embed(self, table: nn.Embedding, tokens: torch.Tensor, offset: int | torch.Tensor,
+    def _embed(self, side: str, tokens: torch.Tensor, offset: int | torch.Tensor,
                real: torch.Tensor | None = None) -> torch.Tensor:
-        """Section 3.4 + 3.5: tokens (B, T) at positions offset .. offset + T - 1, offset one int or (B,)
+        """Section 3.4 + 3.5: tokens (B, T) of `side` (src or tgt) at positions offset .. offset + T - 1, offset one int or (B,)
         one per row (a ragged cache). With `real` (B,) real tokens per row, the padding's positions
         are clamped to the table's end (their states are never read): only real ones must fit."""
         T = tokens.shape[1]
@@ -246,12 +258,15 @@ class Transformer(nn.Module, VocabularyProjection):
         top = int(ends.max()) if torch.is_tensor(ends) else ends
         if top > self.cfg.max_positions:
             raise ValueError(f"sequence of {top} positions exceeds max_positions={self.cfg.max_positions}")
+        table = getattr(self, f"{side}_positions")
+        table = self.positions if table is None else table
         if torch.is_tensor(offset) or real is not None:
             at = torch.as_tensor(offset, device=tokens.device).reshape(-1, 1) + torch.arange(T, device=tokens.device)
-            pos = self.positions[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
+            pos = table[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
         else:
-            pos = self.positions[offset:offset + T]
-        x = table(tokens) * math.sqrt(self.cfg.d_model) + pos
+            pos = table[offset:offset + T]
+        x = getattr(self, f"{side}_embed")(tokens) * (math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else 1.0)
+        x = getattr(self, f"{side}_embed_norm")(x + pos)
         return self.drop(x) if self.training else x
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
@@ -264,7 +279,10 @@ class Transformer(nn.Module, VocabularyProjection):
         (section 3.4). With the `memory` of a decoding call, a one-row step on CPU may use that call's
         copy of the embedding (refdec.kernels, the projection copy)."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
-        return self.project_vocabulary(hidden, W, memory)
+        if self.cfg.rescale_head:  # T5 v1.0's tied head reads d_model^-0.5 x the decoder's output
+            hidden = hidden * (self.cfg.d_model ** -0.5)
+        logits = self.project_vocabulary(hidden, W, memory)
+        return logits if self.logits_bias is None else logits + self.logits_bias
 
     # -- entry points, and (secondary) the parts they are made of -------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:
@@ -279,9 +297,9 @@ class Transformer(nn.Module, VocabularyProjection):
             src = torch.cat([src.new_tensor(self.cfg.encoder_prefix).expand(src.shape[0], -1), src], dim=1)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S) keys that are padding
-        x = self._embed(self.src_embed, src, 0)
+        x, bias = self._embed("src", src, 0), position_bias(self.src_relative, 0, src.shape[1], src.shape[1])
         for layer in self.encoder:
-            x = layer(x, pad_block)
+            x = layer(x, pad_block, bias)
         return self.enc_norm(x), src_pad
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
@@ -311,12 +329,12 @@ class Transformer(nn.Module, VocabularyProjection):
             offset = cache.prefix + cache.length
             # One new query sees every cached key: no mask needed (the greedy step stays lean).
             self_block = causal_block(q_len, offset, tgt_new.device, open_from) if q_len > 1 else None
-        x = self._embed(self.tgt_embed, tgt_new, offset, real)
-        src_block = memory.src_block
+        x = self._embed("tgt", tgt_new, offset, real)
+        bias, src_block = position_bias(self.tgt_relative, offset, q_len, cache.prefix + cache.end + q_len), memory.src_block
         is_real = None if real is None else torch.arange(q_len, device=x.device)[None, :] < real.to(x.device)[:, None]
         for i, layer in enumerate(self.decoder[:layers]):
             x = layer(x, memory.cross_kv[i], src_block,
-                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, is_real)
+                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, is_real, bias)
         cache.advance(q_len)
         if forced:
             cache.hide(forced)
@@ -361,12 +379,12 @@ class Transformer(nn.Module, VocabularyProjection):
             if self_block is not None:
                 raise ValueError("a model with a decoder_prefix takes no self_block")
             tgt = after_start(tgt, self.cfg.decoder_prefix)
-        x = self._embed(self.tgt_embed, tgt, 0)
+        x = self._embed("tgt", tgt, 0)
         if self_block is None:
             self_block = causal_block(tgt.shape[1], 0, x.device)
-        src_block = memory.src_block
+        src_block, bias = memory.src_block, position_bias(self.tgt_relative, 0, tgt.shape[1], tgt.shape[1])
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block)
+            x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block, bias=bias)
             yield x[:, forced:]
 
     def num_parameters(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .config import ModelConfig
@@ -30,6 +31,24 @@ def m2m100_positions(n: int, d: int, pad_id: int) -> torch.Tensor:
     return emb[pad_id + 1:].double()
 
 
+def marian_positions(n: int, d: int) -> torch.Tensor:
+    """MarianSinusoidalPositionalEmbedding's (n, d) table in float64: the paper's frequencies
+    10000^(-2i/d) laid out [sin | cos], computed in numpy's float64 and rounded to float32, as
+    transformers computes it (the values a float64 transformers model holds too)."""
+    denom = np.array([np.power(10000, 2 * (j // 2) / d) for j in range(d)])  # (d,) one scalar power each
+    position_enc = np.arange(n)[:, None] / denom[None, :]  # (n, d)
+    out = torch.empty(n, d, dtype=torch.float32)
+    sentinel = d // 2 if d % 2 == 0 else d // 2 + 1
+    out[:, :sentinel] = torch.tensor(np.sin(position_enc[:, 0::2]), dtype=torch.float32)
+    out[:, sentinel:] = torch.tensor(np.cos(position_enc[:, 1::2]), dtype=torch.float32)
+    return out.double()
+
+
 FAMILY_TABLES: dict[str, Callable[[ModelConfig], torch.Tensor]] = {
     "m2m100": lambda cfg: m2m100_positions(cfg.max_positions, cfg.d_model, cfg.pad_id),
+    "marian": lambda cfg: marian_positions(cfg.max_positions, cfg.d_model),
+    # learned tables are parameters (refdec.variants.learned_positions); T5 has none (a bias per
+    # attention score instead): zeros, which add nothing
+    "learned": lambda cfg: torch.zeros(cfg.max_positions, cfg.d_model, dtype=torch.float64),
+    "relative": lambda cfg: torch.zeros(cfg.max_positions, cfg.d_model, dtype=torch.float64),
 }

@@ -145,7 +145,7 @@ def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: lis
     differs from greedy of the same model, with the margin there; for GEC at batch size 1 the
     speedup by edit ratio) and the printed text: `warning` (e.g. that the machine was busy) under the
     table, or, where no line was decoded, that sentence instead of a table of empty figures."""
-    kind = data_mod.TASKS[task]
+    kind = data_mod.TASKS.get(task)  # None: a Hugging Face folder's text, no task (BLEU and chrF with --ref)
     rows = [{**summary_row(r, scores(kind, lines, texts(tokenizer, r.outputs), refs)), "options": r.options}
             for r in runs]
     for row, r in zip(rows[1:], runs[1:]):

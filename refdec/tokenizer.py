@@ -7,7 +7,8 @@ models and data that need one. Ids 0-4 are the special tokens pad, bos, eos, unk
 placeholder of the non-autoregressive drafter).
 
 A Hugging Face model's tokenizer.json (refdec.hf) is wrapped too, with that model's special ids
-(`Tokenizer.foreign`): the same methods, its own vocabulary, pieces and specials.
+(`Tokenizer.foreign`): the same methods, its own vocabulary, pieces and specials. An opus-mt folder
+has no tokenizer.json but a sentencepiece model and vocab.json: `MarianPieces`, the same methods.
 """
 
 from __future__ import annotations
@@ -108,6 +109,59 @@ class Tokenizer:
     def tokens(self, ids: Iterable[int]) -> list[str]:
         """Readable pieces for traces (byte-level symbols, e.g. 'Ġ' marks a leading space)."""
         return [self._tok.id_to_token(int(i)) for i in ids]
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (a language code), or None."""
+        return self._tok.token_to_id(token)
+
+
+class MarianPieces:
+    """An opus-mt folder's tokenizer, as transformers' MarianTokenizer reads it (one vocabulary for
+    both sides): source.spm cuts the text into sentencepiece pieces, vocab.json numbers them (a piece
+    it lacks is <unk>), a leading language code such as >>fra<< is one token; ids join back to text
+    through the same sentencepiece model. The same methods as Tokenizer; needs sentencepiece."""
+
+    mask_id, byte_level = None, False
+
+    def __init__(self, spm_path: Path, vocab_path: Path, *, pad_id: int, bos_id: int, eos_id: int):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ImportError("an opus-mt folder without tokenizer.json needs the sentencepiece package "
+                              "(pip install -r requirements.txt)") from None
+        raw_spm, raw_vocab = Path(spm_path).read_bytes(), Path(vocab_path).read_bytes()
+        self._sp = sentencepiece.SentencePieceProcessor(model_proto=raw_spm)
+        self._ids: dict[str, int] = json.loads(raw_vocab)
+        self._pieces = {i: p for p, i in self._ids.items()}
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = pad_id, bos_id, eos_id, self._ids["<unk>"]
+        self.special_ids = frozenset({pad_id, bos_id, eos_id, self.unk_id})
+        self.sha256 = hashlib.sha256(hashlib.sha256(raw_spm).digest() + raw_vocab).hexdigest()
+        self.vocab_size = max(self._ids.values()) + 1
+
+    def encode(self, text: str) -> list[int]:
+        code = []
+        if text.startswith(">>") and (end := text.find("<<")) != -1:  # MarianTokenizer.remove_language_code
+            code, text = [text[:end + 2]], text[end + 2:]
+        return [self._ids.get(p, self.unk_id) for p in code + self._sp.encode(text, out_type=str)]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Token ids -> text, special tokens dropped (MarianTokenizer's decode, skip_special_tokens)."""
+        pieces = [self._pieces.get(int(i), "<unk>") for i in ids if int(i) not in self.special_ids]
+        return self._sp.decode_pieces(pieces).replace("\u2581", " ").strip()
+
+    def invalid_bytes(self, ids: Iterable[int]) -> int:
+        """How many invalid byte sequences `decode(ids)` holds: sentencepiece writes each (byte-fallback
+        pieces <0xNN> that form no character) as one U+FFFD, counted here."""
+        return self.decode(ids).count("\ufffd")
+
+    def tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self._pieces.get(int(i), "<unk>") for i in ids]
+
+    def token_id(self, token: str) -> int | None:
+        return self._ids.get(token)
 
 
 def _byte_symbols() -> dict[str, int]:

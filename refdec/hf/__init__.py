@@ -1,0 +1,27 @@
+"""Hugging Face transformers interoperability: import a model folder, export a checkpoint, audit.
+
+Everything that touches transformers lives in this package, and transformers is imported only
+inside the functions that need it: the rest of refdec imports and runs without it.
+
+    python -m refdec.hf export CKPT OUT_DIR          a folder stock transformers loads (no remote code)
+    python -m refdec.hf audit --task T --model M [--small S] --limit N --threads T --report FILE
+    decode.py --model HF_FOLDER [--small HF_FOLDER]  every decoder on the folder's model
+
+    common.py     HFError, the optional imports, a folder's config and weight files read
+    layout.py     refdec's state-dict names and the M2M100/Pegasus names; the export's permutation
+    families.py   each family (Marian, BART, mBART, T5, M2M100, Pegasus): config.json -> ModelConfig, weight names
+    importing.py  a folder -> (Transformer, Tokenizer): the family's mapping applied, its tokenizer read
+    compare.py    transformers' model, generate and logits beside refdec's on the same weights
+    export.py     a refdec checkpoint -> a Pegasus or M2M100 folder, checked by loading it back
+    audit.py      refdec's and transformers' decoders on the same weights, line by line
+    cli.py        the command line (python -m refdec.hf)
+"""
+
+from .common import LOGIT_TOLERANCE, HFError, is_hf_folder, read_weights
+from .compare import hf_from_pretrained, hf_generate, hf_inputs, hf_logits, refdec_logits
+from .export import check_export, export, export_route, hf_state, write_folder
+from .importing import M2M100, PEGASUS, load_folder, load_tokenizer
+
+__all__ = ["LOGIT_TOLERANCE", "HFError", "is_hf_folder", "read_weights", "hf_from_pretrained", "hf_generate",
+           "hf_inputs", "hf_logits", "refdec_logits", "check_export", "export", "export_route", "hf_state",
+           "write_folder", "M2M100", "PEGASUS", "load_folder", "load_tokenizer"]

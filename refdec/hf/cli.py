@@ -1,0 +1,68 @@
+"""python -m refdec.hf export|audit"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import run_command
+from .audit import audit, audit_table
+from .common import HFError, is_hf_folder
+from .export import export
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m refdec.hf", description="Hugging Face transformers folders: export a refdec checkpoint, audit transformers' decoders")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="write a transformers folder for a refdec checkpoint (and check it)")
+    e.add_argument("ckpt", help="a refdec model.pt")
+    e.add_argument("out_dir", help="the folder to write (created)")
+    a = sub.add_parser("audit", help="refdec's and transformers' decoders on the same weights and inputs")
+    a.add_argument("--task", help="its data/<task>/test.src.gz is decoded (or --input)")
+    a.add_argument("--input", metavar="FILE", help="the sentences to decode, one per line (a transformers folder "
+                   "needs no --task then)")
+    a.add_argument("--model", required=True, help="a refdec model.pt or a transformers folder")
+    a.add_argument("--small", help="a small model on the same vocabulary: speculative and assisted generation")
+    a.add_argument("--limit", type=int, default=100, help="sentences decoded (default 100)")
+    a.add_argument("--warmup", type=int, default=2, help="untimed warm-up sentences (default 2)")
+    a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    a.add_argument("--gamma", type=int, default=3, help="refdec speculative decoding's draft window (default 3)")
+    a.add_argument("--prompt-lookup", type=int, default=10, metavar="N",
+                   help="transformers' prompt_lookup_num_tokens (default 10)")
+    a.add_argument("--src-lang", help="a transformers folder's source-language token (NLLB: eng_Latn)")
+    a.add_argument("--tgt-lang", help="a transformers folder's target-language token (NLLB: deu_Latn)")
+    a.add_argument("--report", help="write the figures as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "export":
+        if Path(args.out_dir).exists() and any(Path(args.out_dir).iterdir()):
+            raise HFError(f"{args.out_dir} exists and is not empty")
+        result = export(args.ckpt, args.out_dir)
+        print(f"wrote {result['folder']} ({result['architecture']}); transformers' float64 logits within "
+              f"{result['max_logit_difference']:.2g} of refdec's, the same greedy output")
+        return 0
+    for name in ("limit", "threads", "gamma", "prompt_lookup"):
+        if getattr(args, name) < 1:
+            raise HFError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        raise HFError("--warmup must be at least 0")
+    if not (args.task or args.input) or (args.task is None and not is_hf_folder(args.model)):
+        raise HFError("audit needs --task (a refdec checkpoint's task) or a transformers folder and --input")
+    if not is_hf_folder(args.model) and (args.src_lang or args.tgt_lang):
+        raise HFError("--src-lang and --tgt-lang choose the language tokens of a transformers folder's model")
+    if args.report:
+        from ..inputs import check_writable
+        check_writable(args.report, "--report")
+    report = audit(args)
+    print(audit_table(report))
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0

@@ -1,0 +1,345 @@
+"""refdec.hf on the families people deploy: Marian (opus-mt), BART, mBART, T5 v1.0 and v1.1 / Flan-T5.
+
+Tiny random models built by transformers from each family's config class (nothing downloaded),
+saved with a word-level tokenizer.json, imported: float64 logits within 1e-12 of transformers';
+greedy, beam(1), IAD, speculative decoding (a smaller model of the same family) and batched decoding
+write transformers' greedy output on many random sources; mBART's forced language codes hold under
+every decoder; decode.py --model FOLDER (no --task) writes transformers' greedy text.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # transformers, subprocess runs
+
+from conftest import run_py  # noqa: E402
+from test_hf import LANGS, WORDS, m2m_folder, one_line_error, sources, word_tokenizer_json  # noqa: E402
+
+from refdec import hf  # noqa: E402
+from refdec.decoding import decode_beam, decode_bild, decode_greedy, decode_iad, decode_speculative  # noqa: E402
+from refdec.kernels import set_row_invariant  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+V = 4 + len(WORDS) + len(LANGS)  # <s> 0, <pad> 1, </s> 2, <unk> 3, words, language codes
+FAMILIES = ("marian", "bart", "mbart", "t5", "t5-v1.1")
+
+
+def hf_model(family: str, layers: int = 2):
+    """A transformers model of `family` with `layers` encoder and decoder layers (d_model 16)."""
+    bart_like = dict(vocab_size=V, d_model=16, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+                     pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    t5 = dict(vocab_size=V, d_model=16, d_kv=6, num_heads=3, d_ff=32, num_layers=layers, num_decoder_layers=layers,
+              relative_attention_num_buckets=8, relative_attention_max_distance=20, pad_token_id=1, eos_token_id=2,
+              decoder_start_token_id=1)
+    if family == "marian":  # opus-mt: swish, scaled embeddings, the decoder starts from pad
+        return transformers.MarianMTModel(transformers.MarianConfig(
+            **bart_like, decoder_start_token_id=1, scale_embedding=True, activation_function="swish"))
+    if family == "bart":
+        return transformers.BartForConditionalGeneration(transformers.BartConfig(**bart_like, decoder_start_token_id=2))
+    if family == "mbart":
+        return transformers.MBartForConditionalGeneration(transformers.MBartConfig(**bart_like, decoder_start_token_id=2))
+    if family == "t5":  # v1.0: relu, tied head rescaled by d_model^-0.5
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(**t5))
+    # v1.1 / Flan-T5: gated-gelu, an untied head (made to differ from the embedding below)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(**t5, feed_forward_proj="gated-gelu",
+                                                                         tie_word_embeddings=False))
+
+
+def family_folder(path: Path, family: str, seed: int = 0, layers: int = 2) -> Path:
+    """A random model of `family` (every weight, bias and final_logits_bias perturbed) saved by transformers, with the
+    word-level tokenizer.json; BART's generation_config forces <s> after the start token, as
+    facebook/bart-large's does."""
+    torch.manual_seed(seed)
+    model = hf_model(family, layers)
+    with torch.no_grad():  # matrices perturbed more than gains and biases: post-norm models then vary their outputs
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.05))
+        if hasattr(model, "final_logits_bias"):
+            model.final_logits_bias.add_(torch.randn_like(model.final_logits_bias) * 0.05)
+        if family == "t5-v1.1":
+            model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone() + torch.randn_like(model.shared.weight))
+    model.save_pretrained(path)
+    (path / "tokenizer.json").write_text(word_tokenizer_json(), encoding="utf-8")
+    if family == "bart":
+        gen = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(json.dumps({**gen, "forced_bos_token_id": 0}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict:
+    """family -> (large folder, small folder of the same family and vocabulary), built on first use."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            made[family] = (family_folder(root / "large", family), family_folder(root / "small", family, seed=1, layers=1))
+        return made[family]
+    return get
+
+
+def padded(srcs: list[list[int]], eos: int = 2, pad: int = 1) -> torch.Tensor:
+    batch = torch.full((len(srcs), max(map(len, srcs)) + 1), pad)
+    for i, s in enumerate(srcs):
+        batch[i, :len(s) + 1] = torch.tensor(s + [eos])
+    return batch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_every_decoder_equal_transformers_greedy(family, folders):
+    large, small = folders(family)
+    theirs = hf.hf_from_pretrained(large, torch.float64)
+    model, _, _ = hf.load_folder(large, dtype=torch.float64)
+    drafter, _, _ = hf.load_folder(small, dtype=torch.float64)
+    srcs = sources(24, seed=2)
+    wants = []
+    for src in srcs:
+        tgt = sources(1, seed=len(src))[0]
+        assert (hf.refdec_logits(model, src, tgt) - hf.hf_logits(theirs, model.cfg, src, tgt)).abs().max() <= hf.LOGIT_TOLERANCE
+        want = hf.hf_generate(theirs, model.cfg, src, 20)
+        x = torch.tensor([src + [model.cfg.eos_id]])
+        assert torch.equal(decode_greedy(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(decode_beam(model, x, max_len=20, beam_size=1).tokens[0], want)
+        assert torch.equal(decode_iad(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(decode_speculative(model, drafter, x, max_len=20, gamma=3).tokens[0], want)
+        wants.append(want)
+    assert len({tuple(w.tolist()) for w in wants}) > 1  # the sources lead to different outputs
+    batch = padded(srcs, model.cfg.eos_id, model.cfg.pad_id)
+    for decode in (lambda b: decode_greedy(model, b, max_len=20), lambda b: decode_iad(model, b, max_len=20),
+                   lambda b: decode_speculative(model, drafter, b, max_len=20, gamma=3)):
+        assert all(torch.equal(o, w) for o, w in zip(decode(batch).tokens, wants))
+    assert len(decode_bild(model, drafter, batch, max_len=20).tokens) == len(srcs)  # BiLD runs (not lossless)
+    invariant = set_row_invariant(hf.load_folder(large, dtype=torch.float64)[0])  # T5's bias in rowwise_attention
+    assert all(torch.equal(decode_iad(invariant, padded([s], model.cfg.eos_id, model.cfg.pad_id), max_len=20).tokens[0], w)
+               for s, w in zip(srcs[:6], wants))
+
+
+def test_family_switches(folders):
+    """Each family sets the ModelConfig fields its architecture differs by (docs/hf.md's table)."""
+    cfgs = {f: hf.load_folder(folders(f)[0])[0].cfg for f in FAMILIES}
+    assert (cfgs["marian"].positions, cfgs["marian"].norm_first, cfgs["marian"].activation, cfgs["marian"].bos_id) \
+        == ("marian", False, "silu", cfgs["marian"].pad_id)
+    assert cfgs["bart"].embed_norm and cfgs["bart"].encoder_prefix == (0,) and cfgs["bart"].decoder_prefix == (0,)
+    assert cfgs["mbart"].norm_first and cfgs["mbart"].positions == "learned" and cfgs["mbart"].logits_bias
+    assert cfgs["t5"].rescale_head and cfgs["t5"].tie_embeddings and not cfgs["t5"].gated_ff
+    assert not cfgs["t5-v1.1"].rescale_head and not cfgs["t5-v1.1"].tie_embeddings and cfgs["t5-v1.1"].gated_ff
+    assert all(cfgs[f].norm == "rms" and cfgs[f].d_head == 6 and not cfgs[f].bias for f in ("t5", "t5-v1.1"))
+
+
+def test_mbart_language_codes_forced_under_every_decoder(folders):
+    """mBART-50's convention: the source language's code before the source, the target's after the
+    start token; every decoder (batched ones included) honours them as transformers' greedy does."""
+    large, small = folders("mbart")
+    theirs = hf.hf_from_pretrained(large, torch.float64)
+    model, tok, _ = hf.load_folder(large, dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
+    drafter, _, _ = hf.load_folder(small, dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
+    plain, _, _ = hf.load_folder(large, dtype=torch.float64)
+    assert model.cfg.encoder_prefix == (tok._tok.token_to_id("__en__"),)
+    srcs = sources(12, seed=4)
+    wants = [hf.hf_generate(theirs, model.cfg, s, 20) for s in srcs]
+    assert sum(not torch.equal(decode_greedy(plain, padded([s]), max_len=20).tokens[0], w) for s, w in zip(srcs, wants))
+    for src, want in zip(srcs, wants):
+        x = padded([src])
+        assert torch.equal(decode_greedy(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(decode_beam(model, x, max_len=20, beam_size=1).tokens[0], want)
+        assert torch.equal(decode_iad(model, x, max_len=20).tokens[0], want)
+        assert torch.equal(decode_speculative(model, drafter, x, max_len=20, gamma=3).tokens[0], want)
+    batch = padded(srcs)
+    for out in (decode_greedy(model, batch, max_len=20), decode_iad(model, batch, max_len=20),
+                decode_speculative(model, drafter, batch, max_len=20, gamma=3)):
+        assert all(torch.equal(o, w) for o, w in zip(out.tokens, wants))
+    # BiLD is not lossless, but its batch computes what each row computes alone, forced tokens included
+    alone = [decode_bild(model, drafter, padded([s]), max_len=20).tokens[0] for s in srcs]
+    assert all(torch.equal(o, a) for o, a in zip(decode_bild(model, drafter, batch, max_len=20).tokens, alone))
+
+
+@pytest.mark.parametrize("family", ["marian", "bart", "t5", "m2m100"])
+def test_decode_cli_greedy_and_iad_write_transformers_greedy_text(family, folders, tmp_path):
+    """The done-when: decode.py --model FOLDER --dtype float64, no --task, plain text in and out."""
+    folder = m2m_folder(tmp_path / "m2m") if family == "m2m100" else folders(family)[0]
+    theirs = hf.hf_from_pretrained(folder, torch.float64)
+    model, tok, _ = hf.load_folder(folder, dtype=torch.float64)
+    srcs = sources(6, seed=11)
+    lines = [" ".join(WORDS[t - 4] for t in s) for s in srcs]
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    want = [tok.decode(hf.hf_generate(theirs, model.cfg, s, 2 * len(s) + 10).tolist()) for s in srcs]
+    r = run_py("decode.py", "--algo", "greedy", "--compare", "iad", "--model", str(folder), "--input",
+               str(tmp_path / "in.txt"), "--dtype", "float64", "--quiet", "--threads", "1",
+               "--output", str(tmp_path / "out.txt"), "--report", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert (tmp_path / "out.txt").read_text().splitlines() == want
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [(x["algo"], x["identical"]) for x in runs[1:]] == [("iad", 1.0)] and "bleu" not in runs[0]
+
+
+def test_decode_cli_speculative_with_a_small_folder_on_stdin(folders):
+    large, small = folders("marian")
+    r = run_py("decode.py", "--algo", "speculative", "--compare", "greedy", "--model", str(large), "--small", str(small),
+               "--input", "-", "--dtype", "float64", "--quiet", "--threads", "1", stdin=b"w1 w2 w3\nw4 w5\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "1.0000 identical" in r.stdout.decode() + r.stderr.decode()
+
+
+def test_one_line_errors(folders, tmp_path):
+    """An unsupported architecture, a missing weight file, a small model on another vocabulary, and
+    no --task without a folder: one line each, no traceback."""
+    large, _ = folders("bart")
+    args = ["--algo", "greedy", "--input", "-", "--quiet", "--threads", "1"]
+    bad = tmp_path / "pegasus-x"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "pegasus_x", "architectures": ["PegasusXForConditionalGeneration"]}))
+    assert "unsupported architecture PegasusXForConditionalGeneration" in one_line_error(
+        run_py("decode.py", *args, "--model", str(bad), stdin=b"w1\n"))
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(large, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    assert "has no weights" in one_line_error(run_py("decode.py", *args, "--model", str(no_weights), stdin=b"w1\n"))
+    other = tmp_path / "other-vocab"
+    shutil.copytree(folders("bart")[1], other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["w0x"] = spec["model"]["vocab"].pop("w0")
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    err = one_line_error(run_py("decode.py", "--algo", "speculative", "--input", "-", "--quiet", "--threads", "1",
+                                "--model", str(large), "--small", str(other), stdin=b"w1\n"))
+    assert "does not share the tokenizer" in err
+    assert "--task is needed" in one_line_error(run_py("decode.py", *args, stdin=b"w1\n"))
+
+
+@pytest.mark.parametrize("family", ["marian", "bart", "t5"])
+def test_audit_on_a_family_pair(family, folders, tmp_path, capsys):
+    """python -m refdec.hf audit on a folder pair and a text file: refdec greedy, IAD and speculative,
+    transformers' greedy, beam-free assisted generation and prompt lookup; refdec's lossless decoders
+    and transformers' greedy identical to refdec greedy, differing lines reported with a margin."""
+    from refdec.hf.cli import main as hf_main
+    large, small = folders(family)
+    (tmp_path / "in.txt").write_text("\n".join(" ".join(WORDS[t - 4] for t in s) for s in sources(4, seed=8)) + "\n")
+    assert hf_main(["audit", "--model", str(large), "--small", str(small), "--input", str(tmp_path / "in.txt"),
+                    "--limit", "4", "--warmup", "0", "--threads", "1", "--report", str(tmp_path / "r.json")]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "r.json").read_text())["methods"]}
+    assert list(rows) == ["refdec-greedy", "refdec-iad", "refdec-speculative", "hf-greedy", "hf-assisted", "hf-prompt-lookup"]
+    assert all(rows[m]["identical"] == 1 for m in ("refdec-iad", "refdec-speculative", "hf-greedy"))
+    for r in rows.values():
+        assert len(r["differing"]) == round(4 * (1 - r["identical"])) and not r["errors"]
+        assert all(d["margin_top1_top2"] >= 0 for d in r["differing"])
+    assert "hf-assisted" in capsys.readouterr().out
+
+
+def test_banned_tokens_never_written(folders, tmp_path):
+    """opus-mt's generation_config.json forbids the pad token (bad_words_ids): refdec's logits carry
+    -inf there, so greedy, IAD and speculative decoding write what transformers' greedy writes."""
+    large, small = folders("marian")
+    model, _, _ = hf.load_folder(large, dtype=torch.float64)
+    srcs = sources(8, seed=5)
+    first = [decode_greedy(model, padded([s]), max_len=20).tokens[0] for s in srcs]
+    banned = int(torch.cat(first).mode().values)  # the token greedy writes most: banning it changes outputs
+    for folder in (large, small):
+        shutil.copytree(folder, tmp_path / folder.name)
+        gen = json.loads((tmp_path / folder.name / "generation_config.json").read_text())
+        (tmp_path / folder.name / "generation_config.json").write_text(json.dumps({**gen, "bad_words_ids": [[banned]]}))
+    theirs = hf.hf_from_pretrained(tmp_path / "large", torch.float64)
+    model, _, _ = hf.load_folder(tmp_path / "large", dtype=torch.float64)
+    drafter, _, _ = hf.load_folder(tmp_path / "small", dtype=torch.float64)
+    assert model.logits_bias[banned] == float("-inf")
+    for src, before in zip(srcs, first):
+        want = hf.hf_generate(theirs, model.cfg, src, 20)
+        assert banned not in want.tolist()
+        for out in (decode_greedy(model, padded([src]), max_len=20), decode_iad(model, padded([src]), max_len=20),
+                    decode_speculative(model, drafter, padded([src]), max_len=20)):
+            assert torch.equal(out.tokens[0], want)
+
+
+def opus_mt_folder(path: Path) -> Path:
+    """An opus-mt-like folder with no tokenizer.json: a sentencepiece model trained here (source.spm =
+    target.spm) and a vocab.json numbering <pad>, </s>, <unk> and its pieces, beside a random Marian model."""
+    spm = pytest.importorskip("sentencepiece")
+    path.mkdir(parents=True)
+    text = ["the cat sat on the mat", "a dog ran in the park", "the house is small", "we see a red car"] * 20
+    (path / "train.txt").write_text("\n".join(text))
+    spm.SentencePieceTrainer.train(input=str(path / "train.txt"), model_prefix=str(path / "m"), vocab_size=30,
+                                   model_type="unigram", minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(path / "m.model"))
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_unknown(i)]
+    vocab = {t: i for i, t in enumerate(["</s>", "<unk>", ">>de<<"] + pieces + ["<pad>"])}
+    for name in ("source.spm", "target.spm"):
+        shutil.copy(path / "m.model", path / name)
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    for name in ("m.model", "m.vocab", "train.txt"):
+        (path / name).unlink()
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=len(vocab), d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=vocab["<pad>"], eos_token_id=0, decoder_start_token_id=vocab["<pad>"], scale_embedding=True,
+        activation_function="swish"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.05))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:Recommended")  # MarianTokenizer asks for sacremoses, which it does not call
+def test_opus_mt_folder_with_sentencepiece_files_only(tmp_path):
+    """Its tokenizer is read from source.spm and vocab.json as transformers' MarianTokenizer reads
+    them (the same ids, the same text back), and decode.py writes transformers' greedy text."""
+    folder = opus_mt_folder(tmp_path / "opus")
+    theirs_tok = transformers.MarianTokenizer.from_pretrained(str(folder))
+    model, tok, _ = hf.load_folder(folder, dtype=torch.float64)
+    lines = ["the cat sat", ">>de<< a dog ran in the park", "we see the small house", "zebra"]
+    for line in lines:
+        assert tok.encode(line) + [model.cfg.eos_id] == theirs_tok(line).input_ids
+    theirs = hf.hf_from_pretrained(folder, torch.float64)
+    want = [theirs_tok.decode(hf.hf_generate(theirs, model.cfg, tok.encode(x), 2 * len(tok.encode(x)) + 10).tolist(),
+                              skip_special_tokens=True) for x in lines]
+    assert all(tok.decode(theirs_tok(x).input_ids) == theirs_tok.decode(theirs_tok(x).input_ids, skip_special_tokens=True)
+               for x in lines)
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    r = run_py("decode.py", "--algo", "greedy", "--compare", "iad", "--model", str(folder), "--input",
+               str(tmp_path / "in.txt"), "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert (tmp_path / "out.txt").read_text().splitlines() == want
+
+
+def test_bart_folder_with_vocab_and_merges_only(tmp_path):
+    """A BART folder from before tokenizer.json: vocab.json and merges.txt read as transformers 5's
+    BartTokenizer reads them (the same ids), and decode.py writes transformers' greedy text."""
+    from tokenizers import ByteLevelBPETokenizer
+    folder = tmp_path / "bart"
+    folder.mkdir()
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the cat sat on the mat", "a dog ran in the park", "we see the small house"] * 10,
+                            vocab_size=300, min_frequency=1, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe.save_model(str(folder))
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=bpe.get_vocab_size(), d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.05))
+    model.save_pretrained(folder)
+    theirs_tok = transformers.BartTokenizer.from_pretrained(str(folder))
+    ours, tok, _ = hf.load_folder(folder, dtype=torch.float64)
+    lines = ["the cat sat", "a dog ran in the park", "we see <mask> house!", "Zebras, 42 of them"]
+    for line in lines:
+        assert list(ours.cfg.encoder_prefix) + tok.encode(line) + [ours.cfg.eos_id] == theirs_tok(line).input_ids
+    theirs = hf.hf_from_pretrained(folder, torch.float64)
+    want = [theirs_tok.decode(hf.hf_generate(theirs, ours.cfg, tok.encode(x), 2 * len(tok.encode(x)) + 10).tolist(),
+                              skip_special_tokens=True) for x in lines]
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    r = run_py("decode.py", "--algo", "iad", "--model", str(folder), "--input", str(tmp_path / "in.txt"),
+               "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"))
+    assert r.returncode == 0, r.stderr.decode()
+    # a random model writes any bytes, form feeds included: one line per input, newlines written as spaces
+    with open(tmp_path / "out.txt", encoding="utf-8", newline="") as f:
+        written = f.read().split("\n")[:-1]
+    assert written == [w.replace("\r", " ").replace("\n", " ") for w in want]
