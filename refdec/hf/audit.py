@@ -1,26 +1,30 @@
 """refdec's and transformers' decoders on the same weights and inputs, line by line.
 
-Audit. refdec greedy, refdec IAD (GEC tasks, and a transformers folder's own --input) and speculative decoding (with --small), transformers'
-greedy generate, assisted generation (the small model as assistant_model) and prompt-lookup
-decoding, on the same weights and inputs, in one process, interleaved sentence by sentence after a
-warm-up: seconds, ms per output token, and how many outputs equal refdec greedy's, each differing
-line with its first divergent position and refdec's top-1/top-2 logit margin there.
+Audit: refdec greedy, refdec IAD (GEC tasks, and a transformers folder's own --input) and speculative
+decoding (with --small), transformers' greedy generate, assisted generation (the small model as
+assistant_model) and prompt-lookup decoding, on the same weights and inputs, in one process,
+interleaved sentence by sentence after a warm-up by refdec.runner.decode_lines (the loop decode.py
+times with; transformers' generate is an Algorithm like any other): seconds, ms per output token,
+and how many outputs equal refdec greedy's, each differing line with its first divergent position
+and refdec's top-1/top-2 logit margin there.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from ..algorithms import Algorithm
 from ..checkpoint import load_model
+from ..decoding.result import DecodeResult, DecodeStats, result_of
 from .common import HFError, first_line, is_hf_folder, require_transformers
 from .compare import hf_from_pretrained, hf_generate
 from .export import write_folder
 from .importing import load_folder
+
 
 def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name: str):
     """(refdec model, tokenizer, transformers model) for a refdec checkpoint (exported to `workdir`
@@ -52,12 +56,33 @@ def audit(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def hf_algorithm(name: str, hf_model, failures: dict, **extra) -> Algorithm:
+    """transformers' generate (greedy; `extra`: assistant_model, prompt_lookup_num_tokens) as an
+    Algorithm of refdec.runner's timing loop, one generate call per source row. A row it fails on is
+    recorded in `failures` (source ids -> message) and raised again, so the runner leaves that line empty."""
+
+    def decode_hf(model, src: torch.Tensor, *, max_len: int, trace: bool = False) -> DecodeResult:
+        cfg, outs = model.cfg, []
+        for row in src.tolist():  # (B, S): each source ends in eos, then right padding
+            s = row[:len(row) - row[::-1].index(cfg.eos_id) - 1]
+            try:
+                out = hf_generate(hf_model, cfg, s, max_len, **extra).tolist()
+            except Exception as e:
+                failures[tuple(s)] = f"{type(e).__name__}: {first_line(e, 200)}"
+                raise RuntimeError(failures[tuple(s)]) from None
+            outs.append(out + [cfg.eos_id] * (len(out) < max_len))  # generate stops at eos or at max_len
+        return result_of(outs, cfg.eos_id, DecodeStats(sentences=len(outs), encoder_calls=len(outs)), None, src.device)
+
+    return Algorithm(name, decode_hf, f"transformers' {name}")
+
+
 def _audit(args, lines: list[str], tmp: Path) -> dict:
     from .. import inputs
+    from ..algorithms import ALGORITHMS
     from ..data import TASKS
     from ..exactness import divergences
-    from ..decoding import decode_iad, decode_speculative
-    from ..decoding.greedy import decode_greedy
+    from ..loading import Models
+    from ..runner import Run, decode_lines
 
     model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
                                 workdir=tmp, name="model")
@@ -71,47 +96,30 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     cfg = model.cfg
     limit = cfg.max_positions - max(len(cfg.encoder_prefix), len(cfg.decoder_prefix))
     ids = inputs.source_ids(tok, lines, limit)
-
-    def src_of(s):
-        return torch.tensor([s + [cfg.eos_id]])
-    methods = {"refdec-greedy": lambda s, n: decode_greedy(model, src_of(s), max_len=n).tokens[0]}
-    if args.task is None or TASKS.get(args.task) == "gec":  # IAD copies the source: GEC, or the user's own model
-        methods["refdec-iad"] = lambda s, n: decode_iad(model, src_of(s), max_len=n).tokens[0]
-    if small is not None:
-        methods["refdec-speculative"] = lambda s, n: decode_speculative(model, small, src_of(s), max_len=n,
-                                                                 gamma=args.gamma).tokens[0]
-    methods["hf-greedy"] = lambda s, n: hf_generate(hf, cfg, s, n)
-    if hf_small is not None:
-        methods["hf-assisted"] = lambda s, n: hf_generate(hf, cfg, s, n, assistant_model=hf_small)
-    methods["hf-prompt-lookup"] = lambda s, n: hf_generate(hf, cfg, s, n, prompt_lookup_num_tokens=args.prompt_lookup)
-
-    for s in ids[: args.warmup]:  # untimed: first-call allocations and kernel choices
-        for run in methods.values():
-            run(s, inputs.max_len_for([s], None, limit))
-    outputs = {name: [] for name in methods}
-    seconds = dict.fromkeys(methods, 0.0)
-    errors = {name: [] for name in methods}  # a method that fails on a line (its output None) goes on with the next
-    for i, s in enumerate(ids):  # interleaved: every method decodes a sentence before the next sentence
-        budget = inputs.max_len_for([s], None, limit)
-        for name, run in methods.items():
-            t0 = time.perf_counter()
-            try:
-                outputs[name].append(run(s, budget))
-            except Exception as e:
-                if name == "refdec-greedy":
-                    raise
-                outputs[name].append(None)
-                errors[name].append({"line": i + 1, "error": f"{type(e).__name__}: {first_line(e, 200)}"})
-            seconds[name] += time.perf_counter() - t0
-    greedy_out = outputs["refdec-greedy"]
+    models = Models(model, Path(args.model), small=small)
+    refdec = ["greedy"] + ["iad"] * (args.task is None or TASKS.get(args.task) == "gec") + ["speculative"] * bool(small)
+    runs = [Run(ALGORITHMS[a], {**ALGORITHMS[a].defaults(), **({"gamma": args.gamma} if a == "speculative" else {})},
+                models, label=f"refdec-{a}") for a in refdec]  # IAD copies the source: GEC, or the user's own model
+    failures: dict = {}
+    hf_methods = {"hf-greedy": {}, "hf-assisted": {"assistant_model": hf_small},
+                  "hf-prompt-lookup": {"prompt_lookup_num_tokens": args.prompt_lookup}}
+    runs += [Run(hf_algorithm(name, hf, failures, **extra), {}, models, label=name)
+             for name, extra in hf_methods.items() if name != "hf-assisted" or hf_small is not None]
+    decode_lines(runs, ids, max_len=None, max_positions=limit, device="cpu", warmup=args.warmup)
+    greedy_out = runs[0].outputs
+    if any(o is None for o in greedy_out):
+        raise HFError("refdec greedy failed on a line (see the warning above): nothing to audit against")
     rows = []
-    for name in methods:
-        tokens = sum(len(o) + 1 for o in outputs[name] if o is not None)  # eos included, as refdec counts them
-        same = sum(b is not None and torch.equal(a, b) for a, b in zip(greedy_out, outputs[name]))
-        rows.append({"method": name, "seconds": seconds[name], "tokens": tokens,
-                     "ms_per_token": 1000 * seconds[name] / max(tokens, 1), "identical": same / max(len(ids), 1),
-                     "differing": [] if name == "refdec-greedy" else
-                     divergences(model, ids, greedy_out, outputs[name], "cpu"), "errors": errors[name]})
+    for run in runs:
+        outs = run.outputs
+        tokens = sum(len(o) + 1 for o in outs if o is not None)  # eos included, as refdec counts them
+        same = sum(b is not None and torch.equal(a, b) for a, b in zip(greedy_out, outs))
+        errors = [{"line": i + 1, "error": failures.get(tuple(s), "failed")} for i, (s, o) in enumerate(zip(ids, outs))
+                  if o is None]
+        rows.append({"method": run.name, "seconds": run.seconds, "tokens": tokens,
+                     "ms_per_token": 1000 * run.seconds / max(tokens, 1), "identical": same / max(len(ids), 1),
+                     "differing": [] if run is runs[0] else divergences(model, ids, greedy_out, outs, "cpu"),
+                     "errors": errors})
     transformers = require_transformers()
     return {"task": args.task, "model": args.model, "small": args.small, "lines": len(ids), "warmup": args.warmup,
             "threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__,
