@@ -30,7 +30,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # one matrix for source, target and output projection
     max_positions: int = 256  # longest source or target the model accepts, bos/eos included
     # Width of the encoder states the cross-attention reads (0 = d_model). With enc_layers 0 the model has
-    # no encoder of its own and reads another model's (refdec.model.SharedEncoder: a BiLD small model
+    # no encoder of its own and reads another model's (refdec.decoding.adapters.SharedEncoder: a BiLD small model
     # on the large model's encoder), whose width this is.
     d_memory: int = 0
     pad_id: int = PAD_ID
@@ -38,7 +38,7 @@ class ModelConfig:
     eos_id: int = EOS_ID
     # The position table: "sinusoidal" (section 3.5, sin and cos interleaved) or "m2m100" (Hugging Face's
     # M2M100/NLLB table: [sin | cos] halves with its own frequencies, computed in float32, position p at
-    # row p + pad_id + 1; refdec.model.m2m100_positions).
+    # row p + pad_id + 1; refdec.positions.m2m100_positions).
     positions: str = "sinusoidal"
     # Forced tokens (an imported NLLB/M2M100 model's language codes): encoder_prefix goes before every
     # source; decoder_prefix follows the start token, before the first output token. Decoders never see
@@ -165,7 +165,7 @@ class TrainConfig:
     # BiLD's early-exit small model (Kim et al. 2023, section 4.4): the first n decoder layers share
     # the prediction head and the loss is the average of the early and the full model's.
     early_exit: int = 0
-    # A decoder on another model's frozen encoder (refdec.model.SharedEncoder): the checkpoint whose
+    # A decoder on another model's frozen encoder (refdec.decoding.adapters.SharedEncoder): the checkpoint whose
     # encoder it reads (its vocabulary too); needs enc_layers 0. BiLD's small model or GAD's drafter on
     # the large model's (the verifier's) encoder runs no encoder of its own when decoding.
     encoder_from: str = ""

@@ -140,7 +140,7 @@ def test_cuda_matches_cpu():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_few_row_route_computes_the_linear_map(bias):
-    """refdec.model.linear: the (W @ x.T).T route for 2-16 rows on CPU gives F.linear's values (the
+    """refdec.kernels.linear: the (W @ x.T).T route for 2-16 rows on CPU gives F.linear's values (the
     same products, at most summed in another order) and keeps the shape for every row count."""
     from refdec import kernels as M
     g = torch.Generator().manual_seed(0)
@@ -159,7 +159,7 @@ def test_few_row_route_computes_the_linear_map(bias):
 
 
 def test_model_linears_take_the_route():
-    """Every linear layer of the model and of the proposal heads is refdec.model.Linear."""
+    """Every linear layer of the model and of the proposal heads is refdec.kernels.Linear."""
     from refdec import kernels as M
     from refdec.proposal import ProposalHeads
     for module in (tiny_model(0), ProposalHeads(16, 8, 3)):
