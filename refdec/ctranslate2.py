@@ -40,6 +40,7 @@ import torch
 from . import exactness
 from .algorithms import ALGORITHMS, Algorithm
 from .checkpoint import file_sha256, load_model
+from .data import source_rows
 from .decoding.result import DecodeResult, DecodeStats, result_of
 from .errors import UsageError, run_command
 from .hf import PEGASUS, check_export, export_route, write_folder
@@ -132,11 +133,7 @@ def ct2_algorithm(translator, tokens: list[str], name: str) -> Algorithm:
 
     def decode_ct2(model, src: torch.Tensor, *, max_len: int, trace: bool = False) -> DecodeResult:
         cfg = model.cfg
-        rows = []
-        for row in src.tolist():  # (B, S): each source ends in eos, then right padding
-            while row and row[-1] == cfg.pad_id:
-                row.pop()
-            rows.append([tokens[t] for t in row])
+        rows = [[tokens[t] for t in s + [cfg.eos_id]] for s in source_rows(src, cfg.eos_id, cfg.pad_id)]
         results = translator.translate_batch(rows, beam_size=1, max_decoding_length=max_len, min_decoding_length=0,
                                              max_input_length=0, return_end_token=True)
         outs = [[index[t] for t in r.hypotheses[0]] for r in results]  # eos included where produced

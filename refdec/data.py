@@ -84,6 +84,17 @@ def source_tensor(src_ids: list[list[int]], eos_id: int = EOS_ID, pad_id: int = 
     return pad_batch([s + [eos_id] for s in src_ids], pad_id)
 
 
+def source_rows(src: torch.Tensor, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> list[list[int]]:
+    """source_tensor's inverse, for a decoder that takes token lists (another engine's): each row's
+    source ids without its eos and right padding."""
+    rows = []
+    for row in src.tolist():
+        while row and row[-1] == pad_id:
+            row.pop()
+        rows.append(row[:-1] if row and row[-1] == eos_id else row)
+    return rows
+
+
 def training_tensors(src_ids: list[list[int]], tgt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encoder input (B, S), decoder input [bos]+y (B, T) and decoder target y+[eos] (B, T)."""
     return (source_tensor(src_ids), pad_batch([[BOS_ID] + t for t in tgt_ids]),

@@ -19,6 +19,7 @@ import torch
 
 from ..algorithms import Algorithm
 from ..checkpoint import load_model
+from ..data import source_rows
 from ..decoding.result import DecodeResult, DecodeStats, result_of
 from .common import HFError, first_line, is_hf_folder, require_transformers
 from .compare import hf_from_pretrained, hf_generate
@@ -63,8 +64,7 @@ def hf_algorithm(name: str, hf_model, failures: dict, **extra) -> Algorithm:
 
     def decode_hf(model, src: torch.Tensor, *, max_len: int, trace: bool = False) -> DecodeResult:
         cfg, outs = model.cfg, []
-        for row in src.tolist():  # (B, S): each source ends in eos, then right padding
-            s = row[:len(row) - row[::-1].index(cfg.eos_id) - 1]
+        for s in source_rows(src, cfg.eos_id, cfg.pad_id):
             try:
                 out = hf_generate(hf_model, cfg, s, max_len, **extra).tolist()
             except Exception as e:
