@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
                    "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
                    "ties included (slower; docs/algorithms.md, 'Row-invariant mode')")
+    g.add_argument("--fast", action="store_true", help="the fast route for every model it applies to: the same "
+                   "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
+                   "each product); float32 logits differ from the reference route's in the last bits "
+                   "(docs/fast.md)")
     g = p.add_argument_group("algorithm options (read from the decoders' signatures)")
     for name, default in ((n, next(iter(d.values()))) for n, d in option_defaults().items() if d):
         flag, opt = "--" + name.replace("_", "-"), OPTIONS[name]
@@ -135,6 +139,9 @@ def run(args) -> int:
     if args.task is None and not (args.model and os.path.isdir(args.model) and args.input):
         raise UsageError("--task is needed unless --model is a Hugging Face folder and --input names the text")
     input_path = inputs.shown_path(args.input or DATA_DIR / (args.task or "") / "test.src.gz")
+    if args.fast and args.invariant:
+        raise UsageError("--fast and --invariant exclude each other: row-invariant compute is the reference route's "
+                         "(drop --fast for bitwise call-shape independence)")
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
                       refs=args.ref, input=args.input)
     given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
@@ -150,7 +157,7 @@ def run(args) -> int:
     lines, refs = inputs.read_input(args.task or "", args.input, args.ref, args.limit)
     dtype = getattr(torch, args.dtype)
     loader, models = load_models(specs, shared, task=args.task, device=args.device, dtype=dtype,
-                                 invariant=args.invariant, languages=(args.src_lang, args.tgt_lang))
+                                 invariant=args.invariant, fast=args.fast, languages=(args.src_lang, args.tgt_lang))
     runs = runner.make_runs(specs, models, trace=args.trace or bool(args.html))
     ids = inputs.source_ids(loader.tokenizer, lines, loader.max_positions)
     for r in runs:
@@ -177,7 +184,7 @@ def run(args) -> int:
             "batch_size": sorted({r.batch_size for r in runs}) if args.batch_sizes else runs[0].batch_size,
             "max_len": args.max_len, "runs": summary.rows, "speedup_matrix": summary.matrix,
             "lossless_checks": summary.checks, "interrupted": interrupted, "lines_decoded": complete,
-            "row_invariant": args.invariant, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
+            "row_invariant": args.invariant, "fast_route": args.fast, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
                                                              "other_busy_cores": others_busy}}))
     if args.trace:
         from refdec.trace import colour_enabled, trace_text

@@ -2,7 +2,7 @@
 a CPU, as the baseline refdec's decoders are measured against.
 
     python -m refdec.ctranslate2 --task gec-uk --model checkpoints/gec-uk-6x6/model.pt \\
-        --batch-sizes 1,32 --limit 500 --threads 1,2 [--iad] --report reports/ct2.json
+        --batch-sizes 1,32 --limit 500 --threads 1,2 [--iad] [--fast] --report reports/ct2.json
 
 The checkpoint goes through refdec.hf's export (a Pegasus folder that stock transformers loads, checked
 against refdec's float64 logits) and then CTranslate2's own converter, TransformersConverter, with two
@@ -20,7 +20,7 @@ cached in a folder named by the checkpoint's sha256 and the CTranslate2 version,
 Each CTranslate2 compute type is a run of refdec.runner's timing loop like any refdec decoder: one
 translate_batch call (beam_size 1, no minimum length, the same output budget as refdec's, eos
 returned so that it is counted) per batch. For each thread count, refdec greedy, optionally refdec
-IAD, and CTranslate2 greedy in float32 and int8, each at batch 1 and at every --batch-sizes value,
+IAD, with --fast both again on refdec's fast route (refdec.fast), and CTranslate2 greedy in float32 and int8, each at batch 1 and at every --batch-sizes value,
 decode the same lines interleaved after a warm-up; the table gives ms per output token (eos
 included), sentences per second and the identical rate against refdec greedy at batch 1 (token ids
 equal), and every differing line's first divergent position with refdec's top-1/top-2 margin there.
@@ -29,6 +29,7 @@ equal), and every differing line's first divergent position with refdec's top-1/
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shutil
 import sys
@@ -43,6 +44,7 @@ from .checkpoint import file_sha256, load_model
 from .data import source_rows
 from .decoding.result import DecodeResult, DecodeStats, result_of
 from .errors import UsageError, run_command
+from .fast import set_fast_route
 from .hf import PEGASUS, check_export, export_route, write_folder
 from .inputs import check_writable, read_input, shown_path, source_ids
 from .loading import Models
@@ -142,28 +144,33 @@ def ct2_algorithm(translator, tokens: list[str], name: str) -> Algorithm:
     return Algorithm(name, decode_ct2, f"CTranslate2 greedy ({name})")
 
 
-def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str]) -> list[Run]:
+def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], fast: Models | None = None) -> list[Run]:
     """Every method at batch 1 and at each --batch-sizes value; refdec greedy at batch 1 first (the
-    reference of the identical rate)."""
-    methods = [(ALGORITHMS["greedy"], {}, "refdec-greedy")]
+    reference of the identical rate). With `fast` (the same model on the fast route), refdec's
+    methods again on it."""
+    refdec = [(ALGORITHMS["greedy"], {}, "refdec-greedy")]
     if args.iad:
         iad = ALGORITHMS["iad"]
-        methods.append((iad, {**iad.defaults(), "max_draft": args.max_draft}, "refdec-iad"))
+        refdec.append((iad, {**iad.defaults(), "max_draft": args.max_draft}, "refdec-iad"))
+    methods = [(algo, options, label, models) for algo, options, label in refdec]
+    if fast is not None:
+        methods += [(algo, options, f"{label}-fast", fast) for algo, options, label in refdec]
     for compute_type, translator in ct2.items():
         name = f"ct2-greedy-{compute_type}"
-        methods.append((ct2_algorithm(translator, tokens, name), {}, name))
-    return [Run(algo, options, models, f"{label} b{size}", size)
-            for size in args.batch_sizes for algo, options, label in methods]
+        methods.append((ct2_algorithm(translator, tokens, name), {}, name, models))
+    return [Run(algo, options, run_models, f"{label} b{size}", size)
+            for size in args.batch_sizes for algo, options, label, run_models in methods]
 
 
-def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int) -> tuple[list[dict], int]:
+def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int,
+            fast: Models | None = None) -> tuple[list[dict], int]:
     """One thread count: every run decodes every line, interleaved; a row of figures per run, and how
     many leading lines every run finished (all of them unless Ctrl-C stopped the loop)."""
     ctranslate2 = _ctranslate2()
     torch.set_num_threads(threads)
     ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=threads, inter_threads=1)
            for c in COMPUTE_TYPES}
-    runs = make_runs(args, models, ct2, tokens)
+    runs = make_runs(args, models, ct2, tokens, fast)
     model = models.model
     done = decode_lines(runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu",
                         warmup=args.warmup, progress=True)
@@ -213,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iad", action="store_true", help="time refdec IAD too (GEC: drafts a copy of the input)")
     p.add_argument("--max-draft", type=int, default=0, metavar="N",
                    help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source)")
+    p.add_argument("--fast", action="store_true", help="time refdec's methods on its fast route too (refdec.fast), "
+                   "each against refdec greedy on the reference route")
     p.add_argument("--cache-dir", default=str(default_cache_dir()),
                    help="where converted models are kept, one folder per checkpoint (default %(default)s)")
     p.add_argument("--report", help="write the figures as JSON here")
@@ -247,9 +256,14 @@ def run(args) -> int:
     folder, conversion = convert(args.model, model, tokenizer, Path(args.cache_dir))
     tokens = vocabulary(folder, model.cfg.vocab_size)
     models = Models(model, Path(args.model))
+    fast = None
+    if args.fast:  # a second copy of the same weights: the reference runs keep the reference route
+        fast_model = copy.deepcopy(model)
+        set_fast_route(fast_model)
+        fast = Models(fast_model, Path(args.model))
     results, interrupted = [], False
     for threads in args.threads:
-        rows, done = compare(args, models, folder, tokens, ids, threads)
+        rows, done = compare(args, models, folder, tokens, ids, threads, fast)
         interrupted = done < len(ids)
         print(f"{args.task}: {sum(s is not None for s in ids[:done])} lines{' (interrupted)' if interrupted else ''}, "
               f"{threads} thread(s), warm-up {args.warmup}")
@@ -261,7 +275,7 @@ def run(args) -> int:
         write_report(args.report, {
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
             "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "threads": args.threads,
-            "interrupted": interrupted, "iad": args.iad, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
+            "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
             "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
             "ctranslate2": ctranslate2.__version__, "results": results})
     return 0

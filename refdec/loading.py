@@ -21,6 +21,7 @@ import torch
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .drafter import Drafter
 from .decoding.adapters import EarlyExit
+from .fast import set_fast_route
 from .kernels import set_row_invariant
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
@@ -145,10 +146,11 @@ class RunLoader:
 
 
 def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dtype, invariant: bool = False,
-                languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
+                fast: bool = False, languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
     """The models of each of refdec.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` second models (role -> path) and
-    each run's own. With `invariant`, every model in row-invariant mode. Returns the loader (the
+    each run's own. With `invariant`, every model in row-invariant mode; with `fast`, every model the fast
+    route writes on it (refdec.fast). Returns the loader (the
     tokenizer, the main checkpoint) and one Models per spec."""
     loader = RunLoader(specs[0].path, task=task, device=device, dtype=dtype, languages=languages)
     for s in specs[1:]:
@@ -160,6 +162,10 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
         for m in models:
             for module in m.all():
                 set_row_invariant(module)
+    if fast:
+        for m in models:
+            for module in m.all():
+                set_fast_route(module)
     return loader, models
 
 

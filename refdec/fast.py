@@ -1,0 +1,190 @@
+"""The fast route: the same Transformer computed with fewer, larger operations.
+
+refdec.model writes the Transformer as the paper describes it, one module per idea, and that is the
+route a learner reads and every exactness test is written against. On a CPU, at the sizes refdec
+trains (d_model 192-512, a few layers), a decoder call that appends one token is a few hundred small
+operations, and their count, not their arithmetic, sets its cost: each torch operation costs a few
+microseconds of dispatch whatever its size, and a one-row matrix product reads its weights from
+memory rather than computing. The fast route computes the same mathematics with fewer of them, on
+the model's own parameters (nothing is copied, so a weight written in any way is the weight used):
+
+  * PyTorch's fused attention (`F.scaled_dot_product_attention`, one call) instead of a product,
+    a scale, a mask fill, a softmax and a second product;
+  * each linear map one `torch.addmm` on (N, D) rows, and the residual sum done by the output
+    projection's product itself (`addmm(x, h, W.T)`), so no separate addition;
+  * no module calls, hooks, dropout or mode checks inside the layer loop;
+  * in a ragged batch, the feed-forward network on the real positions alone, as the reference does.
+
+It writes into the same KVCache with the same verbs (append, advance; the decoders truncate, select
+and clone it as before), takes the same arguments, and returns the same shapes, so every decoder
+runs on it unchanged. It is a route, not a model: `set_fast_route(model)` switches a Transformer's
+class to FastTransformer (the parameters, state-dict keys and module tree stay as they are) and
+`set_fast_route(model, False)` switches it back. Where the route does not apply it defers to the
+reference route: while training or with gradients on, in row-invariant mode, for an early exit
+(`layers`) or a drafter's block of masks (`open_from`), and for model families whose layers it does
+not write (RMS norm, gated feed-forward, T5's relative positions and unscaled attention: see
+`applies_to`).
+
+The route computes the same sums in another order (a fused attention kernel, the bias added after
+the residual), so its float32 logits differ from the reference route's in the last bits, as the
+reference route's own differ between call shapes; in float64 the two differ by ~1e-15 (the tests
+compare them with a tolerance), and every lossless decoder on the fast route equals greedy on the
+fast route (torch.equal). On a real test set, `python -m refdec.ctranslate2 --fast` reports how often
+float32 fast greedy writes the reference route's output, and the logit margin at every divergence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache, Memory
+from .config import ModelConfig
+from .forced import with_forced_prefix
+from .model import Transformer, causal_block, ragged_block
+
+
+def applies_to(cfg: ModelConfig) -> bool:
+    """Whether the fast route writes this configuration's layers: layer norm, an ungated feed-forward
+    network with biases, scaled attention and absolute positions (the paper's model, Marian, BART, mBART,
+    M2M100 and NLLB; not T5)."""
+    return (cfg.norm == "layer" and cfg.bias and not cfg.gated_ff and cfg.scale_attention
+            and cfg.positions != "relative" and not cfg.rescale_head)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x (N, in) @ W.T + b for a linear layer's own parameters (no copy: read at every call, so a
+    weight written in any way, through .data included, is the weight used)."""
+    return torch.addmm(layer.bias, x, layer.weight.t())
+
+
+def residual_linear(x: torch.Tensor, h: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x + (h @ W.T + b), the residual sum done by the product itself."""
+    return torch.addmm(x, h, layer.weight.t()).add_(layer.bias)
+
+
+def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def sublayer(x: torch.Tensor, sub, f) -> torch.Tensor:
+    """refdec.model.Sublayer without dropout: pre-norm x + f(norm(x)), post-norm norm(x + f(x)), where
+    `f(h, x)` returns x + f(h) itself."""
+    if sub.norm_first:
+        return f(layer_norm(x, sub.norm), x)
+    return layer_norm(f(x, x), sub.norm)
+
+
+def heads(t: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
+    return t.view(B, n, H, -1).transpose(1, 2)  # (B*n, H*Dh) -> (B, H, n, Dh)
+
+
+def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+           x: torch.Tensor) -> torch.Tensor:
+    """MultiHeadAttention's output for queries q (B, H, q, Dh) over k, v (B, H, L, Dh), `allowed`
+    True = may attend, added to the residual stream x (B*q, D)."""
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, q, Dh)
+    return residual_linear(x, a.transpose(1, 2).reshape(x.shape[0], -1), attn.wo)
+
+
+def feed_forward(ff, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x + FeedForward(h) on every row, or on `rows` alone (a ragged batch's real positions)."""
+    if rows is None:
+        return residual_linear(x, ff.act(linear(h, ff.w1)), ff.w2)
+    return x.index_add(0, rows, linear(ff.act(linear(h.index_select(0, rows), ff.w1)), ff.w2))
+
+
+class FastTransformer(Transformer):
+    """A Transformer whose encoder and decoder calls take the fast route where it applies (the module
+    docstring); made by `set_fast_route`, never constructed directly."""
+
+    def _route(self) -> bool:
+        # row_invariant: the model's own switch (set_row_invariant sets every layer's together)
+        return not (self.training or torch.is_grad_enabled() or self.row_invariant)
+
+    def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self._route() and self.cfg.enc_layers):
+            return super().encode_states(src)
+        if self.cfg.encoder_prefix:
+            src = torch.cat([src.new_tensor(self.cfg.encoder_prefix).expand(src.shape[0], -1), src], dim=1)
+        src_pad = src.eq(self.cfg.pad_id)  # (B, S)
+        allowed = ~src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S)
+        B, S = src.shape
+        H = self.cfg.n_heads
+        x = self._embed("src", src, 0).reshape(B * S, -1)
+        for layer in self.encoder:
+            def self_attn(h, x, a=layer.attn):
+                q, k, v = (heads(linear(h, w), B, S, H) for w in (a.wq, a.wk, a.wv))
+                return attend(a, q, k, v, allowed, x)
+            x = sublayer(x, layer.sub1, self_attn)
+            x = sublayer(x, layer.sub2, lambda h, x, ff=layer.ff: feed_forward(ff, h, x, None))
+        x = layer_norm(x, self.enc_norm) if isinstance(self.enc_norm, nn.LayerNorm) else x
+        return x.view(B, S, -1), src_pad
+
+    def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
+        if not self._route():
+            return super().attach(states, src_pad)
+        B, S, _ = states.shape
+        rows, H = states.reshape(B * S, -1), self.cfg.n_heads
+        return Memory(states, src_pad, [tuple(heads(linear(rows, w), B, S, H).contiguous()
+                                              for w in (layer.cross_attn.wk, layer.cross_attn.wv))
+                                        for layer in self.decoder])
+
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
+                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
+                      real: torch.Tensor | None = None) -> torch.Tensor:
+        if open_from is not None or layers is not None or not self._route():
+            return super().decode_hidden(tgt_new, memory, cache, open_from, layers, real)
+        tgt_new, forced, _, real = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, None, real)
+        B, q = tgt_new.shape
+        H = self.cfg.n_heads
+        if cache.ragged:
+            offset = cache.prefix + cache.lengths  # (B,)
+            allowed = ~ragged_block(offset, q, cache.prefix + cache.end + q, None, real)  # (B, 1, q, keys)
+        else:
+            offset = cache.prefix + cache.length
+            allowed = ~causal_block(q, offset, tgt_new.device) if q > 1 else None  # (q, keys)
+        rows = None if real is None else (torch.arange(q, device=tgt_new.device)[None, :]
+                                          < real.to(tgt_new.device)[:, None]).reshape(-1).nonzero().squeeze(1)
+        src_allowed = memory.__dict__.get("_src_allowed", False)
+        if src_allowed is False:  # once per Memory: (B, 1, 1, S) True at real source positions, or None
+            src_allowed = memory.__dict__["_src_allowed"] = None if memory.src_block is None else ~memory.src_block
+        x = self._embed("tgt", tgt_new, offset, real).reshape(B * q, -1)
+        for i, layer in enumerate(self.decoder):
+            def self_attn(h, x, i=i, a=layer.self_attn):
+                k, v = heads(linear(h, a.wk), B, q, H), heads(linear(h, a.wv), B, q, H)
+                keys, values = cache.append(i, k, v)
+                return attend(a, heads(linear(h, a.wq), B, q, H), keys, values, allowed, x)
+
+            def cross_attn(h, x, i=i, a=layer.cross_attn):
+                return attend(a, heads(linear(h, a.wq), B, q, H), *memory.cross_kv[i], src_allowed, x)
+            x = sublayer(x, layer.sub1, self_attn)
+            x = sublayer(x, layer.sub2, cross_attn)
+            x = sublayer(x, layer.sub3, lambda h, x, ff=layer.ff: feed_forward(ff, h, x, rows))
+        cache.advance(q)
+        x = x.view(B, q, -1)
+        if forced:
+            cache.hide(forced)
+            x = x[:, forced:]
+        return layer_norm(x, self.dec_norm) if isinstance(self.dec_norm, nn.LayerNorm) else x
+
+
+def set_fast_route(module: nn.Module, on: bool = True) -> int:
+    """Switch every Transformer inside `module` (a Transformer itself, or an adapter, a drafter or a
+    pair holding one) whose layers the fast route writes to it (on) or back to the reference route
+    (off). Returns how many models were switched. Parameters and state-dict keys do not change."""
+    switched = 0
+    for m in module.modules():
+        if on and type(m) is Transformer and applies_to(m.cfg):
+            m.__class__ = FastTransformer
+            switched += 1
+        elif not on and type(m) is FastTransformer:
+            m.__class__ = Transformer
+            switched += 1
+    return switched
+
+
+def is_fast(module: nn.Module) -> bool:
+    """Whether any model inside `module` takes the fast route."""
+    return any(type(m) is FastTransformer for m in module.modules())
