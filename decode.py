@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "in a terminal unless NO_COLOR is set)")
     g.add_argument("--html", metavar="FILE", help="write a self-contained HTML page: the table, charts, and every "
                    "sentence's decoding drawn step by step (collects traces; needs matplotlib)")
-    g.add_argument("--quiet", action="store_true", help="no progress lines")
+    g.add_argument("--quiet", action="store_true", help="no progress lines, nor the note on fewer threads")
     g = p.add_argument_group("models")
     g.add_argument("--model", metavar="PATH", help="checkpoint whose output is produced (default: the algorithm's "
                    "shipped model for the task, checkpoints/<task>/model.pt, for gec-uk and gec-en "
@@ -83,17 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "identical rate against the first (docs/benchmarks.md, 'Batched decoding')")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
-    g.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, metavar="N",
+                   help="torch threads (default: torch's count, from OMP_NUM_THREADS or the cores, cut to the "
+                        "cores other processes leave idle while the models load, at least one; a note says so)")
     g.add_argument("--compare", metavar="ALGO[@CKPT][:OPTION=VALUE...],...",
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and identical "
                    "rates; ALGO runs on the model --algo ALGO would use, ALGO@CKPT on another checkpoint with the same "
                    "tokenizer; :OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3), "
                    "its second model (:small=PATH|early-exit, :drafter=PATH) or its batch size (:batch-size=N)")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
-    g.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
+    route = g.add_mutually_exclusive_group()  # two ways to compute one model: one at a time
+    route.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
                    "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
                    "ties included (slower; docs/algorithms.md, 'Row-invariant mode')")
-    g.add_argument("--fast", action="store_true", help="the fast route for every model it applies to: the same "
+    route.add_argument("--fast", action="store_true", help="the fast route for every model it applies to: the same "
                    "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
                    "each product); float32 logits differ from the reference route's in the last bits "
                    "(docs/fast.md)")
@@ -133,15 +136,12 @@ def run(args) -> int:
     from refdec.errors import UsageError
     from refdec.interrupt import release_sigint
     from refdec.loading import load_models
-    from refdec.machine import BusyCores, busy_warning, environment, usable_cores
+    from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load
     if args.task is None and not (args.model and os.path.isdir(args.model) and args.input):
         raise UsageError("--task is needed unless --model is a Hugging Face folder and --input names the text")
     input_path = inputs.shown_path(args.input or DATA_DIR / (args.task or "") / "test.src.gz")
-    if args.fast and args.invariant:
-        raise UsageError("--fast and --invariant exclude each other: row-invariant compute is the reference route's "
-                         "(drop --fast for bitwise call-shape independence)")
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
                       refs=args.ref, input=args.input)
     given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
@@ -158,6 +158,10 @@ def run(args) -> int:
     dtype = getattr(torch, args.dtype)
     loader, models = load_models(specs, shared, task=args.task, device=args.device, dtype=dtype,
                                  invariant=args.invariant, fast=args.fast, languages=(args.src_lang, args.tgt_lang))
+    others_at_start = busy.others()  # over the loading: the cores other processes leave this run
+    note = fit_threads(others_at_start) if args.threads is None else None
+    if note and not args.quiet:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     runs = runner.make_runs(specs, models, trace=args.trace or bool(args.html))
     ids = inputs.source_ids(loader.tokenizer, lines, loader.max_positions)
     for r in runs:
@@ -185,7 +189,7 @@ def run(args) -> int:
             "max_len": args.max_len, "runs": summary.rows, "speedup_matrix": summary.matrix,
             "lossless_checks": summary.checks, "interrupted": interrupted, "lines_decoded": complete,
             "row_invariant": args.invariant, "fast_route": args.fast, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
-                                                             "other_busy_cores": others_busy}}))
+                "threads_auto": args.threads is None, "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}}))
     if args.trace:
         from refdec.trace import colour_enabled, trace_text
         for i, steps in enumerate(runs[0].traces):

@@ -44,7 +44,7 @@ HELP = {
     "pick": "what model.pt holds: dev-loss (best or average, the lower dev loss) or last (the final weights)", "seed": "random seed (runs are reproducible)",
     "train_limit": "use only the first N training pairs (0 = all)",
     "dev_limit": "validate on only the first N dev pairs (0 = all)", "data_dir": "data folder (default: the repo's data/)",
-    "threads": "torch threads (0 = default)", "log_every": "progress line every N updates",
+    "threads": "torch threads (0 = torch's count, cut to the cores other processes leave idle)", "log_every": "progress line every N updates",
     "init_from": "start from this checkpoint: its shape, weights and tokenizer",
     "tokenizer_from": "train with this tokenizer.json instead of a new BPE (e.g. a small model on a large one's vocabulary)",
     "proposal_k": "train k-1 blockwise proposal heads on top of the model (0 = none)",
@@ -119,15 +119,20 @@ def check_paths(changes: dict, path_fields) -> None:
 
 def train(args) -> int:
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
-    from refdec.machine import usable_cores
+    from refdec.machine import BusyCores, fit_threads, usable_cores
     from refdec.training import PATH_FIELDS, Interrupted, Trainer, log_to_stderr
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
+    busy = BusyCores()  # other processes' CPU use while the configuration is checked
     cfg = preset_config(args.preset, changes)
     check_paths(changes, PATH_FIELDS)
     cfg.model_config(cfg.vocab_size)  # validates the shape before any work
     if cfg.threads > usable_cores():
         raise UsageError(f"--threads {cfg.threads} is more than the {usable_cores()} cores this machine gives "
                          f"the run (more threads than cores only slows it down)")
+    if not cfg.threads and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # (under torchrun the others are its ranks)
+        note = fit_threads(busy.others())
+        if note:
+            log_to_stderr(f"note: {note}")
     try:
         results = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, log=log_to_stderr).run()
     except Interrupted as e:

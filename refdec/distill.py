@@ -44,6 +44,7 @@ from .checkpoint import file_sha256, load_model
 from .decoding import decode_beam, decode_greedy
 from .errors import UsageError, run_command
 from .inputs import shown_path
+from .machine import BusyCores, fit_threads
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -195,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--add", help="a folder distilled by the same teacher and decoding whose training pairs go first")
     p.add_argument("--save-every", type=int, default=20, help="save progress every N batches (default 20)")
     p.add_argument("--data-dir", help="source data folder (default: the repo's data/)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's count, cut to the cores other "
+                                                "processes leave idle)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when one is available, else cpu)")
     return run_command(lambda: run(p.parse_args(argv)), known=(FileNotFoundError, ValueError))
 
@@ -208,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--beam-size, --batch-size and --save-every must be at least 1, --limit at least 0")
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif note := fit_threads(BusyCores().others()):  # a half-second look at the other processes
+        print(f"note: {note}", file=sys.stderr, flush=True)
     model = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
     report = distill(args.task, model, Path(args.out), algo=args.algo, beam_size=args.beam_size,
                      batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,

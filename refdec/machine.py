@@ -3,7 +3,8 @@
 A timing taken while other processes hold the cores a run's threads need is not a measurement of the
 algorithm: a thread that waits for a busy core can make decoding many times slower. BusyCores measures
 the other processes' share from /proc/stat over a window long enough to see it, so that decode.py can
-say so before decoding and again in its table.
+say so before decoding and again in its table, and so that a run given no thread count uses only the
+cores the others leave idle.
 """
 
 from __future__ import annotations
@@ -88,14 +89,45 @@ class BusyCores:
         return max(0.0, ((now[1] - self.start[1]) - (now[2] - self.start[2])) / wall)
 
 
+def threads_fit(others: float, threads: int, cores: int) -> bool:
+    """Whether `threads` threads fit beside other processes that keep `others` of `cores` cores busy:
+    less than half a core in all is noise, and a quarter of a core beyond the idle ones is tolerated
+    (a sampled share of a core is not exact)."""
+    return others < 0.5 or others + threads <= cores + 0.25
+
+
+def default_threads(others: float, cores: int) -> int:
+    """The most threads that fit beside other processes keeping `others` of `cores` cores busy, and at
+    least one: other processes' 0.3 of a core costs no thread, 0.8 costs one, 1.3 two. The same rule as
+    busy_warning's, so that a run given this count is not warned about before it starts (unless even
+    one thread does not fit)."""
+    return next((t for t in range(cores, 0, -1) if threads_fit(others, t, cores)), 1)
+
+
+def fit_threads(others: float | None) -> str | None:
+    """For a run given no thread count: torch's thread count cut to default_threads beside other
+    processes keeping `others` cores busy (BusyCores.others; None where the machine does not say, and
+    torch's count is kept). Returns a note saying why when it cut the count. A count set by
+    OMP_NUM_THREADS is never raised."""
+    threads = torch.get_num_threads()
+    chosen = threads if others is None else min(threads, default_threads(others, usable_cores()))
+    if chosen == threads:
+        return None
+    torch.set_num_threads(chosen)
+    return (f"using {chosen} thread(s), not {threads}: other processes keep about {others:.1f} of this machine's "
+            f"{usable_cores()} cores busy, and threads that wait for a busy core can make a run many times slower; "
+            f"--threads N overrides")
+
+
 def busy_warning(others: float | None, threads: int, cores: int, when: str) -> str | None:
     """The warning for a run of `threads` threads while other processes keep `others` of `cores` cores
     busy (`when`: "keep" before the run, "kept" after it), or None when the run's threads fit."""
-    if others is None or others < 0.5 or others + threads <= cores + 0.25:
+    if others is None or threads_fit(others, threads, cores):
         return None
     return (f"other processes {when} about {others:.1f} of this machine's {cores} cores busy and this run "
             f"uses {threads} thread(s): timings will not be reliable, and threads that wait for a busy core can "
-            f"make decoding many times slower; run alone" + (", or with --threads 1" if threads > 1 else ""))
+            f"make decoding many times slower; run alone"
+            + (f", or with --threads {default_threads(others, cores)}" if threads > 1 else ""))
 
 
 def environment(threads: int, device, dtype) -> dict:

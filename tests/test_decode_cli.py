@@ -67,6 +67,7 @@ def test_report_and_compare(trained_tiny, tmp_path):
     assert report["n"] == 6 and report["algo"] == "beam"
     assert set(report["compare"]) >= {"algo", "seconds", "speedup", "identical", "bleu"}
     assert report["compare"]["identical"] == 1.0
+    assert report["environment"]["threads"] == 1 and report["environment"]["threads_auto"] is False
     assert len(r.stdout.decode().splitlines()) == 6
 
 

@@ -398,3 +398,28 @@ def test_busy_cores_sees_another_process():
     burner.wait()
     busy = probe.others()
     assert busy is not None and busy >= 0.5, busy
+
+
+@pytest.mark.slow
+def test_decode_given_no_thread_count_leaves_the_busy_core(trained_tiny, tmp_path):
+    """Case: with another process spinning on one of 2 cores, decode.py at torch's default of 2
+    threads ran many times slower than with --threads 1, which looked like a hang. Given no
+    --threads it now takes only the cores left idle, says so, and the report records the choice."""
+    from refdec.machine import usable_cores
+    if usable_cores() < 2:
+        pytest.skip("one core: there is no thread to leave to another process")
+    rep = tmp_path / "r.json"
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:  # torch's count is every core, as with no OMP_NUM_THREADS on a machine with one thread per core
+        r = run_py("decode.py", "--task", "mt-en-de", "--model", str(trained_tiny / "model.pt"), "--algo", "greedy",
+                   "--limit", "2", "--max-len", "4", "--output", str(tmp_path / "out.txt"), "--report", str(rep),
+                   env={"OMP_NUM_THREADS": str(usable_cores())})
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert r.returncode == 0, r.stderr.decode()
+    note = re.search(r"note: using (\d+) thread\(s\), not (\d+): .*--threads N overrides", r.stderr.decode())
+    assert note and int(note[2]) == usable_cores(), r.stderr.decode()
+    environment = json.loads(rep.read_text())["environment"]
+    assert environment["threads"] == int(note[1]) < usable_cores() and environment["threads_auto"] is True
+    assert environment["other_busy_cores_at_start"] >= 0.5

@@ -40,6 +40,45 @@ def test_busy_cores_measure_a_check_made_right_after_the_start():
     assert busy_warning(0.1, 2, 2, "keep") is None and busy_warning(1.5, 1, 4, "keep") is None
 
 
+@pytest.mark.parametrize("others,cores,threads", [
+    (0.0, 2, 2), (0.3, 2, 2), (0.49, 2, 2), (0.5, 2, 1), (0.8, 2, 1), (1.0, 2, 1), (1.9, 2, 1), (3.0, 2, 1),
+    (0.3, 8, 8), (0.8, 8, 7), (1.2, 8, 7), (1.3, 8, 6), (4.0, 8, 4), (0.9, 1, 1)])
+def test_default_threads_leave_the_cores_other_processes_keep_busy(others, cores, threads):
+    """Case: with another process spinning on one of 2 cores, torch's default of 2 threads decoded
+    many times slower than 1 thread. A run given no count now takes the cores left idle: a share
+    of a core under the warning's tolerance costs no thread, a larger one costs a whole thread."""
+    from refdec.machine import busy_warning, default_threads
+    assert default_threads(others, cores) == threads
+    # the count is the most that busy_warning lets run without a warning (one thread if none fits)
+    assert threads == 1 or busy_warning(others, threads, cores, "keep") is None
+    assert threads == cores or busy_warning(others, threads + 1, cores, "keep") is not None
+
+
+def test_a_run_given_no_thread_count_gets_the_idle_cores(monkeypatch):
+    """fit_threads cuts torch's thread count to the idle cores and says so; it keeps the count where
+    the machine does not say or is idle, and never raises a count set lower (OMP_NUM_THREADS)."""
+    from refdec import machine
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert machine.fit_threads(None) is None and machine.fit_threads(0.3) is None
+        assert torch.get_num_threads() == 2
+        note = machine.fit_threads(0.9)
+        assert torch.get_num_threads() == 1
+        assert note.startswith("using 1 thread(s), not 2: other processes keep about 0.9 of this machine's 2 cores")
+        assert note.endswith("--threads N overrides")
+        assert machine.fit_threads(0.0) is None and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_busy_warning_names_the_threads_that_fit():
+    from refdec.machine import busy_warning
+    assert busy_warning(3.0, 8, 8, "keep").endswith("run alone, or with --threads 5")
+    assert busy_warning(1.8, 1, 2, "kept").endswith("run alone")
+
+
 def fake_run(name: str = "greedy", outputs: list | None = None):
     from refdec.algorithms import ALGORITHMS
     from refdec.runner import Run
