@@ -53,15 +53,18 @@ def applies_to(cfg: ModelConfig) -> bool:
             and cfg.positions != "relative" and not cfg.rescale_head)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x (N, in) @ W.T + b for a linear layer's own parameters (no copy: read at every call, so a
-    weight written in any way, through .data included, is the weight used)."""
-    return torch.addmm(layer.bias, x, layer.weight.t())
+def t(layer: nn.Linear) -> torch.Tensor:
+    return layer.weight.t()  # (out, in) -> (in, out), a view: x @ t(layer) is the layer's product
 
 
-def residual_linear(x: torch.Tensor, h: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x + (h @ W.T + b), the residual sum done by the product itself."""
-    return torch.addmm(x, h, layer.weight.t()).add_(layer.bias)
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x (N, in) @ w (in, out) + b."""
+    return torch.addmm(b, x, w)
+
+
+def residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x + (h @ w + b), the residual sum done by the product itself."""
+    return torch.addmm(x, h, w).add_(b)
 
 
 def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
@@ -80,19 +83,62 @@ def heads(t: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
     return t.view(B, n, H, -1).transpose(1, 2)  # (B*n, H*Dh) -> (B, H, n, Dh)
 
 
-def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-           x: torch.Tensor) -> torch.Tensor:
-    """MultiHeadAttention's output for queries q (B, H, q, Dh) over k, v (B, H, L, Dh), `allowed`
-    True = may attend, added to the residual stream x (B*q, D)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+           x: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor) -> torch.Tensor:
+    """Attention of queries q (B, H, q, Dh) over k, v (B, H, L, Dh), `allowed` True = may attend,
+    through the output projection wo (in, out), bo, added to the residual stream x (B*q, D)."""
     a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, q, Dh)
-    return residual_linear(x, a.transpose(1, 2).reshape(x.shape[0], -1), attn.wo)
+    return residual_linear(x, a.transpose(1, 2).reshape(x.shape[0], -1), wo, bo)
 
 
-def feed_forward(ff, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """x + FeedForward(h) on every row, or on `rows` alone (a ragged batch's real positions)."""
+def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x + FeedForward(h) on every row, or on `rows` alone (a ragged batch's real positions); `ff`
+    holds w1, b1, w2, b2 (weights (in, out)) and act."""
     if rows is None:
-        return residual_linear(x, ff.act(linear(h, ff.w1)), ff.w2)
-    return x.index_add(0, rows, linear(ff.act(linear(h.index_select(0, rows), ff.w1)), ff.w2))
+        return residual_linear(x, ff["act"](linear(h, ff["w1"], ff["b1"])), ff["w2"], ff["b2"])
+    inner = ff["act"](linear(h.index_select(0, rows), ff["w1"], ff["b1"]))
+    return x.index_add(0, rows, linear(inner, ff["w2"], ff["b2"]))
+
+
+class DecoderWeights:
+    """The decoder layers' weights laid out as one step reads them fastest: each a contiguous
+    (in, out) matrix, a self-attention layer's queries, keys and values side by side in one (D, 3
+    inner) matrix, their biases in one vector. The parameters are not copied but moved: each
+    parameter's tensor becomes a view of its place in these matrices (same values, same shape,
+    transposed strides), so a weight written in place in any way (an optimizer step, `.data.mul_`,
+    load_state_dict) is written here too. A parameter given a new tensor (`.data = ...`, `.to()`,
+    `.double()`) no longer points here, which `current` sees, and the layout is made again."""
+
+    def __init__(self, model: Transformer):
+        self.layers, self.places = [], []  # places: (parameter, data_ptr, stride) each must keep
+        with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, even when made mid-decoding
+            for layer in model.decoder:
+                sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
+                w = {"qkv": self.place([sa.wq, sa.wk, sa.wv], "weight"), "qkv_b": self.place([sa.wq, sa.wk, sa.wv], "bias"),
+                     "o": self.place([sa.wo], "weight"), "cq": self.place([ca.wq], "weight"),
+                     "co": self.place([ca.wo], "weight"), "w1": self.place([ff.w1], "weight"),
+                     "w2": self.place([ff.w2], "weight")}
+                self.layers.append({**w, "o_b": sa.wo.bias, "cq_b": ca.wq.bias, "co_b": ca.wo.bias, "b1": ff.w1.bias,
+                                    "b2": ff.w2.bias, "act": ff.act})
+            # The output embedding (V, D), tied or not, as (D, V): a step's logits are hidden @ vocab.
+            self.vocab = self.place([model.tgt_embed if model.out_proj is None else model.out_proj], "weight")
+
+    def place(self, modules: list[nn.Linear], name: str) -> torch.Tensor:
+        """One (in, sum of outs) matrix (weights) or (sum of outs,) vector (biases) holding the
+        modules' parameters side by side; each parameter becomes a view of its part."""
+        params = [getattr(m, name) for m in modules]
+        whole = torch.cat([p.t() if name == "weight" else p for p in params], -1).contiguous()
+        start = 0
+        for p in params:
+            part = whole[..., start:start + p.shape[0]]
+            p.data = part.t() if name == "weight" else part
+            self.places.append((p, p.data_ptr(), p.stride()))
+            start += p.shape[0]
+        return whole
+
+    def current(self) -> bool:
+        """Whether every parameter still lives where this layout put it."""
+        return all(p.data_ptr() == ptr and p.stride() == stride for p, ptr, stride in self.places)
 
 
 class FastTransformer(Transformer):
@@ -113,12 +159,14 @@ class FastTransformer(Transformer):
         B, S = src.shape
         H = self.cfg.n_heads
         x = self._embed("src", src, 0).reshape(B * S, -1)
-        for layer in self.encoder:
+        for layer in self.encoder:  # once per source, many rows: the parameters as they are, no copy
             def self_attn(h, x, a=layer.attn):
-                q, k, v = (heads(linear(h, w), B, S, H) for w in (a.wq, a.wk, a.wv))
-                return attend(a, q, k, v, allowed, x)
+                q, k, v = (heads(linear(h, t(m), m.bias), B, S, H) for m in (a.wq, a.wk, a.wv))
+                return attend(q, k, v, allowed, x, t(a.wo), a.wo.bias)
+            ff = {"w1": t(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": t(layer.ff.w2), "b2": layer.ff.w2.bias,
+                  "act": layer.ff.act}
             x = sublayer(x, layer.sub1, self_attn)
-            x = sublayer(x, layer.sub2, lambda h, x, ff=layer.ff: feed_forward(ff, h, x, None))
+            x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x, None))
         x = layer_norm(x, self.enc_norm) if isinstance(self.enc_norm, nn.LayerNorm) else x
         return x.view(B, S, -1), src_pad
 
@@ -127,9 +175,32 @@ class FastTransformer(Transformer):
             return super().attach(states, src_pad)
         B, S, _ = states.shape
         rows, H = states.reshape(B * S, -1), self.cfg.n_heads
-        return Memory(states, src_pad, [tuple(heads(linear(rows, w), B, S, H).contiguous()
-                                              for w in (layer.cross_attn.wk, layer.cross_attn.wv))
-                                        for layer in self.decoder])
+        memory = Memory(states, src_pad, [tuple(heads(linear(rows, t(m), m.bias), B, S, H).contiguous()
+                                                for m in (layer.cross_attn.wk, layer.cross_attn.wv))
+                                          for layer in self.decoder])
+        memory.__dict__["_fast"] = (self, self.decoder_weights())  # checked once per decoding call
+        return memory
+
+    def decoder_weights(self) -> DecoderWeights:
+        """The decoder's weights in the fast layout, laid out again if a parameter has left it."""
+        kept = self.__dict__.get("_decoder_weights")
+        if kept is None or not kept.current():
+            kept = self.__dict__["_decoder_weights"] = DecoderWeights(self)
+        return kept
+
+    def weights_for(self, memory: Memory) -> DecoderWeights:
+        """The layout a decoding call (a Memory, or one made from it by select) uses: checked once per call."""
+        kept = memory.__dict__.get("_fast")
+        if kept is None or kept[0] is not self:
+            kept = memory.__dict__["_fast"] = (self, self.decoder_weights())
+        return kept[1]
+
+    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
+        if not self._route() or self.cfg.rescale_head:
+            return super().project(hidden, memory)
+        vocab = (self.decoder_weights() if memory is None else self.weights_for(memory)).vocab  # (D, V)
+        logits = hidden @ vocab
+        return logits if self.logits_bias is None else logits + self.logits_bias
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
                       open_from: int | torch.Tensor | None = None, layers: int | None = None,
@@ -151,17 +222,18 @@ class FastTransformer(Transformer):
         if src_allowed is False:  # once per Memory: (B, 1, 1, S) True at real source positions, or None
             src_allowed = memory.__dict__["_src_allowed"] = None if memory.src_block is None else ~memory.src_block
         x = self._embed("tgt", tgt_new, offset, real).reshape(B * q, -1)
-        for i, layer in enumerate(self.decoder):
-            def self_attn(h, x, i=i, a=layer.self_attn):
-                k, v = heads(linear(h, a.wk), B, q, H), heads(linear(h, a.wv), B, q, H)
-                keys, values = cache.append(i, k, v)
-                return attend(a, heads(linear(h, a.wq), B, q, H), keys, values, allowed, x)
+        for i, (layer, w) in enumerate(zip(self.decoder, self.weights_for(memory).layers)):
+            def self_attn(h, x, i=i, w=w):
+                q_, k, v = linear(h, w["qkv"], w["qkv_b"]).view(B, q, 3, -1).unbind(2)
+                keys, values = cache.append(i, heads(k, B, q, H), heads(v, B, q, H))
+                return attend(heads(q_, B, q, H), keys, values, allowed, x, w["o"], w["o_b"])
 
-            def cross_attn(h, x, i=i, a=layer.cross_attn):
-                return attend(a, heads(linear(h, a.wq), B, q, H), *memory.cross_kv[i], src_allowed, x)
+            def cross_attn(h, x, i=i, w=w):
+                cq = heads(linear(h, w["cq"], w["cq_b"]), B, q, H)
+                return attend(cq, *memory.cross_kv[i], src_allowed, x, w["co"], w["co_b"])
             x = sublayer(x, layer.sub1, self_attn)
             x = sublayer(x, layer.sub2, cross_attn)
-            x = sublayer(x, layer.sub3, lambda h, x, ff=layer.ff: feed_forward(ff, h, x, rows))
+            x = sublayer(x, layer.sub3, lambda h, x, w=w: feed_forward(w, h, x, rows))
         cache.advance(q)
         x = x.view(B, q, -1)
         if forced:
@@ -173,14 +245,20 @@ class FastTransformer(Transformer):
 def set_fast_route(module: nn.Module, on: bool = True) -> int:
     """Switch every Transformer inside `module` (a Transformer itself, or an adapter, a drafter or a
     pair holding one) whose layers the fast route writes to it (on) or back to the reference route
-    (off). Returns how many models were switched. Parameters and state-dict keys do not change."""
+    (off). Returns how many models were switched. Parameter values and state-dict keys do not change;
+    on the fast route the decoder's parameters live in its layout (DecoderWeights)."""
     switched = 0
     for m in module.modules():
         if on and type(m) is Transformer and applies_to(m.cfg):
             m.__class__ = FastTransformer
+            m.decoder_weights()
             switched += 1
         elif not on and type(m) is FastTransformer:
             m.__class__ = Transformer
+            if m.__dict__.pop("_decoder_weights", None) is not None:
+                with torch.no_grad():  # every parameter its own contiguous tensor again
+                    for p in m.decoder.parameters():
+                        p.data = p.data.contiguous()
             switched += 1
     return switched
 
