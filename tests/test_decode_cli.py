@@ -406,3 +406,21 @@ def test_compare_blockwise_finds_its_heads_as_algo_blockwise_does():
     assert r.returncode == 0, err
     row = next(line for line in err.splitlines() if line.strip().startswith("blockwise@mt-en-de-blockwise"))
     assert row.rstrip().endswith("1.0000")  # exact blockwise on a frozen base: greedy's outputs
+
+
+@pytest.mark.slow
+def test_fast_route_writes_the_reference_output(trained_tiny, tmp_path):
+    """Guards decode.py --fast: in float64 greedy and IAD on the fast route write what greedy on the
+    reference route writes, the report says which route ran, and --fast with --invariant is refused."""
+    outs = {}
+    for name, extra in (("reference", ()), ("fast", ("--fast",)), ("fast-iad", ("--fast",))):
+        rep = tmp_path / f"{name}.json"
+        algo = "iad" if name == "fast-iad" else "greedy"
+        r = decode(trained_tiny, "--algo", algo, "--limit", "8", "--dtype", "float64", "--max-len", "16",
+                   "--report", str(rep), *extra)
+        assert r.returncode == 0, r.stderr.decode()
+        outs[name] = r.stdout.decode()
+        assert json.loads(rep.read_text())["fast_route"] is bool(extra)
+    assert outs["fast"] == outs["reference"] and outs["fast-iad"] == outs["reference"]
+    r = decode(trained_tiny, "--algo", "greedy", "--limit", "1", "--fast", "--invariant")
+    assert r.returncode == 2 and "not allowed with" in r.stderr.decode()
