@@ -32,8 +32,10 @@ import argparse
 import copy
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +53,7 @@ from .loading import Models
 from .machine import usable_cores
 from .report import format_table, summary_row, write_report
 from .runner import Run, decode_lines
+from .stepcost import time_decode
 
 PINNED = "4.8.5"  # the version requirements.txt pins
 COMPUTE_TYPES = ("float32", "int8")
@@ -163,15 +166,16 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
 
 
 def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int,
-            fast: Models | None = None) -> tuple[list[dict], int]:
-    """One thread count: every run decodes every line, interleaved; a row of figures per run, and how
-    many leading lines every run finished (all of them unless Ctrl-C stopped the loop)."""
+            fast: Models | None = None) -> tuple[list[dict], int, dict | None]:
+    """One thread count: every run decodes every line, interleaved; a row of figures per run, how
+    many leading lines every run finished (all of them unless Ctrl-C stopped the loop), and with
+    --step-cost one decoder step's cost per route and compute type."""
     ctranslate2 = _ctranslate2()
     torch.set_num_threads(threads)
     ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=threads, inter_threads=1)
            for c in COMPUTE_TYPES}
     runs = make_runs(args, models, ct2, tokens, fast)
-    model = models.model
+    model, ids_all = models.model, ids
     done = decode_lines(runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu",
                         warmup=args.warmup, progress=True)
     ids = ids[:done]
@@ -183,7 +187,39 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
         rows.append({**{k: row[k] for k in ROW_KEYS}, "threads": threads,
                      "identical": exactness.identical_rate(base, outs),
                      "differing": exactness.divergences(model, ids, base, outs, "cpu")})
-    return rows, done
+    steps = None
+    if args.step_cost and done == len(ids_all):
+        routes = [("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])
+        steps = step_costs(routes, ct2, tokens)
+    return rows, done, steps
+
+
+def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object], tokens: list[str],
+               prefix: int = 30, src_len: int = 30, more: int = 20, rounds: int = 15) -> dict[str, float]:
+    """Milliseconds of one decoder step (one row, a cache of about `prefix` tokens, a source of
+    `src_len`) for each refdec route (`models`: name, model; refdec.stepcost's time_decode, the
+    vocabulary projection included) and each CTranslate2 compute type: translate_batch forced to
+    write prefix + `more` tokens against prefix tokens (min_decoding_length), the difference over
+    `more` (its steps include its search bookkeeping, refdec's do not include the argmax). Medians
+    over interleaved rounds after one warm-up round."""
+    src = torch.full((1, src_len - 1), 11)
+    src = torch.cat([src, torch.full((1, 1), models[0][1].cfg.eos_id)], 1)
+    times: dict[str, list[float]] = {name: [] for name in [n for n, _ in models] + [f"ct2-{c}" for c in ct2]}
+    with torch.inference_mode():
+        memories = {name: m.encode(src) for name, m in models}
+        for r in range(rounds + 1):
+            for name, m in models:
+                cost = time_decode(m, memories[name], prefix, 1, 5)
+                times[name].append(cost)
+            for c, translator in ct2.items():
+                ends = []
+                for n in (prefix, prefix + more):
+                    t0 = time.perf_counter()
+                    translator.translate_batch([[tokens[t] for t in src[0].tolist()]], beam_size=1, min_decoding_length=n,
+                                               max_decoding_length=n, max_input_length=0)
+                    ends.append(time.perf_counter() - t0)
+                times[f"ct2-{c}"].append((ends[1] - ends[0]) / more)
+    return {name: 1000 * statistics.median(v[1:]) for name, v in times.items()}
 
 
 def table(rows: list[dict]) -> str:
@@ -222,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source)")
     p.add_argument("--fast", action="store_true", help="time refdec's methods on its fast route too (refdec.fast), "
                    "each against refdec greedy on the reference route")
+    p.add_argument("--step-cost", action="store_true", help="also time one decoder step on each refdec route and "
+                   "each CTranslate2 compute type (1 row, a cache of 30 tokens, a source of 30)")
     p.add_argument("--cache-dir", default=str(default_cache_dir()),
                    help="where converted models are kept, one folder per checkpoint (default %(default)s)")
     p.add_argument("--report", help="write the figures as JSON here")
@@ -263,19 +301,22 @@ def run(args) -> int:
         fast = Models(fast_model, Path(args.model))
     results, interrupted = [], False
     for threads in args.threads:
-        rows, done = compare(args, models, folder, tokens, ids, threads, fast)
+        rows, done, steps = compare(args, models, folder, tokens, ids, threads, fast)
         interrupted = done < len(ids)
         print(f"{args.task}: {sum(s is not None for s in ids[:done])} lines{' (interrupted)' if interrupted else ''}, "
               f"{threads} thread(s), warm-up {args.warmup}")
         print(table(rows), flush=True)
-        results.append({"threads": threads, "rows": rows})
+        if steps:
+            print("one decoder step (1 row, a cache of 30, a source of 30): "
+                  + ", ".join(f"{name} {ms:.3f} ms" for name, ms in steps.items()), flush=True)
+        results.append({"threads": threads, "rows": rows, **({"step_ms": steps} if steps else {})})
         if interrupted:  # Ctrl-C: report what was finished, start no other thread count
             break
     if args.report:
         write_report(args.report, {
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
             "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "threads": args.threads,
-            "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
+            "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
             "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
             "ctranslate2": ctranslate2.__version__, "results": results})
     return 0

@@ -3,6 +3,7 @@
     python -m refdec.stepcost --task mt-en-de              # the shipped model, 2 threads
     python -m refdec.stepcost --task mt-en-de --report cost.json
     python -m refdec.stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
+    python -m refdec.stepcost --task gec-uk --fast                   # the fast route beside
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
 --src source tokens, interleaving the q values round by round, and prints the median cost and
@@ -24,6 +25,7 @@ sentence's cost that no decoding algorithm changes.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .fast import set_fast_route
 from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
 
@@ -54,6 +57,46 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
+    """Seconds per call of each route at each q, of the one-row projection both ways, and of the
+    encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.kernels), and
+    with --fast the fast route (refdec.fast) on a copy of the model."""
+    routes = {"few-row": (model, True), "plain": (model, False)}
+    if args.fast:
+        fast = copy.deepcopy(model)
+        set_fast_route(fast)
+        routes["fast"] = (fast, True)
+    samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}
+    W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
+    W_t = W.t().contiguous()
+    proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
+    encoder: list[float] = []
+    src = torch.full((args.rows, args.src), 11)
+    with torch.inference_mode():
+        memories = {m: m.encode(src) for m in {id(m): m for m, _ in routes.values()}.values()}
+        h = torch.randn(1, 1, model.cfg.d_model)
+        for rounds, reps, timed in ((1, 3, False), (args.rounds, 5, True)):  # a warm-up round, then the timed ones
+            for _ in range(rounds):
+                for route, (m, on) in routes.items():
+                    set_few_row_route(m, on)
+                    for q in qs:
+                        cost = time_decode(m, memories[m], args.prefix, q, reps)
+                        if timed:
+                            samples[route, q].append(cost)
+                if not timed:
+                    continue
+                for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        h @ w
+                    proj[name].append((time.perf_counter() - t0) / 10)
+                set_few_row_route(model, True)  # the encoder as decode.py runs it
+                t0 = time.perf_counter()
+                model.encode(src)
+                encoder.append(time.perf_counter() - t0)
+    return samples, proj, encoder
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="mt-en-de", help="task whose shipped checkpoint to load (default mt-en-de)")
@@ -64,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=1, help="batch rows per call (default 1)")
     p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
+    p.add_argument("--fast", action="store_true", help="time the fast route (refdec.fast) too, in the same rounds")
     p.add_argument("--report", help="write the figures as JSON")
     return p
 
@@ -88,48 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
         print(f"error: --src/--prefix/--q exceed the model's {model.cfg.max_positions} positions", file=sys.stderr)
         return 2
-    routes = {"few-row": True, "plain": False}
-    samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}
-    W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
-    W_t = W.t().contiguous()
-    proj = {"strided W.t()": [], "contiguous copy": []}
-    encoder: list[float] = []
-    src = torch.full((args.rows, args.src), 11)
-    with torch.inference_mode():
-        memory = model.encode(src)
-        h = torch.randn(1, 1, model.cfg.d_model)
-        for route, on in routes.items():  # warm-up
-            set_few_row_route(model, on)
-            for q in qs:
-                time_decode(model, memory, args.prefix, q, 3)
-        for _ in range(args.rounds):
-            for route, on in routes.items():
-                set_few_row_route(model, on)
-                for q in qs:
-                    samples[route, q].append(time_decode(model, memory, args.prefix, q, 5))
-            for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    h @ w
-                proj[name].append((time.perf_counter() - t0) / 10)
-            set_few_row_route(model, True)  # the encoder as decode.py runs it
-            t0 = time.perf_counter()
-            model.encode(src)
-            encoder.append(time.perf_counter() - t0)
+    samples, proj, encoder = measure(model, args, qs)
     med = {key: statistics.median(v) for key, v in samples.items()}
     B = args.rows
     rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
              "ms_per_position": 1000 * med["few-row", q] / (B * q),
-             "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]]} for q in qs]
+             "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]],
+             **({"fast_ms": 1000 * med["fast", q], "fast_ratio": med["fast", q] / med["fast", qs[0]]} if args.fast else {})}
+            for q in qs]
     enc_ms = 1000 * statistics.median(encoder)
     print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
           f"{args.threads} threads, {path}")
     print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
           f"rows (refdec's default); plain: x @ W.T throughout")
-    print("    q   ms/call   cost(q)/cost(q=%d)   ms/position   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0]))
+    print("    q   ms/call   cost(q)/cost(q=%d)   ms/position   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0])
+          + ("   fast ms/call   fast cost(q)/cost(q=%d)" % qs[0] if args.fast else ""))
     for r in rows:
         print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['ms_per_position']:8.4f}     "
-              f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}")
+              f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}"
+              + (f"                {r['fast_ms']:8.3f}       {r['fast_ratio']:6.2f}" if args.fast else ""))
     print(f"encoder over {B} source(s) of {args.src} tokens: {enc_ms:.3f} ms ({enc_ms / (B * args.src):.4f} ms per "
           f"source token)")
     pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}

@@ -92,6 +92,20 @@ def test_command_writes_report(tmp_path):
     by_name = {row["algo"]: row for row in rows}
     for name in ("refdec-iad b1", "refdec-iad b2", "ct2-greedy-float32 b1"):
         assert by_name[name]["identical"] == 1.0 and by_name[name]["differing"] == []
+    # again from the cache, with the fast route's runs and one decoder step's cost per route
+    r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
+               str(tmp_path / "in.txt"), "--threads", "1", "--warmup", "1", "--iad", "--fast", "--step-cost",
+               "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
+    assert r.returncode == 0, r.stderr.decode()
+    rep = json.loads(report.read_text())
+    assert rep["conversion"]["cached"] is True and rep["fast"] is True
+    rows = {row["algo"]: row for row in rep["results"][0]["rows"]}
+    assert {"refdec-greedy-fast b1", "refdec-iad-fast b1"} <= set(rows)
+    assert rows["refdec-greedy-fast b1"]["tokens"] == rows["refdec-greedy b1"]["tokens"]
+    steps = rep["results"][0]["step_ms"]
+    assert set(steps) == {"refdec", "refdec-fast", "ct2-float32", "ct2-int8"}
+    assert all(ms > 0 for name, ms in steps.items() if name.startswith("refdec"))
+    assert "one decoder step" in r.stdout.decode()
 
 
 def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
