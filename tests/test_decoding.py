@@ -42,6 +42,33 @@ def test_batched_greedy_equals_one_at_a_time(seed):
         assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(batched.tokens[b], alone.tokens[0])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_greedy_carries_finished_rows_until_a_quarter_has_finished(seed, monkeypatch):
+    """Guards greedy's compaction: a finished row stays in the batch (its tokens ignored: outputs,
+    stats and trace as each row alone) until finished rows are a quarter of the batch; each drop
+    removes at least that many rows."""
+    from refdec.cache import KVCache
+    from refdec.decoding.greedy import COMPACT
+    vocab = 12
+    m = tiny_model(seed, vocab=vocab)
+    src = random_src(seed + 40, 12, vocab, min_len=1, max_len=12)
+    drops = []
+    select = KVCache.select
+
+    def spy(cache, rows):
+        drops.append((cache.batch, len(rows)))
+        return select(cache, rows)
+    monkeypatch.setattr(KVCache, "select", spy)
+    batched = decode_greedy(m, src, max_len=20, trace=True)
+    monkeypatch.setattr(KVCache, "select", select)
+    for b in range(12):
+        alone = decode_greedy(m, src[b:b + 1, : int(src[b].ne(0).sum())], max_len=20, trace=True)
+        assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(batched.tokens[b], alone.tokens[0])
+        assert batched.trace[b] == alone.trace[0]
+    assert batched.stats.tokens == sum(len(t) + (len(t) < 20) for t in batched.tokens)
+    assert drops and all((before - after) * COMPACT >= before for before, after in drops), drops
+
+
 def exhaustive(model, src_row: torch.Tensor, max_len: int, alpha: float) -> tuple[float, list[int]]:
     """Best normalised score over every output: eos-terminated ones up to max_len, and the ones
     cut at max_len without eos (beam search treats those as finished too)."""
