@@ -42,7 +42,7 @@ def test_batched_greedy_equals_one_at_a_time(seed):
         assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(batched.tokens[b], alone.tokens[0])
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))  # models whose rows finish at different steps
 def test_batched_greedy_carries_finished_rows_until_a_quarter_has_finished(seed, monkeypatch):
     """Guards greedy's compaction: a finished row stays in the batch (its tokens ignored: outputs,
     stats and trace as each row alone) until finished rows are a quarter of the batch; each drop
