@@ -23,7 +23,9 @@ returned so that it is counted) per batch. For each thread count, refdec greedy,
 IAD, with --fast both again on refdec's fast route (refdec.fast), and CTranslate2 greedy in float32 and int8, each at batch 1 and at every --batch-sizes value,
 decode the same lines interleaved after a warm-up; the table gives ms per output token (eos
 included), sentences per second and the identical rate against refdec greedy at batch 1 (token ids
-equal), and every differing line's first divergent position with refdec's top-1/top-2 margin there.
+equal), and every differing line's first divergent position with refdec's top-1/top-2 margin there;
+then, for each CTranslate2 run, how far its scores (the mean log-probability per output token of its
+own output) lie from refdec's log-probabilities of the same tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 from . import exactness
 from .algorithms import ALGORITHMS, Algorithm
 from .checkpoint import file_sha256, load_model
-from .data import source_rows
+from .data import source_rows, source_tensor
 from .decoding.result import DecodeResult, DecodeStats, result_of
 from .errors import UsageError, run_command
 from .fast import set_fast_route
@@ -133,18 +135,40 @@ def vocabulary(folder: Path, vocab_size: int) -> list[str]:
 
 def ct2_algorithm(translator, tokens: list[str], name: str) -> Algorithm:
     """A CTranslate2 translator as an Algorithm of refdec.runner's timing loop: greedy decoding of a
-    batch of refdec source rows in one translate_batch call, returned as refdec's decoders return it."""
+    batch of refdec source rows in one translate_batch call, returned as refdec's decoders return it.
+    Each line's output and CTranslate2's score of it (the mean log-probability per output token, eos
+    included) are kept in the decoder's `scored`, by source."""
     index = {t: i for i, t in enumerate(tokens)}
 
     def decode_ct2(model, src: torch.Tensor, *, max_len: int, trace: bool = False) -> DecodeResult:
         cfg = model.cfg
-        rows = [[tokens[t] for t in s + [cfg.eos_id]] for s in source_rows(src, cfg.eos_id, cfg.pad_id)]
+        sources = source_rows(src, cfg.eos_id, cfg.pad_id)
+        rows = [[tokens[t] for t in s + [cfg.eos_id]] for s in sources]
         results = translator.translate_batch(rows, beam_size=1, max_decoding_length=max_len, min_decoding_length=0,
-                                             max_input_length=0, return_end_token=True)
+                                             max_input_length=0, return_end_token=True, return_scores=True)
         outs = [[index[t] for t in r.hypotheses[0]] for r in results]  # eos included where produced
+        decode_ct2.scored.update({tuple(s): (o, r.scores[0]) for s, o, r in zip(sources, outs, results)})
         return result_of(outs, cfg.eos_id, DecodeStats(sentences=len(rows), encoder_calls=1), None, src.device)
 
+    decode_ct2.scored = {}
     return Algorithm(name, decode_ct2, f"CTranslate2 greedy ({name})")
+
+
+def logprob_gaps(model, ids: list, scored: dict) -> dict | None:
+    """CTranslate2's score of each line's output against refdec's for the same tokens (teacher-forced,
+    the mean log-probability per output token, eos included): the number of lines, and the largest
+    and the median absolute difference."""
+    gaps = []
+    cfg = model.cfg
+    with torch.inference_mode():
+        for src in ids:
+            out, score = scored.get(tuple(src), (None, None)) if src is not None else (None, None)
+            if not out:
+                continue
+            tgt = torch.tensor([[cfg.bos_id] + out])
+            logp = torch.log_softmax(model(source_tensor([src], cfg.eos_id, cfg.pad_id), tgt[:, :-1]).double(), -1)[0]
+            gaps.append(abs(logp.gather(1, tgt[0, 1:, None]).mean().item() - score))
+    return {"lines": len(gaps), "max": max(gaps), "median": statistics.median(gaps)} if gaps else None
 
 
 def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], fast: Models | None = None) -> list[Run]:
@@ -158,11 +182,13 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
     methods = [(algo, options, label, models) for algo, options, label in refdec]
     if fast is not None:
         methods += [(algo, options, f"{label}-fast", fast) for algo, options, label in refdec]
-    for compute_type, translator in ct2.items():
-        name = f"ct2-greedy-{compute_type}"
-        methods.append((ct2_algorithm(translator, tokens, name), {}, name, models))
-    return [Run(algo, options, run_models, f"{label} b{size}", size)
-            for size in args.batch_sizes for algo, options, label, run_models in methods]
+    runs = []
+    for size in args.batch_sizes:  # a CTranslate2 algorithm per size: each keeps its own lines' scores
+        ct2_methods = [(ct2_algorithm(translator, tokens, f"ct2-greedy-{c}"), {}, f"ct2-greedy-{c}", models)
+                       for c, translator in ct2.items()]
+        runs += [Run(algo, options, run_models, f"{label} b{size}", size)
+                 for algo, options, label, run_models in methods + ct2_methods]
+    return runs
 
 
 def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int,
@@ -184,9 +210,11 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
     for run in runs:
         row = summary_row(run, {})
         outs = run.outputs[:done]
+        scored = getattr(run.algo.decoder, "scored", None)
         rows.append({**{k: row[k] for k in ROW_KEYS}, "threads": threads,
                      "identical": exactness.identical_rate(base, outs),
-                     "differing": exactness.divergences(model, ids, base, outs, "cpu")})
+                     "differing": exactness.divergences(model, ids, base, outs, "cpu"),
+                     **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {})})
     steps = None
     if args.step_cost and done == len(ids_all):
         routes = [("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])
@@ -225,6 +253,11 @@ def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object]
 def table(rows: list[dict]) -> str:
     """The printed figures of one thread count, and every line that differs from refdec greedy."""
     out = [format_table(rows)]
+    for r in rows:
+        if r.get("logprob_gap"):
+            g = r["logprob_gap"]
+            out.append(f"{r['algo']}: its score (mean log-probability per token) against refdec's for the same tokens "
+                       f"on {g['lines']} lines: largest difference {g['max']:.2g}, median {g['median']:.2g}")
     for r in rows:
         for d in r["differing"]:
             out.append(f"{r['algo']}: line {d['line']} differs from refdec greedy at position {d['position']} "

@@ -92,6 +92,10 @@ def test_command_writes_report(tmp_path):
     by_name = {row["algo"]: row for row in rows}
     for name in ("refdec-iad b1", "refdec-iad b2", "ct2-greedy-float32 b1"):
         assert by_name[name]["identical"] == 1.0 and by_name[name]["differing"] == []
+    for size in (1, 2):  # CTranslate2's float32 scores are refdec's log-probabilities of the same tokens
+        gap = by_name[f"ct2-greedy-float32 b{size}"]["logprob_gap"]
+        assert gap["lines"] == 5 and gap["max"] < 1e-5, gap
+    assert "logprob_gap" not in by_name["refdec-greedy b1"] and "largest difference" in out
     # again from the cache, with the fast route's runs and one decoder step's cost per route
     r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
                str(tmp_path / "in.txt"), "--threads", "1", "--warmup", "1", "--iad", "--fast", "--step-cost",
