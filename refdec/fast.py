@@ -118,8 +118,10 @@ class DecoderWeights:
                      "o": self.place([sa.wo], "weight"), "cq": self.place([ca.wq], "weight"),
                      "co": self.place([ca.wo], "weight"), "w1": self.place([ff.w1], "weight"),
                      "w2": self.place([ff.w2], "weight")}
+                norms = [(s.norm.normalized_shape, s.norm.weight, s.norm.bias, s.norm.eps)
+                         for s in (layer.sub1, layer.sub2, layer.sub3)]  # the parameters themselves
                 self.layers.append({**w, "o_b": sa.wo.bias, "cq_b": ca.wq.bias, "co_b": ca.wo.bias, "b1": ff.w1.bias,
-                                    "b2": ff.w2.bias, "act": ff.act})
+                                    "b2": ff.w2.bias, "act": ff.act, "norms": norms})
             # The output embedding (V, D), tied or not, as (D, V): a step's logits are hidden @ vocab.
             self.vocab = self.place([model.tgt_embed if model.out_proj is None else model.out_proj], "weight")
 
@@ -222,18 +224,21 @@ class FastTransformer(Transformer):
         if src_allowed is False:  # once per Memory: (B, 1, 1, S) True at real source positions, or None
             src_allowed = memory.__dict__["_src_allowed"] = None if memory.src_block is None else ~memory.src_block
         x = self._embed("tgt", tgt_new, offset, real).reshape(B * q, -1)
-        for i, (layer, w) in enumerate(zip(self.decoder, self.weights_for(memory).layers)):
-            def self_attn(h, x, i=i, w=w):
-                q_, k, v = linear(h, w["qkv"], w["qkv_b"]).view(B, q, 3, -1).unbind(2)
-                keys, values = cache.append(i, heads(k, B, q, H), heads(v, B, q, H))
-                return attend(heads(q_, B, q, H), keys, values, allowed, x, w["o"], w["o_b"])
-
-            def cross_attn(h, x, i=i, w=w):
-                cq = heads(linear(h, w["cq"], w["cq_b"]), B, q, H)
-                return attend(cq, *memory.cross_kv[i], src_allowed, x, w["co"], w["co_b"])
-            x = sublayer(x, layer.sub1, self_attn)
-            x = sublayer(x, layer.sub2, cross_attn)
-            x = sublayer(x, layer.sub3, lambda h, x, w=w: feed_forward(w, h, x, rows))
+        pre = self.cfg.norm_first  # pre-norm: x + f(norm(x)); post-norm: norm(x + f(x)) (refdec.model.Sublayer)
+        for i, w in enumerate(self.weights_for(memory).layers):
+            n1, n2, n3 = w["norms"]
+            h = F.layer_norm(x, *n1) if pre else x  # masked self-attention over the cache
+            q_, k, v = linear(h, w["qkv"], w["qkv_b"]).view(B, q, 3, -1).unbind(2)
+            keys, values = cache.append(i, heads(k, B, q, H), heads(v, B, q, H))
+            x = attend(heads(q_, B, q, H), keys, values, allowed, x, w["o"], w["o_b"])
+            x = x if pre else F.layer_norm(x, *n1)
+            h = F.layer_norm(x, *n2) if pre else x  # attention over the encoder's output
+            x = attend(heads(linear(h, w["cq"], w["cq_b"]), B, q, H), *memory.cross_kv[i], src_allowed, x,
+                       w["co"], w["co_b"])
+            x = x if pre else F.layer_norm(x, *n2)
+            h = F.layer_norm(x, *n3) if pre else x  # the feed-forward network
+            x = feed_forward(w, h, x, rows)
+            x = x if pre else F.layer_norm(x, *n3)
         cache.advance(q)
         x = x.view(B, q, -1)
         if forced:
