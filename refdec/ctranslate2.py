@@ -201,9 +201,10 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
     ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=threads, inter_threads=1)
            for c in COMPUTE_TYPES}
     runs = make_runs(args, models, ct2, tokens, fast)
-    model, ids_all = models.model, ids
+    model = models.model
     done = decode_lines(runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu",
                         warmup=args.warmup, progress=True)
+    finished = done == len(ids)
     ids = ids[:done]
     base = runs[0].outputs[:done]
     rows = []
@@ -216,7 +217,7 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
                      "differing": exactness.divergences(model, ids, base, outs, "cpu"),
                      **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {})})
     steps = None
-    if args.step_cost and done == len(ids_all):
+    if args.step_cost and finished:
         routes = [("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])
         steps = step_costs(routes, ct2, tokens)
     return rows, done, steps

@@ -8,6 +8,9 @@ microseconds of dispatch whatever its size, and a one-row matrix product reads i
 memory rather than computing. The fast route computes the same mathematics with fewer of them, on
 the model's own parameters (nothing is copied, so a weight written in any way is the weight used):
 
+  * the decoder's weights laid out as a step reads them (DecoderWeights): contiguous (in, out)
+    matrices, a self-attention layer's queries, keys and values side by side so that one product
+    makes all three, the output embedding as (D, V); each parameter a view of its place there;
   * PyTorch's fused attention (`F.scaled_dot_product_attention`, one call) instead of a product,
     a scale, a mask fill, a softmax and a second product;
   * each linear map one `torch.addmm` on (N, D) rows, and the residual sum done by the output
@@ -18,7 +21,7 @@ the model's own parameters (nothing is copied, so a weight written in any way is
 It writes into the same KVCache with the same verbs (append, advance; the decoders truncate, select
 and clone it as before), takes the same arguments, and returns the same shapes, so every decoder
 runs on it unchanged. It is a route, not a model: `set_fast_route(model)` switches a Transformer's
-class to FastTransformer (the parameters, state-dict keys and module tree stay as they are) and
+class to FastTransformer (the parameters' values, state-dict keys and module tree stay as they are) and
 `set_fast_route(model, False)` switches it back. Where the route does not apply it defers to the
 reference route: while training or with gradients on, in row-invariant mode, for an early exit
 (`layers`) or a drafter's block of masks (`open_from`), and for model families whose layers it does
@@ -41,7 +44,7 @@ from torch import nn
 
 from .cache import KVCache, Memory
 from .config import ModelConfig
-from .forced import with_forced_prefix
+from .forced import before_source, with_forced_prefix
 from .model import Transformer, causal_block, ragged_block
 
 
@@ -79,8 +82,8 @@ def sublayer(x: torch.Tensor, sub, f) -> torch.Tensor:
     return layer_norm(f(x, x), sub.norm)
 
 
-def heads(t: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
-    return t.view(B, n, H, -1).transpose(1, 2)  # (B*n, H*Dh) -> (B, H, n, Dh)
+def heads(x: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
+    return x.view(B, n, H, -1).transpose(1, 2)  # (B*n, H*Dh) -> (B, H, n, Dh)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
@@ -154,8 +157,7 @@ class FastTransformer(Transformer):
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not (self._route() and self.cfg.enc_layers):
             return super().encode_states(src)
-        if self.cfg.encoder_prefix:
-            src = torch.cat([src.new_tensor(self.cfg.encoder_prefix).expand(src.shape[0], -1), src], dim=1)
+        src = before_source(src, self.cfg.encoder_prefix)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         allowed = ~src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S)
         B, S = src.shape
@@ -169,8 +171,7 @@ class FastTransformer(Transformer):
                   "act": layer.ff.act}
             x = sublayer(x, layer.sub1, self_attn)
             x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x, None))
-        x = layer_norm(x, self.enc_norm) if isinstance(self.enc_norm, nn.LayerNorm) else x
-        return x.view(B, S, -1), src_pad
+        return self.enc_norm(x).view(B, S, -1), src_pad
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
         if not self._route():
@@ -244,7 +245,7 @@ class FastTransformer(Transformer):
         if forced:
             cache.hide(forced)
             x = x[:, forced:]
-        return layer_norm(x, self.dec_norm) if isinstance(self.dec_norm, nn.LayerNorm) else x
+        return self.dec_norm(x)
 
 
 def set_fast_route(module: nn.Module, on: bool = True) -> int:
@@ -260,9 +261,10 @@ def set_fast_route(module: nn.Module, on: bool = True) -> int:
             switched += 1
         elif not on and type(m) is FastTransformer:
             m.__class__ = Transformer
-            if m.__dict__.pop("_decoder_weights", None) is not None:
-                with torch.no_grad():  # every parameter its own contiguous tensor again
-                    for p in m.decoder.parameters():
+            laid_out = m.__dict__.pop("_decoder_weights", None)
+            if laid_out is not None:
+                with torch.no_grad():  # every parameter the layout holds its own contiguous tensor again
+                    for p, _, _ in laid_out.places:
                         p.data = p.data.contiguous()
             switched += 1
     return switched

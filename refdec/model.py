@@ -30,7 +30,7 @@ from torch import nn
 
 from .cache import KVCache, Memory
 from .config import ModelConfig
-from .forced import after_start, with_forced_prefix
+from .forced import after_start, before_source, with_forced_prefix
 from .kernels import Linear, RowInvariant, VocabularyProjection, rowwise_attention
 from .positions import FAMILY_TABLES
 from .variants import activation, embed_norms, learned_positions, make_norm, position_bias, relative_biases
@@ -293,8 +293,7 @@ class Transformer(nn.Module, VocabularyProjection):
         """The encoder alone: src (B, S) -> states (B, S, D) and src_pad (B, S), True at padding."""
         if not self.cfg.enc_layers:
             raise ValueError("this model has no encoder of its own: it reads another model's (refdec.decoding.adapters.SharedEncoder)")
-        if self.cfg.encoder_prefix:  # forced tokens before every source (an NLLB model's language code)
-            src = torch.cat([src.new_tensor(self.cfg.encoder_prefix).expand(src.shape[0], -1), src], dim=1)
+        src = before_source(src, self.cfg.encoder_prefix)  # forced tokens (an NLLB model's language code)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S) keys that are padding
         x, bias = self._embed("src", src, 0), position_bias(self.src_relative, 0, src.shape[1], src.shape[1])

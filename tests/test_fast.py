@@ -196,6 +196,8 @@ def test_the_switch_is_per_model_reversible_and_keeps_the_parameters():
     assert set_fast_route(m) == 0  # already switched
     assert m.state_dict().keys() == state.keys() and all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
     assert set_fast_route(m, False) == 1 and type(m) is Transformer and not is_fast(m)
+    assert all(p.is_contiguous() for p in m.parameters())  # the output embedding included
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
     holder = torch.nn.ModuleDict({"a": tiny_model(4), "b": tiny_model(5)})
     assert set_fast_route(holder) == 2
 
