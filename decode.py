@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 2 x the longest source of the batch + 10, within the model's positions)")
     g.add_argument("--batch-size", type=int, metavar="N", help="sentences per decoder call (default 1); above 1 the "
                    "inputs are bucketed by length (batches of neighbours in length, outputs in input order)")
+    g.add_argument("--batch-tokens", type=int, metavar="N", help="batches by a token budget instead: as many "
+                   "sentences, neighbours in length, as fit in N source tokens counted with their padding (sentences "
+                   "x longest source); --batch-size then caps the sentences (default: no cap)")
     g.add_argument("--batch-sizes", metavar="N,N,...", help="run every algorithm (--algo and each --compare) at each "
                    "of these batch sizes, interleaved in one process: a throughput table (sent/s) with every row's "
                    "identical rate against the first (docs/benchmarks.md, 'Batched decoding')")
@@ -90,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and identical "
                    "rates; ALGO runs on the model --algo ALGO would use, ALGO@CKPT on another checkpoint with the same "
                    "tokenizer; :OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3), "
-                   "its second model (:small=PATH|early-exit, :drafter=PATH) or its batch size (:batch-size=N)")
+                   "its second model (:small=PATH|early-exit, :drafter=PATH) or its batches (:batch-size=N, :batch-tokens=N)")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     route = g.add_mutually_exclusive_group()  # two ways to compute one model: one at a time
     route.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
@@ -143,11 +146,12 @@ def run(args) -> int:
         raise UsageError("--task is needed unless --model is a Hugging Face folder and --input names the text")
     input_path = inputs.shown_path(args.input or DATA_DIR / (args.task or "") / "test.src.gz")
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
-                      refs=args.ref, input=args.input)
+                      refs=args.ref, input=args.input, batch_tokens=args.batch_tokens)
     given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
     compares = plan.parse_compare(args.compare) if args.compare else []
     specs = plan.plan_runs(args.algo, args.task, model=args.model, given=given, compares=compares,
-                           batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size))
+                           batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size),
+                           batch_tokens=args.batch_tokens)
     shared = plan.shared_second_models(specs, args.task, {"small": args.small, "drafter": args.drafter})
     inputs.check_machine(args.device, args.threads, output=args.output, report=args.report, html=args.html,
                          reads={"input": args.input, **{f"--ref file {r}": r for r in args.ref}})
@@ -176,7 +180,7 @@ def run(args) -> int:
                     + (f" to {args.output}" if args.output else "")
                     + ("; the scores below cover them alone, the times and counts every batch finished (batches are "
                        "formed by length, so some of those lines come later in the input)"
-                       if max(r.batch_size for r in runs) > 1 else "; the figures below cover them alone"))
+                       if any(r.batch_size != 1 for r in runs) else "; the figures below cover them alone"))
         lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
         runner.keep_first(runs, complete)
     summary = report.summarise(args.task, runs, lines, refs, ids, loader.tokenizer, args.device,
@@ -186,6 +190,7 @@ def run(args) -> int:
         report.write_report(args.report, report.build_report(args.task, summary.rows, runs, n_lines=len(lines), extra={
             "model": model_path, "model_step": loader.ckpt.get("step"), "input": input_path,
             "batch_size": sorted({r.batch_size for r in runs}) if args.batch_sizes else runs[0].batch_size,
+            "batch_tokens": args.batch_tokens,
             "max_len": args.max_len, "runs": summary.rows, "speedup_matrix": summary.matrix,
             "lossless_checks": summary.checks, "interrupted": interrupted, "lines_decoded": complete,
             "row_invariant": args.invariant, "fast_route": args.fast, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
@@ -197,16 +202,25 @@ def run(args) -> int:
                 print(trace_text(args.algo, i, steps, loader.tokenizer, colour=colour_enabled(sys.stderr)),
                       file=sys.stderr)
     if args.html:
-        from refdec import htmlreport
-        facts = {"task": args.task, "model": model_path, "input": input_path,
-                 "sentences": f"{len(lines)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
-                 "batch size": args.batch_size or 1, "device": f"{args.device}, {args.dtype}, "
-                 f"{torch.get_num_threads()} thread(s)", "command": shlex.join(["python", "decode.py", *args.argv])}
-        htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r.name for r in runs)} on {args.task or args.model}",
-                              facts=facts, summary=summary, sources=lines, refs=refs, ids=ids, runs=runs,
-                              tokenizer=loader.tokenizer)
+        write_html(args, summary, runs, loader, model_path, input_path, lines, refs, ids, interrupted)
     print(summary.text, file=sys.stderr if not args.output else sys.stdout)
     return 130 if interrupted else 0
+
+
+def write_html(args, summary, runs, loader, model_path: str, input_path: str, lines, refs, ids, interrupted: bool) -> None:
+    """--html: the page of the table, the charts and every sentence's decoding (refdec.htmlreport)."""
+    import torch
+
+    from refdec import htmlreport
+    batches = ((f"{args.batch_tokens} source tokens" + (f", at most {args.batch_size} sentences" if args.batch_size else ""))
+               if args.batch_tokens else args.batch_size or 1)
+    facts = {"task": args.task, "model": model_path, "input": input_path,
+             "sentences": f"{len(lines)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
+             "batch size": batches, "device": f"{args.device}, {args.dtype}, {torch.get_num_threads()} thread(s)",
+             "command": shlex.join(["python", "decode.py", *args.argv])}
+    htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r.name for r in runs)} on {args.task or args.model}",
+                          facts=facts, summary=summary, sources=lines, refs=refs, ids=ids, runs=runs,
+                          tokenizer=loader.tokenizer)
 
 
 if __name__ == "__main__":

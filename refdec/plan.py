@@ -1,7 +1,7 @@
 """What one decode.py invocation runs: a RunSpec per run, every choice resolved before any model loads.
 
 A run is an algorithm on a checkpoint with its option values, its own second models (or the shared
-ones) and a batch size. The first run is --algo's; `--compare ALGO[@CKPT][:OPTION=VALUE...]` adds
+ones) and its batches: a batch size, or a token budget. The first run is --algo's; `--compare ALGO[@CKPT][:OPTION=VALUE...]` adds
 the others; `--batch-sizes` repeats all of them at each size. Every run finds its default checkpoint
 by the same rule (`default_checkpoint`), so `--compare blockwise` runs on the model
 `--algo blockwise` would use.
@@ -30,6 +30,7 @@ class Compared:
     options: dict = field(default_factory=dict)  # option -> value
     second_models: dict = field(default_factory=dict)  # "small" / "drafter" -> PATH or "early-exit"
     batch_size: int | None = None
+    batch_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,15 @@ class RunSpec:
     path: Path  # the checkpoint whose output the run produces
     options: dict  # every option of the algorithm, with its value
     second_models: dict  # the run's own second models (the others are the shared ones)
-    batch_size: int
+    batch_size: int  # most sentences per batch (0: no limit, with a token budget)
     label: str
+    batch_tokens: int = 0  # most source tokens per batch, padding included (0: batches by batch_size alone)
 
 
 def check_counts(*, batch_size: int | None, max_len: int | None, limit: int | None, warmup: int, refs: list,
-                 input: str | None) -> None:
+                 input: str | None, batch_tokens: int | None = None) -> None:
     """Numbers that cannot be right whatever the algorithm."""
-    for flag, value in (("--batch-size", batch_size), ("--max-len", max_len)):
+    for flag, value in (("--batch-size", batch_size), ("--max-len", max_len), ("--batch-tokens", batch_tokens)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
     for flag, value in (("--limit", limit), ("--warmup", warmup)):
@@ -80,16 +82,17 @@ def parse_compare(spec: str) -> list[Compared]:
             raise UsageError(f"--compare: unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
         if path:
             check_checkpoint_path(f"--compare {name}@", path)
-        algo, options, second_models, size = ALGORITHMS[name], {}, {}, None
+        algo, options, second_models, size, tokens = ALGORITHMS[name], {}, {}, None, None
         for setting in settings:
             key, eq, value = setting.partition("=")
             key = key.replace("-", "_")
             if not eq or not value:
                 raise UsageError(f"--compare {item}: write an option as NAME=VALUE, not {setting!r}")
-            if key == "batch_size":
+            if key in ("batch_size", "batch_tokens"):
                 if not value.isdigit() or int(value) < 1:
-                    raise UsageError(f"--compare {item}: batch-size must be a whole number of at least 1, not {value!r}")
-                size = int(value)
+                    raise UsageError(f"--compare {item}: {key.replace('_', '-')} must be a whole number of at least 1, "
+                                     f"not {value!r}")
+                size, tokens = (int(value), tokens) if key == "batch_size" else (size, int(value))
             elif key in ("small", "drafter"):
                 if key not in algo.roles:
                     raise UsageError(f"--compare {item}: {name} uses no {key} model")
@@ -104,7 +107,7 @@ def parse_compare(spec: str) -> list[Compared]:
             else:
                 raise UsageError(f"--compare {item}: {key.replace('_', '-')} is not an option of {name} "
                                  f"(its options: {', '.join(k.replace('_', '-') for k in algo.options) or 'none'})")
-        out.append(Compared(name, path or None, options, second_models, size))
+        out.append(Compared(name, path or None, options, second_models, size, tokens))
     return out
 
 
@@ -136,8 +139,12 @@ def shipped_for(algo: Algorithm) -> str:
 
 
 def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, compares: list[Compared],
-              batch_size: int | None, sizes: list[int]) -> list[RunSpec]:
+              batch_size: int | None, sizes: list[int], batch_tokens: int | None = None) -> list[RunSpec]:
     """The runs, in order: --algo's first, then each compared one (all of them at each of `sizes`).
+
+    Batches: a --compare run that sets its own batch-size or batch-tokens is batched by those alone
+    (a token budget, with batch-size as a cap on its rows where both are set); every other run by
+    --batch-tokens and --batch-size in the same way, else one sentence at a time.
 
     `given` holds the options set on the command line; each run takes its algorithm's defaults,
     then those, then its own. An option no run reads is refused, as is a value out of range or an
@@ -149,8 +156,9 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         raise UsageError(f"--{sorted(unread)[0].replace('_', '-')} is not used by --algo {algo_name}"
                          + (" or by any --compare algorithm" if compares else ""))
     if sizes:
-        if any(c.batch_size for c in compares):
-            raise UsageError("--batch-sizes sets every run's batch size: a --compare run cannot set its own")
+        if batch_tokens or any(c.batch_size or c.batch_tokens for c in compares):
+            raise UsageError("--batch-sizes sets every run's batches: leave out --batch-tokens; a --compare run "
+                             "cannot set its own batch-size or batch-tokens")
         items = [Compared(c.name, c.path, c.options, c.second_models, n) for n in sizes for c in items]
     if model:
         check_checkpoint_path("--model ", model)
@@ -167,8 +175,9 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
             check_options(algo, options, set(given) | set(c.options))
         except ValueError as e:
             raise UsageError(f"--compare {c.name}: {e}" if specs else str(e)) from None
-        specs.append(RunSpec(algo, Path(own) if own else main, options, c.second_models,
-                             c.batch_size or batch_size or 1, ""))
+        tokens = c.batch_tokens or (0 if c.batch_size else batch_tokens or 0)
+        rows = c.batch_size or (0 if c.batch_tokens else batch_size) or (0 if tokens else 1)
+        specs.append(RunSpec(algo, Path(own) if own else main, options, c.second_models, rows, "", tokens))
     several = len({s.path.resolve() for s in specs}) > 1
     return [replace(s, label=label(s, c, several, bool(sizes))) for s, c in zip(specs, items)]
 
@@ -177,7 +186,9 @@ def label(spec: RunSpec, item: Compared, with_model: bool, with_size: bool) -> s
     """Row name: the algorithm, plus the checkpoint's folder when the runs use several checkpoints,
     plus what the run sets itself (a second model by its folder)."""
     name = f"{spec.algo.name}@{spec.path.parent.name}" if with_model else spec.algo.name
-    own = {**item.options, **item.second_models, **({"batch_size": spec.batch_size} if with_size or item.batch_size else {})}
+    own = {**item.options, **item.second_models,
+           **({"batch_size": spec.batch_size} if with_size or item.batch_size else {}),
+           **({"batch_tokens": spec.batch_tokens} if item.batch_tokens else {})}
     for k, v in own.items():
         v = (Path(v).parent.name if k in ("small", "drafter") and v != "early-exit"
              else f"{v:g}" if isinstance(v, float) else v)

@@ -34,7 +34,8 @@ def scores(task_kind: str, sources: list[str], hyps: list[str], refs: list[list[
 
 def summary_row(run: Run, metrics: dict) -> dict:
     st = run.stats
-    return {"algo": run.name, "n": st.sentences, "seconds": run.seconds, "batch_size": run.batch_size,
+    return {"algo": run.name, "n": st.sentences, "seconds": run.seconds, "batch_size": run.batch_size or None,
+            **({"batch_tokens": run.batch_tokens} if run.batch_tokens else {}),
             "sent_per_s": st.sentences / run.seconds if run.seconds else float("nan"), "tokens": st.tokens,
             "ms_per_token": 1000 * run.seconds / max(st.tokens, 1), "verifier_calls": st.verifier_calls,
             "calls_per_sentence": st.verifier_calls / max(st.sentences, 1), "drafter_calls": st.drafter_calls, "tokens_per_call": st.mean_committed,
@@ -157,7 +158,7 @@ def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: lis
         notes.append(text)
     for fast in runs:
         base = min((r for r in runs if r.algo.name == "greedy" and r.models.model is fast.models.model),
-                   key=lambda r: r.batch_size, default=None)  # batch-1 greedy where there is one
+                   key=lambda r: r.batch_size or float("inf"), default=None)  # batch-1 greedy where there is one
         if base is None or fast is base or not fast.algo.is_lossless(fast.options):
             continue
         div = divergences(fast.models.model, ids, base.outputs, fast.outputs, device)

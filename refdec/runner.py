@@ -36,8 +36,9 @@ class Run:
     options: dict
     models: Models
     label: str = ""  # name in tables ("" = the algorithm's name)
-    batch_size: int = 1  # sentences per decoder call
+    batch_size: int = 1  # most sentences per decoder call (0: no limit, with a token budget)
     trace: bool = False  # keep each sentence's steps
+    batch_tokens: int = 0  # most source tokens per decoder call, padding included (0: none)
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     seconds: float = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -49,10 +50,17 @@ class Run:
     def name(self) -> str:
         return self.label or self.algo.name
 
+    def fits(self, rows: int, longest: int) -> bool:
+        """Whether a batch of `rows` sources, the longest `longest` ids, is within this run's limits:
+        its batch size, and its token budget counted as the padded source tensor (rows x (longest + 1),
+        eos included)."""
+        return ((not self.batch_size or rows <= self.batch_size)
+                and (not self.batch_tokens or rows * (longest + 1) <= self.batch_tokens))
+
 
 def make_runs(specs: list, models: list[Models], *, trace: bool = False) -> list[Run]:
     """A Run per refdec.plan RunSpec, on the models refdec.loading.load_models gave it."""
-    return [Run(s.algo, s.options, m, s.label, s.batch_size, trace) for s, m in zip(specs, models)]
+    return [Run(s.algo, s.options, m, s.label, s.batch_size, trace, s.batch_tokens) for s, m in zip(specs, models)]
 
 
 class OutputLines:
@@ -101,14 +109,33 @@ def run_batch(run: Run, batch: list[list[int]], max_len: int, device) -> tuple[l
 WARMUP_ROWS = 16  # a warm-up batch holds at most this many sentences, whatever --batch-size
 
 
-def length_chunks(ids: list[list[int] | None], size: int) -> list[list[int]]:
-    """The indices of the non-empty lines in chunks of `size`: in input order for size 1, else
-    sorted by source length (stable) so that each chunk holds neighbours in length, and a batch does
-    not wait, in calls and in padded width, on one long row. Outputs go back to their lines by index."""
+def cut(order: list[int], ids: list[list[int]], fits: Callable[[int, int], bool]) -> list[list[int]]:
+    """`order` (line indices) cut into consecutive batches, each as long as `fits(rows, longest)` allows
+    (at least one line)."""
+    out, batch, longest = [], [], 0
+    for i in order:
+        if batch and not fits(len(batch) + 1, max(longest, len(ids[i]))):
+            out.append(batch)
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, len(ids[i]))
+    return out + [batch] if batch else out
+
+
+def length_chunks(ids: list[list[int] | None], runs: list[Run]) -> list[list[int]]:
+    """The indices of the non-empty lines in chunks, each large enough for one batch of every run: in
+    input order when every run decodes one sentence at a time, else sorted by source length (stable)
+    so that each chunk holds neighbours in length, and a batch does not wait, in calls and in padded
+    width, on one long row. Outputs go back to their lines by index."""
     todo = [i for i, s in enumerate(ids) if s is not None]
-    if size > 1:
+    if any(run.batch_size != 1 for run in runs):
         todo.sort(key=lambda i: len(ids[i]))
-    return [todo[i:i + size] for i in range(0, len(todo), size)]
+    return cut(todo, ids, lambda rows, longest: any(run.fits(rows, longest) for run in runs))
+
+
+def batches(run: Run, chunk: list[int], ids: list[list[int]]) -> list[list[int]]:
+    """A chunk's lines in this run's batches."""
+    return cut(chunk, ids, run.fits)
 
 
 def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
@@ -122,15 +149,14 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
     ids, None for an empty line (its output stays None).
 
     With batches of more than one sentence the lines are bucketed by source length (`length_chunks`).
-    A chunk holds the largest batch of any run; each run decodes it in batches of its own size
-    (Run.batch_size), with the one output budget of the chunk (max_len_for its
+    A chunk holds the largest batch of any run; each run decodes it in batches of its own (Run.batch_size
+    sentences, or as many as Run.batch_tokens allows), with the one output budget of the chunk (max_len_for its
     sources), so that runs at different batch sizes decode each line alike. A chunk counts once
     every run has decoded it: only then are its figures added and its lines (the first run's) passed
     to `on_line`, in input order with the empty lines between them, as soon as every earlier line is
     done. Ctrl-C stops at that boundary. Returns how many leading input lines every run finished
     (all of them unless interrupted)."""
-    size = max(run.batch_size for run in runs)
-    chunks = length_chunks(ids, size)
+    chunks = length_chunks(ids, runs)
     for run in runs:
         run.outputs = [None] * len(ids)
         run.traces = [None] * len(ids)
@@ -149,7 +175,7 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
     try:
         for c in chunks[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
             for run in runs:
-                rows = [ids[i] for i in c[:min(run.batch_size, WARMUP_ROWS)]]
+                rows = [ids[i] for i in batches(run, c, ids)[0][:WARMUP_ROWS]]
                 run_batch(run, rows, max_len_for(rows, max_len, max_positions), device)
         t_start, last_print, finished = time.time(), time.time(), 0
         for n, c in enumerate(chunks):
@@ -157,8 +183,7 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
             order = runs if n % 2 == 0 else runs[::-1]
             results = {}
             for run in order:
-                step = run.batch_size
-                for b in (c[i:i + step] for i in range(0, len(c), step)):
+                for b in batches(run, c, ids):
                     try:
                         results[(id(run), b[0])] = b, run_batch(run, [ids[i] for i in b], budget, device)
                     except (RuntimeError, ValueError) as e:  # one bad batch must not lose the others
@@ -219,20 +244,22 @@ def check_fits(run: Run, ids: list, max_len: int | None, max_positions: int, dty
     free = available_memory()
     if free is None:
         return
-    beams, rows = run.options.get("beam_size", 1), run.batch_size
-    todo = [s for s in ids if s is not None]
+    beams = run.options.get("beam_size", 1)
     cfg, itemsize = run.models.model.cfg, torch.empty((), dtype=dtype).element_size()
     need, worst = 0, 0
-    for i in range(0, len(todo), rows):
-        batch = todo[i:i + rows]
+    for c in length_chunks(ids, [run]):
+        batch = [ids[i] for i in c]
         b = decode_bytes(cfg, len(batch) * beams, max(map(len, batch)) + 1, max_len_for(batch, max_len, max_positions),
                          itemsize)
         if b > need:
             need, worst = b, len(batch)
     if need > 0.8 * free:
         fit = int(0.8 * free / (need / (worst * beams)))
-        what = f"beam size {beams} at batch size {rows}" if beams > 1 else f"batch size {rows}"
+        size = f"batches of {worst} sentences" if run.batch_tokens else f"batch size {run.batch_size}"
+        what = f"beam size {beams} at {size}" if beams > 1 else size
         advice = (f"use at most {max(fit // worst, 0)} beams" if beams > 1 and fit >= worst
+                  else f"use a token budget of at most {max(int(run.batch_tokens * 0.8 * free / need), 1)}"
+                  if run.batch_tokens and beams == 1
                   else f"use at most {max(fit // beams, 1)} sentences per batch" + (" with one beam" if beams > 1 else ""))
         raise UsageError(f"{run.name}: {what} needs about {need / 2**30:.1f} GiB for its caches and scores, more than "
                          f"the {0.8 * free / 2**30:.1f} GiB (80% of what is free) this machine can give it; {advice}")

@@ -268,6 +268,69 @@ def test_batch_size_options_are_parsed_and_refused():
         cli.run(args)
 
 
+def test_token_budget_batches_hold_at_most_the_budget_and_share_chunks_with_row_batches():
+    """Guards --batch-tokens: each batch of a token-budget run holds as many neighbours in length as
+    fit in the budget (sentences x (longest + 1) source tokens, one sentence at least), its row cap
+    holds, a run batched by rows beside it still gets its own batches, and every line comes back to
+    its own place."""
+    from refdec import runner
+    from refdec.algorithms import Algorithm
+    from refdec.decoding import DecodeResult, DecodeStats
+    seen = {}
+
+    def fake(name):
+        def decode(model, src, *, max_len, trace=False):
+            lens = src.ne(0).sum(dim=1).tolist()
+            seen.setdefault(name, []).append((lens, src.numel()))
+            return DecodeResult([torch.tensor([n]) for n in lens], DecodeStats(sentences=len(lens)))
+        return decode
+
+    lengths = (4, 1, 0, 7, 2, 9, 3, 0, 5, 6, 30, 2, 2, 2, 2, 2)
+    ids = [[5] * n if n else None for n in lengths]
+    runs = [runner.Run(Algorithm("rows", fake("rows"), "fake"), {}, fake_models(), batch_size=3),
+            runner.Run(Algorithm("tokens", fake("tokens"), "fake"), {}, fake_models(), batch_size=0, batch_tokens=24),
+            runner.Run(Algorithm("capped", fake("capped"), "fake"), {}, fake_models(), batch_size=2, batch_tokens=24)]
+    runner.decode_lines(runs, ids, max_len=None, max_positions=64, device="cpu", warmup=0, progress=False)
+    for run in runs:
+        assert [o[0].item() if o is not None else None for o in run.outputs] == [n + 1 if n else None for n in lengths]
+    assert all(len(b) <= 3 for b, _ in seen["rows"])
+    for name, cap in (("tokens", None), ("capped", 2)):
+        got = [b for b, _ in seen[name]]
+        assert sorted(n for b in got for n in b) == sorted(n + 1 for n in lengths if n)
+        for (b, numel), nxt in zip(seen[name], got[1:] + [None]):
+            assert numel == len(b) * max(b)  # the padded source tensor: what the budget counts
+            assert numel <= 24 or len(b) == 1  # within the budget, or one sentence longer than it
+            assert cap is None or len(b) <= cap
+    assert [31] in [b for b, _ in seen["tokens"]]  # a sentence longer than the budget: a batch of its own
+    assert max(len(b) for b, _ in seen["tokens"]) > 3  # short sentences: more rows than a batch size would give
+    seen.clear()  # alone, a token-budget run's batches are as full as the budget allows
+    runner.decode_lines(runs[1:2], ids, max_len=None, max_positions=64, device="cpu", warmup=0, progress=False)
+    got = [b for b, _ in seen["tokens"]]
+    assert all((len(b) + 1) * max(b + nxt[:1]) > 24 for b, nxt in zip(got, got[1:]))
+
+
+def test_batch_tokens_options_are_parsed_planned_and_refused():
+    """Guards --batch-tokens and :batch-tokens=N: a global budget with --batch-size as its row cap, a
+    --compare run's own budget without the global cap, labels that say so, and refusals."""
+    from refdec.plan import Compared, parse_compare, plan_runs
+    from refdec.runner import UsageError
+    assert parse_compare("iad:batch-tokens=512,greedy:batch-size=8:batch-tokens=256") == [
+        Compared("iad", None, {}, batch_tokens=512), Compared("greedy", None, {}, batch_size=8, batch_tokens=256)]
+    with pytest.raises(UsageError, match="batch-tokens must be a whole number"):
+        parse_compare("iad:batch-tokens=0")
+    specs = plan_runs("greedy", "gec-uk", model=None, given={}, batch_size=16, sizes=[], batch_tokens=1024,
+                      compares=parse_compare("greedy:batch-tokens=512,greedy:batch-size=4"))
+    assert [(s.batch_size, s.batch_tokens) for s in specs] == [(16, 1024), (0, 512), (4, 0)]
+    assert [s.label for s in specs] == ["greedy", "greedy:batch-tokens=512", "greedy:batch-size=4"]
+    assert [(s.batch_size, s.batch_tokens) for s in plan_runs("greedy", "gec-uk", model=None, given={}, compares=[],
+                                                               batch_size=None, sizes=[], batch_tokens=300)] == [(0, 300)]
+    with pytest.raises(UsageError, match="leave out --batch-tokens"):
+        plan_runs("greedy", "gec-uk", model=None, given={}, compares=[], batch_size=None, sizes=[1, 8], batch_tokens=64)
+    cli = load_cli()
+    with pytest.raises(UsageError, match="--batch-tokens 0: must be at least 1"):
+        cli.run(cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-tokens", "0"]))
+
+
 def fake_models():
     """The Models record of a run whose decoder needs no model, only the special ids."""
     from types import SimpleNamespace

@@ -9,7 +9,9 @@ Batched: rows never influence each other, and finished rows are dropped from the
 rows and memory rows with them), so a batch costs what its longest unfinished sentence costs. Dropping
 copies every remaining row of the cache and the memory, so it waits until a quarter of the batch has
 finished (COMPACT): until then a finished row is carried along, its tokens computed and ignored,
-which costs less than a copy of the whole cache each time one row finishes.
+which costs less than a copy of the whole cache each time one row finishes. Each step writes every
+row's token into one (B, max_len) tensor with one indexed write; the rows' outputs are read from it
+once, at the end, cut at their first eos.
 """
 
 from __future__ import annotations
@@ -33,22 +35,16 @@ def decode_greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace:
     B = src.shape[0]
     memory = model.encode(src)
     cache = model.new_cache(B, capacity=max_len + 1)
-    outs: list[list[int]] = [[] for _ in range(B)]
-    steps: list[list[Step]] | None = [[] for _ in range(B)] if trace else None
     stats = DecodeStats(sentences=B, encoder_calls=1)
+    written = torch.full((B, max_len), cfg.eos_id, dtype=torch.long, device=src.device)  # y_1 .. per source row
     alive = torch.arange(B, device=src.device)  # original row index of each row in the batch
     carried = torch.zeros(B, dtype=torch.bool, device=src.device)  # rows in the batch that have finished
     last = torch.full((B, 1), cfg.bos_id, dtype=torch.long, device=src.device)
-    for _ in range(max_len):
+    for t in range(max_len):
         logits = model.decode(last, memory, cache)  # (b, 1, V)
         stats.verifier_calls += 1
         next_tok = logits[:, -1].argmax(dim=-1)  # (b,)
-        for row, tok, gone in zip(alive.tolist(), next_tok.tolist(), carried.tolist()):
-            if not gone:
-                outs[row].append(tok)
-                stats.committed.append(1)
-                if steps is not None:
-                    steps[row].append(Step(own=tok))
+        written[alive, t] = next_tok  # a carried row writes after its eos: cut below
         carried |= next_tok.eq(cfg.eos_id)
         if carried.all():
             break
@@ -58,5 +54,12 @@ def decode_greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace:
             cache.select(keep)
             next_tok = next_tok[keep]
         last = next_tok[:, None]
+    outs = [cut_at_eos(row, cfg.eos_id) for row in written[:, :t + 1].tolist()] if max_len > 0 else [[] for _ in range(B)]
+    stats.committed.extend([1] * sum(map(len, outs)))  # one token per call and row
+    steps = [[Step(own=tok) for tok in out] for out in outs] if trace else None
     return result_of(outs, cfg.eos_id, stats, steps, src.device)
 
+
+def cut_at_eos(row: list[int], eos_id: int) -> list[int]:
+    """A row's tokens up to and including its first eos (all of them without one: it reached max_len)."""
+    return row[:row.index(eos_id) + 1] if eos_id in row else row
