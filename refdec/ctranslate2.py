@@ -3,6 +3,7 @@ a CPU, as the baseline refdec's decoders are measured against.
 
     python -m refdec.ctranslate2 --task gec-uk --model checkpoints/gec-uk-6x6/model.pt \\
         --batch-sizes 1,32 --limit 500 --threads 1,2 [--iad] [--fast] --report reports/ct2.json
+    (--batch-tokens N,N: also in batches by a token budget; --max-draft 0,16: IAD once per value)
 
 The checkpoint goes through refdec.hf's export (a Pegasus folder that stock transformers loads, checked
 against refdec's float64 logits) and then CTranslate2's own converter, TransformersConverter, with two
@@ -48,18 +49,18 @@ from .checkpoint import file_sha256, load_model
 from .data import source_rows, source_tensor
 from .decoding.result import DecodeResult, DecodeStats, result_of
 from .errors import UsageError, run_command
-from .fast import set_fast_route
+from .fast import is_fast, set_fast_route
 from .hf import PEGASUS, check_export, export_route, write_folder
 from .inputs import check_writable, read_input, shown_path, source_ids
 from .loading import Models
 from .machine import usable_cores
 from .report import format_table, summary_row, write_report
 from .runner import Run, decode_lines
-from .stepcost import time_decode
+from .stepcost import time_decode, time_products
 
 PINNED = "4.8.5"  # the version requirements.txt pins
 COMPUTE_TYPES = ("float32", "int8")
-ROW_KEYS = ("algo", "batch_size", "n", "seconds", "sent_per_s", "ms_per_token", "tokens", "hit_max_len")
+ROW_KEYS = ("algo", "batch_size", "batch_tokens", "n", "seconds", "sent_per_s", "ms_per_token", "tokens", "hit_max_len")
 
 
 def _ctranslate2():
@@ -172,21 +173,23 @@ def logprob_gaps(model, ids: list, scored: dict) -> dict | None:
 
 
 def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], fast: Models | None = None) -> list[Run]:
-    """Every method at batch 1 and at each --batch-sizes value; refdec greedy at batch 1 first (the
-    reference of the identical rate). With `fast` (the same model on the fast route), refdec's
-    methods again on it."""
+    """Every method at batch 1, at each --batch-sizes value and at each --batch-tokens budget; refdec
+    greedy at batch 1 first (the reference of the identical rate). IAD once per --max-draft value.
+    With `fast` (the same model on the fast route), refdec's methods again on it."""
     refdec = [(ALGORITHMS["greedy"], {}, "refdec-greedy")]
     if args.iad:
         iad = ALGORITHMS["iad"]
-        refdec.append((iad, {**iad.defaults(), "max_draft": args.max_draft}, "refdec-iad"))
+        refdec += [(iad, {**iad.defaults(), "max_draft": n}, "refdec-iad" + (f"-draft{n}" if n else ""))
+                   for n in args.max_draft]
     methods = [(algo, options, label, models) for algo, options, label in refdec]
     if fast is not None:
         methods += [(algo, options, f"{label}-fast", fast) for algo, options, label in refdec]
     runs = []
-    for size in args.batch_sizes:  # a CTranslate2 algorithm per size: each keeps its own lines' scores
+    batchings = [(size, 0, f"b{size}") for size in args.batch_sizes] + [(0, n, f"t{n}") for n in args.batch_tokens]
+    for size, budget, tag in batchings:  # a CTranslate2 algorithm per batching: each keeps its own lines' scores
         ct2_methods = [(ct2_algorithm(translator, tokens, f"ct2-greedy-{c}"), {}, f"ct2-greedy-{c}", models)
                        for c, translator in ct2.items()]
-        runs += [Run(algo, options, run_models, f"{label} b{size}", size)
+        runs += [Run(algo, options, run_models, f"{label} {tag}", size, batch_tokens=budget)
                  for algo, options, label, run_models in methods + ct2_methods]
     return runs
 
@@ -212,7 +215,7 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
         row = summary_row(run, {})
         outs = run.outputs[:done]
         scored = getattr(run.algo.decoder, "scored", None)
-        rows.append({**{k: row[k] for k in ROW_KEYS}, "threads": threads,
+        rows.append({**{k: row.get(k) for k in ROW_KEYS}, "threads": threads,
                      "identical": exactness.identical_rate(base, outs),
                      "differing": exactness.divergences(model, ids, base, outs, "cpu"),
                      **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {})})
@@ -229,17 +232,22 @@ def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object]
     `src_len`) for each refdec route (`models`: name, model; refdec.stepcost's time_decode, the
     vocabulary projection included) and each CTranslate2 compute type: translate_batch forced to
     write prefix + `more` tokens against prefix tokens (min_decoding_length), the difference over
-    `more` (its steps include its search bookkeeping, refdec's do not include the argmax). Medians
-    over interleaved rounds after one warm-up round."""
+    `more` (its steps include its search bookkeeping, refdec's do not include the argmax). With the
+    fast route, also its step's matrix products alone (refdec.stepcost.time_products): the floor
+    of that step in PyTorch's products. Medians over interleaved rounds after one warm-up round."""
     src = torch.full((1, src_len - 1), 11)
     src = torch.cat([src, torch.full((1, 1), models[0][1].cfg.eos_id)], 1)
-    times: dict[str, list[float]] = {name: [] for name in [n for n, _ in models] + [f"ct2-{c}" for c in ct2]}
+    fast = [m for _, m in models if is_fast(m)]
+    names = [n for n, _ in models] + (["refdec-fast-products"] if fast else []) + [f"ct2-{c}" for c in ct2]
+    times: dict[str, list[float]] = {name: [] for name in names}
     with torch.inference_mode():
         memories = {name: m.encode(src) for name, m in models}
         for r in range(rounds + 1):
             for name, m in models:
                 cost = time_decode(m, memories[name], prefix, 1, 5)
                 times[name].append(cost)
+            if fast:
+                times["refdec-fast-products"].append(time_products(fast[0], 5))
             for c, translator in ct2.items():
                 ends = []
                 for n in (prefix, prefix + more):
@@ -266,13 +274,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def int_list(text: str) -> list[int]:
+def int_list(text: str, least: int = 1) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of at least 1")
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of at least {least}")
     return values
 
 
@@ -284,12 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=200, help="first N lines decoded (default 200)")
     p.add_argument("--batch-sizes", type=int_list, default=[], metavar="B,B",
                    help="batch sizes besides 1, comma-separated (default: batch 1 only)")
+    p.add_argument("--batch-tokens", type=int_list, default=[], metavar="N,N",
+                   help="token budgets, comma-separated: every method again in batches of neighbours in length "
+                        "holding at most N source tokens with their padding (decode.py --batch-tokens)")
     p.add_argument("--threads", type=int_list, default=[1], metavar="T,T",
                    help="thread counts, comma-separated: each one a round of every run (default 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches per run (default 2)")
     p.add_argument("--iad", action="store_true", help="time refdec IAD too (GEC: drafts a copy of the input)")
-    p.add_argument("--max-draft", type=int, default=0, metavar="N",
-                   help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source)")
+    p.add_argument("--max-draft", type=lambda text: sorted(set(int_list(text, 0))), default=[0], metavar="N,N",
+                   help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source); "
+                        "several values, comma-separated: an IAD run for each (default 0)")
     p.add_argument("--fast", action="store_true", help="time refdec's methods on its fast route too (refdec.fast), "
                    "each against refdec greedy on the reference route")
     p.add_argument("--step-cost", action="store_true", help="also time one decoder step on each refdec route and "
@@ -305,9 +317,7 @@ def check_args(args) -> None:
         raise UsageError("--limit must be at least 1")
     if args.warmup < 0:
         raise UsageError("--warmup must be at least 0")
-    if args.max_draft < 0:
-        raise UsageError("--max-draft must be at least 0")
-    if args.max_draft and not args.iad:
+    if args.max_draft != [0] and not args.iad:
         raise UsageError("--max-draft has no effect without --iad")
     if max(args.threads) > usable_cores():
         raise UsageError(f"--threads must be at most the {usable_cores()} cores this machine gives the run")
@@ -349,7 +359,8 @@ def run(args) -> int:
     if args.report:
         write_report(args.report, {
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
-            "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "threads": args.threads,
+            "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "batch_tokens": args.batch_tokens,
+            "threads": args.threads,
             "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
             "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
             "ctranslate2": ctranslate2.__version__, "results": results})

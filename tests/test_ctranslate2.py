@@ -96,18 +96,25 @@ def test_command_writes_report(tmp_path):
         gap = by_name[f"ct2-greedy-float32 b{size}"]["logprob_gap"]
         assert gap["lines"] == 5 and gap["max"] < 1e-5, gap
     assert "logprob_gap" not in by_name["refdec-greedy b1"] and "largest difference" in out
-    # again from the cache, with the fast route's runs and one decoder step's cost per route
+    # again from the cache, with the fast route's runs, one decoder step's cost per route, a token
+    # budget and IAD at two draft limits
     r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
                str(tmp_path / "in.txt"), "--threads", "1", "--warmup", "1", "--iad", "--fast", "--step-cost",
+               "--batch-tokens", "40", "--max-draft", "0,3",
                "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
     assert r.returncode == 0, r.stderr.decode()
     rep = json.loads(report.read_text())
     assert rep["conversion"]["cached"] is True and rep["fast"] is True
     rows = {row["algo"]: row for row in rep["results"][0]["rows"]}
-    assert {"refdec-greedy-fast b1", "refdec-iad-fast b1"} <= set(rows)
+    assert {"refdec-greedy-fast b1", "refdec-iad-fast b1", "refdec-iad-draft3-fast b1", "ct2-greedy-int8 t40"} <= set(rows)
     assert rows["refdec-greedy-fast b1"]["tokens"] == rows["refdec-greedy b1"]["tokens"]
+    for name in ("refdec-iad-draft3 t40", "refdec-iad-fast t40", "ct2-greedy-float32 t40"):
+        assert rows[name]["batch_tokens"] == 40 and rows[name]["batch_size"] is None
+        assert rows[name]["identical"] == 1.0 and rows[name]["n"] == 5
+    assert rep["batch_tokens"] == [40] and rep["max_draft"] == [0, 3]
     steps = rep["results"][0]["step_ms"]
-    assert set(steps) == {"refdec", "refdec-fast", "ct2-float32", "ct2-int8"}
+    assert set(steps) == {"refdec", "refdec-fast", "refdec-fast-products", "ct2-float32", "ct2-int8"}
+    assert steps["refdec-fast-products"] < steps["refdec-fast"]  # a part of the step
     assert all(ms > 0 for name, ms in steps.items() if name.startswith("refdec"))
     assert "one decoder step" in r.stdout.decode()
 
@@ -138,3 +145,12 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
     code = ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), "--cache-dir", str(tmp_path), *flags])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith(message)
+
+
+@pytest.mark.parametrize("flags, message", [(["--iad", "--max-draft", "4,-1"], "give numbers of at least 0"),
+                                            (["--batch-tokens", "0"], "give numbers of at least 1")])
+def test_bad_lists_are_refused_by_the_parser(tmp_path, capsys, flags, message):
+    from refdec import ctranslate2 as ct2
+    with pytest.raises(SystemExit) as stop:
+        ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
