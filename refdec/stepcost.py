@@ -37,6 +37,7 @@ import torch
 from .fast import set_fast_route
 from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
+from .inputs import shown_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,15 +58,15 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def time_products(model, reps: int) -> float:
+def time_products(model, reps: int, rows: int = 1) -> float:
     """Median seconds of the matrix products alone of one fast-route decoder step that appends one token
-    to one row (refdec.fast: a self-attention layer's queries, keys and values, its output, the
+    to each of `rows` rows (refdec.fast: a self-attention layer's queries, keys and values, its output, the
     cross-attention's queries and output, the two feed-forward products per layer, then the vocabulary
     projection), on the model's own laid-out weights, with nothing between them: the part of the step
     that attention, norms, the cache and dispatch come on top of. `model` is on the fast route."""
     weights = model.decoder_weights()
     D = model.cfg.d_model
-    x = torch.zeros(1, D)
+    x = torch.zeros(rows, D)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -83,7 +84,8 @@ def time_products(model, reps: int) -> float:
 def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     """Seconds per call of each route at each q, of the one-row projection both ways, and of the
     encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.kernels), and
-    with --fast the fast route (refdec.fast) on a copy of the model."""
+    with --fast the fast route (refdec.fast) on a copy of the model, whose encoder is timed too, and
+    the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures)."""
     routes = {"few-row": (model, True), "plain": (model, False)}
     if args.fast:
         fast = copy.deepcopy(model)
@@ -93,7 +95,7 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
     W_t = W.t().contiguous()
     proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
-    encoder: list[float] = []
+    encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {})}
     src = torch.full((args.rows, args.src), 11)
     with torch.inference_mode():
         memories = {m: m.encode(src) for m, _ in routes.values()}  # one per model (the reference routes share one)
@@ -106,6 +108,8 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                         cost = time_decode(m, memories[m], args.prefix, q, reps)
                         if timed:
                             samples[route, q].append(cost)
+                    if timed and route == "fast":  # right after its calls, as warm as they were
+                        encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
                 if not timed:
                     continue
                 for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
@@ -114,9 +118,10 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                         h @ w
                     proj[name].append((time.perf_counter() - t0) / 10)
                 set_few_row_route(model, True)  # the encoder as decode.py runs it
-                t0 = time.perf_counter()
-                model.encode(src)
-                encoder.append(time.perf_counter() - t0)
+                for name, m in (("reference", model),) + ((("fast", fast),) if args.fast else ()):
+                    t0 = time.perf_counter()
+                    m.encode(src)
+                    encoder[name].append(time.perf_counter() - t0)
     return samples, proj, encoder
 
 
@@ -163,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
              "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]],
              **({"fast_ms": 1000 * med["fast", q], "fast_ratio": med["fast", q] / med["fast", qs[0]]} if args.fast else {})}
             for q in qs]
-    enc_ms = 1000 * statistics.median(encoder)
+    enc = {name: 1000 * statistics.median(v) for name, v in encoder.items()}
+    enc_ms = enc["reference"]
     print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
           f"{args.threads} threads, {path}")
     print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
@@ -175,12 +181,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}"
               + (f"                {r['fast_ms']:8.3f}       {r['fast_ratio']:6.2f}" if args.fast else ""))
     print(f"encoder over {B} source(s) of {args.src} tokens: {enc_ms:.3f} ms ({enc_ms / (B * args.src):.4f} ms per "
-          f"source token)")
+          f"source token)" + (f"; fast route {enc['fast']:.3f} ms ({enc['fast'] / (B * args.src):.4f})" if args.fast else ""))
+    if args.fast:
+        whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
+        print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")
     pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
     print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
     if args.report:
-        Path(args.report).write_text(json.dumps({"model": str(path), "threads": args.threads, "rows": B, "src": args.src,
+        Path(args.report).write_text(json.dumps({"model": shown_path(path), "threads": args.threads, "rows": B, "src": args.src,
                                                  "prefix": args.prefix, "calls": rows, "encoder_ms": enc_ms,
+                                                 **({"fast_encoder_ms": enc["fast"],
+                                                     "fast_products_ms": enc["fast products, q = 1"]} if args.fast else {}),
                                                  "projection_ms": pm, "torch": torch.__version__}, indent=2) + "\n")
     return 0
 

@@ -226,7 +226,9 @@ def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
     r = json.loads(rep.read_text())
     assert r["rows"] == 3 and r["encoder_ms"] > 0
     assert all(c["fast_ms"] > 0 for c in r["calls"]) and r["calls"][0]["fast_ratio"] == 1.0
+    assert 0 < r["fast_products_ms"] < r["calls"][0]["fast_ms"] and r["fast_encoder_ms"] > 0
     assert [c["ms_per_position"] == pytest.approx(c["ms"] / (3 * c["q"])) for c in r["calls"]] == [True, True]
     out = capsys.readouterr().out
     assert "decoder call of 3 row(s)" in out and "encoder over 3 source(s) of 5 tokens" in out
+    assert "; fast route" in out and "matrix products alone" in out
     assert main(["--model", str(trained_tiny / "model.pt"), "--rows", "0"]) == 2
