@@ -71,6 +71,25 @@ def test_report_and_compare(trained_tiny, tmp_path):
     assert len(r.stdout.decode().splitlines()) == 6
 
 
+@pytest.mark.slow
+def test_token_budget_batches_write_the_batch_one_output(trained_tiny, tmp_path):
+    """Guards --batch-tokens end to end: a budget for every run (--batch-size as its cap) and a compared
+    run's own budget write what greedy at batch 1 writes, and the report says which run had which."""
+    rep, out = tmp_path / "r.json", tmp_path / "out.txt"
+    r = decode(trained_tiny, "--algo", "greedy", "--limit", "12", "--max-len", "12", "--batch-tokens", "60",
+               "--batch-size", "5", "--compare", "greedy:batch-size=1,greedy:batch-tokens=200", "--report", str(rep),
+               "--output", str(out))
+    assert r.returncode == 0, r.stderr.decode()
+    report = json.loads(rep.read_text())
+    runs = {row["algo"]: row for row in report["runs"]}
+    assert (runs["greedy"]["batch_size"], runs["greedy"]["batch_tokens"]) == (5, 60)
+    assert runs["greedy:batch-size=1"]["batch_size"] == 1 and "batch_tokens" not in runs["greedy:batch-size=1"]
+    assert runs["greedy:batch-tokens=200"]["batch_size"] is None and runs["greedy:batch-tokens=200"]["batch_tokens"] == 200
+    assert report["batch_tokens"] == 60 and all(row["n"] == 12 for row in report["runs"])
+    assert [row["identical"] for row in report["runs"][1:]] == [1.0, 1.0]  # each against the first run's output
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 12
+
+
 def test_gec_report_has_f05():
     """Guards against GEC tasks missing the edit-level F0.5."""
     from refdec.report import scores
