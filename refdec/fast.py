@@ -145,6 +145,20 @@ class DecoderWeights:
         """Whether every parameter still lives where this layout put it."""
         return all(p.data_ptr() == ptr and p.stride() == stride for p, ptr, stride in self.places)
 
+    def products(self, x: torch.Tensor) -> torch.Tensor:
+        """The matrix products of a decoder step over rows x (N, D) and nothing else, in the step's
+        order: per layer the self-attention's queries-keys-values and output, the cross-attention's
+        queries and output, the two feed-forward products; then the vocabulary projection. Not a
+        decoder step (no attention, norms or cache): what the step's products alone cost
+        (refdec.stepcost.time_products)."""
+        for w in self.layers:
+            torch.addmm(w["qkv_b"], x, w["qkv"])
+            torch.addmm(x, x, w["o"])
+            torch.addmm(w["cq_b"], x, w["cq"])
+            torch.addmm(x, x, w["co"])
+            torch.addmm(x, torch.addmm(w["b1"], x, w["w1"]), w["w2"])
+        return x @ self.vocab
+
 
 class FastTransformer(Transformer):
     """A Transformer whose encoder and decoder calls take the fast route where it applies (the module

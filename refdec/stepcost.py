@@ -60,23 +60,15 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
 
 def time_products(model, reps: int, rows: int = 1) -> float:
     """Median seconds of the matrix products alone of one fast-route decoder step that appends one token
-    to each of `rows` rows (refdec.fast: a self-attention layer's queries, keys and values, its output, the
-    cross-attention's queries and output, the two feed-forward products per layer, then the vocabulary
-    projection), on the model's own laid-out weights, with nothing between them: the part of the step
-    that attention, norms, the cache and dispatch come on top of. `model` is on the fast route."""
+    to each of `rows` rows (refdec.fast.DecoderWeights.products), on the model's own laid-out weights,
+    with nothing between them: the part of the step that attention, norms, the cache and dispatch
+    come on top of. `model` is on the fast route."""
     weights = model.decoder_weights()
-    D = model.cfg.d_model
-    x = torch.zeros(rows, D)
+    x = torch.zeros(rows, model.cfg.d_model)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for w in weights.layers:
-            torch.addmm(w["qkv_b"], x, w["qkv"])
-            torch.addmm(x, x, w["o"])
-            torch.addmm(w["cq_b"], x, w["cq"])
-            torch.addmm(x, x, w["co"])
-            torch.addmm(x, torch.addmm(w["b1"], x, w["w1"]), w["w2"])
-        x @ weights.vocab
+        weights.products(x)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

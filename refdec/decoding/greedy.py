@@ -42,7 +42,7 @@ def decode_greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace:
     last = torch.full((B, 1), cfg.bos_id, dtype=torch.long, device=src.device)
     for t in range(max_len):
         logits = model.decode(last, memory, cache)  # (b, 1, V)
-        stats.verifier_calls += 1
+        stats.verifier_calls += 1  # = t + 1
         next_tok = logits[:, -1].argmax(dim=-1)  # (b,)
         written[alive, t] = next_tok  # a carried row writes after its eos: cut below
         carried |= next_tok.eq(cfg.eos_id)
@@ -54,7 +54,7 @@ def decode_greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace:
             cache.select(keep)
             next_tok = next_tok[keep]
         last = next_tok[:, None]
-    outs = [cut_at_eos(row, cfg.eos_id) for row in written[:, :t + 1].tolist()] if max_len > 0 else [[] for _ in range(B)]
+    outs = [cut_at_eos(row, cfg.eos_id) for row in written[:, :stats.verifier_calls].tolist()]  # the steps run
     stats.committed.extend([1] * sum(map(len, outs)))  # one token per call and row
     steps = [[Step(own=tok) for tok in out] for out in outs] if trace else None
     return result_of(outs, cfg.eos_id, stats, steps, src.device)
