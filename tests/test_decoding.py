@@ -48,7 +48,7 @@ def test_batched_greedy_carries_finished_rows_until_a_quarter_has_finished(seed,
     stats and trace as each row alone) until finished rows are a quarter of the batch; each drop
     removes at least that many rows."""
     from refdec.cache import KVCache
-    from refdec.decoding.greedy import COMPACT
+    from refdec.decoding.rows import COMPACT
     vocab = 12
     m = tiny_model(seed, vocab=vocab)
     src = random_src(seed + 40, 12, vocab, min_len=1, max_len=12)

@@ -105,3 +105,51 @@ class Rows:
         """The batch's DecodeResult, once every row has finished."""
         return result_of(self.outs, self.eos_id, self.stats, self.steps, device)
 
+
+COMPACT = 4  # greedy's finished rows leave the batch once they are at least 1/COMPACT of it
+
+
+class GreedyRows:
+    """Greedy's batch, which commits one token per row and call, so that no row needs a list of its
+    own: each step's tokens go into one (B, max_len) tensor with one indexed write, and the rows'
+    outputs are read from it once, at the end, cut at their first eos.
+
+    Dropping a finished row copies every remaining row of the cache and the memory, so it waits until
+    a quarter of the batch has finished (COMPACT): until then a finished row is carried along, its
+    tokens computed and ignored, which costs less than a copy of the whole cache each time one row
+    finishes. `memory` and `cache` follow the rows still in the batch."""
+
+    def __init__(self, memory: Memory, cache, batch: int, max_len: int, eos_id: int):
+        device = memory.states.device
+        self.memory, self.cache, self.eos_id = memory, cache, eos_id
+        self.written = torch.full((batch, max_len), eos_id, dtype=torch.long, device=device)  # y_1 .. per source row
+        self.alive = torch.arange(batch, device=device)  # source row of each batch row
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # batch rows that have written eos
+        self.steps = 0
+
+    def write(self, tokens: torch.Tensor) -> bool:
+        """Each batch row's next token (b,); True once every row has written eos."""
+        self.written[self.alive, self.steps] = tokens  # a carried row writes after its eos: cut at the end
+        self.steps += 1
+        self.finished |= tokens.eq(self.eos_id)
+        return bool(self.finished.all())
+
+    def compact(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Drop the finished rows (with their memory and cache rows) once they are a quarter of the
+        batch; returns `tokens` for the batch rows that stay."""
+        if int(self.finished.sum()) * COMPACT >= len(self.finished):
+            keep = (~self.finished).nonzero().squeeze(1)
+            self.alive, self.finished, self.memory = self.alive[keep], self.finished[keep], self.memory.select(keep)
+            self.cache.select(keep)
+            tokens = tokens[keep]
+        return tokens
+
+    def outputs(self) -> list[list[int]]:
+        """Each source row's tokens up to and including its first eos (all of them without one)."""
+        return [cut_at_eos(row, self.eos_id) for row in self.written[:, :self.steps].tolist()]
+
+
+def cut_at_eos(row: list[int], eos_id: int) -> list[int]:
+    """A row's tokens up to and including its first eos (all of them without one: it reached max_len)."""
+    return row[:row.index(eos_id) + 1] if eos_id in row else row
+
