@@ -166,6 +166,9 @@ def run(args) -> int:
     loader, models = load_models(specs, shared, task=args.task, device=args.device, dtype=dtype,
                                  invariant=args.invariant, fast=args.fast,
                                  graphed=args.graphed, languages=(args.src_lang, args.tgt_lang))
+    if args.graphed and not str(args.device).startswith("cuda") and not args.quiet:
+        print("note: --graphed captures CUDA graphs on a GPU alone; on this device its static-shape steps run as they "
+              "are (docs/graphed.md)", file=sys.stderr, flush=True)
     others_at_start = busy.others()  # over the loading: the cores other processes leave this run
     note = fit_threads(others_at_start) if args.threads is None else None
     if note and not args.quiet:
