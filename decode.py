@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
                    "each product); float32 logits differ from the reference route's in the last bits "
                    "(docs/fast.md)")
+    route.add_argument("--graphed", action="store_true", help="the graphed route: the fast route's decoder call and "
+                   "encoder on static shapes (a preallocated KV cache, calls padded to buckets), captured once per "
+                   "shape as a CUDA graph and replayed on a GPU, run as they are on a CPU (docs/graphed.md)")
     g = p.add_argument_group("algorithm options (read from the decoders' signatures)")
     for name, default in ((n, next(iter(d.values()))) for n, d in option_defaults().items() if d):
         flag, opt = "--" + name.replace("_", "-"), OPTIONS[name]
@@ -161,7 +164,11 @@ def run(args) -> int:
     lines, refs = inputs.read_input(args.task or "", args.input, args.ref, args.limit)
     dtype = getattr(torch, args.dtype)
     loader, models = load_models(specs, shared, task=args.task, device=args.device, dtype=dtype,
-                                 invariant=args.invariant, fast=args.fast, languages=(args.src_lang, args.tgt_lang))
+                                 invariant=args.invariant, fast=args.fast,
+                                 graphed=args.graphed, languages=(args.src_lang, args.tgt_lang))
+    if args.graphed and not str(args.device).startswith("cuda") and not args.quiet:
+        print("note: --graphed captures CUDA graphs on a GPU alone; on this device its static-shape steps run as they "
+              "are (docs/graphed.md)", file=sys.stderr, flush=True)
     others_at_start = busy.others()  # over the loading: the cores other processes leave this run
     note = fit_threads(others_at_start) if args.threads is None else None
     if note and not args.quiet:
@@ -193,7 +200,7 @@ def run(args) -> int:
             "batch_tokens": args.batch_tokens,
             "max_len": args.max_len, "runs": summary.rows, "speedup_matrix": summary.matrix,
             "lossless_checks": summary.checks, "interrupted": interrupted, "lines_decoded": complete,
-            "row_invariant": args.invariant, "fast_route": args.fast, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
+            "row_invariant": args.invariant, "fast_route": args.fast, "graphed_route": args.graphed, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
                 "threads_auto": args.threads is None, "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}}))
     if args.trace:
         from refdec.trace import colour_enabled, trace_text

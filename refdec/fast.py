@@ -103,6 +103,29 @@ def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor 
     return x.index_add(0, rows, linear(inner, ff["w2"], ff["b2"]))
 
 
+def decoder_stack(layers: list[dict], x: torch.Tensor, B: int, q: int, H: int, store, allowed: torch.Tensor | None,
+                  cross_kv: list, src_allowed: torch.Tensor | None, rows: torch.Tensor | None, pre: bool) -> torch.Tensor:
+    """The decoder layers (DecoderWeights.layers) of one call over the residual stream x (B*q, D) of q
+    new positions per row: `store(i, k, v)` keeps layer i's new keys and values (B, H, q, Dh) and
+    returns the keys and values its self-attention reads (a KVCache's append), `allowed` masks them
+    (True = may attend), cross_kv and src_allowed are the encoder's; `rows` as in feed_forward; `pre`
+    pre-norm x + f(norm(x)), else post-norm norm(x + f(x)) (refdec.model.Sublayer)."""
+    for i, w in enumerate(layers):
+        n1, n2, n3 = w["norms"]
+        h = F.layer_norm(x, *n1) if pre else x  # masked self-attention over the cache
+        q_, k, v = linear(h, w["qkv"], w["qkv_b"]).view(B, q, 3, -1).unbind(2)
+        keys, values = store(i, heads(k, B, q, H), heads(v, B, q, H))
+        x = attend(heads(q_, B, q, H), keys, values, allowed, x, w["o"], w["o_b"])
+        x = x if pre else F.layer_norm(x, *n1)
+        h = F.layer_norm(x, *n2) if pre else x  # attention over the encoder's output
+        x = attend(heads(linear(h, w["cq"], w["cq_b"]), B, q, H), *cross_kv[i], src_allowed, x, w["co"], w["co_b"])
+        x = x if pre else F.layer_norm(x, *n2)
+        h = F.layer_norm(x, *n3) if pre else x  # the feed-forward network
+        x = feed_forward(w, h, x, rows)
+        x = x if pre else F.layer_norm(x, *n3)
+    return x
+
+
 class DecoderWeights:
     """The decoder layers' weights laid out as one step reads them fastest: each a contiguous
     (in, out) matrix, a self-attention layer's queries, keys and values side by side in one (D, 3
@@ -174,6 +197,11 @@ class FastTransformer(Transformer):
         src = before_source(src, self.cfg.encoder_prefix)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         allowed = ~src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S)
+        return self.encoder_stack(src, allowed), src_pad
+
+    def encoder_stack(self, src: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """The encoder over src (B, S), its forced tokens in, with `allowed` (B, 1, 1, S) True at the
+        keys that are not padding (None: every key) -> states (B, S, D)."""
         B, S = src.shape
         H = self.cfg.n_heads
         x = self._embed("src", src, 0).reshape(B * S, -1)
@@ -185,7 +213,7 @@ class FastTransformer(Transformer):
                   "act": layer.ff.act}
             x = sublayer(x, layer.sub1, self_attn)
             x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x, None))
-        return self.enc_norm(x).view(B, S, -1), src_pad
+        return self.enc_norm(x).view(B, S, -1)
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
         if not self._route():
@@ -239,21 +267,8 @@ class FastTransformer(Transformer):
         if src_allowed is False:  # once per Memory: (B, 1, 1, S) True at real source positions, or None
             src_allowed = memory.__dict__["_src_allowed"] = None if memory.src_block is None else ~memory.src_block
         x = self._embed("tgt", tgt_new, offset, real).reshape(B * q, -1)
-        pre = self.cfg.norm_first  # pre-norm: x + f(norm(x)); post-norm: norm(x + f(x)) (refdec.model.Sublayer)
-        for i, w in enumerate(self.weights_for(memory).layers):
-            n1, n2, n3 = w["norms"]
-            h = F.layer_norm(x, *n1) if pre else x  # masked self-attention over the cache
-            q_, k, v = linear(h, w["qkv"], w["qkv_b"]).view(B, q, 3, -1).unbind(2)
-            keys, values = cache.append(i, heads(k, B, q, H), heads(v, B, q, H))
-            x = attend(heads(q_, B, q, H), keys, values, allowed, x, w["o"], w["o_b"])
-            x = x if pre else F.layer_norm(x, *n1)
-            h = F.layer_norm(x, *n2) if pre else x  # attention over the encoder's output
-            x = attend(heads(linear(h, w["cq"], w["cq_b"]), B, q, H), *memory.cross_kv[i], src_allowed, x,
-                       w["co"], w["co_b"])
-            x = x if pre else F.layer_norm(x, *n2)
-            h = F.layer_norm(x, *n3) if pre else x  # the feed-forward network
-            x = feed_forward(w, h, x, rows)
-            x = x if pre else F.layer_norm(x, *n3)
+        x = decoder_stack(self.weights_for(memory).layers, x, B, q, H, cache.append, allowed, memory.cross_kv,
+                          src_allowed, rows, self.cfg.norm_first)
         cache.advance(q)
         x = x.view(B, q, -1)
         if forced:

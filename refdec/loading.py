@@ -22,6 +22,7 @@ from .checkpoint import CheckpointError, file_sha256, load_model
 from .drafter import Drafter
 from .decoding.adapters import EarlyExit
 from .fast import set_fast_route
+from .graphed import set_graphed_route
 from .kernels import set_row_invariant
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
@@ -146,11 +147,12 @@ class RunLoader:
 
 
 def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dtype, invariant: bool = False,
-                fast: bool = False, languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
+                fast: bool = False, graphed: bool = False,
+                languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
     """The models of each of refdec.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` second models (role -> path) and
     each run's own. With `invariant`, every model in row-invariant mode; with `fast`, every model the fast
-    route writes on it (refdec.fast). Returns the loader (the
+    route writes on it (refdec.fast); with `graphed`, on the graphed route (refdec.graphed). Returns the loader (the
     tokenizer, the main checkpoint) and one Models per spec."""
     loader = RunLoader(specs[0].path, task=task, device=device, dtype=dtype, languages=languages)
     for s in specs[1:]:
@@ -162,10 +164,10 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
         for m in models:
             for module in m.all():
                 set_row_invariant(module)
-    if fast:
+    if fast or graphed:
         for m in models:
             for module in m.all():
-                set_fast_route(module)
+                (set_graphed_route if graphed else set_fast_route)(module)
     return loader, models
 
 

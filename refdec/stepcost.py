@@ -4,6 +4,7 @@
     python -m refdec.stepcost --task mt-en-de --report cost.json
     python -m refdec.stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
     python -m refdec.stepcost --task gec-uk --fast                   # the fast route beside
+    python -m refdec.stepcost --task mt-en-de --fast --graphed --device cuda   # and the graphed route, on a GPU
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
 --src source tokens, interleaving the q values round by round, and prints the median cost and
@@ -20,6 +21,10 @@ positions that cost stops falling, the call is bound by arithmetic, and a decode
 positions per output token (a drafted token that is rejected, a padded one) pays for each of them.
 The encoder's cost over B sources of --src tokens is timed in the same rounds: the part of a
 sentence's cost that no decoding algorithm changes.
+
+With --device cuda every time is read after torch.cuda.synchronize(), so it covers the GPU's work
+and not only its launch. --graphed times the graphed route (refdec.graphed) beside: its first call
+of each shape is captured in the warm-up round, the timed calls replay.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .fast import set_fast_route
+from .graphed import set_graphed_route
 from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
 from .inputs import shown_path
@@ -42,18 +48,26 @@ from .inputs import shown_path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def clock(device: torch.device) -> float:
+    """time.perf_counter() once the device has finished the work queued on it (a GPU runs
+    asynchronously: without the synchronisation a time would be the launch's alone)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
     """Median seconds of one decode call appending q tokens to every row of a cache holding `prefix`
     tokens (one row per batch row of `memory`)."""
-    rows = memory.states.shape[0]
+    rows, device = memory.states.shape[0], memory.states.device
     cache = model.new_cache(rows, capacity=prefix + q)
-    model.decode(torch.full((rows, prefix), 7), memory, cache)
-    new = torch.full((rows, q), 9)
+    model.decode(torch.full((rows, prefix), 7, device=device), memory, cache)
+    new = torch.full((rows, q), 9, device=device)
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock(device)
         model.decode(new, memory, cache)
-        times.append(time.perf_counter() - t0)
+        times.append(clock(device) - t0)
         cache.truncate(prefix)
     return statistics.median(times)
 
@@ -64,12 +78,12 @@ def time_products(model, reps: int, rows: int = 1) -> float:
     with nothing between them: the part of the step that attention, norms, the cache and dispatch
     come on top of. `model` is on the fast route."""
     weights = model.decoder_weights()
-    x = torch.zeros(rows, model.cfg.d_model)
+    x = weights.vocab.new_zeros(rows, model.cfg.d_model)
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock(x.device)
         weights.products(x)
-        times.append(time.perf_counter() - t0)
+        times.append(clock(x.device) - t0)
     return statistics.median(times)
 
 
@@ -77,21 +91,25 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     """Seconds per call of each route at each q, of the one-row projection both ways, and of the
     encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.kernels), and
     with --fast the fast route (refdec.fast) on a copy of the model, whose encoder is timed too, and
-    the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures)."""
+    the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures), and
+    with --graphed the graphed route (refdec.graphed) on another copy."""
     routes = {"few-row": (model, True), "plain": (model, False)}
-    if args.fast:
-        fast = copy.deepcopy(model)
-        set_fast_route(fast)
-        routes["fast"] = (fast, True)
+    for name, switch in (("fast", set_fast_route), ("graphed", set_graphed_route)):
+        if getattr(args, name):
+            routes[name] = (copy.deepcopy(model), True)
+            switch(routes[name][0])
+    fast = routes["fast"][0] if args.fast else None
+    device = model.tgt_embed.weight.device
     samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}
     W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
     W_t = W.t().contiguous()
     proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
-    encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {})}
-    src = torch.full((args.rows, args.src), 11)
+    encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
+                                       **({"graphed": []} if args.graphed else {})}
+    src = torch.full((args.rows, args.src), 11, device=device)
     with torch.inference_mode():
         memories = {m: m.encode(src) for m, _ in routes.values()}  # one per model (the reference routes share one)
-        h = torch.randn(1, 1, model.cfg.d_model)
+        h = torch.randn(1, 1, model.cfg.d_model, device=device)
         for rounds, reps, timed in ((1, 3, False), (args.rounds, 5, True)):  # a warm-up round, then the timed ones
             for _ in range(rounds):
                 for route, (m, on) in routes.items():
@@ -105,15 +123,16 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                 if not timed:
                     continue
                 for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
-                    t0 = time.perf_counter()
+                    t0 = clock(device)
                     for _ in range(10):
                         h @ w
-                    proj[name].append((time.perf_counter() - t0) / 10)
+                    proj[name].append((clock(device) - t0) / 10)
                 set_few_row_route(model, True)  # the encoder as decode.py runs it
-                for name, m in (("reference", model),) + ((("fast", fast),) if args.fast else ()):
-                    t0 = time.perf_counter()
-                    m.encode(src)
-                    encoder[name].append(time.perf_counter() - t0)
+                for name in ("reference", "fast", "graphed"):
+                    if name in encoder:
+                        t0 = clock(device)
+                        routes.get(name, (model,))[0].encode(src)
+                        encoder[name].append(clock(device) - t0)
     return samples, proj, encoder
 
 
@@ -128,6 +147,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     p.add_argument("--fast", action="store_true", help="time the fast route (refdec.fast) too, in the same rounds")
+    p.add_argument("--graphed", action="store_true", help="time the graphed route (refdec.graphed) too, in the same "
+                   "rounds (CUDA graphs on a GPU; on the CPU its static-shape steps run as they are)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu); times are read after a device "
+                   "synchronisation")
     p.add_argument("--report", help="write the figures as JSON")
     return p
 
@@ -142,10 +165,18 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --q takes positive integers separated by commas; --rounds, --threads, --rows and --src "
               "at least 1", file=sys.stderr)
         return 2
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        print(f"error: --device {args.device} is not a device torch knows (cpu, cuda, cuda:1, ...)", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda requested but no CUDA device is available", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     path = args.model or REPO / "checkpoints" / args.task / "model.pt"
     try:
-        model, _, _ = load_model(path, task=args.task)
+        model, _, _ = load_model(path, task=args.task, device=device)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -155,35 +186,43 @@ def main(argv: list[str] | None = None) -> int:
     samples, proj, encoder = measure(model, args, qs)
     med = {key: statistics.median(v) for key, v in samples.items()}
     B = args.rows
+    extra = [route for route in ("fast", "graphed") if getattr(args, route)]  # the routes beside the reference
     rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
              "ms_per_position": 1000 * med["few-row", q] / (B * q),
              "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]],
-             **({"fast_ms": 1000 * med["fast", q], "fast_ratio": med["fast", q] / med["fast", qs[0]]} if args.fast else {})}
+             **{key: value for route in extra for key, value in ((f"{route}_ms", 1000 * med[route, q]),
+                                                                (f"{route}_ratio", med[route, q] / med[route, qs[0]]))}}
             for q in qs]
     enc = {name: 1000 * statistics.median(v) for name, v in encoder.items()}
     enc_ms = enc["reference"]
     print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
-          f"{args.threads} threads, {path}")
+          f"{args.threads} threads, {device}, {path}")
     print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
           f"rows (refdec's default); plain: x @ W.T throughout")
+    columns = []  # (header, key, decimals) of each route beside the reference
+    for route in extra:
+        columns += [(f"   {route} ms/call", f"{route}_ms", 3), (f"   {route} cost(q)/cost(q={qs[0]})", f"{route}_ratio", 2)]
     print("    q   ms/call   cost(q)/cost(q=%d)   ms/position   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0])
-          + ("   fast ms/call   fast cost(q)/cost(q=%d)" % qs[0] if args.fast else ""))
+          + "".join(head for head, _, _ in columns))
     for r in rows:
         print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['ms_per_position']:8.4f}     "
               f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}"
-              + (f"                {r['fast_ms']:8.3f}       {r['fast_ratio']:6.2f}" if args.fast else ""))
+              + "".join(f"{r[key]:{len(head)}.{digits}f}" for head, key, digits in columns))
     print(f"encoder over {B} source(s) of {args.src} tokens: {enc_ms:.3f} ms ({enc_ms / (B * args.src):.4f} ms per "
-          f"source token)" + (f"; fast route {enc['fast']:.3f} ms ({enc['fast'] / (B * args.src):.4f})" if args.fast else ""))
+          f"source token)" + "".join(f"; {route} route {enc[route]:.3f} ms ({enc[route] / (B * args.src):.4f})"
+                                     for route in extra))
     if args.fast:
         whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
         print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")
     pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
     print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
     if args.report:
-        Path(args.report).write_text(json.dumps({"model": shown_path(path), "threads": args.threads, "rows": B, "src": args.src,
+        Path(args.report).write_text(json.dumps({"model": shown_path(path), "threads": args.threads, "device": str(device),
+                                                 "rows": B, "src": args.src,
                                                  "prefix": args.prefix, "calls": rows, "encoder_ms": enc_ms,
                                                  **({"fast_encoder_ms": enc["fast"],
                                                      "fast_products_ms": enc["fast products, q = 1"]} if args.fast else {}),
+                                                 **({"graphed_encoder_ms": enc["graphed"]} if args.graphed else {}),
                                                  "projection_ms": pm, "torch": torch.__version__}, indent=2) + "\n")
     return 0
 

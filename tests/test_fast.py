@@ -143,23 +143,30 @@ def test_teacher_forcing_and_training_use_the_reference_route():
 # -- every lossless decoder on the fast route equals greedy on the fast route --------------------------
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 13, 17])
 def test_lossless_decoders_on_the_fast_route_equal_its_greedy(batch, monkeypatch):
-    """Guards the fast route under every lossless decoder: batched IAD (a copying model: long
-    drafts accepted and rejected), GAD (a real drafter and an adversarial one), blockwise (random
-    heads), speculative (self-drafted and a random small model) and BiLD at its greedy limit, each
-    equal row by row to batch-1 greedy on the fast route (float64, torch.equal)."""
-    copying = fast_copy(copy_model())
+    """Guards the fast route under every lossless decoder (check_lossless_decoders)."""
+    check_lossless_decoders(fast_copy, batch, monkeypatch)
+
+
+def check_lossless_decoders(route_copy, batch: int, monkeypatch) -> Transformer:
+    """Every lossless decoder on a route (`route_copy(model)`: a copy of the model on it): batched IAD
+    (a copying model: long drafts accepted and rejected), GAD (a real drafter and an adversarial one),
+    blockwise (random heads), speculative (self-drafted and a random small model) and BiLD at its
+    greedy limit, each equal row by row to batch-1 greedy on the same route (float64, torch.equal).
+    Returns the verifier."""
+    copying = route_copy(copy_model())
     src = random_src(100 + batch, batch, 16, min_len=1, max_len=14)
     check_batched_iad(copying, src, 30)
     check_batched_iad(copying, src, 30, max_draft=3, match="longest")
 
     vocab = 12 if batch % 2 else 40
-    m = fast_copy(tiny_model(batch, vocab=vocab))
-    small = fast_copy(tiny_model(batch + 100, vocab=vocab, d_model=16, layers=(1, 1)))
-    drafter = Drafter(fast_copy(tiny_model(batch + 50, vocab=vocab, layers=(1, 2))), k=1 + batch % 5)
+    m = route_copy(tiny_model(batch, vocab=vocab))
+    small = route_copy(tiny_model(batch + 100, vocab=vocab, d_model=16, layers=(1, 1)))
+    drafter = Drafter(route_copy(tiny_model(batch + 50, vocab=vocab, layers=(1, 2))), k=1 + batch % 5)
     src = ragged_src(300 + batch, batch, vocab)
     for max_len in (25, 4):
         ref = batch1_greedy(m, src, max_len)
         what = f"B={batch} max_len={max_len}"
+        assert_rows_equal(decode_greedy(m, src, max_len=max_len).tokens, ref, f"batched greedy {what}")
         assert_rows_equal(decode_gad(m, drafter, src, max_len=max_len).tokens, ref, f"gad {what}")
         refs = [t.tolist() + [EOS_ID] for t in ref]
         with monkeypatch.context() as mp:
@@ -173,6 +180,7 @@ def test_lossless_decoders_on_the_fast_route_equal_its_greedy(batch, monkeypatch
                           f"speculative {what}")
         assert_rows_equal(decode_bild(m, small, src, max_len=max_len, fallback_threshold=1.5).tokens, ref,
                           f"bild (large writes) {what}")
+    return m
 
 
 @pytest.mark.parametrize("seed", range(3))

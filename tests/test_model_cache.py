@@ -216,19 +216,23 @@ def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
 @pytest.mark.slow
 def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
     """refdec.stepcost --rows: every call decodes that many rows; the cost per position divides by
-    rows x q, and the encoder is timed over as many sources; --fast adds the fast route's costs."""
+    rows x q, and the encoder is timed over as many sources; --fast and --graphed add those routes'
+    costs; a device torch does not know is refused."""
     import json
 
     from refdec.stepcost import main
     rep = tmp_path / "cost.json"
     assert main(["--model", str(trained_tiny / "model.pt"), "--rows", "3", "--q", "1,4", "--rounds", "1",
-                 "--threads", "1", "--src", "5", "--prefix", "4", "--fast", "--report", str(rep)]) == 0
+                 "--threads", "1", "--src", "5", "--prefix", "4", "--fast", "--graphed", "--device", "cpu",
+                 "--report", str(rep)]) == 0
     r = json.loads(rep.read_text())
     assert r["rows"] == 3 and r["encoder_ms"] > 0
     assert all(c["fast_ms"] > 0 for c in r["calls"]) and r["calls"][0]["fast_ratio"] == 1.0
     assert 0 < r["fast_products_ms"] < r["calls"][0]["fast_ms"] and r["fast_encoder_ms"] > 0
+    assert all(c["graphed_ms"] > 0 for c in r["calls"]) and r["graphed_encoder_ms"] > 0 and r["device"] == "cpu"
     assert [c["ms_per_position"] == pytest.approx(c["ms"] / (3 * c["q"])) for c in r["calls"]] == [True, True]
     out = capsys.readouterr().out
     assert "decoder call of 3 row(s)" in out and "encoder over 3 source(s) of 5 tokens" in out
-    assert "; fast route" in out and "matrix products alone" in out
+    assert "; fast route" in out and "; graphed route" in out and "matrix products alone" in out
     assert main(["--model", str(trained_tiny / "model.pt"), "--rows", "0"]) == 2
+    assert main(["--model", str(trained_tiny / "model.pt"), "--device", "no-such-device"]) == 2

@@ -1,0 +1,382 @@
+"""The graphed route: the fast route's decoder call and encoder written with static shapes, so that on
+a GPU each is captured once as a CUDA graph and replayed, one launch where the fast route makes a few
+hundred.
+
+A decoder call of a model this size is all launch and Python overhead on a GPU: its few hundred
+operations each cost microseconds to issue and nanoseconds to compute. A CUDA graph records the
+kernels of one call once and replays them with one launch, but only a call whose tensors keep their
+shapes and addresses from one replay to the next. So this route computes the fast route's
+mathematics (refdec.fast, the same weight layout and layer loop, `decoder_stack`) on static shapes:
+
+  * the KV cache preallocated to its capacity (StaticKVCache, the same verbs as KVCache), in storage
+    that never moves while the cache lives: a select that drops rows gathers them in place, and a
+    new cache takes the storage its finished predecessor of the same shape left (`Pool`);
+  * attention masked over the whole capacity: new token i of row b sees the keys 0 .. offset[b] + i,
+    offset[b] its row's first new position, held in a tensor (a row's stale tail is never seen);
+  * a call's new tokens padded to a bucket (1, 2, 4, ..., MAX_STEP), its rows to a power of two:
+    the padded positions and rows are computed and never read, and `advance` commits only the q
+    positions the caller gave (their keys and values lie past every row's length: stale storage);
+  * the encoder's sources padded to a power of two in length (and rows), the padding masked;
+  * the memory's cross-attention keys and values copied, once per Memory, into a slot of static
+    tensors that the decoder calls read.
+
+A call fills the static inputs (its tokens, each row's offset), runs the step (`Replay`: on a GPU,
+captured at its first call and replayed after; on the CPU, the same function called eagerly), and
+copies the states of its real rows and positions out. The steps are kept per shape: rows, new
+tokens, the cache's storage and the memory's slot. What a CPU run does not exercise is the capture
+and the replay alone (`capture`); every line that builds, fills and runs the static step is tested
+on the CPU, and tests check that the step makes no host synchronisation or data-dependent shape,
+which a capture refuses.
+
+Where the route does not apply, a call takes the fast route (and where that does not, the
+reference route): training, gradients on, row-invariant mode, an early exit (`layers`), a drafter's
+block of masks (`open_from`), more than MAX_STEP new tokens, a cache that is not a StaticKVCache,
+a forced decoder prefix's first call, and the families the fast route does not write.
+
+The route sums in another order again (masked keys over the capacity, padded calls), so its
+logits differ from the reference route's in the last bits, within 1e-12 in float64 (tested), and
+every lossless decoder on it equals greedy on it (torch.equal; tests/test_graphed.py).
+`set_graphed_route(model)` switches a Transformer's class to GraphedTransformer, as set_fast_route
+does, and back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .cache import KVCache, Memory
+from .fast import FastTransformer, applies_to, decoder_stack, set_fast_route
+from .forced import before_source, with_forced_prefix
+from .model import Transformer
+
+MAX_STEP = 64  # the widest decoder call captured: new tokens are padded to 1, 2, 4, ..., MAX_STEP
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two at least n: the padded size of a call's tokens and rows, a source's length."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+# -- capture and replay: the route's only lines a CPU does not run -----------------------------------
+def capture(fn: Callable[[], None], pool, cuda=torch.cuda):
+    """A CUDA graph of fn() as PyTorch documents capture: a warm-up run on a side stream (lazy
+    initialisation, library workspaces), then one run captured. A run writes the same values
+    whenever its inputs are the same, so the warm-up's writes (into the KV cache) are the replay's.
+    `pool`: the memory pool the model's graphs share (each replays alone and leaves nothing in it)."""
+    side = cuda.Stream()
+    side.wait_stream(cuda.current_stream())
+    with cuda.stream(side):
+        fn()
+    cuda.current_stream().wait_stream(side)
+    graph = cuda.CUDAGraph()
+    with cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+class Replay:
+    """A step: a function of static tensors alone (no arguments; it reads inputs filled before each
+    call and writes its results into other static tensors). On CUDA it is captured at the first call
+    and replayed at every later one; elsewhere it is called as it is."""
+
+    def __init__(self, fn: Callable[[], None], device: torch.device, pool=None, cuda=torch.cuda):
+        self.fn, self.graphed, self.pool, self.cuda = fn, device.type == "cuda", pool, cuda
+        self.graph = None
+
+    def __call__(self) -> None:
+        if not self.graphed:
+            self.fn()
+            return
+        if self.graph is None:
+            self.graph = capture(self.fn, self.pool, self.cuda)
+        self.graph.replay()
+
+
+# -- static storage, lent to one owner at a time ----------------------------------------------------
+def static_zeros(*shape, device, dtype) -> torch.Tensor:
+    """An ordinary tensor (not an inference tensor, so that any later call may write it in place)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.zeros(shape, device=device, dtype=dtype)
+
+
+class Slab:
+    """A KV cache's storage: keys and values (layers, rows, H, capacity, Dh)."""
+
+    def __init__(self, shape: tuple, device, dtype):
+        self.k, self.v = static_zeros(*shape, device=device, dtype=dtype), static_zeros(*shape, device=device, dtype=dtype)
+        self.owner = None
+
+
+class Slot:
+    """A memory's cross-attention keys and values per decoder layer, each (rows, H, width, Dh), and
+    `allowed` (rows, 1, 1, width), True at the real source positions, as the decoder calls read them."""
+
+    def __init__(self, layers: int, rows: int, heads: int, width: int, head_dim: int, device, dtype):
+        self.cross = [(static_zeros(rows, heads, width, head_dim, device=device, dtype=dtype),
+                       static_zeros(rows, heads, width, head_dim, device=device, dtype=dtype)) for _ in range(layers)]
+        self.allowed = static_zeros(rows, 1, 1, width, device=device, dtype=torch.bool).fill_(True)
+        self.owner = None
+
+    def hold(self, memory: Memory) -> None:
+        """Copy memory's rows in (the rows past them keep what they held: never read)."""
+        n, S = memory.src_pad.shape
+        for (sk, sv), (k, v) in zip(self.cross, memory.cross_kv):
+            sk[:n, :, :S].copy_(k)
+            sv[:n, :, :S].copy_(v)
+        self.allowed[:n, 0, 0, :S].copy_(~memory.src_pad)
+        self.allowed[:n, 0, 0, S:] = False
+
+
+class Pool:
+    """Static storage by shape, each piece lent to one owner at a time and free again once its owner
+    is gone (a finished decoding call's cache or memory): the next call of the same shape takes the
+    same storage, so the steps captured over it replay."""
+
+    def __init__(self, make: Callable):
+        self.make, self.pieces = make, {}
+
+    def take(self, owner, *shape):
+        pieces = self.pieces.setdefault(shape, [])
+        piece = next((p for p in pieces if p.owner is None or p.owner() is None), None)
+        if piece is None:
+            piece = self.make(*shape)
+            pieces.append(piece)
+        piece.owner = weakref.ref(owner)
+        return piece
+
+
+class StaticKVCache(KVCache):
+    """A KVCache (the same verbs, lengths and hidden prefix: refdec.cache) whose storage stays where
+    it is while the cache lives, so that a captured step reads and writes it in place: a Slab of a
+    power-of-two batch and capacity, with MAX_STEP positions to spare for a padded call. `select`
+    gathers the rows it keeps into the leading rows of the same storage; growing past the capacity
+    or the rows (a rare call) moves the cache to a larger slab."""
+
+    def __init__(self, pool: Pool, n_layers: int, batch: int, n_heads: int, head_dim: int, capacity: int = 64,
+                 *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.pool, self.shape = pool, (n_layers, n_heads, head_dim)
+        self.device, self.dtype = torch.device(device), dtype
+        self._end, self._lengths, self.prefix = 0, None, 0
+        self._move(bucket(batch), bucket(max(1, capacity) + MAX_STEP), batch)
+
+    def _move(self, rows: int, capacity: int, batch: int) -> None:
+        """Take a slab of `rows` rows and `capacity` positions; the cache's `batch` rows are its leading ones."""
+        L, H, Dh = self.shape
+        old = getattr(self, "slab", None)
+        self.slab = self.pool.take(self, (L, rows, H, capacity, Dh), self.device, self.dtype)
+        self.k, self.v = self.slab.k[:, :batch], self.slab.v[:, :batch]
+        if old is not None:
+            old.owner = None
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        used, k, v = self.prefix + self._end, self.k, self.v
+        self._move(self.slab.k.shape[1], bucket(needed + MAX_STEP), self.batch)
+        self.k[:, :, :, :used] = k[:, :, :, :used]
+        self.v[:, :, :, :used] = v[:, :, :, :used]
+
+    def select(self, rows: torch.Tensor) -> None:
+        used, n = self.prefix + self._end, len(rows)
+        k, v = self.k[:, :, :, :used].index_select(1, rows), self.v[:, :, :, :used].index_select(1, rows)
+        if n > self.slab.k.shape[1]:
+            self._move(bucket(n), self.capacity, n)
+        else:
+            self.k, self.v = self.slab.k[:, :n], self.slab.v[:, :n]
+        self.k[:, :, :, :used] = k
+        self.v[:, :, :, :used] = v
+        if self._lengths is not None:
+            self._set_lengths(self._lengths.index_select(0, rows))
+
+    def clone(self) -> "StaticKVCache":
+        other = StaticKVCache.__new__(StaticKVCache)
+        other.pool, other.shape, other.device, other.dtype = self.pool, self.shape, self.device, self.dtype
+        other._end, other._lengths, other.prefix = self._end, self._lengths, self.prefix
+        other._move(self.slab.k.shape[1], self.capacity, self.batch)
+        used = self.prefix + self._end
+        other.k[:, :, :, :used] = self.k[:, :, :, :used]
+        other.v[:, :, :, :used] = self.v[:, :, :, :used]
+        return other
+
+    def __repr__(self) -> str:
+        return "Static" + super().__repr__()
+
+
+# -- the route ---------------------------------------------------------------------------------------
+@dataclass
+class Step:
+    """One captured shape of a decoder call or an encoder pass: its static inputs, its static
+    output, and the step that reads the one and writes the other."""
+
+    tokens: torch.Tensor  # (rows, width) token ids
+    offset: torch.Tensor | None  # (rows,) each row's first new position (decoder calls)
+    out: torch.Tensor  # (rows, width, D) final states
+    run: Replay
+    holds: tuple = ()  # the slab and slot it reads in place, kept alive with it
+
+
+class RouteState:
+    """A model's steps and static storage, made again whenever a parameter or buffer has moved (a
+    captured step reads them where they were)."""
+
+    def __init__(self, mark: tuple, device: torch.device):
+        self.mark = mark
+        self.slabs = Pool(Slab)
+        self.slots = Pool(Slot)
+        self.steps: dict = {}
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+
+class GraphedTransformer(FastTransformer):
+    """A Transformer whose encoder and decoder calls take the graphed route where it applies (the
+    module docstring); made by `set_graphed_route`, never constructed directly."""
+
+    def _state(self) -> RouteState:
+        """The model's steps, checked against where its parameters live (once per decoding call)."""
+        self.decoder_weights()  # laid out again first if a parameter left the layout
+        tensors = [*self.parameters(), *(b for b in self.buffers() if b is not None)]
+        mark = tuple((p.data_ptr(), p.dtype, p.device) for p in tensors)
+        state = self.__dict__.get("_graphed")
+        if state is None or state.mark != mark:
+            state = self.__dict__["_graphed"] = RouteState(mark, self.tgt_embed.weight.device)
+        return state
+
+    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
+        p = self.tgt_embed.weight
+        return StaticKVCache(self._state().slabs, self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim,
+                             capacity, device=p.device, dtype=p.dtype)
+
+    # -- the encoder --------------------------------------------------------------------------------
+    def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        full = before_source(src, self.cfg.encoder_prefix)
+        n, S = full.shape
+        if not (self._route() and self.cfg.enc_layers) or S > self.cfg.max_positions:
+            return super().encode_states(src)  # its route, or its error
+        rows, width = bucket(n), min(bucket(S), self.cfg.max_positions)
+        state = self._state()
+        step = state.steps.get(("encoder", rows, width))
+        if step is None:
+            step = state.steps[("encoder", rows, width)] = self._encoder_step(rows, width, state.pool)
+        step.tokens.fill_(self.cfg.pad_id)
+        step.tokens[:, 0] = self.cfg.eos_id  # a padded row: one real token, so that its attention has a key
+        step.tokens[:n, :S] = full
+        step.run()
+        return step.out[:n].clone(), step.tokens[:n].eq(self.cfg.pad_id)
+
+    def _encoder_step(self, rows: int, width: int, pool) -> Step:
+        p = self.tgt_embed.weight
+        tokens = static_zeros(rows, width, device=p.device, dtype=torch.long)
+        out = static_zeros(rows, width, self.cfg.d_model, device=p.device, dtype=p.dtype)
+
+        def run():
+            out.copy_(self.encoder_stack(tokens, tokens.ne(self.cfg.pad_id)[:, None, None, :]))
+        return Step(tokens, None, out, Replay(run, p.device, pool))
+
+    # -- the decoder call -----------------------------------------------------------------------------
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
+                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
+                      real: torch.Tensor | None = None) -> torch.Tensor:
+        n, q = tgt_new.shape
+        first_forced = bool(self.cfg.decoder_prefix) and not cache.ragged and cache.end == 0
+        if (open_from is not None or layers is not None or not self._route() or not isinstance(cache, StaticKVCache)
+                or q > MAX_STEP or memory.batch != n or cache.batch != n or first_forced):
+            return super().decode_hidden(tgt_new, memory, cache, open_from, layers, real)
+        offsets = [cache.prefix + m for m in (cache.lengths.tolist() if cache.ragged else [cache.end] * n)]
+        if max(offsets) + q > self.cfg.max_positions:
+            return super().decode_hidden(tgt_new, memory, cache, open_from, layers, real)  # its check and error
+        width = bucket(q)
+        cache._reserve(max(offsets) + width)  # the padded positions too
+        tgt_new = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, None, real)[0]
+        step = self._decoder_step(memory, cache, width)
+        step.tokens.fill_(self.cfg.pad_id)
+        step.tokens[:n, :q] = tgt_new
+        step.offset.zero_()  # padded rows: positions 0 .. width - 1 of storage rows no cache row holds
+        step.offset[:n] = torch.tensor(offsets, device=step.offset.device)
+        step.run()
+        cache.advance(q)
+        return step.out[:n, :q].clone()
+
+    def _decoder_step(self, memory: Memory, cache: StaticKVCache, width: int) -> Step:
+        """The step of this shape over this cache's storage and this memory's slot (made at first use)."""
+        state, slot = self._slot(memory)
+        rows = slot.cross[0][0].shape[0]
+        key = ("decoder", rows, width, id(cache.slab), id(slot))
+        step = state.steps.get(key)
+        if step is None:
+            step = state.steps[key] = self._make_decoder_step(cache.slab, slot, rows, width, state.pool)
+        return step
+
+    def _slot(self, memory: Memory) -> tuple[RouteState, Slot]:
+        """The slot holding this memory's cross-attention keys and values for this model's steps:
+        taken and filled once per Memory, the parameters checked then too."""
+        kept = memory.__dict__.setdefault("_graphed", {})
+        got = kept.get(id(self))
+        if got is None or got[0] is not self.__dict__.get("_graphed"):
+            state = self._state()
+            n, S = memory.src_pad.shape
+            k = memory.cross_kv[0][0]
+            slot = state.slots.take(memory, len(self.decoder), bucket(n), self.cfg.n_heads, bucket(S),
+                                    self.cfg.head_dim, k.device, k.dtype)
+            slot.hold(memory)
+            got = kept[id(self)] = (state, slot)
+        return got
+
+    def _make_decoder_step(self, slab: Slab, slot: Slot, rows: int, width: int, pool) -> Step:
+        """The decoder call on static shapes: `width` new tokens in each of `rows` rows at positions
+        offset[b] .. offset[b] + width - 1, their keys and values written into the slab there,
+        attention over the slab's whole capacity (a key past a query's position masked), the slot's
+        cross-attention keys and values; the final states into `out`."""
+        cfg, device = self.cfg, slab.k.device
+        D, H, C = cfg.d_model, cfg.n_heads, slab.k.shape[3]
+        tokens = static_zeros(rows, width, device=device, dtype=torch.long)
+        offset = static_zeros(rows, device=device, dtype=torch.long)
+        out = static_zeros(rows, width, D, device=device, dtype=slab.k.dtype)
+        steps, keys = torch.arange(width, device=device), torch.arange(C, device=device)
+        K, V = slab.k[:, :rows], slab.v[:, :rows]
+        table = self.positions if self.tgt_positions is None else self.tgt_positions
+        scale = cfg.d_model ** 0.5 if cfg.scale_embeddings else 1.0
+        layers = self.decoder_weights().layers
+
+        def run():
+            at = offset[:, None] + steps  # (rows, width): each new token's position
+            x = self.tgt_embed_norm(self.tgt_embed(tokens) * scale + table[at.clamp(max=cfg.max_positions - 1)])
+            allowed = (keys <= at[:, :, None])[:, None]  # (rows, 1, width, C)
+            where = at.clamp(max=C - 1)[:, None, :, None].expand(rows, H, width, cfg.head_dim)
+
+            def store(i, k, v):  # the new keys and values at their positions; every position is read
+                K[i].scatter_(2, where, k)
+                V[i].scatter_(2, where, v)
+                return K[i], V[i]
+            x = decoder_stack(layers, x.reshape(rows * width, D), rows, width, H, store, allowed, slot.cross,
+                              slot.allowed, None, cfg.norm_first)
+            out.copy_(self.dec_norm(x.view(rows, width, D)))
+        return Step(tokens, offset, out, Replay(run, device, pool), (slab, slot))
+
+
+def set_graphed_route(module: nn.Module, on: bool = True) -> int:
+    """Switch every Transformer inside `module` whose layers the fast route writes to the graphed
+    route (on), or back to the reference route (off); returns how many models were switched.
+    Parameter values and state-dict keys do not change (the decoder's parameters live in the fast
+    route's layout, refdec.fast.DecoderWeights, while on)."""
+    switched = 0
+    for m in module.modules():
+        if on and type(m) in (Transformer, FastTransformer) and applies_to(m.cfg):
+            set_fast_route(m)
+            m.__class__ = GraphedTransformer
+            switched += 1
+        elif not on and type(m) is GraphedTransformer:
+            m.__dict__.pop("_graphed", None)
+            m.__class__ = FastTransformer
+            set_fast_route(m, False)
+            switched += 1
+    return switched
+
+
+def is_graphed(module: nn.Module) -> bool:
+    """Whether any model inside `module` takes the graphed route."""
+    return any(type(m) is GraphedTransformer for m in module.modules())
