@@ -55,6 +55,7 @@ from .drafter import draft_block
 from .errors import UsageError, first_line, run_command
 from .inputs import max_len_for, shown_path, source_ids
 from .model import Transformer
+from .progress import ProgressLine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -156,7 +157,7 @@ def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng
     model, drafter, small = m["model"], m["drafter"], m["small"]
     totals = {r[0]: {"seconds": 0.0, "calls": 0, "tokens": 0, "same": 0} for r in runs}
     n = 0
-    t_start = time.perf_counter()
+    progress = ProgressLine(len(ids), "sentences")
     for i, s in enumerate(ids):
         src = data_mod.source_tensor([s])
         max_len = max_len_for([s], None, model.cfg.max_positions)
@@ -179,8 +180,7 @@ def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng
                 t["tokens"] += len(out)
                 t["same"] += int(out == y)
         n += int(timed)
-        if timed and n % 50 == 0:
-            print(f"  {n} sentences, {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+        progress.update(i + 1)
     return totals, n
 
 

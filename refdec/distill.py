@@ -45,6 +45,7 @@ from .decoding import decode_beam, decode_greedy
 from .errors import UsageError, run_command
 from .inputs import shown_path
 from .machine import BusyCores, fit_threads
+from .progress import ProgressLine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -140,6 +141,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     t0, pending = time.time(), []
     batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
     batches = [idx for idx in batches if not all(i in done for i in idx)]
+    progress = ProgressLine(n, "sentences", already=n - sum(map(len, batches)), log=log)
     with torch.inference_mode():
         for b, idx in enumerate(batches, 1):
             rows = [ids[i] for i in idx]
@@ -151,13 +153,12 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
                 text = tok.decode(t.tolist()).replace("\r", " ").replace("\n", " ")
                 done[i] = text
                 pending.append(json.dumps({"i": i, "out": text}, ensure_ascii=False))
-            if b % save_every == 0 or b == len(batches):
+            saved = b % save_every == 0 or b == len(batches)
+            if saved:
                 with open(partial, "a", encoding="utf-8") as f:
                     f.write("".join(p + "\n" for p in pending))
                 pending = []
-                rate = sum(map(len, batches[:b])) / (time.time() - t0)
-                left = sum(map(len, batches[b:]))
-                log(f"  {n - left}/{n} sentences, {rate:.1f}/s, ETA {left / rate / 60:.1f} min")
+            progress.update(n - sum(map(len, batches[b:])), now=saved)  # a line at each save, and every few seconds
     targets = [done[i] for i in range(n)]
     src, docs = src[:n], (docs[:n] if docs is not None else None)
     report = {**options, "seconds": round(time.time() - t0, 1)}

@@ -20,6 +20,9 @@ positions that cost stops falling, the call is bound by arithmetic, and a decode
 positions per output token (a drafted token that is rejected, a padded one) pays for each of them.
 The encoder's cost over B sources of --src tokens is timed in the same rounds: the part of a
 sentence's cost that no decoding algorithm changes.
+
+The table goes to stdout; stderr says what is timed and, every few seconds, how many rounds are done
+and how long the rest should take (64 rows x 30 rounds take minutes).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from .fast import set_fast_route
 from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
 from .inputs import shown_path
+from .progress import ProgressLine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,31 +93,35 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
     encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {})}
     src = torch.full((args.rows, args.src), 11)
+    print(f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
+          f"a warm-up round, then {args.rounds} rounds", file=sys.stderr, flush=True)
+    progress = ProgressLine(args.rounds + 1, "rounds")
     with torch.inference_mode():
         memories = {m: m.encode(src) for m, _ in routes.values()}  # one per model (the reference routes share one)
         h = torch.randn(1, 1, model.cfg.d_model)
-        for rounds, reps, timed in ((1, 3, False), (args.rounds, 5, True)):  # a warm-up round, then the timed ones
-            for _ in range(rounds):
-                for route, (m, on) in routes.items():
-                    set_few_row_route(m, on)
-                    for q in qs:
-                        cost = time_decode(m, memories[m], args.prefix, q, reps)
-                        if timed:
-                            samples[route, q].append(cost)
-                    if timed and route == "fast":  # right after its calls, as warm as they were
-                        encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
-                if not timed:
-                    continue
-                for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        h @ w
-                    proj[name].append((time.perf_counter() - t0) / 10)
-                set_few_row_route(model, True)  # the encoder as decode.py runs it
-                for name, m in (("reference", model),) + ((("fast", fast),) if args.fast else ()):
-                    t0 = time.perf_counter()
-                    m.encode(src)
-                    encoder[name].append(time.perf_counter() - t0)
+        schedule = [(3, False)] + [(5, True)] * args.rounds  # a warm-up round, then the timed ones
+        for done, (reps, timed) in enumerate(schedule):
+            progress.update(done)  # the rounds finished so far
+            for route, (m, on) in routes.items():
+                set_few_row_route(m, on)
+                for q in qs:
+                    cost = time_decode(m, memories[m], args.prefix, q, reps)
+                    if timed:
+                        samples[route, q].append(cost)
+                if timed and route == "fast":  # right after its calls, as warm as they were
+                    encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
+            if not timed:
+                continue
+            for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    h @ w
+                proj[name].append((time.perf_counter() - t0) / 10)
+            set_few_row_route(model, True)  # the encoder as decode.py runs it
+            for name, m in (("reference", model),) + ((("fast", fast),) if args.fast else ()):
+                t0 = time.perf_counter()
+                m.encode(src)
+                encoder[name].append(time.perf_counter() - t0)
     return samples, proj, encoder
 
 
