@@ -53,11 +53,10 @@ from .decoding.greedy import decode_greedy
 from .decoding.verify import verify
 from .drafter import draft_block
 from .errors import UsageError, first_line, run_command
+from .hints import repo_file
 from .inputs import max_len_for, shown_path, source_ids
 from .model import Transformer
 from .progress import ProgressLine
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def greedy_output(model: Transformer, src: torch.Tensor, max_len: int) -> tuple[list[int], int]:
@@ -133,7 +132,7 @@ def load_models(args, path: Path) -> dict:
     """The verifier (`model`, with its `tokenizer`), the drafter (None for free drafts only; `spec`:
     its layout), the small model (or None) and the test `split`; CheckpointError, FileNotFoundError
     or ValueError on a file that cannot serve."""
-    shipped_drafter = REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
+    shipped_drafter = data_mod.REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
     if args.drafter == "none" or (args.drafter is None and not shipped_drafter.exists()):
         drafter_path = None  # free drafts only
     else:
@@ -198,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--k takes positive integers and --accept numbers in [0, 1], separated by commas; "
                          "--limit and --threads at least 1, --warmup at least 0") from None
     torch.set_num_threads(args.threads)
-    path = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
+    path = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
+    repo_file("data", args.task)  # its test set: the repository's
     try:
         m = load_models(args, path)
     except ValueError as e:

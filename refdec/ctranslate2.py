@@ -51,6 +51,7 @@ from .decoding.result import DecodeResult, DecodeStats, result_of
 from .errors import UsageError, run_command
 from .fast import is_fast, set_fast_route
 from .hf import PEGASUS, check_export, export_route, write_folder
+from .hints import repo_file
 from .inputs import check_writable, read_input, shown_path, source_ids
 from .loading import Models
 from .machine import usable_cores
@@ -335,6 +336,8 @@ def run(args) -> int:
     check_args(args)
     ctranslate2 = _ctranslate2()
     model, tokenizer, _ = load_model(args.model, task=args.task)
+    if not args.input:
+        repo_file("data", args.task, "test.src.gz", flag="--input FILE")  # the task's test set: the repository's
     lines, _ = read_input(args.task, args.input, [], args.limit)
     ids = source_ids(tokenizer, lines, model.cfg.max_positions)
     if all(s is None for s in ids):

@@ -43,11 +43,10 @@ from . import data as data_mod
 from .checkpoint import file_sha256, load_model
 from .decoding import decode_beam, decode_greedy
 from .errors import UsageError, run_command
+from .hints import repo_file
 from .inputs import shown_path
 from .machine import BusyCores, fit_threads
 from .progress import ProgressLine
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def write_gz(path: Path, lines: list[str]) -> None:
@@ -213,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     elif note := fit_threads(BusyCores().others()):  # a half-second look at the other processes
         print(f"note: {note}", file=sys.stderr, flush=True)
-    model = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
+    model = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
+    if not args.data_dir:
+        repo_file("data", args.task, flag="--data-dir")  # the task's sources, dev and test sets
     report = distill(args.task, model, Path(args.out), algo=args.algo, beam_size=args.beam_size,
                      batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,
                      data_dir=Path(args.data_dir) if args.data_dir else None,

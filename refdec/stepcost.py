@@ -40,10 +40,10 @@ import torch
 from .fast import set_fast_route
 from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
+from .errors import UsageError
+from .hints import repo_file
 from .inputs import shown_path
 from .progress import ProgressLine
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
@@ -151,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
               "at least 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    path = args.model or REPO / "checkpoints" / args.task / "model.pt"
     try:
+        path = args.model or repo_file("checkpoints", args.task, "model.pt", flag="--model")
         model, _, _ = load_model(path, task=args.task)
-    except CheckpointError as e:
+    except (CheckpointError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
