@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parent
 
 HELP = {
     "task": "task to train on (data/<task>/)",
-    "out_dir": "folder for tokenizer.json and checkpoints (the preset's: runs/<preset>)",
+    "out_dir": "folder for tokenizer.json and checkpoints (the preset's: runs/<preset>; a folder inside the shipped "
+               "checkpoints/ only with --overwrite, checkpoints/ itself never)",
     "vocab_size": "BPE vocabulary size (joint source/target)", "d_model": "model width",
     "n_heads": "attention heads", "d_ff": "feed-forward width", "enc_layers": "encoder layers",
     "dec_layers": "decoder layers", "dropout": "dropout rate", "norm_first": "pre-norm (true) or post-norm (false)",
