@@ -220,7 +220,11 @@ def test_a_write_that_fails_in_the_out_dir_is_a_one_line_error(tmp_path, monkeyp
     def read_only_disk(self):
         raise OSError(errno.EROFS, "Read-only file system", str(out / "tokenizer.json"))
     monkeypatch.setattr(training.Trainer, "run", read_only_disk)
-    code = train_script().main(["--preset", "tiny", "--threads", "1", "--out-dir", str(out)])
+    previous = signal.getsignal(signal.SIGINT)  # main() holds Ctrl-C while it imports
+    try:
+        code = train_script().main(["--preset", "tiny", "--threads", "1", "--out-dir", str(out)])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: --out-dir") and "tokenizer.json" in err and "Read-only file system" in err
