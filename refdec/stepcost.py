@@ -94,7 +94,7 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {})}
     src = torch.full((args.rows, args.src), 11)
     print(f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
-          f"a warm-up round, then {args.rounds} rounds", file=sys.stderr, flush=True)
+          f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}", file=sys.stderr, flush=True)
     progress = ProgressLine(args.rounds + 1, "rounds")
     with torch.inference_mode():
         memories = {m: m.encode(src) for m, _ in routes.values()}  # one per model (the reference routes share one)

@@ -564,6 +564,7 @@ def prepare_tokenizer(cfg: TrainConfig, procs: Processes, pairs: list[tuple[str,
             shutil.copyfile(cfg.tokenizer_from, tok_path)
         else:
             t0 = time.time()
+            log(f"tokenizer: training a BPE vocabulary of up to {cfg.vocab_size} tokens on {len(pairs)} pairs")
             trained = Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size)
             trained.save(tok_path)
             why = ("no pair of tokens left in the training text occurs twice" if trained.vocab_size < cfg.vocab_size
