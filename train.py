@@ -10,9 +10,9 @@ A run writes into runs/<preset>/ (under the current folder) unless --out-dir say
 shipped models in checkpoints/ are only ever read: a run goes into checkpoints/<name> only when told
 with --out-dir checkpoints/<name> --overwrite (and --resume continues such a run), never into
 checkpoints/ itself. A folder that already holds a run is refused unless --resume continues it or
---overwrite replaces it. Ctrl-C saves last.pt and exits; the same
-command with --resume continues exactly where it stopped. The paths a preset names (its starting
-checkpoint, vocabulary, data) are the repository's, whatever the current folder.
+--overwrite replaces it. Ctrl-C saves last.pt and exits; the same command with --resume continues
+exactly where it stopped. The paths a preset names (its starting checkpoint, vocabulary, data) are the
+repository's, whatever the current folder.
 """
 
 from __future__ import annotations
