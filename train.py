@@ -7,10 +7,12 @@
 
 Any field of a preset can be overridden (see --help). Output: refdec/training.py's docstring.
 A run writes into runs/<preset>/ (under the current folder) unless --out-dir says otherwise; the
-shipped models in checkpoints/ are only ever read. A folder that already holds a run is refused
-unless --resume continues it or --overwrite replaces it. Ctrl-C saves last.pt and exits; the same
-command with --resume continues exactly where it stopped. The paths a preset names (its starting
-checkpoint, vocabulary, data) are the repository's, whatever the current folder.
+shipped models in checkpoints/ are only ever read: a run goes into checkpoints/<name> only when told
+with --out-dir checkpoints/<name> --overwrite (and --resume continues such a run), never into
+checkpoints/ itself. A folder that already holds a run is refused unless --resume continues it or
+--overwrite replaces it. Ctrl-C saves last.pt and exits; the same command with --resume continues
+exactly where it stopped. The paths a preset names (its starting checkpoint, vocabulary, data) are the
+repository's, whatever the current folder.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ REPO = Path(__file__).resolve().parent
 
 HELP = {
     "task": "task to train on (data/<task>/)",
-    "out_dir": "folder for tokenizer.json and checkpoints (the preset's: runs/<preset>)",
+    "out_dir": "folder for tokenizer.json and checkpoints (the preset's: runs/<preset>; a folder inside the shipped "
+               "checkpoints/ only with --overwrite, checkpoints/ itself never)",
     "vocab_size": "BPE vocabulary size (joint source/target)", "d_model": "model width",
     "n_heads": "attention heads", "d_ff": "feed-forward width", "enc_layers": "encoder layers",
     "dec_layers": "decoder layers", "dropout": "dropout rate", "norm_first": "pre-norm (true) or post-norm (false)",
@@ -117,6 +120,35 @@ def check_paths(changes: dict, path_fields) -> None:
                              f"{os.path.join(value, 'model.pt')}")
 
 
+def check_out_dir_place(out_dir: str, *, overwrite: bool, resume: bool) -> None:
+    """Where a run may write, checked before any work: not into the shipped models' checkpoints/ folder
+    itself, into a folder inside it only when told (--overwrite, or --resume of a run started so; a
+    shipped model's folder holds no last.pt to resume), and only where this user can write."""
+    out, shipped = Path(out_dir).resolve(), (REPO / "checkpoints").resolve()
+    if out == shipped:
+        raise UsageError(f"--out-dir {out_dir} is the folder of the shipped models itself: give a folder of the run's "
+                         f"own, runs/<name> (or checkpoints/<name> with --overwrite to replace a shipped model)")
+    if shipped in out.parents and not (overwrite or resume):
+        raise UsageError(f"--out-dir {out_dir} is inside checkpoints/, the shipped models' folder: train into "
+                         f"runs/<name>, or add --overwrite to write there (it replaces a model already in that folder)")
+    there = next(p for p in (out, *out.parents) if p.exists())  # the folder the run would create its own in
+    if not there.is_dir():
+        raise UsageError(f"--out-dir {out_dir}: {there} is a file, not a folder; give a folder path")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise UsageError(f"--out-dir {out_dir}: the folder {there} is not writable; give a folder you can write "
+                         f"to (or make it writable)")
+
+
+def out_dir_error(e: OSError, out_dir: str) -> UsageError | None:
+    """A file of the run's folder it could not write or read (a read-only disk, a full one): one line
+    naming --out-dir, the file and the reason, instead of a bare OSError."""
+    out = Path(out_dir).resolve()
+    if not e.filename or not (out == Path(e.filename).resolve() or out in Path(e.filename).resolve().parents):
+        return None
+    return UsageError(f"--out-dir {out_dir}: cannot write {e.filename} ({e.strerror or type(e).__name__}); "
+                      f"give a folder you can write to, with room for the checkpoints")
+
+
 def train(args) -> int:
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     from refdec.machine import BusyCores, fit_threads, usable_cores
@@ -129,6 +161,7 @@ def train(args) -> int:
     if cfg.threads > usable_cores():
         raise UsageError(f"--threads {cfg.threads} is more than the {usable_cores()} cores this machine gives "
                          f"the run (more threads than cores only slows it down)")
+    check_out_dir_place(cfg.out_dir, overwrite=args.overwrite, resume=args.resume)
     if not cfg.threads and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # (under torchrun the others are its ranks)
         note = fit_threads(busy.others())
         if note:
@@ -138,6 +171,8 @@ def train(args) -> int:
     except Interrupted as e:
         print(str(e), file=sys.stderr)
         return 130
+    except OSError as e:
+        raise out_dir_error(e, cfg.out_dir) or e
     for name, r in results.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
     return 0

@@ -53,10 +53,10 @@ from .decoding.greedy import decode_greedy
 from .decoding.verify import verify
 from .drafter import draft_block
 from .errors import UsageError, first_line, run_command
+from .hints import repo_file
 from .inputs import max_len_for, shown_path, source_ids
 from .model import Transformer
-
-REPO = Path(__file__).resolve().parent.parent
+from .progress import ProgressLine
 
 
 def greedy_output(model: Transformer, src: torch.Tensor, max_len: int) -> tuple[list[int], int]:
@@ -132,7 +132,7 @@ def load_models(args, path: Path) -> dict:
     """The verifier (`model`, with its `tokenizer`), the drafter (None for free drafts only; `spec`:
     its layout), the small model (or None) and the test `split`; CheckpointError, FileNotFoundError
     or ValueError on a file that cannot serve."""
-    shipped_drafter = REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
+    shipped_drafter = data_mod.REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
     if args.drafter == "none" or (args.drafter is None and not shipped_drafter.exists()):
         drafter_path = None  # free drafts only
     else:
@@ -156,7 +156,7 @@ def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng
     model, drafter, small = m["model"], m["drafter"], m["small"]
     totals = {r[0]: {"seconds": 0.0, "calls": 0, "tokens": 0, "same": 0} for r in runs}
     n = 0
-    t_start = time.perf_counter()
+    progress = ProgressLine(len(ids), "sentences")
     for i, s in enumerate(ids):
         src = data_mod.source_tensor([s])
         max_len = max_len_for([s], None, model.cfg.max_positions)
@@ -179,8 +179,7 @@ def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng
                 t["tokens"] += len(out)
                 t["same"] += int(out == y)
         n += int(timed)
-        if timed and n % 50 == 0:
-            print(f"  {n} sentences, {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+        progress.update(i + 1)
     return totals, n
 
 
@@ -198,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--k takes positive integers and --accept numbers in [0, 1], separated by commas; "
                          "--limit and --threads at least 1, --warmup at least 0") from None
     torch.set_num_threads(args.threads)
-    path = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
+    path = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
+    repo_file("data", args.task)  # its test set: the repository's
     try:
         m = load_models(args, path)
     except ValueError as e:

@@ -51,9 +51,11 @@ from .decoding.result import DecodeResult, DecodeStats, result_of
 from .errors import UsageError, run_command
 from .fast import is_fast, set_fast_route
 from .hf import PEGASUS, check_export, export_route, write_folder
+from .hints import repo_file
 from .inputs import check_writable, read_input, shown_path, source_ids
 from .loading import Models
 from .machine import usable_cores
+from .progress import ProgressLine
 from .report import format_table, summary_row, write_report
 from .runner import Run, decode_lines
 from .stepcost import time_decode, time_products
@@ -105,6 +107,7 @@ def convert(ckpt: str | Path, model, tokenizer, cache_dir: Path) -> tuple[Path, 
     folder = cache_dir / f"{file_sha256(ckpt)[:20]}-ctranslate2-{ctranslate2.__version__}"
     if (folder / "model.bin").is_file():
         return folder, {"cached": True}
+    print(f"converting {ckpt} for CTranslate2 (once: kept in {folder})", file=sys.stderr, flush=True)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_dir))
@@ -240,9 +243,11 @@ def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object]
     fast = [m for _, m in models if is_fast(m)]
     names = [n for n, _ in models] + (["refdec-fast-products"] if fast else []) + [f"ct2-{c}" for c in ct2]
     times: dict[str, list[float]] = {name: [] for name in names}
+    progress = ProgressLine(rounds + 1, "rounds of one decoder step")
     with torch.inference_mode():
         memories = {name: m.encode(src) for name, m in models}
         for r in range(rounds + 1):
+            progress.update(r)
             for name, m in models:
                 cost = time_decode(m, memories[name], prefix, 1, 5)
                 times[name].append(cost)
@@ -331,6 +336,8 @@ def run(args) -> int:
     check_args(args)
     ctranslate2 = _ctranslate2()
     model, tokenizer, _ = load_model(args.model, task=args.task)
+    if not args.input:
+        repo_file("data", args.task, "test.src.gz", flag="--input FILE")  # the task's test set: the repository's
     lines, _ = read_input(args.task, args.input, [], args.limit)
     ids = source_ids(tokenizer, lines, model.cfg.max_positions)
     if all(s is None for s in ids):

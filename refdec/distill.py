@@ -43,10 +43,10 @@ from . import data as data_mod
 from .checkpoint import file_sha256, load_model
 from .decoding import decode_beam, decode_greedy
 from .errors import UsageError, run_command
+from .hints import repo_file
 from .inputs import shown_path
 from .machine import BusyCores, fit_threads
-
-REPO = Path(__file__).resolve().parent.parent
+from .progress import ProgressLine
 
 
 def write_gz(path: Path, lines: list[str]) -> None:
@@ -140,6 +140,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     t0, pending = time.time(), []
     batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
     batches = [idx for idx in batches if not all(i in done for i in idx)]
+    progress = ProgressLine(n, "sentences", already=n - sum(map(len, batches)), log=log)
     with torch.inference_mode():
         for b, idx in enumerate(batches, 1):
             rows = [ids[i] for i in idx]
@@ -151,13 +152,12 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
                 text = tok.decode(t.tolist()).replace("\r", " ").replace("\n", " ")
                 done[i] = text
                 pending.append(json.dumps({"i": i, "out": text}, ensure_ascii=False))
-            if b % save_every == 0 or b == len(batches):
+            saved = b % save_every == 0 or b == len(batches)
+            if saved:
                 with open(partial, "a", encoding="utf-8") as f:
                     f.write("".join(p + "\n" for p in pending))
                 pending = []
-                rate = sum(map(len, batches[:b])) / (time.time() - t0)
-                left = sum(map(len, batches[b:]))
-                log(f"  {n - left}/{n} sentences, {rate:.1f}/s, ETA {left / rate / 60:.1f} min")
+            progress.update(n - sum(map(len, batches[b:])), now=saved)  # a line at each save, and every few seconds
     targets = [done[i] for i in range(n)]
     src, docs = src[:n], (docs[:n] if docs is not None else None)
     report = {**options, "seconds": round(time.time() - t0, 1)}
@@ -212,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     elif note := fit_threads(BusyCores().others()):  # a half-second look at the other processes
         print(f"note: {note}", file=sys.stderr, flush=True)
-    model = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
+    model = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
+    if not args.data_dir:
+        repo_file("data", args.task, flag="--data-dir")  # the task's sources, dev and test sets
     report = distill(args.task, model, Path(args.out), algo=args.algo, beam_size=args.beam_size,
                      batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,
                      data_dir=Path(args.data_dir) if args.data_dir else None,

@@ -42,6 +42,7 @@ from .config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
 from .errors import UsageError, run_command
 from .kernels import set_row_invariant
 from .model import Transformer
+from .progress import ProgressLine
 
 FAMILIES = ("random", "exact", "near", "constant")
 
@@ -194,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
     families: Counter = Counter()
     mismatches = []
     t0 = time.perf_counter()
+    progress = ProgressLine(args.models, "models")
     for i in range(args.models):
+        progress.update(i)
         case = draw_case(args.seed + i, dtype, args.family, invariant=not args.default_mode)
         families[case["family"]] += 1
         for name, got, ref in comparisons(case):

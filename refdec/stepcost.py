@@ -25,6 +25,9 @@ sentence's cost that no decoding algorithm changes.
 With --device cuda every time is read after torch.cuda.synchronize(), so it covers the GPU's work
 and not only its launch. --graphed times the graphed route (refdec.graphed) beside: its first call
 of each shape is captured in the warm-up round, the timed calls replay.
+
+The table goes to stdout; stderr says what is timed and, every few seconds, how many rounds are done
+and how long the rest should take (64 rows x 30 rounds take minutes).
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ from .fast import set_fast_route
 from .graphed import set_graphed_route
 from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
+from .errors import UsageError
+from .hints import repo_file
 from .inputs import shown_path
-
-REPO = Path(__file__).resolve().parent.parent
+from .progress import ProgressLine
 
 
 def clock(device: torch.device) -> float:
@@ -107,32 +111,36 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
                                        **({"graphed": []} if args.graphed else {})}
     src = torch.full((args.rows, args.src), 11, device=device)
+    print(f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
+          f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}", file=sys.stderr, flush=True)
+    progress = ProgressLine(args.rounds + 1, "rounds")
     with torch.inference_mode():
         memories = {m: m.encode(src) for m, _ in routes.values()}  # one per model (the reference routes share one)
         h = torch.randn(1, 1, model.cfg.d_model, device=device)
-        for rounds, reps, timed in ((1, 3, False), (args.rounds, 5, True)):  # a warm-up round, then the timed ones
-            for _ in range(rounds):
-                for route, (m, on) in routes.items():
-                    set_few_row_route(m, on)
-                    for q in qs:
-                        cost = time_decode(m, memories[m], args.prefix, q, reps)
-                        if timed:
-                            samples[route, q].append(cost)
-                    if timed and route == "fast":  # right after its calls, as warm as they were
-                        encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
-                if not timed:
-                    continue
-                for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
+        schedule = [(3, False)] + [(5, True)] * args.rounds  # a warm-up round, then the timed ones
+        for done, (reps, timed) in enumerate(schedule):
+            progress.update(done)  # the rounds finished so far
+            for route, (m, on) in routes.items():
+                set_few_row_route(m, on)
+                for q in qs:
+                    cost = time_decode(m, memories[m], args.prefix, q, reps)
+                    if timed:
+                        samples[route, q].append(cost)
+                if timed and route == "fast":  # right after its calls, as warm as they were
+                    encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
+            if not timed:
+                continue
+            for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
+                t0 = clock(device)
+                for _ in range(10):
+                    h @ w
+                proj[name].append((clock(device) - t0) / 10)
+            set_few_row_route(model, True)  # the encoder as decode.py runs it
+            for name in ("reference", "fast", "graphed"):
+                if name in encoder:
                     t0 = clock(device)
-                    for _ in range(10):
-                        h @ w
-                    proj[name].append((clock(device) - t0) / 10)
-                set_few_row_route(model, True)  # the encoder as decode.py runs it
-                for name in ("reference", "fast", "graphed"):
-                    if name in encoder:
-                        t0 = clock(device)
-                        routes.get(name, (model,))[0].encode(src)
-                        encoder[name].append(clock(device) - t0)
+                    routes.get(name, (model,))[0].encode(src)
+                    encoder[name].append(clock(device) - t0)
     return samples, proj, encoder
 
 
@@ -174,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --device cuda requested but no CUDA device is available", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    path = args.model or REPO / "checkpoints" / args.task / "model.pt"
     try:
+        path = args.model or repo_file("checkpoints", args.task, "model.pt", flag="--model")
         model, _, _ = load_model(path, task=args.task, device=device)
-    except CheckpointError as e:
+    except (CheckpointError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:

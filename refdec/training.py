@@ -564,8 +564,13 @@ def prepare_tokenizer(cfg: TrainConfig, procs: Processes, pairs: list[tuple[str,
             shutil.copyfile(cfg.tokenizer_from, tok_path)
         else:
             t0 = time.time()
-            Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size).save(tok_path)
-            log(f"tokenizer: {cfg.vocab_size} BPE tokens trained in {time.time() - t0:.0f}s -> {tok_path}")
+            log(f"tokenizer: training a BPE vocabulary of up to {cfg.vocab_size} tokens on {len(pairs)} pairs")
+            trained = Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size)
+            trained.save(tok_path)
+            why = ("no pair of tokens left in the training text occurs twice" if trained.vocab_size < cfg.vocab_size
+                   else "the 256 bytes and the special tokens come first")
+            asked = f" ({cfg.vocab_size} asked for: {why})" if trained.vocab_size != cfg.vocab_size else ""
+            log(f"tokenizer: {trained.vocab_size} BPE tokens trained{asked} in {time.time() - t0:.0f}s -> {tok_path}")
     procs.barrier()
     tok = Tokenizer.load(tok_path)
     if base is not None and base.get("tokenizer_sha256") != tok.sha256:

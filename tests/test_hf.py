@@ -138,6 +138,30 @@ def refdec_checkpoint(path: Path, seed: int = 0, max_positions: int = 64) -> Pat
     return path / "model.pt"
 
 
+def test_export_of_a_checkpoint_with_proposal_heads_refuses_or_leaves_them_out_when_told(tmp_path):
+    """Case: `python -m refdec.hf export` of a blockwise checkpoint (the model and its proposal heads)
+    wrote the model alone and said nothing of the heads. transformers has no place for them: it is
+    refused in one line (exit 2, no folder written) naming the fix; --without-heads exports the model
+    and says the heads are not in it."""
+    from refdec.checkpoint import load_checkpoint
+    from refdec.proposal import ProposalHeads, proposal_state
+    ckpt = refdec_checkpoint(tmp_path / "ckpt")
+    stored = load_checkpoint(ckpt)
+    save_atomic({**stored, "proposal": proposal_state(ProposalHeads(16, 8, k=3))}, ckpt)
+    r = run_py("-m", "refdec.hf", "export", str(ckpt), str(tmp_path / "out"))
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "2 blockwise proposal heads" in err and "--without-heads" in err
+    assert not (tmp_path / "out").exists()
+    r = run_py("-m", "refdec.hf", "export", str(ckpt), str(tmp_path / "out"), "--without-heads")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "the proposal heads are not in it" in r.stdout.decode()
+    back, _, _ = hf.load_folder(tmp_path / "out")
+    assert all(torch.equal(back.state_dict()[k], v.float()) for k, v in stored["model"].items() if k in back.state_dict())
+    # a plain checkpoint exports as before, with nothing left out
+    assert hf.export(refdec_checkpoint(tmp_path / "plain"), tmp_path / "plain-out")["heads_left_out"] is False
+
+
 def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path):
     from refdec.checkpoint import load_model
     ckpt = refdec_checkpoint(tmp_path / "ckpt")

@@ -4,6 +4,7 @@ machine down. Each test names the case it guards; every failure is one line and 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -142,6 +143,105 @@ def test_an_out_dir_that_is_a_file_is_a_one_line_error(tmp_path):
     f = tmp_path / "file"
     f.write_text("not a folder")
     assert "is a file" in one_line_error(run_py(*TINY, "--out-dir", str(f)))
+
+
+def train_script():
+    """train.py loaded as a module (it is a script beside refdec/, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_out_dir_rule_for_the_shipped_checkpoints_folder():
+    """Case: `--out-dir checkpoints/newmodel` wrote a run without --overwrite, and `--out-dir
+    checkpoints` put model.pt, last.pt and snapshots/ straight into the checkpoints/ root. The rule
+    the README states: checkpoints/<name> only with --overwrite (--resume continues such a run),
+    checkpoints/ itself never, however the path is spelled."""
+    from refdec.errors import UsageError
+    check = train_script().check_out_dir_place
+    root = REPO / "checkpoints"
+    for spelled in (root, root / "mt-en-de" / "..", Path(os.path.relpath(root)) / "."):
+        for overwrite in (False, True):
+            with pytest.raises(UsageError, match="shipped models itself"):
+                check(str(spelled), overwrite=overwrite, resume=False)
+    for inside in (root / "newmodel", root / "mt-en-de", root / "newmodel" / "deeper"):
+        with pytest.raises(UsageError, match="inside checkpoints/.*--overwrite"):
+            check(str(inside), overwrite=False, resume=False)
+        check(str(inside), overwrite=True, resume=False)  # told: allowed
+        check(str(inside), overwrite=False, resume=True)  # continuing a run started so (needs its last.pt)
+    check(str(REPO / "runs" / "x"), overwrite=False, resume=False)  # beside it: allowed
+
+
+@pytest.mark.slow
+def test_train_py_refuses_the_checkpoints_folder_before_any_work(tmp_path):
+    """The commands of the case, run as written: one line, exit 2, nothing created in checkpoints/."""
+    before = sorted(p.name for p in (REPO / "checkpoints").iterdir())
+    assert "shipped models itself" in one_line_error(run_py(*TINY, "--out-dir", "checkpoints"))
+    assert "shipped models itself" in one_line_error(run_py(*TINY, "--out-dir", "checkpoints", "--overwrite"))
+    err = one_line_error(run_py(*TINY, "--out-dir", "checkpoints/newmodel-refused"))
+    assert "inside checkpoints/" in err and "--overwrite" in err and "runs/" in err
+    assert sorted(p.name for p in (REPO / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.slow
+def test_an_out_dir_under_a_file_is_a_one_line_error(tmp_path):
+    """Case: an --out-dir that cannot be created gave a bare OSError (exit 1). A folder under a
+    regular file cannot be created by anyone, root included."""
+    f = tmp_path / "file"
+    f.write_text("not a folder")
+    err = one_line_error(run_py(*TINY, "--out-dir", str(f / "run")))
+    assert "--out-dir" in err and str(f) in err and "is a file, not a folder" in err
+
+
+@pytest.mark.slow
+def test_a_read_only_out_dir_is_a_one_line_error(tmp_path):
+    """Case: `train.py --out-dir` on a read-only folder exited 1 with a bare OSError. Now one line
+    naming the flag and the folder, exit 2, before any work."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("this user writes into a read-only folder anyway (root)")
+        err = one_line_error(run_py(*TINY, "--out-dir", str(ro / "run")))
+        assert "--out-dir" in err and str(ro) in err and "not writable" in err
+    finally:
+        ro.chmod(0o755)
+
+
+def test_a_write_that_fails_in_the_out_dir_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Case: a write into --out-dir that failed (a read-only disk, a full one, or a folder made
+    read-only once the run had started; also for root) ended in a bare OSError and exit 1."""
+    import errno
+    from refdec import training
+    out = tmp_path / "run"
+
+    def read_only_disk(self):
+        raise OSError(errno.EROFS, "Read-only file system", str(out / "tokenizer.json"))
+    monkeypatch.setattr(training.Trainer, "run", read_only_disk)
+    previous = signal.getsignal(signal.SIGINT)  # main() holds Ctrl-C while it imports
+    try:
+        code = train_script().main(["--preset", "tiny", "--threads", "1", "--out-dir", str(out)])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --out-dir") and "tokenizer.json" in err and "Read-only file system" in err
+
+
+@pytest.mark.slow
+def test_train_py_logs_the_vocabulary_size_it_trained(tmp_path):
+    """Case: train.py logged "tokenizer: 8000 BPE tokens trained" when the vocabulary it trained had
+    1,607 (too little text for 8,000). It logs the size it trained and the size asked for."""
+    from refdec.tokenizer import Tokenizer
+    out = tmp_path / "run"
+    r = run_py(*TINY, "--train-limit", "50", "--vocab-size", "8000", "--out-dir", str(out), "--max-steps", "1",
+               "--eval-every", "1", "--eval-sentences", "2")
+    assert r.returncode == 0, r.stderr.decode()
+    size = Tokenizer.load(out / "tokenizer.json").vocab_size
+    assert size < 8000
+    assert f"tokenizer: {size} BPE tokens trained (8000 asked for:" in r.stderr.decode(), r.stderr.decode()
 
 
 def _wait_for(proc, path: Path, needle: str, timeout: float = 120) -> None:

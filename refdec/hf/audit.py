@@ -38,14 +38,15 @@ def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name:
 
 
 def audit(args) -> dict:
-    from ..data import DATA_DIR, read_lines
+    from ..data import read_lines
+    from ..hints import repo_file
 
     torch.set_num_threads(args.threads)
     if args.input:  # a file of the user's (a transformers folder needs no task)
         from ..inputs import read_text_lines
         lines = read_text_lines(args.input)
     else:
-        src_path = DATA_DIR / args.task / "test.src.gz"
+        src_path = repo_file("data", args.task, "test.src.gz", flag="--input FILE")
         if not src_path.is_file():
             raise HFError(f"{src_path} not found (an unknown task, or data/build.py not run)")
         lines = read_lines(src_path)

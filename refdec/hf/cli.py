@@ -18,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a transformers folder for a refdec checkpoint (and check it)")
     e.add_argument("ckpt", help="a refdec model.pt")
     e.add_argument("out_dir", help="the folder to write (created)")
+    e.add_argument("--without-heads", action="store_true", help="a checkpoint with blockwise proposal heads: export "
+                   "the model alone (transformers has no place for the heads; without this flag such a checkpoint "
+                   "is refused)")
     a = sub.add_parser("audit", help="refdec's and transformers' decoders on the same weights and inputs")
     a.add_argument("--task", help="its data/<task>/test.src.gz is decoded (or --input)")
     a.add_argument("--input", metavar="FILE", help="the sentences to decode, one per line (a transformers folder "
@@ -45,9 +48,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
         if Path(args.out_dir).exists() and any(Path(args.out_dir).iterdir()):
             raise HFError(f"{args.out_dir} exists and is not empty")
-        result = export(args.ckpt, args.out_dir)
+        result = export(args.ckpt, args.out_dir, without_heads=args.without_heads)
         print(f"wrote {result['folder']} ({result['architecture']}); transformers' float64 logits within "
-              f"{result['max_logit_difference']:.2g} of refdec's, the same greedy output")
+              f"{result['max_logit_difference']:.2g} of refdec's, the same greedy output"
+              + ("; the proposal heads are not in it" if result["heads_left_out"] else ""))
         return 0
     for name in ("limit", "threads", "gamma", "prompt_lookup"):
         if getattr(args, name) < 1:

@@ -26,6 +26,7 @@ within 1e-12 of refdec's and the same greedy output on a probe sentence.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -125,10 +126,27 @@ def check_export(model: Transformer, folder: Path, src_ids: list[int], max_len: 
     return {"max_logit_difference": diff, "greedy_tokens": len(ours)}
 
 
-def export(ckpt: str | Path, out_dir: str | Path, probe: str = "A short sentence to check the export.") -> dict:
-    """A refdec checkpoint -> a transformers folder, checked by loading it back with transformers."""
-    model, tokenizer, _ = load_model(ckpt)
+def check_heads(ckpt: str | Path, stored: dict, without_heads: bool) -> None:
+    """A checkpoint with blockwise proposal heads (refdec.proposal) has no transformers equivalent:
+    no stock architecture holds heads beside the model, nor decodes blockwise. Refused unless
+    `without_heads` says to export the model they sit on alone."""
+    if "proposal" not in stored or without_heads:
+        return
+    base = stored.get("frozen_base")
+    instead = f"export its frozen base {os.path.normpath(Path(ckpt).parent / base['path'])} instead, or " if base else ""
+    raise HFError(f"{ckpt} carries {stored['proposal']['config']['k'] - 1} blockwise proposal heads, which no "
+                  f"transformers architecture holds: {instead}pass --without-heads to export the model without them "
+                  f"(blockwise decoding needs the refdec checkpoint)")
+
+
+def export(ckpt: str | Path, out_dir: str | Path, probe: str = "A short sentence to check the export.", *,
+           without_heads: bool = False) -> dict:
+    """A refdec checkpoint -> a transformers folder, checked by loading it back with transformers.
+    A checkpoint with proposal heads is refused unless `without_heads` (check_heads)."""
+    model, tokenizer, stored = load_model(ckpt)
+    check_heads(ckpt, stored, without_heads)
     folder = write_folder(model, tokenizer, out_dir)
-    return {"folder": str(folder), "architecture": export_route(model.cfg), **check_export(model, folder, tokenizer.encode(probe))}
+    return {"folder": str(folder), "architecture": export_route(model.cfg), "heads_left_out": "proposal" in stored,
+            **check_export(model, folder, tokenizer.encode(probe))}
 
 
