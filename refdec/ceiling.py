@@ -53,7 +53,7 @@ from .decoding.greedy import decode_greedy
 from .decoding.verify import verify
 from .drafter import draft_block
 from .errors import UsageError, first_line, run_command
-from .inputs import max_len_for, shown_path, source_ids
+from .inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
 from .model import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
                          "--limit and --threads at least 1, --warmup at least 0") from None
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else REPO / "checkpoints" / args.task / "model.pt"
+    shipped_drafter = REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
+    drafter = None if args.drafter == "none" else args.drafter or shipped_drafter
+    check_outputs({"--report": args.report}, input_files(args.task, None) | checkpoint_files("the model", path)
+                  | checkpoint_files("the drafter", drafter) | checkpoint_files("--small", args.small))
     try:
         m = load_models(args, path)
     except ValueError as e:

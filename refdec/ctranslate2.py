@@ -51,7 +51,7 @@ from .decoding.result import DecodeResult, DecodeStats, result_of
 from .errors import UsageError, run_command
 from .fast import is_fast, set_fast_route
 from .hf import PEGASUS, check_export, export_route, write_folder
-from .inputs import check_writable, read_input, shown_path, source_ids
+from .inputs import checkpoint_files, check_outputs, input_files, read_input, shown_path, source_ids
 from .loading import Models
 from .machine import usable_cores
 from .report import format_table, summary_row, write_report
@@ -323,8 +323,8 @@ def check_args(args) -> None:
         raise UsageError(f"--threads must be at most the {usable_cores()} cores this machine gives the run")
     args.batch_sizes = sorted({1, *args.batch_sizes})
     args.threads = sorted(set(args.threads))
-    if args.report:
-        check_writable(args.report, "--report", not_paths={"input": args.input})
+    check_outputs({"--report": args.report}, input_files(args.task, args.input) | checkpoint_files("--model", args.model)
+                  | {"the converted models' folder (--cache-dir)": args.cache_dir})
 
 
 def run(args) -> int:

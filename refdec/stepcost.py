@@ -37,7 +37,8 @@ import torch
 from .fast import set_fast_route
 from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
-from .inputs import shown_path
+from .errors import UsageError
+from .inputs import check_outputs, checkpoint_files, shown_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     path = args.model or REPO / "checkpoints" / args.task / "model.pt"
     try:
+        check_outputs({"--report": args.report}, checkpoint_files("the model", path))
         model, _, _ = load_model(path, task=args.task)
-    except CheckpointError as e:
+    except (CheckpointError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:

@@ -65,7 +65,7 @@ def test_report_and_compare(trained_tiny, tmp_path):
                 "bleu", "chrf"):
         assert key in report, key
     assert report["n"] == 6 and report["algo"] == "beam"
-    assert set(report["compare"]) >= {"algo", "seconds", "speedup", "identical", "bleu"}
+    assert set(report["compare"]) >= {"algo", "seconds", "speed_vs_first", "identical", "bleu"}
     assert report["compare"]["identical"] == 1.0
     assert report["environment"]["threads"] == 1 and report["environment"]["threads_auto"] is False
     assert len(r.stdout.decode().splitlines()) == 6

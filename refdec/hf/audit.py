@@ -42,8 +42,7 @@ def audit(args) -> dict:
 
     torch.set_num_threads(args.threads)
     if args.input:  # a file of the user's (a transformers folder needs no task)
-        from ..inputs import read_text_lines
-        lines = read_text_lines(args.input)
+        lines = read_lines(args.input)
     else:
         src_path = DATA_DIR / args.task / "test.src.gz"
         if not src_path.is_file():
