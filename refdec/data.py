@@ -46,8 +46,9 @@ def read_lines(path: str | Path) -> list[str]:
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as e:
-            raise UsageError(f"{name} is not a valid gzip file ({e}); give the plain text file, or restore a "
-                             f"shipped one (git checkout -- {name})") from None
+            shipped = Path(path).resolve().is_relative_to(DATA_DIR)
+            raise UsageError(f"{name} is not a valid gzip file ({e}); " + (f"restore the shipped file: git checkout -- "
+                             f"{name}" if shipped else "give the plain text file instead")) from None
     if raw.startswith(codecs.BOM_UTF8):
         raw = raw[len(codecs.BOM_UTF8):]
         print(f"note: {name} starts with a UTF-8 byte-order mark; it is dropped, not read as text", file=sys.stderr)
