@@ -511,3 +511,19 @@ def test_model_help_and_usage_name_every_family_refdec_hf_imports():
     for family in FAMILIES.values():
         name = re.split(r"For|MTModel", family.architecture)[0].lower()  # M2M100ForConditional... -> m2m100
         assert name in help_text and name in usage, family.architecture
+
+
+@pytest.mark.slow
+def test_a_byte_order_mark_does_not_change_the_output(trained_tiny, tmp_path):
+    """Case: on gec-en "She go to school yesterday." saved with a byte-order mark came out as "The Ital
+    ItalShe go to school yesterday.": the mark was decoded as part of the first line. decode.py now gives
+    the output of the same file without it, with one note naming the file (stdin alike)."""
+    text = "She go to school yesterday.\nClick OK to close the dialog.\n"
+    (tmp_path / "plain.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "bom.txt").write_text(text, encoding="utf-8-sig")
+    want = decode(trained_tiny, "--algo", "greedy", "--input", str(tmp_path / "plain.txt"), "--max-len", "8")
+    for args, stdin in (([str(tmp_path / "bom.txt")], None), (["-"], (tmp_path / "bom.txt").read_bytes())):
+        r = decode(trained_tiny, "--algo", "greedy", "--max-len", "8", "--input", *args, stdin=stdin)
+        assert r.returncode == want.returncode == 0 and r.stdout == want.stdout, r.stderr.decode()
+        notes = [line for line in r.stderr.decode().splitlines() if "byte-order mark" in line]
+        assert notes == [f"note: {args[0]} starts with a UTF-8 byte-order mark; it is dropped, not read as text"]
