@@ -74,10 +74,10 @@ def check_outputs(outputs: dict[str, str | Path | list | None], reads: dict[str,
             written.append((flag, p))
 
 
-def input_files(task: str | None, path: str | None, ref_paths: list[str] = ()) -> dict[str, str | Path]:
+def input_files(task: str | None, path: str | None, ref_paths: list[str] | None = None) -> dict[str, str | Path]:
     """What read_input reads, for check_outputs: --input and each --ref, else the task's data folder."""
     if path:
-        return {"the input": path, **{f"the --ref file {r}": r for r in ref_paths}}
+        return {"the input": path, **{f"the --ref file {r}": r for r in ref_paths or []}}
     folder = data_mod.DATA_DIR / task if task else None
     return {f"the data folder of --task {task} ({shown_path(folder)})": folder} if folder else {}
 

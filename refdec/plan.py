@@ -195,8 +195,7 @@ def model_name(path: str | Path) -> str:
 def model_names(paths: list[Path]) -> dict[Path, str]:
     """Each distinct checkpoint's name in row labels: model_name, or where two share one (two folders
     of the same name under different parents) the path to the folder, so that no two rows read alike."""
-    files = list(dict.fromkeys(p.resolve() for p in paths))
-    names = {p: model_name(p) for p in files}
+    names = {p: model_name(p) for p in dict.fromkeys(p.resolve() for p in paths)}
     return {p: (shown(p if p.is_dir() else p.parent) if list(names.values()).count(n) > 1 else n)
             for p, n in names.items()}
 
