@@ -192,11 +192,8 @@ def run(args) -> int:
             "row_invariant": args.invariant, "fast_route": args.fast, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
                 "threads_auto": args.threads is None, "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}}))
     if args.trace:
-        from refdec.trace import colour_enabled, trace_text
-        for i, steps in enumerate(runs[0].traces):
-            if steps is not None:
-                print(trace_text(args.algo, i, steps, loader.tokenizer, colour=colour_enabled(sys.stderr)),
-                      file=sys.stderr)
+        from refdec.trace import print_traces
+        print_traces(args.algo, runs[0].traces, loader.tokenizer)
     if args.html:
         write_html(args, summary, runs, loader, model_path, input_path, lines, refs, ids, interrupted)
     print(summary.text, file=sys.stderr if not args.output else sys.stdout)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 
@@ -94,6 +95,15 @@ def colour_enabled(stream) -> bool:
         return False
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
+
+
+def print_traces(algo: str, traces: list, tokenizer, stream=None) -> None:
+    """decode.py --trace: every sentence's trace (None for an empty line: skipped) on stderr, coloured
+    in a terminal."""
+    stream = stream or sys.stderr
+    for i, steps in enumerate(traces):
+        if steps is not None:
+            print(trace_text(algo, i, steps, tokenizer, colour=colour_enabled(stream)), file=stream)
 
 
 def strip_colour(text: str) -> str:
