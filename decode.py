@@ -6,9 +6,10 @@ r"""Decode a task's test set (or any file) with one of refdec's algorithms.
 
 Prints one output line per input line (stdout, or --output FILE) and a summary table (stderr when the
 outputs go to stdout). With --compare ALGO the second algorithm runs on the same inputs in the same
-process, interleaved, and the table adds speedup (its seconds / ours) and identical (fraction of
-outputs token-for-token equal). --compare greedy means greedy decoding of the model the algorithm
-reproduces. --report FILE writes every figure as JSON.
+process, interleaved, and the table adds its speed against the first ("1.21x faster": the first run's
+seconds / its own, the report's speed_vs_first) and identical (fraction of outputs token-for-token
+equal). --compare greedy means greedy decoding of the model the algorithm reproduces. --report FILE
+writes every figure as JSON.
 
 --compare takes several algorithms, and each may name its own checkpoint (same tokenizer):
 
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "shipped model for the task, checkpoints/<task>/model.pt, for gec-uk and gec-en "
                    "checkpoints/<task>-9x3/, for "
                    "blockwise checkpoints/<task>-blockwise/; tokenizer.json must sit beside it), or a Hugging Face "
-                   "transformers model folder (M2M100, NLLB; docs/hf.md)")
+                   "transformers model folder (M2M100, NLLB, Marian, BART, mBART, Pegasus, T5; docs/hf.md)")
     g.add_argument("--src-lang", metavar="TOKEN", help="with a transformers folder: the source-language token forced "
                    "before every source (NLLB: eng_Latn)")
     g.add_argument("--tgt-lang", metavar="TOKEN", help="with a transformers folder: the target-language token forced "
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from refdec.errors import run_command
     from refdec.interrupt import hold_sigint, release_sigint
-    hold_sigint()  # a Ctrl-C while torch is imported waits for the import to finish (see refdec/interrupt.py)
+    hold_sigint(sigterm=True)  # a Ctrl-C (or SIGTERM) during imports waits for them to finish (refdec/interrupt.py)
 
     def body() -> int:
         args = build_parser().parse_args(argv)
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
 
     try:
-        return run_command(body)  # Ctrl-C before decoding started, or while the figures were computed: 130
+        return run_command(body)  # Ctrl-C (SIGTERM) before decoding, or while the figures are computed: 130 (143)
     finally:
         release_sigint(raise_held=False)  # --help or a bad flag ends main before run() released it
 
@@ -140,13 +141,14 @@ def run(args) -> int:
     from refdec.algorithms import OPTIONS
     from refdec.data import DATA_DIR
     from refdec.errors import UsageError
-    from refdec.interrupt import release_sigint
+    from refdec.interrupt import release_sigint, stopped_by
     from refdec.loading import load_models
     from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load
     if args.task is None and not (args.model and os.path.isdir(args.model) and args.input):
         raise UsageError("--task is needed unless --model is a Hugging Face folder and --input names the text")
+    inputs.check_machine(args.device, args.threads)
     input_path = inputs.shown_path(args.input or DATA_DIR / (args.task or "") / "test.src.gz")
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
                       refs=args.ref, input=args.input, batch_tokens=args.batch_tokens)
@@ -156,8 +158,8 @@ def run(args) -> int:
                            batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size),
                            batch_tokens=args.batch_tokens)
     shared = plan.shared_second_models(specs, args.task, {"small": args.small, "drafter": args.drafter})
-    inputs.check_machine(args.device, args.threads, output=args.output, report=args.report, html=args.html,
-                         reads={"input": args.input, **{f"--ref file {r}": r for r in args.ref}})
+    inputs.check_outputs({"--output": args.output, "--report": args.report, "--html": args.html},  # none a file read
+                         inputs.input_files(args.task, args.input, args.ref) | plan.checkpoints_read(specs, shared))
     if args.html:
         from refdec.htmlreport import check_available
         check_available()
@@ -181,15 +183,9 @@ def run(args) -> int:
                                        max_positions=loader.max_positions, device=args.device, warmup=args.warmup,
                                        progress=not args.quiet, busy=busy)
     others_busy = busy.others()  # over the whole run: said again under the table if they kept the cores
-    interrupted = complete < len(lines)
-    if interrupted:  # the figures cover the lines every run finished, which are also the lines written
-        inputs.warn(f"interrupted after {complete} of {len(lines)} input lines: those lines are written"
-                    + (f" to {args.output}" if args.output else "")
-                    + ("; the scores below cover them alone, the times and counts every batch finished (batches are "
-                       "formed by length, so some of those lines come later in the input)"
-                       if any(r.batch_size != 1 for r in runs) else "; the figures below cover them alone"))
+    if interrupted := complete < len(lines):  # the figures cover the lines every run finished (the lines written)
+        runner.keep_first(runs, complete, len(lines), args.output)
         lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
-        runner.keep_first(runs, complete)
     summary = report.summarise(args.task, runs, lines, refs, ids, loader.tokenizer, args.device,
                                warning=busy_warning(others_busy, torch.get_num_threads(), usable_cores(), "kept"))
     model_path = inputs.shown_path(loader.main_path)
@@ -203,15 +199,12 @@ def run(args) -> int:
             "row_invariant": args.invariant, "fast_route": args.fast, "graphed_route": args.graphed, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
                 "threads_auto": args.threads is None, "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}}))
     if args.trace:
-        from refdec.trace import colour_enabled, trace_text
-        for i, steps in enumerate(runs[0].traces):
-            if steps is not None:
-                print(trace_text(args.algo, i, steps, loader.tokenizer, colour=colour_enabled(sys.stderr)),
-                      file=sys.stderr)
+        from refdec.trace import print_traces
+        print_traces(args.algo, runs[0].traces, loader.tokenizer)
     if args.html:
         write_html(args, summary, runs, loader, model_path, input_path, lines, refs, ids, interrupted)
     print(summary.text, file=sys.stderr if not args.output else sys.stdout)
-    return 130 if interrupted else 0
+    return stopped_by()[1] if interrupted else 0
 
 
 def write_html(args, summary, runs, loader, model_path: str, input_path: str, lines, refs, ids, interrupted: bool) -> None:

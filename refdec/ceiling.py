@@ -54,7 +54,7 @@ from .decoding.verify import verify
 from .drafter import draft_block
 from .errors import UsageError, first_line, run_command
 from .hints import repo_file
-from .inputs import max_len_for, shown_path, source_ids
+from .inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
 from .model import Transformer
 from .progress import ProgressLine
 
@@ -199,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
     repo_file("data", args.task)  # its test set: the repository's
+    shipped_drafter = data_mod.REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
+    drafter = None if args.drafter == "none" else args.drafter or shipped_drafter
+    check_outputs({"--report": args.report}, input_files(args.task, None) | checkpoint_files("the model", path)
+                  | checkpoint_files("the drafter", drafter) | checkpoint_files("--small", args.small))
     try:
         m = load_models(args, path)
     except ValueError as e:

@@ -52,7 +52,7 @@ from .errors import UsageError, run_command
 from .fast import is_fast, set_fast_route
 from .hf import PEGASUS, check_export, export_route, write_folder
 from .hints import repo_file
-from .inputs import check_writable, read_input, shown_path, source_ids
+from .inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from .loading import Models
 from .machine import usable_cores
 from .progress import ProgressLine
@@ -328,8 +328,8 @@ def check_args(args) -> None:
         raise UsageError(f"--threads must be at most the {usable_cores()} cores this machine gives the run")
     args.batch_sizes = sorted({1, *args.batch_sizes})
     args.threads = sorted(set(args.threads))
-    if args.report:
-        check_writable(args.report, "--report", not_paths={"input": args.input})
+    check_outputs({"--report": args.report}, input_files(args.task, args.input) | checkpoint_files("--model", args.model)
+                  | {"the converted models' folder (--cache-dir)": args.cache_dir})
 
 
 def run(args) -> int:

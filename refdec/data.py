@@ -13,14 +13,19 @@ its training target is `ids + [eos]`.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import random
+import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .config import BOS_ID, EOS_ID, PAD_ID
+from .errors import UsageError
+from .hints import shown
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO / "data"
@@ -28,11 +33,35 @@ TASKS = {"mt-en-de": "mt", "gec-uk": "gec", "gec-en": "gec"}
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """A text file (gzip if it ends in .gz) as a list of lines without their line endings."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-        return f.read().split("\n")[:-1] if path.stat().st_size else []
+    """The lines of a UTF-8 text file (gzip if its name ends in .gz; '-' reads stdin), without their
+    line endings (LF or CRLF), as every command reads text. A leading byte-order mark, which some
+    editors save, is dropped (a note says so): it is no part of the first line. A file that cannot be
+    read, is not gzip though named .gz, or is not UTF-8 is a UsageError naming it."""
+    name = str(path) if str(path) == "-" else shown(Path(path))
+    try:
+        raw = sys.stdin.buffer.read() if name == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {name}: {e.strerror}") from None
+    if name.endswith(".gz"):
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            shipped = Path(path).resolve().is_relative_to(DATA_DIR)
+            raise UsageError(f"{name} is not a valid gzip file ({e}); " + (f"restore the shipped file: git checkout -- "
+                             f"{name}" if shipped else "give the plain text file instead")) from None
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+        print(f"note: {name} starts with a UTF-8 byte-order mark; it is dropped, not read as text", file=sys.stderr)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
+        raise UsageError(f"{name}: line {line} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                         f"{e.start - start + 1})") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.rstrip("\r") for line in lines]
 
 
 @dataclass

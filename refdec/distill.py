@@ -44,7 +44,7 @@ from .checkpoint import file_sha256, load_model
 from .decoding import decode_beam, decode_greedy
 from .errors import UsageError, run_command
 from .hints import repo_file
-from .inputs import shown_path
+from .inputs import check_device, check_outputs, checkpoint_files, shown_path
 from .machine import BusyCores, fit_threads
 from .progress import ProgressLine
 
@@ -77,14 +77,31 @@ def read_partial(partial: Path, options: dict) -> dict[int, str] | None:
     return done
 
 
+def doc_sibling(path: Path) -> Path | None:
+    """The `.doc` sibling of a source file (`x.src.gz` -> `x.doc.gz`, `x.txt` -> `x.doc.txt`), if it exists."""
+    name = path.name
+    doc_name = name.replace(".src.", ".doc.") if ".src." in name else f"{path.stem}.doc{path.suffix}"
+    return path.with_name(doc_name) if doc_name != name and path.with_name(doc_name).exists() else None
+
+
+def check_paths(task: str, model_path: Path, folder: Path, data_dir: Path, sources: Path | None,
+                add: Path | None) -> None:
+    """None of the files distill writes into `folder` is one it reads (refdec.inputs.check_outputs)."""
+    copied = sorted(f.name for split in ("dev", "test") for f in (data_dir / task).glob(f"{split}.*.gz"))
+    reads = checkpoint_files("the teacher (--model)", model_path) | {
+        f"the data folder of {task} ({shown_path(data_dir / task)})": data_dir / task,
+        "--sources": sources, "the document ids beside --sources": sources and doc_sibling(sources),
+        f"the training data of --add ({add and add / task})": add and add / task}
+    written = ["train.src.gz", "train.tgt.gz", "train.doc.gz", "distill.json", *copied]
+    check_outputs({"--out": [folder / name for name in written]}, reads, folders_made=True)
+
+
 def read_sources(path: Path) -> tuple[list[str], list[str] | None]:
     """Sentences of a source file (gzip or plain text, one per line) and the document ids of its
     `.doc` sibling (`x.src.gz` -> `x.doc.gz`, `x.txt` -> `x.doc.txt`), or None when it has none."""
     src = data_mod.read_lines(path)
-    name = path.name
-    doc_name = name.replace(".src.", ".doc.") if ".src." in name else f"{path.stem}.doc{path.suffix}"
-    doc_path = path.with_name(doc_name)
-    if doc_name == name or not doc_path.exists():
+    doc_path = doc_sibling(path)
+    if doc_path is None:
         return src, None
     docs = data_mod.read_lines(doc_path)
     if len(docs) != len(src):
@@ -107,6 +124,8 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     """Decode the task's training sources (or the sentences of `sources`) with the teacher and write
     the training folder <out>/<task>/ (see the module docstring); returns what distill.json holds."""
     data_dir = Path(data_dir or data_mod.DATA_DIR)
+    folder = out / task
+    check_paths(task, model_path, folder, data_dir, sources and Path(sources), add and Path(add))
     model, tok, ckpt = load_model(model_path, task=task, device=device)
     if sources is None:
         train = data_mod.load_split(task, "train", data_dir)
@@ -120,7 +139,6 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     if sources is not None:
         options |= {"sources": shown_path(sources), "sources_sha256": file_sha256(Path(sources))}
     extra = added_pairs(Path(add), task, options) if add is not None else None
-    folder = out / task
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / ".partial.jsonl"
     done = read_partial(partial, options)
@@ -204,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+    check_device(device)
     if args.beam_size < 1 or args.batch_size < 1 or args.limit < 0 or args.save_every < 1:
         raise UsageError("--beam-size, --batch-size and --save-every must be at least 1, --limit at least 0")
     if args.threads:

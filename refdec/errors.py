@@ -2,7 +2,8 @@
 
 A user sees one line: `error: <what went wrong and what to do>`, exit status 2 for an error the user
 can fix (a flag, a file, a checkpoint), 1 for anything else (with its type, since it is likely a bug),
-130 for Ctrl-C. REFDEC_DEBUG=1 shows the traceback instead. Every command's main() is run_command().
+130 for Ctrl-C (143 for a SIGTERM that refdec.interrupt turned into one). REFDEC_DEBUG=1 shows the
+traceback instead. Every command's main() is run_command().
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Callable
+
+from .interrupt import stopped_by
 
 
 class UsageError(Exception):
@@ -32,12 +35,13 @@ def run_command(body: Callable[[], int], *, known: tuple[type[BaseException], ..
 
     known: the error types (beside UsageError and CheckpointError) that the user can fix: printed as
     `error: message`, exit 2. Anything else prints its type too, exit 1. Ctrl-C prints `interrupted`,
-    exit 130; a closed stdout (`... | head`) ends quietly with 0."""
+    exit 130 (a held SIGTERM: 143); a closed stdout (`... | head`) ends quietly with 0."""
     try:
         return body()
     except KeyboardInterrupt:
-        print(interrupted, file=sys.stderr)
-        return 130
+        how, status = stopped_by()
+        print(interrupted if status == 130 else f"{interrupted} ({how})", file=sys.stderr)
+        return status
     except BrokenPipeError:  # the reader of our stdout left: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

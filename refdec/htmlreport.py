@@ -23,11 +23,9 @@ import torch
 
 from . import report, runner
 from .errors import UsageError
-from .trace import Step, iterations
+from .trace import Step, how_drafted, iterations, token_pieces
 
 PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
-DRAFTED_FROM = {"source": "copied from the source", "drafter": "drafted by the drafter",
-                "heads": "proposed by the heads", "small": "written by the small model"}
 
 
 def check_available() -> None:
@@ -119,24 +117,6 @@ def legend_html() -> str:
             f"Beam search: the token each live beam added at each step, best beam first.</p>")
 
 
-def token_pieces(tokenizer):
-    """token id -> its text for a token chip: the token decoded alone (a leading space shown as a
-    gap), or its byte-level symbol when it is part of a multi-byte character."""
-    memo: dict[int, tuple[str, bool]] = {}
-
-    def piece(t: int) -> tuple[str, bool]:
-        if t not in memo:
-            if t == tokenizer.eos_id:
-                memo[t] = ("</s>", True)
-            else:
-                text = tokenizer.decode([t])
-                if "\ufffd" in text or not text:
-                    text = tokenizer.tokens([t])[0]
-                memo[t] = (text.lstrip(" ") or text, text.startswith(" "))
-        return memo[t]
-    return piece
-
-
 def chips(tokens, part: str, piece) -> str:
     out = []
     for t in tokens:
@@ -204,9 +184,7 @@ def steps_html(algo: str, steps: list[Step], piece) -> str:
             body = ((f'<span class="who">S</span>{acc}{rej}' if s.drafted else "")
                     + (f'<span class="who">L</span>{own}' if own else ""))
         else:
-            where = f" (from source token {s.origin})" if s.origin is not None else ""
-            how = (f"{len(s.drafted)} {DRAFTED_FROM[s.drafted_by]}{where}, {s.accepted} accepted" if s.drafted
-                   else "nothing drafted: one token")
+            how = how_drafted(s)
             body = acc + own + rej
         rows.append(f'<div class="it"><span class="k">{n}</span><span class="toks">{body}</span>'
                     f'<span class="how">{html.escape(how)}</span></div>')

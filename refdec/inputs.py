@@ -1,10 +1,12 @@
 """What a run reads and where it writes, checked before any model loads: input files (UTF-8, gzip),
-reference files, output paths, the device and thread count; the source ids and output budget of each
+reference files, output paths (never a file the run reads: check_outputs, which every command calls),
+the device and thread count; the source ids and output budget of each
 line; and how a path is recorded in a report (as given, or relative to the repository).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,80 +22,108 @@ def warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
-def read_text_lines(path: str) -> list[str]:
-    """Lines of a UTF-8 file, or of stdin for '-'. Invalid UTF-8 is an error naming the line."""
-    try:
-        raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}") from None
-    if path.endswith(".gz"):
-        import gzip
-        import zlib
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise UsageError(f"{path} is not a valid gzip file ({e}); give the plain text file instead") from None
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    out = []
-    for i, line in enumerate(lines, 1):
-        try:
-            out.append(line.rstrip(b"\r").decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{path}: line {i} is not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
-    return out
-
-
-def check_writable(path: str, what: str, *, not_paths: dict[str, str] | None = None) -> None:
+def check_writable(path: str | Path, flag: str) -> None:
     """Fail before any decoding if `path` cannot be written, so that finished work is never lost at the
-    end: the folder must exist, the path must not be a folder (or one of `not_paths`, e.g. the input),
-    and opening it for appending must work (this creates no file that was not there)."""
+    end: the folder must exist, the path must not be a folder, and opening it for appending must work
+    (this creates no file that was not there)."""
     p = Path(path)
-    for other_what, other in (not_paths or {}).items():
-        if other and other != "-" and Path(other).resolve() == p.resolve():
-            raise UsageError(f"{what} {path} is also the {other_what}: it would be overwritten")
     if p.is_dir():
-        raise UsageError(f"{what} {path} is a folder; give a file name")
+        raise UsageError(f"{flag} {path} is a folder; give a file name")
     if not p.parent.is_dir():
-        raise UsageError(f"{what} {path}: the folder {p.parent} does not exist")
+        raise UsageError(f"{flag} {path}: the folder {p.parent} does not exist")
     existed = p.exists()
     try:
         with open(p, "a", encoding="utf-8"):
             pass
     except OSError as e:
-        raise UsageError(f"{what} {path} cannot be written: {e.strerror}") from None
+        raise UsageError(f"{flag} {path} cannot be written: {e.strerror}") from None
     if not existed:
         p.unlink()
 
 
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same path once resolved, or one file under two names."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
 
-def check_machine(device: str, threads: int | None, *, output: str | None, report: str | None, html: str | None,
-                  reads: dict[str, str]) -> None:
-    """Device and threads this machine has; output paths checked now, so that a run never decodes
-    for an hour to fail on its output. `reads`: name -> path of every file the run reads. (Whether
-    --html can draw its charts is refdec.htmlreport.check_available's to say.)"""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda requested but no CUDA device is available")
+
+def check_outputs(outputs: dict[str, str | Path | list | None], reads: dict[str, str | Path | None], *,
+                  folders_made: bool = False) -> None:
+    """Every path a command writes, checked before any work by every command alike: none may be a
+    file the run reads, nor another output, and each must be writable (unless `folders_made`: the
+    command makes their folders).
+
+    outputs: flag -> path (or a list of paths), None when not given. reads: what -> path of everything
+    the run reads, defaults included (input_files, checkpoint_files); a folder there stands for every
+    file in it."""
+    written: list[tuple[str, Path]] = []
+    for flag, paths in outputs.items():
+        for path in [paths] if isinstance(paths, (str, Path)) else paths or []:
+            p = Path(path)
+            for what, read in ((w, Path(r)) for w, r in reads.items() if r and str(r) != "-"):
+                if same_file(p, read) or (read.is_dir() and p.exists() and p.resolve().is_relative_to(read.resolve())):
+                    raise UsageError(f"{flag} {path} {'lies in' if read.is_dir() else 'is also'} {what}, which this "
+                                     f"run reads: it would be overwritten; give another path")
+            for other_flag, other in written:
+                if same_file(p, other):
+                    raise UsageError(f"{flag} {path} is also the {other_flag} path: give each output its own")
+            if not folders_made:
+                check_writable(p, flag)
+            written.append((flag, p))
+
+
+def input_files(task: str | None, path: str | None, ref_paths: list[str] | None = None) -> dict[str, str | Path]:
+    """What read_input reads, for check_outputs: --input and each --ref, else the task's data folder."""
+    if path:
+        return {"the input": path, **{f"the --ref file {r}": r for r in ref_paths or []}}
+    folder = data_mod.DATA_DIR / task if task else None
+    return {f"the data folder of --task {task} ({shown_path(folder)})": folder} if folder else {}
+
+
+def checkpoint_files(what: str, path: str | Path | None) -> dict[str, str | Path]:
+    """What loading a checkpoint reads, for check_outputs: a refdec checkpoint and the tokenizer.json
+    beside it, or a transformers folder (every file in it)."""
+    if path is None or str(path) == "early-exit":
+        return {}
+    p = Path(path)
+    if p.is_dir():
+        return {f"the folder {path} ({what})": p}
+    return {what: p, f"the tokenizer beside {what}": p.parent / "tokenizer.json"}
+
+
+def check_device(device: str) -> None:
+    """--device names a device refdec runs on, present on this machine: cpu, or cuda[:N]."""
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        kind = None
+    if kind is None or kind.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: refdec runs on cpu or cuda (cuda:N for one GPU of several)")
+    if kind.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+    if kind.type == "cuda" and kind.index is not None and kind.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
+def check_machine(device: str, threads: int | None) -> None:
+    """The device and the thread count this machine has, checked before any model loads."""
+    check_device(device)
     if threads is not None:
         if not 1 <= threads <= usable_cores():
             raise UsageError(f"--threads must be between 1 and the {usable_cores()} cores this machine gives "
                              f"the run (more threads than cores only slows decoding down)")
         torch.set_num_threads(threads)
-    if output:
-        check_writable(output, "--output", not_paths=reads)
-    if report:
-        check_writable(report, "--report", not_paths={**reads, "--output": output})
-    if html:
-        check_writable(html, "--html", not_paths={**reads, "--output": output, "--report": report})
 
 
 def read_input(task: str, path: str | None, ref_paths: list[str], limit: int | None) -> tuple[list[str], list[list[str]]]:
     """The input lines and their reference streams (the task's test set unless `path`)."""
     task_dir = data_mod.DATA_DIR / task
     if path:
-        lines = read_text_lines(path)
-        refs = [read_text_lines(r) for r in ref_paths]
+        lines = data_mod.read_lines(path)
+        refs = [data_mod.read_lines(r) for r in ref_paths]
         for ref, r in zip(ref_paths, refs):
             if len(r) != len(lines):
                 raise UsageError(f"--ref {ref} has {len(r)} lines but the input has {len(lines)}")

@@ -10,6 +10,10 @@ import, and the script then runs on as if nothing was pressed.
 So the scripts call `hold_sigint` first thing: a Ctrl-C is then only recorded. Once their imports
 are done they call `release_sigint`, which raises the held KeyboardInterrupt if one came, and from
 then on Ctrl-C raises at once as usual.
+
+decode.py treats SIGTERM (what `kill`, `timeout` and batch schedulers send) as Ctrl-C: held the
+same way, then a KeyboardInterrupt that keeps every finished line, and `stopped_by` tells the two
+apart for the message and the exit status (130 for SIGINT, 143 for SIGTERM, as a shell reports them).
 """
 
 from __future__ import annotations
@@ -17,23 +21,31 @@ from __future__ import annotations
 import signal
 import threading
 
-_pressed = False
+_received: int | None = None  # the last SIGINT or SIGTERM the handler got
 _holding = False
 
 
 def _handler(signum, frame):
-    global _pressed
-    _pressed = True
+    global _received
+    _received = signum
     if not _holding:
         raise KeyboardInterrupt
 
 
-def hold_sigint() -> None:
-    """Record Ctrl-C without raising until `release_sigint` (even where SIGINT was inherited as ignored)."""
-    global _holding, _pressed
+def hold_sigint(*, sigterm: bool = False) -> None:
+    """Record Ctrl-C (and with `sigterm`, SIGTERM) without raising until `release_sigint` (even where
+    SIGINT was inherited as ignored)."""
+    global _holding, _received
     if threading.current_thread() is threading.main_thread():
-        _holding, _pressed = True, False
+        _holding, _received = True, None
         signal.signal(signal.SIGINT, _handler)
+        if sigterm:
+            signal.signal(signal.SIGTERM, _handler)
+
+
+def stopped_by() -> tuple[str, int]:
+    """What stopped the run, in words, and the exit status that says so: Ctrl-C 130, SIGTERM 143."""
+    return ("stopped by SIGTERM", 128 + signal.SIGTERM) if _received == signal.SIGTERM else ("interrupted", 130)
 
 
 def release_sigint(raise_held: bool = True) -> None:
@@ -42,5 +54,5 @@ def release_sigint(raise_held: bool = True) -> None:
     raises where it lands."""
     global _holding
     _holding = False
-    if _pressed and raise_held:
+    if _received and raise_held:
         raise KeyboardInterrupt

@@ -140,7 +140,9 @@ class RunLoader:
         if "heads" in second:
             heads = load_proposal(ck, device=self.device, dtype=self.dtype)
             if heads is None:
-                raise LoadError(f"{path} has no proposal heads; train them with train.py --proposal-k (docs/usage.md, section Training)")
+                what = "is a transformers folder, with" if path.is_dir() else "has"
+                raise LoadError(f"{path} {what} no proposal heads; blockwise runs on a refdec checkpoint with heads "
+                                "trained by train.py --proposal-k (docs/usage.md, section Training)")
             found.update(heads=heads, number_values=number_values(self.tokenizer).to(self.device))
         keep = set(second) | ({"number_values"} if "heads" in second else set())
         return Models(large, path, **{k: v for k, v in found.items() if k in keep})

@@ -15,10 +15,13 @@ from pathlib import Path
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
 from .errors import UsageError
 from .hints import check_checkpoint_path, shown, train_hint
+from .inputs import checkpoint_files
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKPOINTS = REPO / "checkpoints"
 SECOND_MODEL_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
+SECOND_MODEL_WORDS = {"drafter": "block drafter on the same tokenizer (a checkpoint of train.py --drafter-k)",
+                      "small": "small model on the same tokenizer (a refdec checkpoint or a transformers folder)"}
 
 
 @dataclass(frozen=True)
@@ -178,19 +181,34 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         tokens = c.batch_tokens or (0 if c.batch_size else batch_tokens or 0)
         rows = c.batch_size or (0 if c.batch_tokens else batch_size) or (0 if tokens else 1)
         specs.append(RunSpec(algo, Path(own) if own else main, options, c.second_models, rows, "", tokens))
-    several = len({s.path.resolve() for s in specs}) > 1
-    return [replace(s, label=label(s, c, several, bool(sizes))) for s, c in zip(specs, items)]
+    names = model_names([s.path for s in specs])
+    return [replace(s, label=label(s, c, names if len(names) > 1 else None, bool(sizes))) for s, c in zip(specs, items)]
 
 
-def label(spec: RunSpec, item: Compared, with_model: bool, with_size: bool) -> str:
-    """Row name: the algorithm, plus the checkpoint's folder when the runs use several checkpoints,
-    plus what the run sets itself (a second model by its folder)."""
-    name = f"{spec.algo.name}@{spec.path.parent.name}" if with_model else spec.algo.name
+def model_name(path: str | Path) -> str:
+    """A checkpoint as a row label names it: its folder (checkpoints/gec-uk-9x3/model.pt: gec-uk-9x3), or
+    a transformers folder's own name."""
+    path = Path(path)
+    return path.name if path.is_dir() else path.parent.name
+
+
+def model_names(paths: list[Path]) -> dict[Path, str]:
+    """Each distinct checkpoint's name in row labels: model_name, or where two share one (two folders
+    of the same name under different parents) the path to the folder, so that no two rows read alike."""
+    names = {p: model_name(p) for p in dict.fromkeys(p.resolve() for p in paths)}
+    return {p: (shown(p if p.is_dir() else p.parent) if list(names.values()).count(n) > 1 else n)
+            for p, n in names.items()}
+
+
+def label(spec: RunSpec, item: Compared, names: dict[Path, str] | None, with_size: bool) -> str:
+    """Row name: the algorithm, plus its checkpoint's name when the runs use several checkpoints
+    (`names`, model_names), plus what the run sets itself (a second model by its folder)."""
+    name = f"{spec.algo.name}@{names[spec.path.resolve()]}" if names else spec.algo.name
     own = {**item.options, **item.second_models,
            **({"batch_size": spec.batch_size} if with_size or item.batch_size else {}),
            **({"batch_tokens": spec.batch_tokens} if item.batch_tokens else {})}
     for k, v in own.items():
-        v = (Path(v).parent.name if k in ("small", "drafter") and v != "early-exit"
+        v = (model_name(v) if k in ("small", "drafter") and v != "early-exit"
              else f"{v:g}" if isinstance(v, float) else v)
         name += f":{k.replace('_', '-')}={v}"
     return name
@@ -205,10 +223,29 @@ def shared_second_models(specs: list[RunSpec], task: str, given: dict) -> dict:
             raise UsageError(f"--{role} is not used by --algo {specs[0].algo.name}")
     first, out = specs[0].algo, {}
     for role in sorted(need):
+        if task is None and not given.get(role):  # a transformers folder without --task: no shipped default
+            s = next(s for s in specs if role in s.algo.roles and role not in s.second_models)
+            flag = f"--algo {s.algo.name}" if s is specs[0] else f"--compare {s.algo.name}"
+            raise UsageError(f"{flag} needs a {SECOND_MODEL_WORDS[role]}, and a transformers folder as --model comes "
+                             f"with none: pass --{role} PATH" + (f" (or --compare {s.algo.name}:{role}=PATH)"
+                                                                if s is not specs[0] else ""))
         out[role] = given.get(role) or default_second(role, task, first)
         if out[role] != "early-exit" and given.get(role):
             check_checkpoint_path(f"--{role} ", out[role])
     return out
+
+
+def checkpoints_read(specs: list[RunSpec], shared: dict) -> dict:
+    """Every checkpoint the runs load, for refdec.inputs.check_outputs: each run's model and own second
+    models, and the shared ones (--small, --drafter)."""
+    found = {}
+    for s in specs:
+        found |= checkpoint_files(f"the model of {s.label}", s.path)
+        for role, value in s.second_models.items():
+            found |= checkpoint_files(f"the {role} of {s.label}", value)
+    for role, value in shared.items():
+        found |= checkpoint_files(f"the {role} (--{role})", value)
+    return found
 
 
 def help_default(name: str) -> str:
@@ -221,6 +258,6 @@ def help_default(name: str) -> str:
     return "default: " + ", ".join(f"{k} {v}" for k, v in show.items())
 
 
-__all__ = ["Compared", "OPTIONS", "RunSpec", "check_counts", "default_checkpoint", "help_default", "parse_compare",
+__all__ = ["Compared", "OPTIONS", "RunSpec", "check_counts", "checkpoints_read", "default_checkpoint", "help_default", "parse_compare",
            "parse_sizes", "plan_runs",
            "shared_second_models"]

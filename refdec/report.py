@@ -58,21 +58,21 @@ def table_cells(rows: list[dict]) -> list[list[str]]:
             ("calls_per_sentence", "calls/sent", "{:.2f}"),
             ("drafter_calls", "draft.calls", "{}"), ("tokens_per_call", "tok/call", "{:.2f}"),
             ("bleu", "BLEU", "{:.2f}"), ("chrf", "chrF", "{:.2f}"), ("gec_f05", "F0.5", "{:.4f}"),
-            ("speedup", f"speed vs {rows[0]['algo']}", relative_speed),
+            ("speed_vs_first", f"speed vs {rows[0]['algo']}", relative_speed),
             ("identical", f"identical to {rows[0]['algo']}", "{:.4f}")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     show = lambda fmt, v: fmt(v) if callable(fmt) else fmt.format(v)  # noqa: E731
     return [[c[1] for c in cols]] + [[show(c[2], r[c[0]]) if c[0] in r else "" for c in cols] for r in rows]
 
 
-def relative_speed(seconds_ratio: float) -> str:
-    """A row's seconds over the first row's, in words: "2.00x slower" (it took twice as long) or
-    "1.50x faster"."""
-    if not math.isfinite(seconds_ratio) or seconds_ratio <= 0:
+def relative_speed(factor: float) -> str:
+    """A row's speed_vs_first (the first row's seconds over the row's) in words: "1.50x faster", or
+    "2.00x slower" (it took twice as long)."""
+    if not math.isfinite(factor) or factor <= 0:
         return "n/a"
-    if abs(seconds_ratio - 1) < 0.005:
+    if abs(factor - 1) < 0.005:
         return "same"
-    return f"{seconds_ratio:.2f}x slower" if seconds_ratio > 1 else f"{1 / seconds_ratio:.2f}x faster"
+    return f"{factor:.2f}x faster" if factor > 1 else f"{1 / factor:.2f}x slower"
 
 
 def speedup_matrix(rows: list[dict]) -> tuple[list[list[float]], str]:
@@ -121,7 +121,8 @@ def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, 
               "options": runs[0].options, **extra}
     if len(rows) > 1:
         second = rows[1]
-        report["compare"] = {"algo": runs[1].algo.name, "seconds": second["seconds"], "speedup": second["speedup"],
+        report["compare"] = {"algo": runs[1].algo.name, "seconds": second["seconds"],
+                             "speed_vs_first": second["speed_vs_first"],
                              "identical": second["identical"], "bleu": second.get("bleu"), "chrf": second.get("chrf"),
                              "tokens": second["tokens"], "verifier_calls": second["verifier_calls"],
                              **{k: second[k] for k in ("gec_f05",) if k in second}, "options": runs[1].options}
@@ -134,7 +135,7 @@ def write_report(path: str, report: dict) -> None:
 
 @dataclass
 class Summary:
-    rows: list[dict]  # one per run (summary_row), with speedup and identical rate against the first
+    rows: list[dict]  # one per run (summary_row), with speed_vs_first and identical rate against the first
     matrix: list[list[float]] | None  # speedup of every run over every other (three runs or more)
     checks: list[dict]  # each lossless run against greedy of its model: identical rate, divergences
     text: str  # the printed form
@@ -150,7 +151,8 @@ def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: lis
     rows = [{**summary_row(r, scores(kind, lines, texts(tokenizer, r.outputs), refs)), "options": r.options}
             for r in runs]
     for row, r in zip(rows[1:], runs[1:]):
-        row["speedup"] = row["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else float("nan")
+        # the table's "speed vs" column: above 1 this run is that many times faster than the first
+        row["speed_vs_first"] = rows[0]["seconds"] / row["seconds"] if row["seconds"] else float("nan")
         row["identical"] = identical_rate(runs[0].outputs, r.outputs)
     notes, matrix, checks = [], None, []
     if len(runs) > 2:

@@ -23,6 +23,7 @@ from .algorithms import Algorithm
 from .decoding import DecodeStats
 from .errors import UsageError, first_line
 from .inputs import max_len_for, warn
+from .interrupt import stopped_by
 from .loading import Models
 from .machine import BusyCores, available_memory, busy_warning, decode_bytes, usable_cores
 from .tokenizer import Tokenizer
@@ -78,18 +79,18 @@ class OutputLines:
             lines.append(self.ready.pop(self.next) + "\n")
             self.next += 1
         if lines:
-            with sigint_deferred():  # a Ctrl-C now cannot cut a line in half
+            with sigint_deferred():  # a Ctrl-C or SIGTERM now cannot cut a line in half
                 self.stream.write("".join(lines))
                 self.stream.flush()
 
 
 @contextlib.contextmanager
 def sigint_deferred():
-    """Hold SIGINT back for the duration (POSIX): it is delivered, as usual, right after."""
+    """Hold SIGINT and SIGTERM back for the duration (POSIX): they are delivered, as usual, right after."""
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
     finally:
@@ -291,6 +292,10 @@ def decode_to_output(runs: list[Run], ids: list, tokenizer: Tokenizer, *, output
     finally:
         if output:
             out.close()
+    cut = [f"{r.name} {r.stats.hit_max_len} of {r.stats.sentences}" for r in runs if r.stats.hit_max_len]
+    if cut:  # e.g. --max-len 1 cuts every output, which would otherwise pass for the model's own
+        budget = f"--max-len {max_len}" if max_len else "the default length (2 x the longest source of the batch + 10)"
+        warn(f"outputs cut at {budget} before their eos: {', '.join(cut)}; a larger --max-len lets them end")
     if invalid:
         warn(f"{len(invalid)} output line(s) hold bytes that are not valid UTF-8 (the model wrote part of a "
              f"character, shown as U+FFFD, the replacement character): line(s) "
@@ -298,7 +303,13 @@ def decode_to_output(runs: list[Run], ids: list, tokenizer: Tokenizer, *, output
     return complete
 
 
-def keep_first(runs: list[Run], n: int) -> None:
-    """After an interruption: every run's figures cut to the first `n` lines (the ones written)."""
+def keep_first(runs: list[Run], n: int, total: int, output: str | None) -> None:
+    """After an interruption (Ctrl-C, SIGTERM) that left `n` of `total` lines finished: a warning that
+    says so, and every run's figures cut to those lines, which are the lines written."""
+    warn(f"{stopped_by()[0]} after {n} of {total} input lines: those lines are written"
+         + (f" to {output}" if output else "")
+         + ("; the scores below cover them alone, the times and counts every batch finished (batches are "
+            "formed by length, so some of those lines come later in the input)"
+            if any(r.batch_size != 1 for r in runs) else "; the figures below cover them alone"))
     for r in runs:
         r.outputs, r.traces, r.times, r.calls = r.outputs[:n], r.traces[:n], r.times[:n], r.calls[:n]

@@ -48,7 +48,7 @@ from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
 from .errors import UsageError
 from .hints import repo_file
-from .inputs import shown_path
+from .inputs import check_device, check_outputs, checkpoint_files, shown_path
 from .progress import ProgressLine
 
 
@@ -174,17 +174,12 @@ def main(argv: list[str] | None = None) -> int:
               "at least 1", file=sys.stderr)
         return 2
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        print(f"error: --device {args.device} is not a device torch knows (cpu, cuda, cuda:1, ...)", file=sys.stderr)
-        return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda requested but no CUDA device is available", file=sys.stderr)
-        return 2
-    torch.set_num_threads(args.threads)
-    try:
+        check_device(args.device)
         path = args.model or repo_file("checkpoints", args.task, "model.pt", flag="--model")
-        model, _, _ = load_model(path, task=args.task, device=device)
+        check_outputs({"--report": args.report}, checkpoint_files("the model", path))
+        torch.set_num_threads(args.threads)
+        model, _, _ = load_model(path, task=args.task, device=args.device)
+        device = torch.device(args.device)
     except (CheckpointError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

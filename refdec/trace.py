@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 
@@ -50,6 +51,37 @@ class Step:
         return self.drafted[:self.accepted] + ((self.own,) if self.own is not None else ())
 
 
+# Where a drafted token came from (Step.drafted_by), in the words of the terminal trace and the HTML page.
+DRAFTED_FROM = {"source": "copied from the source", "drafter": "drafted by the drafter",
+                "heads": "proposed by the heads", "small": "written by the small model"}
+
+
+def how_drafted(s: Step) -> str:
+    """An iteration's draft in words: "4 copied from the source at token 3, 2 accepted"."""
+    if not s.drafted:
+        return "nothing drafted: a greedy step"
+    where = f" at token {s.origin}" if s.origin is not None else ""
+    return f"{len(s.drafted)} {DRAFTED_FROM[s.drafted_by]}{where}, {s.accepted} accepted"
+
+
+def token_pieces(tokenizer):
+    """token id -> (its text, whether a space leads it) for a token chip of the HTML page and greedy's
+    trace: the token decoded alone, or its byte-level symbol when it is part of a multi-byte character."""
+    memo: dict[int, tuple[str, bool]] = {}
+
+    def piece(t: int) -> tuple[str, bool]:
+        if t not in memo:
+            if t == tokenizer.eos_id:
+                memo[t] = ("</s>", True)
+            else:
+                text = tokenizer.decode([t])
+                if "\ufffd" in text or not text:
+                    text = tokenizer.tokens([t])[0]
+                memo[t] = (text.lstrip(" ") or text, text.startswith(" "))
+        return memo[t]
+    return piece
+
+
 # ANSI colours of the trace's parts in a terminal.
 COLOURS = {"accepted": "\x1b[32m", "own": "\x1b[1;36m", "rejected": "\x1b[31m", "note": "\x1b[2m"}
 RESET = "\x1b[0m"
@@ -63,6 +95,15 @@ def colour_enabled(stream) -> bool:
         return False
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
+
+
+def print_traces(algo: str, traces: list, tokenizer, stream=None) -> None:
+    """decode.py --trace: every sentence's trace (None for an empty line: skipped) on stderr, coloured
+    in a terminal."""
+    stream = stream or sys.stderr
+    for i, steps in enumerate(traces):
+        if steps is not None:
+            print(trace_text(algo, i, steps, tokenizer, colour=colour_enabled(stream)), file=stream)
 
 
 def strip_colour(text: str) -> str:
@@ -91,20 +132,20 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
         return text([s.own]) if s.own is not None else ""
 
     head = f"[{index + 1}]"
-    if algo == "greedy":
+    if algo == "greedy":  # each token's own text (with the space before it), a | between tokens
+        pieces = (token_pieces(tokenizer)(s.own) for s in steps)
         return (f"{head} {iterations(len(steps))}, one token each: "
-                + " ".join(paint("own", t) for t in tokenizer.tokens(s.own for s in steps)))
+                + "|".join(paint("own", " " * space + piece) for piece, space in pieces))
     if algo == "beam":
         best = steps[-1].beams[0] if steps else ()
-        return f"{head} {len(steps)} steps; best live beam at the end: " + " ".join(tokenizer.tokens(best))
+        return f"{head} {len(steps)} steps; best live beam at the end: " + text(best)
     if algo == "iad":
         # Like table 2 of the SAD paper: one line per iteration (one verifier call); a copied span
         # that the model accepted in parallel is in brackets, the token the model chose itself
         # (at the bifurcation, or in a plain greedy step) follows it.
         lines = [f"{head} {iterations(len(steps))} for {sum(len(s.committed) for s in steps)} tokens"]
         for it, s in enumerate(steps, 1):
-            how = (f"{len(s.drafted)} drafted from source token {s.origin}, {s.accepted} accepted"
-                   if s.drafted else "nothing to draft: a greedy step")
+            how = how_drafted(s)
             body = ((paint("accepted", f"[{text(s.drafted[:s.accepted])}]") + " " if s.accepted else "")
                     + paint("own", own(s)))
             lines.append(f"  {it:3d}  {body}    {paint('note', f'({how})')}")

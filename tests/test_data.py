@@ -45,3 +45,33 @@ def test_token_batches_respect_budget_and_cover_everything():
         t = max(lengths[i][1] for i in b) + 1
         assert len(b) == 1 or (s + t) * len(b) <= 200
     assert token_batches(lengths, 200, seed=3) == batches  # seeded: reproducible
+
+
+def test_text_is_read_as_users_save_it(tmp_path, capsys):
+    """Case: a file saved with a UTF-8 byte-order mark (as some editors do) gave "Schließen Sie auf OK..."
+    where the same line without it gave "Klicken Sie auf OK...": the mark was read as text. Every command
+    reads text through read_lines, which drops it and says so once; Windows line ends go too."""
+    import gzip
+
+    from refdec.data import read_lines
+    (tmp_path / "plain.txt").write_bytes(b"Click OK to close the dialog.\nSecond line.\n")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfClick OK to close the dialog.\r\nSecond line.\r\n")
+    (tmp_path / "bom.txt.gz").write_bytes(gzip.compress((tmp_path / "bom.txt").read_bytes()))
+    want = read_lines(tmp_path / "plain.txt")
+    assert capsys.readouterr().err == ""
+    for name in ("bom.txt", "bom.txt.gz"):
+        assert read_lines(tmp_path / name) == want == ["Click OK to close the dialog.", "Second line."]
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"note: {tmp_path / name} starts with a UTF-8 byte-order mark")
+
+
+def test_an_unreadable_text_file_is_a_one_line_error_naming_it(tmp_path):
+    """Was: a data file that was not gzip raised `BadGzipFile: Not a gzipped file (b'{\\n')`, naming no file."""
+    from refdec.data import read_lines
+    from refdec.errors import UsageError
+    (tmp_path / "bad.gz").write_bytes(b"{\n")
+    (tmp_path / "latin1.txt").write_bytes(b"ok\ncaf\xe9\n")
+    with pytest.raises(UsageError, match=r"bad\.gz is not a valid gzip file .*; give the plain text file instead$"):
+        read_lines(tmp_path / "bad.gz")
+    with pytest.raises(UsageError, match=r"latin1\.txt: line 2 is not valid UTF-8 \(byte 0xe9 at column 4\)"):
+        read_lines(tmp_path / "latin1.txt")

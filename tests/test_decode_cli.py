@@ -65,7 +65,7 @@ def test_report_and_compare(trained_tiny, tmp_path):
                 "bleu", "chrf"):
         assert key in report, key
     assert report["n"] == 6 and report["algo"] == "beam"
-    assert set(report["compare"]) >= {"algo", "seconds", "speedup", "identical", "bleu"}
+    assert set(report["compare"]) >= {"algo", "seconds", "speed_vs_first", "identical", "bleu"}
     assert report["compare"]["identical"] == 1.0
     assert report["environment"]["threads"] == 1 and report["environment"]["threads_auto"] is False
     assert len(r.stdout.decode().splitlines()) == 6
@@ -443,3 +443,87 @@ def test_fast_route_writes_the_reference_output(trained_tiny, tmp_path):
     assert outs["fast"] == outs["reference"] and outs["fast-iad"] == outs["reference"]
     r = decode(trained_tiny, "--algo", "greedy", "--limit", "1", "--fast", "--invariant")
     assert r.returncode == 2 and "not allowed with" in r.stderr.decode()
+
+
+@pytest.mark.slow
+def test_outputs_cut_at_max_len_are_counted_in_a_warning(trained_tiny):
+    """Case: `--max-len 1` cut every output to one token (or none) and nothing said so. One warning line
+    now counts the outputs each run stopped at the budget before their eos."""
+    r = decode(trained_tiny, "--algo", "greedy", "--compare", "beam", "--limit", "3", "--max-len", "1")
+    assert r.returncode == 0, r.stderr.decode()
+    cut = [line for line in r.stderr.decode().splitlines() if "cut at" in line]
+    assert cut == ["warning: outputs cut at --max-len 1 before their eos: greedy 3 of 3, beam 3 of 3; "
+                   "a larger --max-len lets them end"]
+
+
+def test_the_reports_speed_is_the_tables(tmp_path):
+    """Case: the JSON report's `speedup` was the row's seconds over the first row's (0.83) where the table
+    printed "1.21x faster": two figures the other way round. The report now holds the table's figure,
+    speed_vs_first (the first row's seconds over the row's: above 1, faster)."""
+    from refdec import report, runner
+    from refdec.algorithms import ALGORITHMS
+    from refdec.tokenizer import Tokenizer
+    from test_batched_decoders import fake_models
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    lines = ["One line.", "Two lines."]
+    runs = [runner.Run(ALGORITHMS[name], {}, fake_models()) for name in ("greedy", "iad", "beam")]
+    for r, secs in zip(runs, (1.21, 1.0, 2.42)):
+        r.outputs = [torch.tensor(tok.encode(s)) for s in lines]
+        r.times, r.calls, r.seconds = [secs / 2] * 2, [1] * 2, secs
+        r.stats.sentences = 2
+    summary = report.summarise("mt-en-de", runs, lines, [lines], [tok.encode(s) for s in lines], tok, "cpu")
+    assert [row.get("speed_vs_first") for row in summary.rows] == [None, pytest.approx(1.21), pytest.approx(0.5)]
+    assert "1.21x faster" in summary.text and "2.00x slower" in summary.text
+    built = report.build_report("mt-en-de", summary.rows, runs, n_lines=2, extra={})
+    assert built["compare"]["speed_vs_first"] == pytest.approx(1.21) and "speedup" not in built["compare"]
+    assert "speed_vs_first" in (REPO / "docs" / "usage.md").read_text(encoding="utf-8")
+
+
+def test_two_transformers_folders_get_two_row_labels(tmp_path, monkeypatch):
+    """Case: two transformers folders under one parent (hfx/a, hfx/b) both printed as `greedy@hfx`: the
+    label took the parent of the path, as for a model.pt. A folder is named by itself, and where two
+    checkpoints share a name, by their paths."""
+    from refdec import plan
+    for folder in ("hfx/a", "hfx/b", "other/a"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+
+    def labels(model, compare):
+        return [s.label for s in plan.plan_runs("greedy", None, model=model, given={}, compares=plan.parse_compare(compare),
+                                                batch_size=None, sizes=[])]
+    assert labels("hfx/a", "greedy@hfx/b,beam@hfx/b") == ["greedy@a", "greedy@b", "beam@b"]
+    assert labels("hfx/a", "greedy@other/a") == ["greedy@hfx/a", "greedy@other/a"]
+    assert labels("hfx/a", "greedy") == ["greedy", "greedy"]  # one checkpoint: the algorithm alone
+
+
+def test_model_help_and_usage_name_every_family_refdec_hf_imports():
+    """Case: decode.py's --model help and docs/usage.md named only M2M100 and NLLB folders, though
+    refdec.hf imports Marian, BART, mBART, Pegasus and T5 as well."""
+    import importlib.util
+
+    from refdec.hf.families import FAMILIES
+    spec = importlib.util.spec_from_file_location("decode_script", REPO / "decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    help_text = " ".join(module.build_parser().format_help().split()).lower()
+    usage = " ".join((REPO / "docs" / "usage.md").read_text(encoding="utf-8").split()).lower()
+    for family in FAMILIES.values():
+        name = re.split(r"For|MTModel", family.architecture)[0].lower()  # M2M100ForConditional... -> m2m100
+        assert name in help_text and name in usage, family.architecture
+
+
+@pytest.mark.slow
+def test_a_byte_order_mark_does_not_change_the_output(trained_tiny, tmp_path):
+    """Case: on gec-en "She go to school yesterday." saved with a byte-order mark came out as "The Ital
+    ItalShe go to school yesterday.": the mark was decoded as part of the first line. decode.py now gives
+    the output of the same file without it, with one note naming the file (stdin alike)."""
+    text = "She go to school yesterday.\nClick OK to close the dialog.\n"
+    (tmp_path / "plain.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "bom.txt").write_text(text, encoding="utf-8-sig")
+    want = decode(trained_tiny, "--algo", "greedy", "--input", str(tmp_path / "plain.txt"), "--max-len", "8")
+    for args, stdin in (([str(tmp_path / "bom.txt")], None), (["-"], (tmp_path / "bom.txt").read_bytes())):
+        r = decode(trained_tiny, "--algo", "greedy", "--max-len", "8", "--input", *args, stdin=stdin)
+        assert r.returncode == want.returncode == 0 and r.stdout == want.stdout, r.stderr.decode()
+        notes = [line for line in r.stderr.decode().splitlines() if "byte-order mark" in line]
+        assert notes == [f"note: {args[0]} starts with a UTF-8 byte-order mark; it is dropped, not read as text"]

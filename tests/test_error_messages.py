@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 
 import pytest
 
@@ -112,3 +113,100 @@ def test_every_command_loading_a_checkpoint_points_a_folder_at_its_model_pt(tmp_
         load_checkpoint("checkpoints/mt-en-de")
     with pytest.raises(CheckpointError, match="is a folder with no model.pt in it"):
         load_checkpoint(tmp_path)
+
+
+# -- no run writes a file it reads -------------------------------------------------------------
+
+def command(name: str):
+    """A command's main(argv): decode.py's, or a library module's (`python -m refdec.NAME`)."""
+    if name == "decode":
+        return script("decode").main
+    return importlib.import_module(f"refdec.{name}").main
+
+
+GEC = ["--algo", "greedy", "--task", "gec-en", "--limit", "2"]
+
+
+@pytest.mark.parametrize("name,argv,needle", [
+    ("decode", GEC + ["--report", "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
+    ("decode", GEC + ["--output", "data/gec-en/test.tgt.gz"], "lies in the data folder of --task gec-en"),
+    ("decode", GEC + ["--html", "checkpoints/gec-en-9x3/model.pt"], "is also the model of greedy"),
+    ("decode", GEC + ["--report", "checkpoints/gec-en-9x3/tokenizer.json"], "is also the tokenizer beside"),
+    ("decode", ["--algo", "gad", "--task", "mt-en-de", "--report", "checkpoints/mt-en-de-drafter/model.pt"],
+     "is also the drafter (--drafter)"),
+    ("ctranslate2", ["--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report",
+                     "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
+    ("hf.cli", ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report",
+                "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
+    ("stepcost", ["--report", "checkpoints/mt-en-de/model.pt"], "is also the model"),
+    ("ceiling", ["--task", "mt-en-de", "--report", "data/mt-en-de/test.tgt.gz"], "lies in the data folder"),
+    ("distill", ["--task", "mt-en-de", "--threads", "1", "--out", "data"], "--out data/mt-en-de/train.src.gz lies in"),
+])
+def test_no_command_writes_a_file_it_reads(capsys, monkeypatch, name, argv, needle):
+    """Was: `decode.py --task gec-en --report data/gec-en/test.src.gz` (and --output, refdec.ctranslate2's and
+    refdec.hf audit's --report) replaced the shipped test set with JSON: outputs were checked against
+    --input alone, not the task's default files or the checkpoints. Every command now checks each output
+    against everything it reads, in refdec.inputs.check_outputs, and refuses in one line; nothing changes."""
+    written = REPO / argv[argv.index(next(a for a in argv if a in ("--report", "--output", "--html", "--out"))) + 1]
+    before = {p: p.stat().st_mtime_ns for p in ([written] if written.is_file() else written.rglob("*.gz"))}
+    err = error_of(command(name), argv, capsys, monkeypatch)
+    assert needle in err and "which this run reads" in err, err
+    assert all(p.stat().st_mtime_ns == t for p, t in before.items())
+
+
+def test_audit_refuses_a_report_over_its_input(capsys, monkeypatch, tmp_path):
+    """Was: `python -m refdec.hf audit --input s.txt --report s.txt` overwrote its input with the report."""
+    from refdec.hf.cli import main
+    src = tmp_path / "s.txt"
+    src.write_text("She go to school.\n", encoding="utf-8")
+    err = error_of(main, ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--input",
+                          str(src), "--report", str(src)], capsys, monkeypatch)
+    assert err == f"error: --report {src} is also the input, which this run reads: it would be overwritten; " \
+                  "give another path"
+    assert src.read_text(encoding="utf-8") == "She go to school.\n"
+
+
+def test_one_file_under_two_names_is_caught(decode, capsys, monkeypatch, tmp_path):
+    """A hard link (or any second name) of the input is the input: os.path.samefile, not the path's text."""
+    src = tmp_path / "in.txt"
+    src.write_text("Hello.\n", encoding="utf-8")
+    (tmp_path / "link.txt").hardlink_to(src)
+    err = error_of(decode.main, ["--algo", "greedy", "--task", "mt-en-de", "--input", str(src), "--report",
+                                 str(tmp_path / "link.txt")], capsys, monkeypatch)
+    assert "is also the input" in err
+
+
+def test_distill_refuses_to_write_the_folder_it_adds(capsys, monkeypatch, tmp_path):
+    """--add X --out X would overwrite the training pairs it reads, as --out data overwrites the shipped ones."""
+    from refdec.distill import main
+    (tmp_path / "x" / "mt-en-de").mkdir(parents=True)
+    (tmp_path / "x" / "mt-en-de" / "train.src.gz").write_bytes(b"")
+    err = error_of(main, ["--task", "mt-en-de", "--threads", "1", "--out", str(tmp_path / "x"), "--add",
+                          str(tmp_path / "x")], capsys, monkeypatch)
+    assert "lies in the training data of --add" in err
+
+
+def test_hf_export_into_a_file_is_one_line(capsys, monkeypatch, tmp_path):
+    """Was: `python -m refdec.hf export ckpt.pt ckpt.pt` exited 1 with NotADirectoryError."""
+    from refdec.hf.cli import main
+    err = error_of(main, ["export", "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de/model.pt"], capsys, monkeypatch)
+    assert err == "error: checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
+
+
+def test_a_corrupt_data_file_is_named(decode, capsys, monkeypatch, tmp_path):
+    """Was: after the test set was overwritten, every run failed with `BadGzipFile: Not a gzipped file
+    (b'{\\n')`, naming no file. Now the one line names it and how to restore it."""
+    from refdec import data
+    shutil.copytree(REPO / "data" / "gec-en", tmp_path / "gec-en", ignore=shutil.ignore_patterns("train.*"))
+    (tmp_path / "gec-en" / "test.src.gz").write_bytes(b"{\n")
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path)
+    err = error_of(decode.main, GEC, capsys, monkeypatch)
+    assert err.startswith(f"error: {tmp_path / 'gec-en' / 'test.src.gz'} is not a valid gzip file"), err
+
+
+@pytest.mark.parametrize("name,argv", [("decode", ["--algo", "greedy", "--task", "gec-en", "--device", "tpu"]),
+                                       ("distill", ["--task", "mt-en-de", "--out", "nowhere", "--device", "tpu"])])
+def test_an_unknown_device_is_one_line(capsys, monkeypatch, name, argv):
+    """Was: `decode.py --device tpu` exited 1 with torch's RuntimeError listing 20 device types."""
+    err = error_of(command(name), argv, capsys, monkeypatch)
+    assert err == "error: --device tpu: refdec runs on cpu or cuda (cuda:N for one GPU of several)"

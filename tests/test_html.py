@@ -461,3 +461,29 @@ def test_a_link_to_a_sentence_shows_it_in_headless_chromium(iad_page, tmp_path):
                        capture_output=True, timeout=120)
         pixels = png_pixels(shot)[2]
         assert (pixels.count(mark) > 200) == marked, fragment
+
+
+def test_greedy_and_beam_traces_show_text_not_byte_level_symbols():
+    """Case: beam's --trace printed `Ġgibt ĠF lex ib ilitÃ¤t`, the byte-level BPE symbols, where the other
+    traces print text. Beam's best beam is now decoded text, and greedy's tokens each their own text."""
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    ids = tok.encode("Es gibt Flexibilität.")
+    beam = trace_text("beam", 0, [Step(beams=(tuple(ids),), scores=(-1.0,))], tok)
+    greedy = trace_text("greedy", 0, [Step(own=t) for t in ids + [tok.eos_id]], tok)
+    assert beam.endswith("best live beam at the end: Es gibt Flexibilität.")
+    assert "Ġ" not in greedy + beam and "Ã" not in greedy + beam
+    assert greedy.split(": ", 1)[1].replace("|", "") == "Es gibt Flexibilität. </s>"
+
+
+def test_the_terminal_trace_and_the_page_say_a_draft_came_from_the_source_alike():
+    """Case: --trace said "drafted from source token 3" where the HTML page said "copied from the source"."""
+    from refdec.htmlreport import steps_html
+    from refdec.trace import DRAFTED_FROM, how_drafted, token_pieces
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    a, b, c, x = tok.encode("the house is red")[:4]
+    steps = [Step((a, b, c), 2, x, "source", origin=3), Step(own=x)]
+    assert how_drafted(steps[0]) == f"3 {DRAFTED_FROM['source']} at token 3, 2 accepted"
+    text, page = trace_text("iad", 0, steps, tok), steps_html("iad", steps, token_pieces(tok))
+    for step in steps:
+        assert how_drafted(step) in text and html.escape(how_drafted(step)) in page
+    assert "drafted from source" not in text

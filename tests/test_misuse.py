@@ -346,26 +346,27 @@ def test_output_paths_are_checked_before_decoding(trained_tiny, tmp_path, many_l
 def _interrupt_decode(ckpt, many_lines, out, report, sig):
     proc = subprocess.Popen([sys.executable, *DECODE, "--model", str(ckpt / "model.pt"), "--algo", "greedy",
                              "--input", str(many_lines), "--max-len", "30", "--output", str(out), "--report",
-                             str(report)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             str(report)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     t0 = time.time()
     while not (out.exists() and out.read_text(encoding="utf-8").count("\n") >= 10):
         assert proc.poll() is None and time.time() - t0 < 120, "decode.py ended before it could be interrupted"
         time.sleep(0.02)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    return proc.returncode, err.decode()
+    table, err = proc.communicate(timeout=120)
+    return proc.returncode, table.decode(), err.decode()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_an_interrupted_decode_keeps_every_finished_line(trained_tiny, tmp_path, many_lines, sig):
     """Case: Ctrl-C printed "interrupted" and wrote neither the outputs decoded so far nor a report.
     Now outputs are written as they are decoded, in input order, whole lines only: after Ctrl-C
     (exit 130, a report marked interrupted) or kill -9, the file holds the first lines of a full
-    run's output, each complete."""
+    run's output, each complete. Case: SIGTERM (kill, timeout, batch schedulers) exited 143 with no
+    table, no report and no message; it now ends as Ctrl-C does, with exit status 143."""
     out, report = tmp_path / "out.txt", tmp_path / "r.json"
-    code, err = _interrupt_decode(trained_tiny, many_lines, out, report, sig)
+    code, table, err = _interrupt_decode(trained_tiny, many_lines, out, report, sig)
     text = out.read_text(encoding="utf-8")
     assert text.endswith("\n")
     kept = text.splitlines()
@@ -373,10 +374,13 @@ def test_an_interrupted_decode_keeps_every_finished_line(trained_tiny, tmp_path,
     full = decode(trained_tiny, "--algo", "greedy", "--input", str(many_lines), "--max-len", "30",
                   "--limit", str(len(kept)))
     assert full.returncode == 0 and full.stdout.decode("utf-8").splitlines() == kept
-    if sig == signal.SIGINT:
-        assert code == 130 and "Traceback" not in err and f"interrupted after {len(kept)} of 2000" in err, err
+    if sig != signal.SIGKILL:
+        said = "interrupted" if sig == signal.SIGINT else "stopped by SIGTERM"
+        assert code == (130 if sig == signal.SIGINT else 143), (code, err)
+        assert "Traceback" not in err and f"warning: {said} after {len(kept)} of 2000 input lines" in err, err
         rep = json.loads(report.read_text())
         assert rep["interrupted"] is True and rep["lines_decoded"] == len(kept) == rep["decoded"]
+        assert re.search(rf"^greedy +{len(kept)} ", table, re.M), table  # the table of the lines written
     else:
         assert code == -signal.SIGKILL
 

@@ -43,8 +43,7 @@ def audit(args) -> dict:
 
     torch.set_num_threads(args.threads)
     if args.input:  # a file of the user's (a transformers folder needs no task)
-        from ..inputs import read_text_lines
-        lines = read_text_lines(args.input)
+        lines = read_lines(args.input)
     else:
         src_path = repo_file("data", args.task, "test.src.gz", flag="--input FILE")
         if not src_path.is_file():

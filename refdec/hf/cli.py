@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import run_command
+from ..inputs import check_outputs, checkpoint_files, input_files
 from .audit import audit, audit_table
 from .common import HFError, is_hf_folder
 from .export import export
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
+        if Path(args.out_dir).is_file():
+            raise HFError(f"{args.out_dir} is a file: give the folder to write (a new or empty one)")
         if Path(args.out_dir).exists() and any(Path(args.out_dir).iterdir()):
             raise HFError(f"{args.out_dir} exists and is not empty")
         result = export(args.ckpt, args.out_dir, without_heads=args.without_heads)
@@ -62,9 +65,8 @@ def _run(args: argparse.Namespace) -> int:
         raise HFError("audit needs --task (a refdec checkpoint's task) or a transformers folder and --input")
     if not is_hf_folder(args.model) and (args.src_lang or args.tgt_lang):
         raise HFError("--src-lang and --tgt-lang choose the language tokens of a transformers folder's model")
-    if args.report:
-        from ..inputs import check_writable
-        check_writable(args.report, "--report")
+    check_outputs({"--report": args.report}, input_files(args.task, args.input)
+                  | checkpoint_files("--model", args.model) | checkpoint_files("--small", args.small))
     report = audit(args)
     print(audit_table(report))
     if args.report:
