@@ -53,7 +53,7 @@ from .decoding.greedy import decode_greedy
 from .decoding.verify import verify
 from .drafter import draft_block
 from .errors import UsageError, first_line, run_command
-from .hints import repo_file
+from .repo import repo_file
 from .inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
 from .model import Transformer
 from .progress import ProgressLine

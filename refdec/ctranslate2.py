@@ -51,7 +51,7 @@ from .decoding.result import DecodeResult, DecodeStats, result_of
 from .errors import UsageError, run_command
 from .fast import is_fast, set_fast_route
 from .hf import PEGASUS, check_export, export_route, write_folder
-from .hints import repo_file
+from .repo import repo_file
 from .inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from .loading import Models
 from .machine import usable_cores

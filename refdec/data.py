@@ -25,9 +25,9 @@ import torch
 
 from .config import BOS_ID, EOS_ID, PAD_ID
 from .errors import UsageError
+from .repo import REPO
 from .hints import shown
 
-REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO / "data"
 TASKS = {"mt-en-de": "mt", "gec-uk": "gec", "gec-en": "gec"}
 

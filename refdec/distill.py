@@ -43,7 +43,7 @@ from . import data as data_mod
 from .checkpoint import file_sha256, load_model
 from .decoding import decode_beam, decode_greedy
 from .errors import UsageError, run_command
-from .hints import repo_file
+from .repo import repo_file
 from .inputs import check_device, check_outputs, checkpoint_files, shown_path
 from .machine import BusyCores, fit_threads
 from .progress import ProgressLine

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
 from .errors import UsageError
+from .repo import REPO
 from .hints import check_checkpoint_path, shown, train_hint
 from .inputs import checkpoint_files
 
-REPO = Path(__file__).resolve().parent.parent
 CHECKPOINTS = REPO / "checkpoints"
 SECOND_MODEL_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
 SECOND_MODEL_WORDS = {"drafter": "block drafter on the same tokenizer (a checkpoint of train.py --drafter-k)",

@@ -47,7 +47,7 @@ from .graphed import set_graphed_route
 from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
 from .errors import UsageError
-from .hints import repo_file
+from .repo import repo_file
 from .inputs import check_device, check_outputs, checkpoint_files, shown_path
 from .progress import ProgressLine
 

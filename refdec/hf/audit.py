@@ -39,7 +39,7 @@ def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name:
 
 def audit(args) -> dict:
     from ..data import read_lines
-    from ..hints import repo_file
+    from ..repo import repo_file
 
     torch.set_num_threads(args.threads)
     if args.input:  # a file of the user's (a transformers folder needs no task)
