@@ -332,3 +332,26 @@ def test_each_mode_trains_on_its_own_loss(mode):
         inp, gold, block = obj.drafter_batch(tgt_out)
         want = ce(model.project(model.forward_hidden(src, inp, block)), gold)
     assert torch.equal(got, want), (got, want)
+
+
+def test_heads_load_on_a_base_stored_before_newer_config_fields(tmp_path):
+    """Guards heads on a frozen base whose file predates ModelConfig fields (activation, norm, bias,
+    positions, ...): the heads' file stores them with their defaults, the base's does not, and the two
+    are still the same network. A base of another shape is still refused."""
+    from refdec.checkpoint import FORMAT, file_sha256
+    model = tiny_model(0)
+    full = model.cfg.to_dict()
+    old = {k: full[k] for k in ("vocab_size", "d_model", "n_heads", "d_ff", "enc_layers", "dec_layers", "dropout",
+                                "norm_first", "tie_embeddings", "max_positions", "pad_id", "bos_id", "eos_id")}
+    base = {"format": FORMAT, "task": "mt-en-de", "model_config": old, "model": model.state_dict(),
+            "tokenizer_sha256": "v", "step": 1, "meta": {}}
+    save_atomic(base, tmp_path / "base" / "model.pt")
+    heads = {"format": FORMAT, "task": "mt-en-de", "model_config": {**full, "dropout": 0.0}, "tokenizer_sha256": "v",
+             "step": 2, "meta": {}, "frozen_base": {"path": "../base/model.pt",
+                                                     "sha256": file_sha256(tmp_path / "base" / "model.pt")}}
+    save_atomic(heads, tmp_path / "heads" / "model.pt")
+    ck = load_checkpoint(tmp_path / "heads" / "model.pt")
+    assert all(torch.equal(ck["model"][k], v) for k, v in model.state_dict().items())
+    save_atomic({**heads, "model_config": {**full, "activation": "gelu"}}, tmp_path / "heads" / "model.pt")
+    with pytest.raises(CheckpointError, match="does not have the shape"):
+        load_checkpoint(tmp_path / "heads" / "model.pt")
