@@ -41,7 +41,10 @@ HELP = {
     "time_limit_min": "stop after this many minutes of training (0 = none)",
     "eval_every": "validate and checkpoint every N updates", "eval_sentences": "dev sentences decoded for BLEU",
     "keep_last": "snapshots kept and averaged at the end",
-    "pick": "what model.pt holds: dev-loss (best or average, the lower dev loss) or last (the final weights)", "seed": "random seed (runs are reproducible)",
+    "pick": "what model.pt holds: dev-loss (best or average, the lower dev loss), tokens-per-call (drafters and "
+            "heads: best or average, the more tokens per call of their decoder) or last (the final weights)",
+    "speed_sentences": "drafters and heads: dev sentences their decoder (GAD with the verifier, blockwise) runs at "
+                       "each evaluation for the tokens per call", "seed": "random seed (runs are reproducible)",
     "train_limit": "use only the first N training pairs (0 = all)",
     "dev_limit": "validate on only the first N dev pairs (0 = all)", "data_dir": "data folder (default: the repo's data/)",
     "threads": "torch threads (0 = torch's count, cut to the cores other processes leave idle)", "log_every": "progress line every N updates",
@@ -74,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="starting configuration")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its last.pt (same options; "
-                   "only max-steps, time-limit-min, threads, log-every, eval-every, eval-sentences and dev-limit may change)")
+                   "only max-steps, time-limit-min, threads, log-every, eval-every, eval-sentences, speed-sentences and dev-limit "
+                   "may change)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out-dir (its checkpoints, "
                    "tokenizer and log are deleted first)")
     for f in dataclasses.fields(TrainConfig):

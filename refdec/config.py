@@ -13,6 +13,7 @@ POSITION_TABLES = ("sinusoidal", "m2m100", "marian", "learned", "relative")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")  # refdec.variants.activation
 NORMS = ("layer", "rms")
 DRAFTER_LAYOUTS = ("causal", "bidirectional")  # the block drafter's self-attention (refdec.drafter)
+PICKS = ("dev-loss", "tokens-per-call", "last")  # what a run's model.pt holds (TrainConfig.pick)
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,13 @@ class TrainConfig:
     eval_every: int = 500
     eval_sentences: int = 300  # dev sentences decoded greedily for BLEU at each evaluation
     keep_last: int = 5  # snapshots kept for averaging
-    pick: str = "dev-loss"  # model.pt: "dev-loss" (best or average, the lower) or "last" (the final weights)
+    # model.pt: "dev-loss" (best or average, the lower), "tokens-per-call" (drafters and heads: best or
+    # average, the more tokens per call of their decoder on the first speed_sentences dev sentences)
+    # or "last" (the final weights)
+    pick: str = "dev-loss"
+    # Drafters and heads: dev sentences their decoder runs at each evaluation (GAD with its verifier,
+    # blockwise with the heads), for the tokens per call, per row: what these models are for.
+    speed_sentences: int = 64
     seed: int = 1
     train_limit: int = 0  # use only the first N training pairs (0 = all); for smoke runs
     dev_limit: int = 0  # validate on only the first N dev pairs (0 = all); for smoke runs
@@ -179,8 +186,11 @@ class TrainConfig:
         self._check_ranges()
         if self.tokenizer_from and self.init_from:
             raise ValueError("tokenizer_from and init_from exclude each other: the starting model brings its vocabulary")
-        if self.pick not in ("dev-loss", "last"):
-            raise ValueError(f"pick must be dev-loss or last, not {self.pick!r}")
+        if self.pick not in PICKS:
+            raise ValueError(f"pick must be {', '.join(PICKS[:-1])} or {PICKS[-1]}, not {self.pick!r}")
+        if (self.pick == "tokens-per-call" or self._changed("speed_sentences")) and not (self.drafter_k or self.proposal_k):
+            raise ValueError("pick tokens-per-call and speed_sentences need drafter_k or proposal_k (a drafter's "
+                             "or the heads' decoder gives the tokens per call)")
         self._check_heads()
         self._check_drafter()
         self._check_early_exit()
@@ -239,7 +249,7 @@ class TrainConfig:
         a run that silently does nothing (a NaN fails every comparison, so it is refused too)."""
         at_least = {"vocab_size": 16, "d_model": 1, "n_heads": 1, "d_ff": 1, "max_positions": 2, "max_train_len": 1,
                     "batch_tokens": 1, "warmup_steps": 1, "max_steps": 1, "eval_every": 1, "keep_last": 1,
-                    "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "train_limit": 0, "threads": 0,
+                    "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "speed_sentences": 1, "train_limit": 0, "threads": 0,
                     "seed": 0, "proposal_d_ff": 0, "dev_limit": 0, "time_limit_min": 0}
         for name, low in at_least.items():
             value = getattr(self, name)
@@ -313,7 +323,7 @@ PRESETS: dict[str, TrainConfig] = {
     "mt-en-de-drafter": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-drafter",
                                     encoder_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-greedy",
                                     enc_layers=0, dec_layers=2, drafter_k=8, lr=1e-3, warmup_steps=800, eval_every=500,
-                                    time_limit_min=60, pick="last"),
+                                    time_limit_min=60, pick="tokens-per-call"),
     # Blockwise parallel decoding (Stern et al. 2018): k = 10 (9 heads of hidden width 128, the mean of
     # their losses) on the base model's own greedy outputs (Seq-KD, section 6), the base frozen: exact
     # blockwise decoding is then the mt-en-de model's greedy output. Fine-tuning the base with the
@@ -322,7 +332,7 @@ PRESETS: dict[str, TrainConfig] = {
     "mt-en-de-blockwise": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-blockwise",
                                       init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-greedy",
                                       proposal_k=10, proposal_d_ff=128, freeze_base=True, head_loss="mean", lr=5e-4,
-                                      warmup_steps=200, eval_every=400, time_limit_min=60, pick="last"),
+                                      warmup_steps=200, eval_every=400, time_limit_min=60, pick="tokens-per-call"),
     # BiLD (Kim et al. 2023): a small model (1 decoder layer of width 128) on the large model's vocabulary,
     # its aligned copy fine-tuned on the large model's greedy outputs (kept as trained last: its dev
     # loss against the references is not what alignment aims at), and the early-exit model.

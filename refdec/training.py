@@ -9,10 +9,10 @@ CPU, nccl on CUDA): each process takes every world_size-th batch and gradients a
 Files in out_dir:
     tokenizer.json   trained on the task's training text before step 1
     last.pt          weights + optimizer + position in the data: what --resume continues from
-    best.pt          lowest dev loss so far
+    best.pt          the best evaluation so far: lowest dev loss, or most tokens per call (pick)
     snapshots/       the last keep_last evaluation snapshots
     average.pt       their average
-    model.pt         the file decode.py loads: the better of best/average on dev loss, float16
+    model.pt         the file decode.py loads: the better of best/average (pick), or last; float16
     log.jsonl        one JSON record per evaluation
 
 A run never clobbers another: an out_dir that already holds a run's files is refused unless the
@@ -30,7 +30,9 @@ With `proposal_k` the run trains the proposal heads of blockwise parallel decodi
 on top of the model of `init_from`, with the base frozen (`freeze_base`) or fine-tuned with them,
 on one randomly drawn head's loss per batch (the paper's unbiased estimate) or the mean over heads.
 The checkpoints then carry the heads beside the model, and validation decodes blockwise (exact
-mode) to report the tokens per call (the paper's mean accepted block size). With the base frozen,
+mode) to report the tokens per call, per row (the paper's mean accepted block size). A GAD
+drafter's validation runs GAD with its verifier for the same figure; with pick tokens-per-call
+that figure, not the dev loss against the references, chooses model.pt. With the base frozen,
 model.pt holds the heads alone and names the init_from file as its base (`frozen_base`: path and
 sha256; refdec.checkpoint loads the weights from there).
 """
@@ -58,11 +60,13 @@ from . import data as data_mod
 from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, save_atomic
 from .config import ModelConfig, TrainConfig
 from .decoding.blockwise import decode_blockwise
+from .decoding.gad import decode_gad
 from .decoding.greedy import decode_greedy
+from .decoding.result import DecodeStats
 from .metrics import corpus_bleu
 from .decoding.adapters import SharedEncoder
 from .model import Transformer
-from .drafter import block_batch, glance, glancing_ratio
+from .drafter import Drafter, block_batch, glance, glancing_ratio
 from .errors import UsageError
 from .proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from .tokenizer import Tokenizer, iter_training_text
@@ -71,8 +75,8 @@ from .tokenizer import Tokenizer, iter_training_text
 # What a training run writes into its out_dir (and what --overwrite removes).
 RUN_FILES = ("tokenizer.json", "last.pt", "best.pt", "average.pt", "model.pt", "log.jsonl", "snapshots")
 # Fields a resumed run may change: how long and how verbosely it runs, not what it trains.
-RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eval_every", "eval_sentences", "dev_limit",
-                     "out_dir")
+RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eval_every", "eval_sentences",
+                     "speed_sentences", "dev_limit", "out_dir")
 PATH_FIELDS = ("init_from", "tokenizer_from", "encoder_from", "kd_from", "data_dir")
 
 
@@ -239,22 +243,33 @@ class Objective(torch.nn.Module):
                                             ignore_index=tok.pad_id, reduction="sum").item()
                 count[j] += target.ne(tok.pad_id).sum().item()
         n = min(self.cfg.eval_sentences, len(src))
-        hyps, calls, produced = [], 0, 0
-        for i in range(0, n, 32):
-            rows = src[i:min(i + 32, n)]
+        # With heads, blockwise decoding (exact: greedy's output) gives the BLEU of the first n
+        # sentences and the tokens per call of the first speed_sentences, in batches cut at both.
+        speed = min(self.cfg.speed_sentences, len(src)) if heads is not None else 0
+        hyps, stats = [], DecodeStats()
+        for rows, first in decode_batches(src, n, speed):
             x = data_mod.source_tensor(rows).to(device)
             max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
             res = (decode_greedy(self.decoding_model(), x, max_len=max_len) if heads is None
                    else decode_blockwise(m, heads, x, max_len=max_len))
             hyps += [tok.decode(t.tolist()) for t in res.tokens]
-            calls, produced = calls + res.stats.verifier_calls, produced + res.stats.tokens
+            if first:
+                stats.merge(res.stats)
         self.train()
         out = {"dev_loss": sum(t / max(c, 1) for t, c in zip(total, count)) / len(which),
-               "dev_bleu": corpus_bleu(hyps, dev.tgt[:n])}
+               "dev_bleu": corpus_bleu(hyps[:n], dev.tgt[:n])}
         if heads is not None:
             out["dev_loss_per_head"] = {str(i): t / max(c, 1) for i, t, c in zip(which, total, count)}
-            out["dev_tokens_per_call"] = produced / max(calls, 1)
+            out["dev_tokens_per_call"] = stats.mean_committed  # per row: tokens each sentence gains per call
         return out
+
+
+def decode_batches(src: list[list[int]], n: int, speed: int, size: int = 32):
+    """Batches of at most `size` of the first max(n, speed) sources, none straddling `speed`: each as
+    (rows, whether they are among the first `speed`)."""
+    for lo, hi in ((0, speed), (speed, max(n, speed))):
+        for i in range(lo, hi, size):
+            yield src[i:min(i + size, hi)], hi == speed
 
 
 def dev_batches(tok: Tokenizer, dev: data_mod.Split, limit: int, device: torch.device):
@@ -397,7 +412,30 @@ class ProposalHeadsLoss(Objective):
 
 class DrafterLoss(Objective):
     """GAD's block drafter: L_NAR with glancing (GLAT). Predict the block, reveal gold tokens where it
-    was wrong, learn the rest."""
+    was wrong, learn the rest. Its verifier (the model of encoder_from, or else of init_from when
+    that is not itself a drafter) runs GAD with it at each evaluation for the tokens per call."""
+
+    def __init__(self, model: Transformer, cfg: TrainConfig, encoder: Transformer | None = None,
+                 verifier: Transformer | None = None):
+        super().__init__(model, cfg, encoder)
+        self.verifier = (verifier,) if verifier is not None else ()  # frozen, out of the submodules
+
+    @classmethod
+    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
+             encoder: Transformer | None = None) -> "DrafterLoss":
+        verifier = encoder
+        if verifier is None and cfg.init_from:
+            ck = load_checkpoint(cfg.init_from)
+            verifier = None if "drafter" in ck else frozen_model(ck, device)
+        if verifier is None and cfg.pick == "tokens-per-call":
+            raise TrainingError("pick tokens-per-call needs the drafter's verifier: --encoder-from (or --init-from "
+                                "a model that is not a drafter)")
+        return cls(model, cfg, encoder, verifier)
+
+    @classmethod
+    def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
+                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> "DrafterLoss":
+        return cls(model, cfg, encoder, encoder)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         inp, gold, block = self.drafter_batch(tgt_out)
@@ -424,15 +462,32 @@ class DrafterLoss(Objective):
             on = gold.ne(tok.pad_id)
             correct += (logits.argmax(-1).eq(gold) & on).sum().item()
             count += on.sum().item()
+        out = {"dev_loss": loss / max(count, 1), "dev_block_accuracy": correct / max(count, 1)}
+        if self.verifier:
+            out["dev_tokens_per_call"] = self.tokens_per_call(tok, dev, device)
         self.train()
-        return {"dev_loss": loss / max(count, 1), "dev_block_accuracy": correct / max(count, 1)}
+        return out
+
+    def tokens_per_call(self, tok: Tokenizer, dev: data_mod.Split, device: torch.device) -> float:
+        """GAD's tokens per verifier call and row, with the verifier, on the first speed_sentences dev
+        sources (what the drafter is for: GAD accepts what matches the verifier's own output)."""
+        verifier, cfg = self.verifier[0], self.cfg
+        drafter = Drafter(self.decoding_model(), k=cfg.drafter_k, layout=cfg.drafter_layout)
+        room = min(verifier.cfg.max_positions, self.model.cfg.max_positions - cfg.drafter_k) - 1
+        src = [s[:room] for s in tok.encode_batch(dev.src[:cfg.speed_sentences])]
+        stats = DecodeStats()
+        for rows, _ in decode_batches(src, len(src), 0):
+            x = data_mod.source_tensor(rows).to(device)
+            stats.merge(decode_gad(verifier, drafter, x, max_len=min(room, 2 * max(map(len, rows)) + 10)).stats)
+        return stats.mean_committed
 
     def checkpoint_entries(self, half: bool) -> dict:
         return {"drafter": {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout},
                 **super().checkpoint_entries(half)}
 
     def eval_note(self, dev_size: int) -> str:
-        return ""  # no decoding: the scores are the block's
+        return (f" (GAD with the verifier on {min(self.cfg.speed_sentences, dev_size)} sentences)" if self.verifier
+                else "")
 
     def drafter_batch(self, tgt_out: torch.Tensor, generator: torch.Generator | None = None):
         """Block inputs for every row: a random prefix length p in 0 .. len(y), then k masks."""
@@ -603,7 +658,7 @@ class Progress:
     epoch: int = 0
     batch_in_epoch: int = 0
     elapsed: float = 0.0  # seconds spent in updates so far (neither setup nor evaluations)
-    best_loss: float = float("inf")
+    best_loss: float = float("inf")  # the best evaluation's rank (RunFolder.rank: lower is better)
     snapshots: list[str] = field(default_factory=list)
 
     def state(self, opt: torch.optim.Optimizer) -> dict:
@@ -646,16 +701,21 @@ class RunFolder:
                  f"{progress.elapsed / 60:.1f} min trained)")
         return progress
 
+    def rank(self, scores: dict) -> float:
+        """Where an evaluation ranks, lower being better: its dev loss, or with pick tokens-per-call
+        minus the tokens per call of the drafter's or the heads' decoder."""
+        return -scores["dev_tokens_per_call"] if self.cfg.pick == "tokens-per-call" else scores["dev_loss"]
+
     def save_evaluation(self, scores: dict, progress: Progress, opt: torch.optim.Optimizer) -> None:
-        """A snapshot (the oldest beyond keep_last removed), best.pt when the dev loss is the lowest
-        yet, last.pt, and the scores' line in log.jsonl."""
+        """A snapshot (the oldest beyond keep_last removed), best.pt when the evaluation ranks first
+        yet (RunFolder.rank), last.pt, and the scores' line in log.jsonl."""
         snap = self.out / "snapshots" / f"step{progress.step:07d}.pt"
         save_atomic(self.checkpoint(progress, scores), snap)
         progress.snapshots.append(str(snap))
         while len(progress.snapshots) > self.cfg.keep_last:
             Path(progress.snapshots.pop(0)).unlink(missing_ok=True)
-        if scores["dev_loss"] < progress.best_loss:
-            progress.best_loss = scores["dev_loss"]
+        if self.rank(scores) < progress.best_loss:
+            progress.best_loss = self.rank(scores)
             save_atomic(self.checkpoint(progress, scores), self.out / "best.pt")
         self.save_last(progress, opt)
         with open(self.out / "log.jsonl", "a") as f:
@@ -663,7 +723,7 @@ class RunFolder:
 
     def finish(self, progress: Progress, evaluate) -> dict:
         """Average the kept snapshots, evaluate best and average, write model.pt (float16) from the better
-        (or from last.pt, the final weights, with pick="last")."""
+        by RunFolder.rank (or from last.pt, the final weights, with pick="last")."""
         results = {}
         snaps = [load_checkpoint(p) for p in progress.snapshots if Path(p).exists()]
         if snaps:
@@ -675,9 +735,10 @@ class RunFolder:
             self.log(f"average of {len(snaps)} snapshots: " + format_scores(avg))
         if (self.out / "best.pt").exists():
             best = load_checkpoint(self.out / "best.pt")
-            results["best"] = {"dev_loss": progress.best_loss, **{k: best["meta"][k] for k in ("dev_bleu", "dev_block_accuracy")
-                                                                   if k in best["meta"]}, "step": best["step"]}
-        pick = "average" if "average" in results and results["average"]["dev_loss"] <= progress.best_loss else "best"
+            results["best"] = {**{k: best["meta"][k] for k in ("dev_loss", "dev_bleu", "dev_block_accuracy",
+                                                               "dev_tokens_per_call") if k in best["meta"]},
+                               "step": best["step"]}
+        pick = "average" if "average" in results and self.rank(results["average"]) <= progress.best_loss else "best"
         if self.cfg.pick == "last":  # e.g. alignment to a teacher: the references' dev loss is not the aim
             pick = "last"
         if (self.out / f"{pick}.pt").exists():

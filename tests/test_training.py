@@ -206,7 +206,8 @@ def test_base_plus_random_head_loss_always_trains_the_base():
     (["--proposal-k", "3", "--head-loss", "max"], "head_loss"),
     (["--head-loss", "mean"], "need proposal_k"),
     (["--glancing-end", "0.1"], "need drafter_k"),
-    (["--pick", "newest"], "pick must be dev-loss or last"),
+    (["--pick", "newest"], "pick must be dev-loss, tokens-per-call or last"),
+    (["--pick", "tokens-per-call"], "need drafter_k or proposal_k"),
     (["--tokenizer-from", "t.json", "--init-from", "m.pt"], "exclude each other"),
     (["--kd-weight", "0.3"], "needs kd_from"),
     (["--kd-from", "m.pt", "--kd-weight", "1.5"], "kd_weight"),
@@ -221,12 +222,15 @@ def test_bad_proposal_options_are_one_line_errors(args, needle):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["causal", "bidirectional"])
 def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
-    """Guards the drafter's training path (random prefix, k masks, glancing) and its checkpoint mark."""
+    """Guards the drafter's training path (random prefix, k masks, glancing), its checkpoint mark, and
+    its dev figure: GAD's tokens per call with the verifier it starts from, which chooses model.pt."""
     out = tmp_path / "drafter"
     r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--init-from",
-               str(trained_tiny / "model.pt"), "--drafter-k", "4", "--drafter-layout", layout)
+               str(trained_tiny / "model.pt"), "--drafter-k", "4", "--drafter-layout", layout,
+               "--pick", "tokens-per-call", "--speed-sentences", "5")
     assert r.returncode == 0, r.stderr.decode()
-    assert "block accuracy" in r.stderr.decode()
+    assert "block accuracy" in r.stderr.decode() and "(GAD with the verifier on 5 sentences)" in r.stderr.decode()
+    assert 1 <= load_checkpoint(out / "best.pt")["meta"]["dev_tokens_per_call"] <= 5
     ck = load_checkpoint(out / "model.pt")
     assert ck["drafter"] == {"k": 4, "layout": layout}
     assert ck["meta"]["train_config"]["init_from"].endswith("model.pt")
@@ -355,3 +359,90 @@ def test_heads_load_on_a_base_stored_before_newer_config_fields(tmp_path):
     save_atomic({**heads, "model_config": {**full, "activation": "gelu"}}, tmp_path / "heads" / "model.pt")
     with pytest.raises(CheckpointError, match="does not have the shape"):
         load_checkpoint(tmp_path / "heads" / "model.pt")
+
+
+def _dev_and_vocab(n: int):
+    """The first n mt-en-de dev pairs of 8 source tokens or more (so that a batch's output budget,
+    2 x its longest source + 10, is the models' 23 positions for every row) and the shipped mt-en-de
+    vocabulary (no training needed)."""
+    from refdec.data import Split, load_split
+    from refdec.tokenizer import Tokenizer
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    dev = load_split("mt-en-de", "dev")
+    keep = [i for i, ids in enumerate(tok.encode_batch(dev.src[:2 * n])) if len(ids) >= 8][:n]
+    return Split([dev.src[i] for i in keep], [[r[i] for i in keep] for r in dev.refs], [dev.docs[i] for i in keep]), tok
+
+
+def _batch1_tokens_per_call(decode, tok, dev, room: int) -> float:
+    """Tokens per call of a decoder run one sentence at a time: all tokens over all calls."""
+    from refdec.data import source_tensor
+    tokens = calls = 0
+    for ids in tok.encode_batch(dev.src):
+        ids = ids[:room]
+        res = decode(source_tensor([ids]), room)
+        tokens, calls = tokens + res.stats.tokens, calls + res.stats.verifier_calls
+    return tokens / calls
+
+
+def test_heads_dev_tokens_per_call_is_per_row():
+    """Guards the heads' dev figure: tokens per call per sentence (at most k), as decoding each
+    sentence alone gives it, not all rows' tokens over the calls of a 40-row batch (which printed
+    14.49 for k = 10)."""
+    from refdec.config import PRESETS
+    from refdec.decoding.blockwise import decode_blockwise
+    from refdec.proposal import ProposalHeads
+    from refdec.training import build_model, build_objective
+    dev, tok = _dev_and_vocab(40)
+    cfg = PRESETS["tiny"].replace(proposal_k=3, head_loss="mean", eval_sentences=40, speed_sentences=40,
+                                  max_positions=24, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(cfg, tok.vocab_size).double()
+    heads = ProposalHeads(model.cfg.d_model, 16, 3).double()
+    scores = build_objective(cfg, model, heads).evaluate(tok, dev, torch.device("cpu"))
+    model.eval(), heads.eval()
+    want = _batch1_tokens_per_call(lambda x, n: decode_blockwise(model, heads, x, max_len=n), tok, dev, 23)
+    assert 1 <= scores["dev_tokens_per_call"] <= 3
+    assert scores["dev_tokens_per_call"] == pytest.approx(want, rel=1e-12)
+
+
+def test_drafter_dev_figure_is_gads_tokens_per_call_with_its_verifier(tmp_path):
+    """Guards the drafter's dev figure: GAD's tokens per verifier call and row with the verifier
+    (whose encoder the drafter reads) on the first speed_sentences dev sentences, as GAD one
+    sentence at a time gives it."""
+    from refdec.config import PRESETS
+    from refdec.decoding.adapters import SharedEncoder
+    from refdec.decoding.gad import decode_gad
+    from refdec.drafter import Drafter
+    from refdec.training import build_model, build_objective
+    dev, tok = _dev_and_vocab(30)
+    from refdec.checkpoint import make_checkpoint
+    torch.manual_seed(0)
+    verifier = build_model(PRESETS["tiny"].replace(max_positions=24, dropout=0.0), tok.vocab_size).double().eval()
+    save_atomic(make_checkpoint(verifier, "mt-en-de", tok, 0), tmp_path / "v.pt")
+    cfg = PRESETS["tiny"].replace(drafter_k=3, speed_sentences=12, max_positions=24, dropout=0.0,
+                                  encoder_from=str(tmp_path / "v.pt"), enc_layers=0, out_dir=str(tmp_path / "run"))
+    model = build_model(cfg, tok.vocab_size, encoder=verifier).double()
+    scores = build_objective(cfg, model, encoder=verifier).evaluate(tok, dev, torch.device("cpu"))
+    drafter = Drafter(SharedEncoder(model.eval(), verifier), k=3)
+    dev12 = type(dev)(dev.src[:12], [r[:12] for r in dev.refs], dev.docs[:12])
+    want = _batch1_tokens_per_call(lambda x, n: decode_gad(verifier, drafter, x, max_len=n), tok, dev12, 20)
+    assert 1 <= scores["dev_tokens_per_call"] <= 3 + 1
+    assert scores["dev_tokens_per_call"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("pick,best_step", [("tokens-per-call", 1), ("dev-loss", 2)])
+def test_best_checkpoint_is_ranked_by_the_runs_pick(tmp_path, pick, best_step):
+    """Guards what best.pt (and so model.pt) is: with pick tokens-per-call the evaluation with the
+    most tokens per call, though another has the lower dev loss."""
+    from refdec.config import PRESETS
+    from refdec.tokenizer import Tokenizer
+    from refdec.training import Progress, RunFolder, build_model, build_objective
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    cfg = PRESETS["tiny"].replace(drafter_k=3, pick=pick, out_dir=str(tmp_path))
+    model = build_model(cfg, tok.vocab_size)
+    folder = RunFolder(cfg, build_objective(cfg, model), tok, lambda msg: None)
+    progress, opt = Progress(), torch.optim.Adam(model.parameters())
+    for scores in ({"dev_loss": 2.0, "dev_tokens_per_call": 1.6}, {"dev_loss": 1.0, "dev_tokens_per_call": 1.2}):
+        progress.step += 1
+        folder.save_evaluation(scores, progress, opt)
+    assert load_checkpoint(tmp_path / "best.pt")["step"] == best_step
