@@ -231,10 +231,9 @@ class TrainConfig:
 
     def _check_shared_encoder(self) -> None:
         """A decoder on encoder_from's frozen encoder, the only kind of model without an encoder."""
-        if self.encoder_from and (self.enc_layers or self.init_from or self.tokenizer_from
-                                  or self.proposal_k or self.early_exit):
+        if self.encoder_from and (self.enc_layers or self.tokenizer_from or self.proposal_k or self.early_exit):
             raise ValueError("encoder_from needs enc_layers 0 (the encoder is the other model's), brings its "
-                             "vocabulary (no init_from or tokenizer_from) and trains a plain decoder or a drafter")
+                             "vocabulary (no tokenizer_from) and trains a plain decoder or a drafter")
         if not self.encoder_from and self.enc_layers < 1:
             raise ValueError("enc_layers 0 needs encoder_from: the checkpoint whose encoder the model reads")
 
@@ -286,6 +285,17 @@ def sad_preset(task: str, enc_layers: int, dec_layers: int) -> TrainConfig:
                        time_limit_min=95, threads=1)
 
 
+VERIFIER = "checkpoints/mt-en-de/model.pt"  # the verifier of the mt-en-de drafters and heads
+
+
+def mono_preset(name: str, **fields) -> TrainConfig:
+    """A drafter or heads of the mt-en-de verifier trained on its greedy outputs for the training
+    sources and 203k monolingual sentences, model.pt chosen by the tokens per call (see PRESETS)."""
+    defaults = dict(data_dir="data/distilled/mt-en-de-mono", warmup_steps=200, eval_every=1000, time_limit_min=60,
+                    pick="tokens-per-call")
+    return TrainConfig(task="mt-en-de", out_dir=f"runs/{name}", **{**defaults, **fields})
+
+
 # Presets: each trains on a 2-core CPU in about an hour (see README for measured times).
 PRESETS: dict[str, TrainConfig] = {
     # The mt-en-de model is the large model, verifier and teacher of the speculative decoders: 6+6 layers
@@ -333,6 +343,27 @@ PRESETS: dict[str, TrainConfig] = {
                                       init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-greedy",
                                       proposal_k=10, proposal_d_ff=128, freeze_base=True, head_loss="mean", lr=5e-4,
                                       warmup_steps=200, eval_every=400, time_limit_min=60, pick="tokens-per-call"),
+    # Drafters and heads that start from what the verifier knows, on the verifier's greedy outputs for the
+    # training sources and 203k monolingual sentences (data/distilled/mt-en-de-mono). The drafter's
+    # decoder starts as the verifier's first 2 decoder layers with its embeddings, final norm and output
+    # projection (SpecDec's drafter starts from its verifier's encoder too: here it reads that encoder).
+    "mt-en-de-drafter-from-verifier": mono_preset("mt-en-de-drafter-from-verifier", init_from=VERIFIER,
+                                                  encoder_from=VERIFIER, enc_layers=0, dec_layers=2, drafter_k=8,
+                                                  lr=5e-4, warmup_steps=400),
+    # The shipped drafter and heads, trained further (on the larger corpus, at a lower peak rate).
+    "mt-en-de-drafter-continue": mono_preset("mt-en-de-drafter-continue", init_from="checkpoints/mt-en-de-drafter/model.pt",
+                                             encoder_from=VERIFIER, enc_layers=0, dec_layers=2, drafter_k=8, lr=5e-4,
+                                             warmup_steps=200),
+    "mt-en-de-blockwise-continue": mono_preset("mt-en-de-blockwise-continue",
+                                               init_from="checkpoints/mt-en-de-blockwise/model.pt", proposal_k=10,
+                                               proposal_d_ff=128, freeze_base=True, head_loss="mean", lr=3e-4),
+    # The heads at the model's own feed-forward width (1024, the paper's), and the regime that fine-tunes
+    # the base with them (its own loss in every batch beside one random head: exact blockwise decoding
+    # is then the fine-tuned model's greedy output, not the shipped mt-en-de model's).
+    "mt-en-de-blockwise-wide": mono_preset("mt-en-de-blockwise-wide", init_from=VERIFIER, proposal_k=10,
+                                           freeze_base=True, head_loss="mean", lr=5e-4),
+    "mt-en-de-blockwise-finetuned": mono_preset("mt-en-de-blockwise-finetuned", init_from=VERIFIER, proposal_k=10,
+                                                proposal_d_ff=128, head_loss="base+random", lr=3e-4),
     # BiLD (Kim et al. 2023): a small model (1 decoder layer of width 128) on the large model's vocabulary,
     # its aligned copy fine-tuned on the large model's greedy outputs (kept as trained last: its dev
     # loss against the references is not what alignment aims at), and the early-exit model.

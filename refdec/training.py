@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import data as data_mod
-from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, save_atomic
+from .checkpoint import average_states, file_sha256, load_checkpoint, make_checkpoint, referenced_file, save_atomic
 from .config import ModelConfig, TrainConfig
 from .decoding.blockwise import decode_blockwise
 from .decoding.gad import decode_gad
@@ -348,23 +348,36 @@ class ProposalHeadsLoss(Objective):
 
     unused_parameters = True  # head 1 (the base) is skipped in some batches when heads are drawn at random
 
-    def __init__(self, model: Transformer, heads: ProposalHeads, cfg: TrainConfig):
+    def __init__(self, model: Transformer, heads: ProposalHeads, cfg: TrainConfig, base_file: str = ""):
         super().__init__(model, cfg)
         self.heads = heads
         # Head 1 is the base model itself: trained only when the base is not frozen.
         self.trained_heads = list(range(2 if cfg.freeze_base else 1, heads.k + 1))
-        # Heads on a frozen base ship without the base's weights: model.pt names the init_from file instead.
-        self.frozen_base = ({"path": os.path.relpath(cfg.init_from, cfg.out_dir), "sha256": file_sha256(cfg.init_from)}
-                            if cfg.freeze_base and cfg.init_from else None)
+        # Heads on a frozen base ship without the base's weights: model.pt names the file holding them
+        # (init_from, or the base that init_from's heads stand on) instead.
+        self.base_file = base_file = base_file or cfg.init_from
+        self.frozen_base = ({"path": os.path.relpath(base_file, cfg.out_dir), "sha256": file_sha256(base_file)}
+                            if cfg.freeze_base and base_file else None)
 
     @classmethod
     def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
              encoder: Transformer | None = None) -> "ProposalHeadsLoss":
-        """New heads of cfg's shape on the model, whose weights are frozen with freeze_base."""
+        """Heads of cfg's shape on the model, whose weights are frozen with freeze_base: new ones, or
+        those of init_from when it has heads of that shape (trained heads continued)."""
         heads = ProposalHeads(model.cfg.d_model, cfg.proposal_d_ff or model.cfg.d_ff, cfg.proposal_k).to(device)
+        base_file = ""
+        if cfg.init_from:
+            ck = load_checkpoint(cfg.init_from)
+            if "proposal" in ck:
+                if ck["proposal"]["config"] != heads.config():
+                    raise TrainingError(f"{cfg.init_from} holds heads of shape {ck['proposal']['config']}, not "
+                                        f"{heads.config()}: give --proposal-k and --proposal-d-ff as they were trained")
+                heads.load_state_dict({k: v.float() for k, v in ck["proposal"]["state"].items()})
+            if "frozen_base" in ck:  # heads alone: the weights are those of the base they name
+                base_file = str(referenced_file(cfg.init_from, ck["frozen_base"], "holds proposal heads on the frozen model"))
         if cfg.freeze_base:
             model.requires_grad_(False)
-        return cls(model, heads, cfg)
+        return cls(model, heads, cfg, base_file)
 
     @classmethod
     def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
@@ -388,7 +401,7 @@ class ProposalHeadsLoss(Objective):
             return ""
         del ck["model"]
         ck["frozen_base"] = self.frozen_base
-        return f", the heads alone: the base is {self.cfg.init_from}"
+        return f", the heads alone: the base is {self.base_file}"
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
@@ -526,7 +539,10 @@ def frozen_model(ck: dict, device: torch.device) -> Transformer:
 def build_model(cfg: TrainConfig, vocab_size: int, base: dict | None = None, encoder: Transformer | None = None,
                 device: torch.device | str = "cpu") -> Transformer:
     """The model a run trains: a new one of cfg's shape (reading `encoder`'s states, the frozen encoder
-    of encoder_from, if given), or that of the init_from checkpoint `base` with cfg's dropout."""
+    of encoder_from, if given), or that of the init_from checkpoint `base` with cfg's dropout (on
+    `encoder`: decoder_from)."""
+    if encoder is not None and base is not None:
+        return decoder_from(base, cfg, encoder).to(device)
     if encoder is not None:
         return Transformer(cfg.model_config(vocab_size, d_memory=encoder.cfg.d_model)).to(device)
     if base is not None:
@@ -534,6 +550,31 @@ def build_model(cfg: TrainConfig, vocab_size: int, base: dict | None = None, enc
         model.load_state_dict({k: v.float() for k, v in base["model"].items()})
         return model.to(device)
     return Transformer(cfg.model_config(vocab_size)).to(device)
+
+
+def decoder_from(base: dict, cfg: TrainConfig, encoder: Transformer) -> Transformer:
+    """A decoder on the frozen encoder of encoder_from (GAD's drafter), started from the init_from
+    checkpoint `base`: one already on that encoder (a shipped drafter) goes on as it is; a whole model
+    (the verifier) gives its embeddings, its first dec_layers decoder layers, its final norm and its
+    output projection, so the drafter starts as the verifier's early exit."""
+    shape = ModelConfig.from_dict(base["model_config"])
+    state = {k: v.float() for k, v in base["model"].items()}
+    if shape.enc_layers == 0:
+        if shape.memory_dim != encoder.cfg.d_model:
+            raise TrainingError(f"{cfg.init_from} reads encoder states of width {shape.memory_dim}, "
+                                f"{cfg.encoder_from} gives {encoder.cfg.d_model}")
+        model = Transformer(replace(shape, dropout=cfg.dropout))
+    else:
+        differ = [f"{f} {getattr(cfg, f)} (the model's: {getattr(shape, f)})" for f in ("d_model", "n_heads", "d_ff")
+                  if getattr(cfg, f) != getattr(shape, f)]
+        if differ or cfg.dec_layers > shape.dec_layers:
+            raise TrainingError(f"a decoder started from {cfg.init_from} takes its width and at most its "
+                                f"{shape.dec_layers} decoder layers: {', '.join(differ) or f'dec_layers {cfg.dec_layers}'}")
+        model = Transformer(replace(shape, enc_layers=0, dec_layers=cfg.dec_layers, d_memory=encoder.cfg.d_model,
+                                    dropout=cfg.dropout))
+        state = {k: state[k] for k in model.state_dict()}  # the first dec_layers layers; no encoder
+    model.load_state_dict(state)
+    return model
 
 
 class Processes:
@@ -645,7 +686,16 @@ def encode_pairs(cfg: TrainConfig, tok: Tokenizer, pairs: list[tuple[str, str]],
 def build_run_objective(cfg: TrainConfig, tok: Tokenizer, base: dict | None, device: torch.device) -> Objective:
     """The frozen encoder of encoder_from, the model, and what the mode adds (Objective.load), in this
     order: each new one draws its initial weights from torch's generator."""
-    encoder = frozen_model(base, device) if cfg.encoder_from else None
+    encoder = None
+    if cfg.encoder_from:
+        own = load_checkpoint(cfg.encoder_from) if cfg.init_from else base  # `base` is init_from's when both are set
+        if own.get("tokenizer_sha256") != tok.sha256 or own.get("task") != cfg.task:
+            raise TrainingError(f"{cfg.encoder_from} is not on the task and vocabulary of {cfg.init_from}")
+        spec = base.get("shared_encoder") if cfg.init_from else None
+        if spec and spec["sha256"] != file_sha256(cfg.encoder_from):
+            raise TrainingError(f"{cfg.init_from} was trained on another encoder than {cfg.encoder_from}'s: give "
+                                f"--encoder-from the model it reads ({spec['path']} from its folder)")
+        encoder = frozen_model(own, device)
     model = build_model(cfg, tok.vocab_size, base if cfg.init_from else None, encoder, device)
     return objective_class(cfg).load(cfg, model, tok, device, encoder)
 

@@ -446,3 +446,67 @@ def test_best_checkpoint_is_ranked_by_the_runs_pick(tmp_path, pick, best_step):
         progress.step += 1
         folder.save_evaluation(scores, progress, opt)
     assert load_checkpoint(tmp_path / "best.pt")["step"] == best_step
+
+
+def _saved(model, tok, path: Path, **entries) -> Path:
+    from refdec.checkpoint import make_checkpoint
+    save_atomic({**make_checkpoint(model, "mt-en-de", tok, 0), **entries}, path)
+    return path
+
+
+def test_drafter_starts_from_the_verifier_and_continues_a_drafter(tmp_path):
+    """Guards the drafters that start from what the verifier knows: on the verifier's frozen encoder,
+    init_from the verifier gives the drafter the verifier's embeddings, first dec_layers decoder
+    layers, final norm and output projection (every parameter equal to the verifier's); init_from a
+    drafter on that encoder continues it as it is; a drafter of another encoder is refused."""
+    from refdec.checkpoint import file_sha256
+    from refdec.config import PRESETS
+    from refdec.training import TrainingError, build_model, build_run_objective
+    _, tok = _dev_and_vocab(1)
+    torch.manual_seed(0)
+    verifier = build_model(PRESETS["tiny"].replace(dec_layers=3), tok.vocab_size)
+    v_path = _saved(verifier, tok, tmp_path / "v" / "model.pt")
+    cfg = PRESETS["tiny"].replace(drafter_k=3, enc_layers=0, dec_layers=2, encoder_from=str(v_path),
+                                  init_from=str(v_path), out_dir=str(tmp_path / "run"))
+    obj = build_run_objective(cfg, tok, load_checkpoint(v_path), torch.device("cpu"))
+    drafter, want = obj.model.state_dict(), verifier.state_dict()
+    assert obj.model.cfg.enc_layers == 0 and obj.model.cfg.dec_layers == 2
+    assert "decoder.0.ff.w1.weight" in drafter and "dec_norm.weight" in drafter and "tgt_embed.weight" in drafter
+    assert all(torch.equal(t, want[k]) for k, t in drafter.items())
+    assert obj.verifier[0] is obj.frozen_encoder[0]
+    with torch.no_grad():
+        obj.model.dec_norm.weight.add_(1.0)  # a trained drafter: not the verifier's any more
+    d_path = _saved(obj.model, tok, tmp_path / "d" / "model.pt", drafter={"k": 3, "layout": "causal"},
+                    shared_encoder={"path": "../v/model.pt", "sha256": file_sha256(v_path)})
+    cont = build_run_objective(cfg.replace(init_from=str(d_path)), tok, load_checkpoint(d_path), torch.device("cpu"))
+    assert all(torch.equal(t, obj.model.state_dict()[k]) for k, t in cont.model.state_dict().items())
+    other = _saved(build_model(PRESETS["tiny"], tok.vocab_size), tok, tmp_path / "o" / "model.pt")
+    with pytest.raises(TrainingError, match="another encoder"):
+        build_run_objective(cfg.replace(init_from=str(d_path), encoder_from=str(other)), tok, load_checkpoint(d_path),
+                            torch.device("cpu"))
+    with pytest.raises(TrainingError, match="at most its 3 decoder layers"):
+        build_run_objective(cfg.replace(dec_layers=4), tok, load_checkpoint(v_path), torch.device("cpu"))
+
+
+def test_heads_continue_from_trained_heads_on_their_base(tmp_path):
+    """Guards continuing trained heads: init_from a heads-alone file loads its heads (equal) on its
+    base's weights, and the new heads name that base file, not the heads' file, as their base."""
+    from refdec.checkpoint import file_sha256
+    from refdec.config import PRESETS
+    from refdec.proposal import ProposalHeads, proposal_state
+    from refdec.training import build_model, build_run_objective
+    _, tok = _dev_and_vocab(1)
+    torch.manual_seed(0)
+    base = build_model(PRESETS["tiny"], tok.vocab_size)
+    b_path = _saved(base, tok, tmp_path / "base" / "model.pt")
+    heads = ProposalHeads(base.cfg.d_model, 16, 3)
+    raw = {**torch.load(b_path, weights_only=True), "proposal": proposal_state(heads),
+           "frozen_base": {"path": "../base/model.pt", "sha256": file_sha256(b_path)}}
+    del raw["model"]
+    save_atomic(raw, tmp_path / "heads" / "model.pt")
+    cfg = PRESETS["tiny"].replace(proposal_k=3, proposal_d_ff=16, freeze_base=True, head_loss="mean",
+                                  init_from=str(tmp_path / "heads" / "model.pt"), out_dir=str(tmp_path / "run"))
+    obj = build_run_objective(cfg, tok, load_checkpoint(cfg.init_from), torch.device("cpu"))
+    assert all(torch.equal(t, heads.state_dict()[k]) for k, t in obj.heads.state_dict().items())
+    assert all(torch.equal(t, base.state_dict()[k]) for k, t in obj.model.state_dict().items())
+    assert obj.frozen_base == {"path": os.path.join("..", "base", "model.pt"), "sha256": file_sha256(b_path)}
