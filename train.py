@@ -35,7 +35,10 @@ HELP = {
     "n_heads": "attention heads", "d_ff": "feed-forward width", "enc_layers": "encoder layers",
     "dec_layers": "decoder layers", "dropout": "dropout rate", "norm_first": "pre-norm (true) or post-norm (false)",
     "max_positions": "longest sequence the model accepts", "max_train_len": "skip training pairs longer than this (tokens)",
-    "batch_tokens": "padded source+target tokens per batch and process", "lr": "peak learning rate",
+    "batch_tokens": "padded source+target tokens per batch and process",
+    "pass_tokens": "padded tokens per forward/backward pass, gradients accumulated over the batch's passes "
+                   "(0 = by the device: the whole batch on a CPU, what fits on a GPU)",
+    "lr": "peak learning rate",
     "warmup_steps": "linear warmup steps before inverse-sqrt decay", "label_smoothing": "label smoothing epsilon",
     "clip_norm": "gradient norm clip", "max_steps": "stop after this many updates",
     "time_limit_min": "stop after this many minutes of training (0 = none)",

@@ -132,6 +132,9 @@ class TrainConfig:
     max_positions: int = 256
     max_train_len: int = 128  # training pairs with a longer side (in tokens) are skipped
     batch_tokens: int = 4096  # source + target tokens per batch (per process)
+    # Padded tokens per forward/backward pass, the batch's gradients accumulated over its passes (0 =
+    # by the device: the whole batch on a CPU, what fits on a GPU); the update is the batch's either way.
+    pass_tokens: int = 0
     lr: float = 7e-4
     warmup_steps: int = 1000
     label_smoothing: float = 0.1
@@ -248,7 +251,7 @@ class TrainConfig:
         a run that silently does nothing (a NaN fails every comparison, so it is refused too)."""
         at_least = {"vocab_size": 16, "d_model": 1, "n_heads": 1, "d_ff": 1, "max_positions": 2, "max_train_len": 1,
                     "batch_tokens": 1, "warmup_steps": 1, "max_steps": 1, "eval_every": 1, "keep_last": 1,
-                    "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "speed_sentences": 1, "train_limit": 0, "threads": 0,
+                    "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "speed_sentences": 1, "pass_tokens": 0, "train_limit": 0, "threads": 0,
                     "seed": 0, "proposal_d_ff": 0, "dev_limit": 0, "time_limit_min": 0}
         for name, low in at_least.items():
             value = getattr(self, name)

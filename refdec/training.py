@@ -76,7 +76,7 @@ from .tokenizer import Tokenizer, iter_training_text
 RUN_FILES = ("tokenizer.json", "last.pt", "best.pt", "average.pt", "model.pt", "log.jsonl", "snapshots")
 # Fields a resumed run may change: how long and how verbosely it runs, not what it trains.
 RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eval_every", "eval_sentences",
-                     "speed_sentences", "dev_limit", "out_dir")
+                     "speed_sentences", "pass_tokens", "dev_limit", "out_dir")
 PATH_FIELDS = ("init_from", "tokenizer_from", "encoder_from", "kd_from", "data_dir")
 
 
@@ -135,7 +135,8 @@ def inverse_sqrt(step: int, warmup: int) -> float:
 
 def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id: int) -> torch.Tensor:
     """Label-smoothed cross-entropy (Szegedy et al. 2016), mean over non-pad target tokens."""
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bfloat16 (autocast) up, float64 kept
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                             ignore_index=pad_id, label_smoothing=eps, reduction="sum")
     # Divided by at least 1: a batch with no target (a far proposal head on short sentences) gives 0, not NaN.
     return total / target.ne(pad_id).sum().clamp(min=1)
@@ -670,10 +671,18 @@ def prepare_tokenizer(cfg: TrainConfig, procs: Processes, pairs: list[tuple[str,
 
 
 def encode_pairs(cfg: TrainConfig, tok: Tokenizer, pairs: list[tuple[str, str]], dev_size: int,
-                 log) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids of the pairs that fit: both sides non-empty and within max_train_len tokens."""
-    src_ids = tok.encode_batch([s for s, _ in pairs])
-    tgt_ids = tok.encode_batch([t for _, t in pairs])
+                 log, procs: "Processes | None" = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of the pairs that fit: both sides non-empty and within max_train_len tokens. The ids
+    of a whole training set come from its cache (TokenCache) when it has one for this vocabulary."""
+    cache = TokenCache(cfg, tok)
+    ids = cache.read(len(pairs))
+    if ids is None:
+        t0 = time.time()
+        ids = tok.encode_batch([s for s, _ in pairs]), tok.encode_batch([t for _, t in pairs])
+        if not cfg.train_limit and (procs is None or procs.is_main()):
+            note = cache.write(*ids)
+            log(f"tokenized {len(pairs)} pairs in {time.time() - t0:.0f}s; " + note)
+    src_ids, tgt_ids = ids
     limit = min(cfg.max_train_len, cfg.max_positions - 1)
     keep = [i for i in range(len(pairs)) if 0 < len(src_ids[i]) <= limit and 0 < len(tgt_ids[i]) <= limit]
     src_ids, tgt_ids = [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
@@ -681,6 +690,55 @@ def encode_pairs(cfg: TrainConfig, tok: Tokenizer, pairs: list[tuple[str, str]],
     log(f"train: {len(keep)} pairs ({len(pairs) - len(keep)} skipped: empty or over {limit} tokens), "
         f"{n_tok} tokens; dev: {dev_size} pairs")
     return src_ids, tgt_ids
+
+
+class TokenCache:
+    """The token ids of a task's training set, tokenized once and kept beside its files as
+    .train-ids-<vocabulary>.pt: every later run and process on that vocabulary reads them instead of
+    tokenizing again. The file records the sha256 of the vocabulary and of the training files, and
+    is used only while all of them are the same (an edited corpus or another vocabulary is tokenized
+    anew and the cache rewritten)."""
+
+    def __init__(self, cfg: TrainConfig, tok: Tokenizer):
+        self.folder = Path(cfg.data_dir or data_mod.DATA_DIR) / cfg.task
+        self.path = self.folder / f".train-ids-{tok.sha256[:16]}.pt"
+        self.tok_sha = tok.sha256
+
+    def key(self) -> dict:
+        return {"tokenizer": self.tok_sha, **{name: file_sha256(self.folder / name)
+                                              for name in ("train.src.gz", "train.tgt.gz")}}
+
+    def read(self, n: int) -> tuple[list[list[int]], list[list[int]]] | None:
+        """The ids of the first n pairs, or None without a cache that holds this corpus's ids."""
+        if not self.path.is_file():
+            return None
+        try:
+            stored = torch.load(self.path, map_location="cpu", weights_only=True)
+        except Exception:  # a torn or foreign file: tokenize again (and rewrite it)
+            return None
+        if stored.get("key") != self.key() or len(stored["src_lengths"]) < n:
+            return None
+        return tuple(self.unflatten(stored[f"{side}_ids"], stored[f"{side}_lengths"], n) for side in ("src", "tgt"))
+
+    def write(self, src_ids: list[list[int]], tgt_ids: list[list[int]]) -> str:
+        """Save the ids (atomically); returns what the log says about it."""
+        flat = {}
+        for side, ids in (("src", src_ids), ("tgt", tgt_ids)):
+            flat[f"{side}_ids"] = torch.tensor([t for row in ids for t in row], dtype=torch.int32)
+            flat[f"{side}_lengths"] = torch.tensor(list(map(len, ids)), dtype=torch.int64)
+        try:
+            save_atomic({"key": self.key(), **flat}, self.path)
+        except OSError as e:
+            return f"not cached ({e.strerror or e})"
+        return f"cached in {self.path.name} beside the data"
+
+    @staticmethod
+    def unflatten(flat: torch.Tensor, lengths: torch.Tensor, n: int) -> list[list[int]]:
+        values, rows, at = flat.tolist(), [], 0
+        for length in lengths[:n].tolist():
+            rows.append(values[at:at + length])
+            at += length
+        return rows
 
 
 def build_run_objective(cfg: TrainConfig, tok: Tokenizer, base: dict | None, device: torch.device) -> Objective:
@@ -828,14 +886,18 @@ class Trainer:
         if base is not None and base.get("task") != cfg.task:
             raise ValueError(f"{base_path} was trained for {base.get('task')}, not {cfg.task}")
         self.tok = prepare_tokenizer(cfg, self.procs, pairs, base, base_path, self.log)
-        self.src_ids, self.tgt_ids = encode_pairs(cfg, self.tok, pairs, len(self.dev), self.log)
+        self.src_ids, self.tgt_ids = encode_pairs(cfg, self.tok, pairs, len(self.dev), self.log, self.procs)
         self.lengths = [(len(s), len(t)) for s, t in zip(self.src_ids, self.tgt_ids)]
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.objective = build_run_objective(cfg, self.tok, base, self.device)
         self.model = self.objective.model
         params = [p for p in self.objective.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
+        # Adam (0.9, 0.98, 1e-9) as AdamW without weight decay (the same update, bit for bit), fused into
+        # one kernel per step on a GPU.
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0,
+                                     fused=True if self.device.type == "cuda" else None)
+        self.pass_tokens = cfg.pass_tokens or device_pass_tokens(cfg, self.model.cfg, self.device)
         self.folder = RunFolder(cfg, self.objective, self.tok, self.log)
         self.progress = Progress() if last is None else self.folder.load_last(last, self.opt)
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective,
@@ -851,23 +913,26 @@ class Trainer:
         return self.objective.evaluate(self.tok, self.dev, self.device)
 
     def update(self, idx: list[int]) -> tuple[float, int]:
-        """One update on the training pairs `idx`: the loss and the batch's non-pad tokens."""
+        """One update on the training pairs `idx`: the loss and the batch's non-pad tokens. The batch
+        runs in passes of at most pass_tokens padded tokens (one on a CPU by default), their gradients
+        accumulated; in bfloat16 autocast on a GPU."""
         cfg, p = self.cfg, self.progress
-        src, tgt_in, tgt_out = (x.to(self.device) for x in data_mod.training_tensors(
-            [self.src_ids[i] for i in idx], [self.tgt_ids[i] for i in idx]))
         self.lr = cfg.lr * inverse_sqrt(p.step + 1, cfg.warmup_steps)
         for g in self.opt.param_groups:
             g["lr"] = self.lr
         self.objective.step = p.step
-        loss = self.ddp(src, tgt_in, tgt_out)
+        pieces = ([idx] if self.pass_tokens >= cfg.batch_tokens else
+                  [[idx[j] for j in part] for part in
+                   data_mod.token_batches([self.lengths[i] for i in idx], self.pass_tokens, None)])
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, n_tok = accumulate(self.ddp, [data_mod.training_tensors([self.src_ids[i] for i in part],
+                                                                      [self.tgt_ids[i] for i in part])
+                                            for part in pieces], self.model.cfg.pad_id, self.device)
         torch.nn.utils.clip_grad_norm_(self.objective.parameters(), cfg.clip_norm)
         self.opt.step()
         p.step += 1
         p.batch_in_epoch += 1
-        pad = self.model.cfg.pad_id
-        return loss.item(), int(src.ne(pad).sum() + tgt_out.ne(pad).sum())
+        return loss, n_tok
 
     def train(self) -> dict:
         cfg, p, world = self.cfg, self.progress, self.procs.world
@@ -927,6 +992,41 @@ class Trainer:
         self._t0 = time.time()
         with stop_on_sigint(self):
             return self.train()
+
+
+def accumulate(objective: torch.nn.Module, pieces: list[tuple[torch.Tensor, ...]], pad_id: int,
+               device: torch.device) -> tuple[float, int]:
+    """The gradients of one batch's loss, run as `pieces` (src, tgt_in, tgt_out): each piece's mean
+    loss weighted by its share of the batch's target tokens, so that for the losses that are a mean
+    over target tokens (plain, distillation, early exit) the gradient is the whole batch's (for the
+    heads' and the drafter's, the same expectation). Returns the batch's loss and its non-pad tokens.
+    With one piece it is loss.backward() on the batch, as it was before passes existed. Under
+    DistributedDataParallel the gradients are all-reduced on the last piece only. On a GPU the
+    forward passes run in bfloat16 autocast (the weights, gradients and optimizer stay float32)."""
+    weights = [int(t.ne(pad_id).sum()) for _, _, t in pieces]
+    total, loss_sum, n_tok = sum(weights), 0.0, 0
+    for j, (piece, w) in enumerate(zip(pieces, weights)):
+        src, tgt_in, tgt_out = (x.to(device) for x in piece)
+        last = j == len(pieces) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(objective, "no_sync") else objective.no_sync()
+        with sync:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = objective(src, tgt_in, tgt_out)
+            (loss if len(pieces) == 1 else loss * (w / total)).backward()
+        loss_sum += loss.item() * w / total
+        n_tok += int(src.ne(pad_id).sum() + tgt_out.ne(pad_id).sum())
+    return (loss.item() if len(pieces) == 1 else loss_sum), n_tok
+
+
+def device_pass_tokens(cfg: TrainConfig, shape: ModelConfig, device: torch.device) -> int:
+    """Padded tokens per forward/backward pass when pass_tokens is 0: the whole batch on a CPU (one
+    pass, as a preset's optimisation was set); on a GPU as many as about half its free memory holds
+    (float32 logits and their gradients, and each layer's activations), at most the whole batch."""
+    if device.type != "cuda":
+        return cfg.batch_tokens
+    free, _ = torch.cuda.mem_get_info(device)
+    per_token = 4 * (3 * shape.vocab_size + 40 * shape.d_model * (shape.enc_layers + shape.dec_layers))
+    return max(1, min(cfg.batch_tokens, free // 2 // per_token))
 
 
 @contextlib.contextmanager

@@ -510,3 +510,73 @@ def test_heads_continue_from_trained_heads_on_their_base(tmp_path):
     assert all(torch.equal(t, heads.state_dict()[k]) for k, t in obj.heads.state_dict().items())
     assert all(torch.equal(t, base.state_dict()[k]) for k, t in obj.model.state_dict().items())
     assert obj.frozen_base == {"path": os.path.join("..", "base", "model.pt"), "sha256": file_sha256(b_path)}
+
+
+def test_two_half_batch_passes_make_the_one_batch_update():
+    """Guards gradient accumulation: a batch run as two passes (each loss weighted by its share of
+    the target tokens) gives the update of the batch in one pass (float64, the trainer's AdamW), and
+    on a CPU the default pass is the whole batch (a preset's optimisation as it was)."""
+    from refdec.config import PRESETS
+    from refdec.data import training_tensors
+    from refdec.training import accumulate, build_model, build_objective, device_pass_tokens
+    cfg = PRESETS["tiny"].replace(dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (6,), generator=g)]
+    tgt = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (6,), generator=g)]
+    params, losses, grads = [], [], []
+    for pieces in ([range(6)], [range(3), range(3, 6)]):
+        torch.manual_seed(0)
+        model = build_model(cfg, 40).double()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0)
+        obj = build_objective(cfg, model)
+        loss, n_tok = accumulate(obj, [training_tensors([src[i] for i in part], [tgt[i] for i in part])
+                                       for part in pieces], 0, torch.device("cpu"))
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        params.append(list(model.parameters()))
+        losses.append(loss)
+        assert n_tok == sum(map(len, src)) + sum(map(len, tgt)) + 12  # every eos
+    assert losses[0] == pytest.approx(losses[1], rel=1e-12)
+    moved = [not torch.equal(p, q) for p, q in zip(params[0], build_model(cfg, 40).double().parameters())]
+    assert any(moved)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-15), (a - b).abs().max()
+    for a, b in zip(*params):  # steps of lr 1e-2 agree to 1e-9 (Adam divides by sqrt(v) + eps: tiny gradients' rounding grows)
+        assert torch.allclose(a, b, rtol=0, atol=1e-9), (a - b).abs().max()
+    assert device_pass_tokens(cfg, build_model(cfg, 40).cfg, torch.device("cpu")) == cfg.batch_tokens
+
+
+def test_training_ids_are_cached_beside_the_data_and_never_stale(tmp_path, monkeypatch):
+    """Guards the token cache: a whole training set is tokenized once and its ids kept beside its
+    files; a later run reads them (no tokenizing) and gets the same ids; an edited corpus is
+    tokenized anew, never served from the old cache; a smoke run (train_limit) writes none."""
+    import gzip
+    from refdec.config import PRESETS
+    from refdec.data import load_split
+    from refdec.training import encode_pairs
+    _, tok = _dev_and_vocab(1)
+    folder = tmp_path / "mt-en-de"
+    folder.mkdir()
+    train = load_split("mt-en-de", "train")
+
+    def write(tgt_lines):
+        for name, lines in (("train.src.gz", train.src[:40]), ("train.tgt.gz", tgt_lines)):
+            with gzip.open(folder / name, "wt", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in lines))
+
+    write(train.tgt[:40])
+    cfg = PRESETS["tiny"].replace(data_dir=str(tmp_path))
+    pairs = list(zip(train.src[:40], train.tgt[:40]))
+    logs = []
+    first = encode_pairs(cfg, tok, pairs, 0, logs.append)
+    assert any("cached" in m for m in logs) and list(folder.glob(".train-ids-*.pt"))
+    real = tok.encode_batch
+    monkeypatch.setattr(type(tok), "encode_batch", lambda self, texts: pytest.fail("tokenized again"))
+    assert encode_pairs(cfg, tok, pairs, 0, logs.append) == first
+    assert encode_pairs(cfg.replace(train_limit=10), tok, pairs[:10], 0, logs.append) == tuple(
+        [row for row in side[:10]] for side in first)
+    monkeypatch.setattr(type(tok), "encode_batch", lambda self, texts: real(texts))
+    edited = ["Ein ganz anderer Satz."] + train.tgt[1:40]
+    write(edited)
+    again = encode_pairs(cfg, tok, list(zip(train.src[:40], edited)), 0, logs.append)
+    assert again[1][0] == tok.encode("Ein ganz anderer Satz.") != first[1][0]
