@@ -5,7 +5,7 @@
     python train.py --preset tiny --max-steps 20 --out-dir runs/smoke  # seconds: a smoke run
     torchrun --nproc_per_node 2 train.py --preset tiny --out-dir runs/ddp    # data-parallel
 
-Any field of a preset can be overridden (see --help). Output: refdec/training.py's docstring.
+Any field of a preset can be overridden (see --help). Output: refdec/training's docstring.
 A run writes into runs/<preset>/ (under the current folder) unless --out-dir says otherwise; the
 shipped models in checkpoints/ are only ever read. A folder that already holds a run is refused
 unless --resume continues it or --overwrite replaces it. Ctrl-C saves last.pt and exits; the same
