@@ -51,7 +51,9 @@ HELP = {
     "train_limit": "use only the first N training pairs (0 = all)",
     "dev_limit": "validate on only the first N dev pairs (0 = all)", "data_dir": "data folder (default: the repo's data/)",
     "threads": "torch threads (0 = torch's count, cut to the cores other processes leave idle)", "log_every": "progress line every N updates",
-    "init_from": "start from this checkpoint: its shape, weights and tokenizer",
+    "init_from": "start from this checkpoint: its shape, weights and tokenizer (with --encoder-from: a drafter "
+                 "continued, or a whole model's embeddings, first --dec-layers decoder layers, norm and output; "
+                 "a heads file: its heads, on the base it names)",
     "tokenizer_from": "train with this tokenizer.json instead of a new BPE (e.g. a small model on a large one's vocabulary)",
     "proposal_k": "train k-1 blockwise proposal heads on top of the model (0 = none)",
     "proposal_d_ff": "hidden width per proposal head (0 = the model's d_ff)",

@@ -101,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out_dir) / name
         log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line]
         summary[name] = {"model": str(out / "model.pt"), "minutes": round((time.time() - started) / 60, 2),
-                         "dev_tokens_per_call": max(rec.get("dev_tokens_per_call", 0.0) for rec in log)}
+                         "dev_tokens_per_call": max(rec.get("dev_tokens_per_call", 0.0) for rec in log),
+                         "tokens_per_s": log[-1].get("tokens_per_s", 0)}
     (Path(args.out_dir) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for name, s in summary.items():
-        print(f"{name}: {s['model']} | best dev tokens per call {s['dev_tokens_per_call']:.3f} | {s['minutes']} min")
+        print(f"{name}: {s['model']} | best dev tokens per call {s['dev_tokens_per_call']:.3f} | "
+              f"{s['tokens_per_s']:,} training tokens/s | {s['minutes']} min")
     print(f"all jobs: {(time.time() - t0) / 60:.1f} min")
     return 0
 

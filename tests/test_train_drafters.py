@@ -37,7 +37,7 @@ def test_a_copy_of_the_listed_files_trains_both_drafters(tmp_path):
                         "--train-limit", "200", "--dev-limit", "8"], cwd=copy, capture_output=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr.decode()[-3000:]
-    assert "gad-drafter: runs/d/gad-drafter/model.pt" in r.stdout.decode()
+    assert "gad-drafter: runs/d/gad-drafter/model.pt" in r.stdout.decode() and "training tokens/s" in r.stdout.decode()
     drafter = load_checkpoint(copy / "runs/d/gad-drafter/model.pt")
     heads = load_checkpoint(copy / "runs/d/blockwise-heads/model.pt")
     assert drafter["drafter"]["k"] == 8 and heads["proposal"]["config"]["k"] == 10

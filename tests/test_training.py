@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -96,6 +97,8 @@ def test_resume_continues_exactly(tmp_path):
         assert (split / name).exists(), name
     model, tok, ck = load_model(split / "model.pt", task="mt-en-de")
     assert not model.training and ck["step"] == 8
+    records = [json.loads(line) for line in (split / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 8] and all(r["tokens_per_s"] > 0 for r in records)
 
 
 @pytest.mark.slow

@@ -168,6 +168,7 @@ class Trainer:
         self.objective.train()
         limit_s = cfg.time_limit_min * 60 if cfg.time_limit_min else float("inf")
         t_last, window_start, tok_count, loss_sum, loss_n = time.time(), self._t0, 0, 0.0, 0
+        self.run_tokens, self.run_seconds = 0, 0.0  # this process's updates: the tokens/s log.jsonl records
         while p.step < cfg.max_steps and not self._should_stop(limit_s):
             batches = data_mod.token_batches(self.lengths, cfg.batch_tokens, seed=cfg.seed * 1000 + p.epoch)
             mine = batches[self.procs.rank::world]
@@ -177,6 +178,7 @@ class Trainer:
                 tok_count, loss_sum, loss_n = tok_count + n_tok, loss_sum + loss, loss_n + 1
                 now = time.time()
                 p.elapsed += now - t_last
+                self.run_tokens, self.run_seconds = self.run_tokens + n_tok * world, self.run_seconds + now - t_last
                 t_last = now
                 if self.procs.is_main() and p.step % cfg.log_every == 0:
                     eta = min((cfg.max_steps - p.step) * p.elapsed / max(p.step, 1), limit_s - p.elapsed)
@@ -211,6 +213,8 @@ class Trainer:
     def _eval_and_save(self) -> None:
         if self.procs.is_main():
             scores = self.evaluate()
+            if self.run_seconds:  # training tokens per second since the run (or its resumption) started
+                scores["tokens_per_s"] = round(self.run_tokens / self.run_seconds)
             self.log(f"eval step {self.progress.step}: " + format_scores(scores) + self.objective.eval_note(len(self.dev)))
             self.folder.save_evaluation(scores, self.progress, self.opt)
         self.procs.barrier()
