@@ -97,6 +97,18 @@ def read_partials(folder: Path, options: dict) -> dict[int, str]:
     return done
 
 
+def saved_work(partial: Path, options: dict, barrier) -> dict[int, str]:
+    """The outputs saved by this process and any other (an earlier run's too) with `options`; then
+    this process's own partial file rewritten whole with its records, so that new records never
+    follow a line cut off mid-write (after `barrier`: every process has read the files by then)."""
+    mine = read_partial(partial, options) or {}
+    done = read_partials(partial.parent, options)
+    barrier()
+    partial.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in
+                               [options, *({"i": i, "out": t} for i, t in mine.items())]), encoding="utf-8")
+    return done
+
+
 def read_sources(path: Path) -> tuple[list[str], list[str] | None]:
     """Sentences of a source file (gzip or plain text, one per line) and the document ids of its
     `.doc` sibling (`x.src.gz` -> `x.doc.gz`, `x.txt` -> `x.doc.txt`), or None when it has none."""
@@ -146,14 +158,9 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     folder = out / task
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / partial_name(rank, world)
-    mine = read_partial(partial, options) or {}
-    done = read_partials(folder, options)  # this process's and any other's (an earlier run's too)
+    done = saved_work(partial, options, barrier)
     if done:
         log(f"continuing: {len(done)} of {n} sentences already distilled")
-    barrier()  # every process has read the partial files before any rewrites its own
-    # rewritten whole, so that new records never follow a line cut off mid-write
-    partial.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in
-                               [options, *({"i": i, "out": t} for i, t in mine.items())]), encoding="utf-8")
 
     limit_len = model.cfg.max_positions - 1
     ids = [s[:limit_len] for s in tok.encode_batch(src[:n])]
@@ -200,6 +207,14 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
             docs = [f"{Path(sources).name}/{i + 1}" for i in range(n)]  # line number in the sources
         src, targets, docs = extra.src + src, extra.tgt + targets, extra.docs + docs
         report |= {"added": str(add), "added_pairs": len(extra.src), "pairs": len(src)}
+    write_folder(folder, data_dir / task, src, targets, docs, report)
+    return report
+
+
+def write_folder(folder: Path, task_data: Path, src: list[str], targets: list[str], docs: list[str] | None,
+                 report: dict) -> None:
+    """The distilled folder: the pairs (and document ids) as train.*.gz, the task's dev and test files
+    unchanged, distill.json; the partial files of the run removed."""
     write_gz(folder / "train.src.gz", src)
     write_gz(folder / "train.tgt.gz", targets)
     if docs is not None:
@@ -207,12 +222,11 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     else:
         (folder / "train.doc.gz").unlink(missing_ok=True)  # an earlier run's ids would not line up
     for split in ("dev", "test"):
-        for f in sorted((data_dir / task).glob(f"{split}.*.gz")):
+        for f in sorted(task_data.glob(f"{split}.*.gz")):
             shutil.copyfile(f, folder / f.name)
     (folder / "distill.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     for path in folder.glob(".partial*.jsonl"):
         path.unlink()
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:
