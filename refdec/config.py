@@ -191,7 +191,8 @@ class TrainConfig:
             raise ValueError("tokenizer_from and init_from exclude each other: the starting model brings its vocabulary")
         if self.pick not in PICKS:
             raise ValueError(f"pick must be {', '.join(PICKS[:-1])} or {PICKS[-1]}, not {self.pick!r}")
-        if (self.pick == "tokens-per-call" or self._changed("speed_sentences")) and not (self.drafter_k or self.proposal_k):
+        if (self.pick == "tokens-per-call" or self._changed("speed_sentences")) and not (
+                self.drafter_k or self.proposal_k):
             raise ValueError("pick tokens-per-call and speed_sentences need drafter_k or proposal_k (a drafter's "
                              "or the heads' decoder gives the tokens per call)")
         self._check_heads()
@@ -251,8 +252,8 @@ class TrainConfig:
         a run that silently does nothing (a NaN fails every comparison, so it is refused too)."""
         at_least = {"vocab_size": 16, "d_model": 1, "n_heads": 1, "d_ff": 1, "max_positions": 2, "max_train_len": 1,
                     "batch_tokens": 1, "warmup_steps": 1, "max_steps": 1, "eval_every": 1, "keep_last": 1,
-                    "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "speed_sentences": 1, "pass_tokens": 0, "train_limit": 0, "threads": 0,
-                    "seed": 0, "proposal_d_ff": 0, "dev_limit": 0, "time_limit_min": 0}
+                    "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "train_limit": 0, "threads": 0,
+                    "speed_sentences": 1, "pass_tokens": 0, "seed": 0, "proposal_d_ff": 0, "dev_limit": 0, "time_limit_min": 0}
         for name, low in at_least.items():
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= low and math.isfinite(value)):
@@ -354,9 +355,9 @@ PRESETS: dict[str, TrainConfig] = {
                                                   encoder_from=VERIFIER, enc_layers=0, dec_layers=2, drafter_k=8,
                                                   lr=5e-4, warmup_steps=400),
     # The shipped drafter and heads, trained further (on the larger corpus, at a lower peak rate).
-    "mt-en-de-drafter-continue": mono_preset("mt-en-de-drafter-continue", init_from="checkpoints/mt-en-de-drafter/model.pt",
-                                             encoder_from=VERIFIER, enc_layers=0, dec_layers=2, drafter_k=8, lr=5e-4,
-                                             warmup_steps=200),
+    "mt-en-de-drafter-continue": mono_preset("mt-en-de-drafter-continue",
+                                             init_from="checkpoints/mt-en-de-drafter/model.pt", encoder_from=VERIFIER,
+                                             enc_layers=0, dec_layers=2, drafter_k=8, lr=5e-4, warmup_steps=200),
     "mt-en-de-blockwise-continue": mono_preset("mt-en-de-blockwise-continue",
                                                init_from="checkpoints/mt-en-de-blockwise/model.pt", proposal_k=10,
                                                proposal_d_ff=128, freeze_base=True, head_loss="mean", lr=3e-4),

@@ -49,4 +49,12 @@ from .objectives import (CrossEntropyLoss, DistillationLoss, DrafterLoss, EarlyE
                          build_model, build_objective, decode_batches, decoder_from, dev_batches, frozen_model,
                          objective_class, smoothed_loss, soft_cross_entropy)
 
-__all__ = ["CrossEntropyLoss", "DistillationLoss", "DrafterLoss", "EarlyExitLoss", "Interrupted", "Objective", "PATH_FIELDS", "Processes", "Progress", "ProposalHeadsLoss", "RESUMABLE_CHANGES", "RUN_FILES", "RunFolder", "TokenCache", "Trainer", "TrainingError", "accumulate", "build_model", "build_objective", "build_run_objective", "check_out_dir", "claim_out_dir", "config_changes", "decode_batches", "decoder_from", "dev_batches", "device_pass_tokens", "encode_pairs", "format_scores", "frozen_model", "inverse_sqrt", "load_data", "log_to_stderr", "objective_class", "prepare_tokenizer", "remove_run", "smoothed_loss", "soft_cross_entropy", "stop_on_sigint"]
+__all__ = [
+    "CrossEntropyLoss", "DistillationLoss", "DrafterLoss", "EarlyExitLoss", "Interrupted", "Objective",
+    "PATH_FIELDS", "Processes", "Progress", "ProposalHeadsLoss", "RESUMABLE_CHANGES", "RUN_FILES", "RunFolder",
+    "TokenCache", "Trainer", "TrainingError", "accumulate", "build_model", "build_objective", "build_run_objective",
+    "check_out_dir", "claim_out_dir", "config_changes", "decode_batches", "decoder_from", "dev_batches",
+    "device_pass_tokens", "encode_pairs", "format_scores", "frozen_model", "inverse_sqrt", "load_data",
+    "log_to_stderr", "objective_class", "prepare_tokenizer", "remove_run", "smoothed_loss", "soft_cross_entropy",
+    "stop_on_sigint",
+]
