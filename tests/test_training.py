@@ -583,3 +583,14 @@ def test_training_ids_are_cached_beside_the_data_and_never_stale(tmp_path, monke
     write(edited)
     again = encode_pairs(cfg, tok, list(zip(train.src[:40], edited)), 0, logs.append)
     assert again[1][0] == tok.encode("Ein ganz anderer Satz.") != first[1][0]
+
+
+def test_tokens_per_call_pick_needs_a_drafters_verifier():
+    """Guards a drafter run told to keep its best tokens per call without a verifier to run GAD with
+    (neither --encoder-from nor --init-from a model): one clear error before training, not a run
+    whose evaluations lack the figure its model.pt is chosen by."""
+    from refdec.config import PRESETS
+    from refdec.training import DrafterLoss, TrainingError, build_model
+    cfg = PRESETS["tiny"].replace(drafter_k=3, pick="tokens-per-call")
+    with pytest.raises(TrainingError, match="needs the drafter's verifier"):
+        DrafterLoss.load(cfg, build_model(cfg, 40), None, torch.device("cpu"))
