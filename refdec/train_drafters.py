@@ -35,11 +35,11 @@ REPO = Path(__file__).resolve().parent.parent
 # each run's start (loading, the first job's tokenizing) and its evaluations.
 JOBS = (
     ("gad-drafter", "mt-en-de-drafter-from-verifier",
-     ["--batch-tokens", "32768", "--lr", "1e-3", "--warmup-steps", "300", "--eval-every", "400",
-      "--glancing-decay-steps", "1500", "--speed-sentences", "200"], 3.3),
+     ["--batch-tokens", "32768", "--lr", "1e-3", "--warmup-steps", "300", "--eval-every", "500",
+      "--glancing-decay-steps", "1500", "--speed-sentences", "100"], 3.0),
     ("blockwise-heads", "mt-en-de-blockwise-continue",
-     ["--batch-tokens", "32768", "--lr", "5e-4", "--warmup-steps", "100", "--eval-every", "400",
-      "--eval-sentences", "200", "--speed-sentences", "200"], 2.3),
+     ["--batch-tokens", "32768", "--lr", "5e-4", "--warmup-steps", "100", "--eval-every", "500",
+      "--eval-sentences", "100", "--speed-sentences", "100"], 2.0),
 )
 DATA = "data/distilled/mt-en-de-mono/mt-en-de"
 CHECKPOINTS = ("checkpoints/mt-en-de", "checkpoints/mt-en-de-blockwise")
