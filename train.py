@@ -5,7 +5,7 @@
     python train.py --preset tiny --max-steps 20 --out-dir runs/smoke  # seconds: a smoke run
     torchrun --nproc_per_node 2 train.py --preset tiny --out-dir runs/ddp    # data-parallel
 
-Any field of a preset can be overridden (see --help). Output: refdec/training.py's docstring.
+Any field of a preset can be overridden (see --help). Output: refdec/training's docstring.
 A run writes into runs/<preset>/ (under the current folder) unless --out-dir says otherwise; the
 shipped models in checkpoints/ are only ever read: a run goes into checkpoints/<name> only when told
 with --out-dir checkpoints/<name> --overwrite (and --resume continues such a run), never into
@@ -38,17 +38,25 @@ HELP = {
     "n_heads": "attention heads", "d_ff": "feed-forward width", "enc_layers": "encoder layers",
     "dec_layers": "decoder layers", "dropout": "dropout rate", "norm_first": "pre-norm (true) or post-norm (false)",
     "max_positions": "longest sequence the model accepts", "max_train_len": "skip training pairs longer than this (tokens)",
-    "batch_tokens": "padded source+target tokens per batch and process", "lr": "peak learning rate",
+    "batch_tokens": "padded source+target tokens per batch and process",
+    "pass_tokens": "padded tokens per forward/backward pass, gradients accumulated over the batch's passes "
+                   "(0 = by the device: the whole batch on a CPU, what fits on a GPU)",
+    "lr": "peak learning rate",
     "warmup_steps": "linear warmup steps before inverse-sqrt decay", "label_smoothing": "label smoothing epsilon",
     "clip_norm": "gradient norm clip", "max_steps": "stop after this many updates",
     "time_limit_min": "stop after this many minutes of training (0 = none)",
     "eval_every": "validate and checkpoint every N updates", "eval_sentences": "dev sentences decoded for BLEU",
     "keep_last": "snapshots kept and averaged at the end",
-    "pick": "what model.pt holds: dev-loss (best or average, the lower dev loss) or last (the final weights)", "seed": "random seed (runs are reproducible)",
+    "pick": "what model.pt holds: dev-loss (best or average, the lower dev loss), tokens-per-call (drafters and "
+            "heads: best or average, the more tokens per call of their decoder) or last (the final weights)",
+    "speed_sentences": "drafters and heads: dev sentences their decoder (GAD with the verifier, blockwise) runs at "
+                       "each evaluation for the tokens per call", "seed": "random seed (runs are reproducible)",
     "train_limit": "use only the first N training pairs (0 = all)",
     "dev_limit": "validate on only the first N dev pairs (0 = all)", "data_dir": "data folder (default: the repo's data/)",
     "threads": "torch threads (0 = torch's count, cut to the cores other processes leave idle)", "log_every": "progress line every N updates",
-    "init_from": "start from this checkpoint: its shape, weights and tokenizer",
+    "init_from": "start from this checkpoint: its shape, weights and tokenizer (with --encoder-from: a drafter "
+                 "continued, or a whole model's embeddings, first --dec-layers decoder layers, norm and output; "
+                 "a heads file: its heads, on the base it names)",
     "tokenizer_from": "train with this tokenizer.json instead of a new BPE (e.g. a small model on a large one's vocabulary)",
     "proposal_k": "train k-1 blockwise proposal heads on top of the model (0 = none)",
     "proposal_d_ff": "hidden width per proposal head (0 = the model's d_ff)",
@@ -77,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="starting configuration")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its last.pt (same options; "
-                   "only max-steps, time-limit-min, threads, log-every, eval-every, eval-sentences and dev-limit may change)")
+                   "only max-steps, time-limit-min, threads, log-every, eval-every, eval-sentences, speed-sentences and dev-limit "
+                   "may change)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out-dir (its checkpoints, "
                    "tokenizer and log are deleted first)")
     for f in dataclasses.fields(TrainConfig):

@@ -8,7 +8,9 @@ The pieces, bottom up:
     tokenizer.py  byte-level BPE with the special tokens pad, bos, eos, unk, mask
     data.py       the shipped tasks (data/<task>/*.gz) and token-count batching
     checkpoint.py atomic save, safe load (weights_only=True), averaging
-    training.py   the training loop behind train.py
+    training/     the training behind train.py: objectives (one loss per mode), the run folder, the
+                  data and its cached token ids, the loop (Trainer)
+    train_drafters.py  the mt-en-de drafter and heads trained on one GPU in one command
     decoding/     one decoder per file, all returning a DecodeResult; verify.py the shared
                   verification step, pairing.py a second model beside the verifier
     metrics.py    BLEU, chrF and an edit-level GEC F0.5

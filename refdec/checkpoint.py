@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -87,10 +88,20 @@ def frozen_base(path: str | Path, ckpt: dict) -> dict:
     relative to its folder, checked to be the very file it was trained on."""
     base_path = referenced_file(path, ckpt["frozen_base"], "holds proposal heads on the frozen model")
     base = load_checkpoint(base_path)
-    shape = lambda c: {k: v for k, v in (c.get("model_config") or {}).items() if k != "dropout"}  # noqa: E731
-    if base.get("tokenizer_sha256") != ckpt.get("tokenizer_sha256") or shape(base) != shape(ckpt):
+    shape = model_shape(base)
+    if base.get("tokenizer_sha256") != ckpt.get("tokenizer_sha256") or shape is None or shape != model_shape(ckpt):
         raise CheckpointError(f"{base_path} does not have the shape and vocabulary of the heads in {path}")
     return base
+
+
+def model_shape(ckpt: dict) -> ModelConfig | None:
+    """The shape of a checkpoint's model, every field filled in (a file written before a field
+    existed holds its default) and dropout left out (training's, not the shape's): two files'
+    models are the same network exactly when these are equal."""
+    try:
+        return replace(ModelConfig.from_dict(ckpt.get("model_config") or {}), dropout=0.0)
+    except (TypeError, ValueError):
+        return None
 
 
 def model_state(model: Transformer, half: bool = False) -> dict:

@@ -13,6 +13,7 @@ POSITION_TABLES = ("sinusoidal", "m2m100", "marian", "learned", "relative")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")  # refdec.variants.activation
 NORMS = ("layer", "rms")
 DRAFTER_LAYOUTS = ("causal", "bidirectional")  # the block drafter's self-attention (refdec.drafter)
+PICKS = ("dev-loss", "tokens-per-call", "last")  # what a run's model.pt holds (TrainConfig.pick)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ class TrainConfig:
     max_positions: int = 256
     max_train_len: int = 128  # training pairs with a longer side (in tokens) are skipped
     batch_tokens: int = 4096  # source + target tokens per batch (per process)
+    # Padded tokens per forward/backward pass, the batch's gradients accumulated over its passes (0 =
+    # by the device: the whole batch on a CPU, what fits on a GPU); the update is the batch's either way.
+    pass_tokens: int = 0
     lr: float = 7e-4
     warmup_steps: int = 1000
     label_smoothing: float = 0.1
@@ -140,7 +144,13 @@ class TrainConfig:
     eval_every: int = 500
     eval_sentences: int = 300  # dev sentences decoded greedily for BLEU at each evaluation
     keep_last: int = 5  # snapshots kept for averaging
-    pick: str = "dev-loss"  # model.pt: "dev-loss" (best or average, the lower) or "last" (the final weights)
+    # model.pt: "dev-loss" (best or average, the lower), "tokens-per-call" (drafters and heads: best or
+    # average, the more tokens per call of their decoder on the first speed_sentences dev sentences)
+    # or "last" (the final weights)
+    pick: str = "dev-loss"
+    # Drafters and heads: dev sentences their decoder runs at each evaluation (GAD with its verifier,
+    # blockwise with the heads), for the tokens per call, per row: what these models are for.
+    speed_sentences: int = 64
     seed: int = 1
     train_limit: int = 0  # use only the first N training pairs (0 = all); for smoke runs
     dev_limit: int = 0  # validate on only the first N dev pairs (0 = all); for smoke runs
@@ -179,8 +189,12 @@ class TrainConfig:
         self._check_ranges()
         if self.tokenizer_from and self.init_from:
             raise ValueError("tokenizer_from and init_from exclude each other: the starting model brings its vocabulary")
-        if self.pick not in ("dev-loss", "last"):
-            raise ValueError(f"pick must be dev-loss or last, not {self.pick!r}")
+        if self.pick not in PICKS:
+            raise ValueError(f"pick must be {', '.join(PICKS[:-1])} or {PICKS[-1]}, not {self.pick!r}")
+        if (self.pick == "tokens-per-call" or self._changed("speed_sentences")) and not (
+                self.drafter_k or self.proposal_k):
+            raise ValueError("pick tokens-per-call and speed_sentences need drafter_k or proposal_k (a drafter's "
+                             "or the heads' decoder gives the tokens per call)")
         self._check_heads()
         self._check_drafter()
         self._check_early_exit()
@@ -221,10 +235,9 @@ class TrainConfig:
 
     def _check_shared_encoder(self) -> None:
         """A decoder on encoder_from's frozen encoder, the only kind of model without an encoder."""
-        if self.encoder_from and (self.enc_layers or self.init_from or self.tokenizer_from
-                                  or self.proposal_k or self.early_exit):
+        if self.encoder_from and (self.enc_layers or self.tokenizer_from or self.proposal_k or self.early_exit):
             raise ValueError("encoder_from needs enc_layers 0 (the encoder is the other model's), brings its "
-                             "vocabulary (no init_from or tokenizer_from) and trains a plain decoder or a drafter")
+                             "vocabulary (no tokenizer_from) and trains a plain decoder or a drafter")
         if not self.encoder_from and self.enc_layers < 1:
             raise ValueError("enc_layers 0 needs encoder_from: the checkpoint whose encoder the model reads")
 
@@ -240,7 +253,7 @@ class TrainConfig:
         at_least = {"vocab_size": 16, "d_model": 1, "n_heads": 1, "d_ff": 1, "max_positions": 2, "max_train_len": 1,
                     "batch_tokens": 1, "warmup_steps": 1, "max_steps": 1, "eval_every": 1, "keep_last": 1,
                     "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "train_limit": 0, "threads": 0,
-                    "seed": 0, "proposal_d_ff": 0, "dev_limit": 0, "time_limit_min": 0}
+                    "speed_sentences": 1, "pass_tokens": 0, "seed": 0, "proposal_d_ff": 0, "dev_limit": 0, "time_limit_min": 0}
         for name, low in at_least.items():
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= low and math.isfinite(value)):
@@ -274,6 +287,17 @@ def sad_preset(task: str, enc_layers: int, dec_layers: int) -> TrainConfig:
     return TrainConfig(task=task, out_dir=f"runs/{task}-{enc_layers}x{dec_layers}", d_model=192, d_ff=768,
                        enc_layers=enc_layers, dec_layers=dec_layers, lr=1e-3, warmup_steps=600, eval_every=400,
                        time_limit_min=95, threads=1)
+
+
+VERIFIER = "checkpoints/mt-en-de/model.pt"  # the verifier of the mt-en-de drafters and heads
+
+
+def mono_preset(name: str, **fields) -> TrainConfig:
+    """A drafter or heads of the mt-en-de verifier trained on its greedy outputs for the training
+    sources and 203k monolingual sentences, model.pt chosen by the tokens per call (see PRESETS)."""
+    defaults = dict(data_dir="data/distilled/mt-en-de-mono", warmup_steps=200, eval_every=1000, time_limit_min=60,
+                    pick="tokens-per-call")
+    return TrainConfig(task="mt-en-de", out_dir=f"runs/{name}", **{**defaults, **fields})
 
 
 # Presets: each trains on a 2-core CPU in about an hour (see README for measured times).
@@ -313,7 +337,7 @@ PRESETS: dict[str, TrainConfig] = {
     "mt-en-de-drafter": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-drafter",
                                     encoder_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-greedy",
                                     enc_layers=0, dec_layers=2, drafter_k=8, lr=1e-3, warmup_steps=800, eval_every=500,
-                                    time_limit_min=60, pick="last"),
+                                    time_limit_min=60, pick="tokens-per-call"),
     # Blockwise parallel decoding (Stern et al. 2018): k = 10 (9 heads of hidden width 128, the mean of
     # their losses) on the base model's own greedy outputs (Seq-KD, section 6), the base frozen: exact
     # blockwise decoding is then the mt-en-de model's greedy output. Fine-tuning the base with the
@@ -322,7 +346,28 @@ PRESETS: dict[str, TrainConfig] = {
     "mt-en-de-blockwise": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-blockwise",
                                       init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-greedy",
                                       proposal_k=10, proposal_d_ff=128, freeze_base=True, head_loss="mean", lr=5e-4,
-                                      warmup_steps=200, eval_every=400, time_limit_min=60, pick="last"),
+                                      warmup_steps=200, eval_every=400, time_limit_min=60, pick="tokens-per-call"),
+    # Drafters and heads that start from what the verifier knows, on the verifier's greedy outputs for the
+    # training sources and 203k monolingual sentences (data/distilled/mt-en-de-mono). The drafter's
+    # decoder starts as the verifier's first 2 decoder layers with its embeddings, final norm and output
+    # projection (SpecDec's drafter starts from its verifier's encoder too: here it reads that encoder).
+    "mt-en-de-drafter-from-verifier": mono_preset("mt-en-de-drafter-from-verifier", init_from=VERIFIER,
+                                                  encoder_from=VERIFIER, enc_layers=0, dec_layers=2, drafter_k=8,
+                                                  lr=5e-4, warmup_steps=400),
+    # The shipped drafter and heads, trained further (on the larger corpus, at a lower peak rate).
+    "mt-en-de-drafter-continue": mono_preset("mt-en-de-drafter-continue",
+                                             init_from="checkpoints/mt-en-de-drafter/model.pt", encoder_from=VERIFIER,
+                                             enc_layers=0, dec_layers=2, drafter_k=8, lr=5e-4, warmup_steps=200),
+    "mt-en-de-blockwise-continue": mono_preset("mt-en-de-blockwise-continue",
+                                               init_from="checkpoints/mt-en-de-blockwise/model.pt", proposal_k=10,
+                                               proposal_d_ff=128, freeze_base=True, head_loss="mean", lr=3e-4),
+    # The heads at the model's own feed-forward width (1024, the paper's), and the regime that fine-tunes
+    # the base with them (its own loss in every batch beside one random head: exact blockwise decoding
+    # is then the fine-tuned model's greedy output, not the shipped mt-en-de model's).
+    "mt-en-de-blockwise-wide": mono_preset("mt-en-de-blockwise-wide", init_from=VERIFIER, proposal_k=10,
+                                           freeze_base=True, head_loss="mean", lr=5e-4),
+    "mt-en-de-blockwise-finetuned": mono_preset("mt-en-de-blockwise-finetuned", init_from=VERIFIER, proposal_k=10,
+                                                proposal_d_ff=128, head_loss="base+random", lr=3e-4),
     # BiLD (Kim et al. 2023): a small model (1 decoder layer of width 128) on the large model's vocabulary,
     # its aligned copy fine-tuned on the large model's greedy outputs (kept as trained last: its dev
     # loss against the references is not what alignment aims at), and the early-exit model.

@@ -25,6 +25,12 @@ in corpus order. The batches are fixed by the sources alone, so a run that is st
 decodes the same batches as one that is not and gives the same bytes. Work is saved every
 --save-every batches to <out>/<task>/.partial.jsonl, and a rerun with the same options continues
 from there (a line cut off by a kill is decoded again); progress goes to stderr.
+
+Across processes (one machine or several): `torchrun --nproc_per_node N -m refdec.distill ...`.
+Rank r decodes the batches r, r + N, r + 2N, ... (the same batches as one process: the same bytes)
+and saves them to .partial.<r>.jsonl; once every rank is done, rank 0 merges them in corpus order
+and writes the folder. A rerun, with any number of processes, continues from every partial file of
+the same options.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shutil
 import sys
 import time
@@ -96,6 +103,31 @@ def check_paths(task: str, model_path: Path, folder: Path, data_dir: Path, sourc
     check_outputs({"--out": [folder / name for name in written]}, reads, folders_made=True)
 
 
+def partial_name(rank: int, world: int) -> str:
+    """The file a process saves its outputs to: .partial.jsonl alone, .partial.<rank>.jsonl under torchrun."""
+    return ".partial.jsonl" if world == 1 else f".partial.{rank}.jsonl"
+
+
+def read_partials(folder: Path, options: dict) -> dict[int, str]:
+    """The outputs saved in every partial file of `folder` written with `options` (by any process)."""
+    done = {}
+    for path in sorted(folder.glob(".partial*.jsonl")):
+        done.update(read_partial(path, options) or {})
+    return done
+
+
+def saved_work(partial: Path, options: dict, barrier) -> dict[int, str]:
+    """The outputs saved by this process and any other (an earlier run's too) with `options`; then
+    this process's own partial file rewritten whole with its records, so that new records never
+    follow a line cut off mid-write (after `barrier`: every process has read the files by then)."""
+    mine = read_partial(partial, options) or {}
+    done = read_partials(partial.parent, options)
+    barrier()
+    partial.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in
+                               [options, *({"i": i, "out": t} for i, t in mine.items())]), encoding="utf-8")
+    return done
+
+
 def read_sources(path: Path) -> tuple[list[str], list[str] | None]:
     """Sentences of a source file (gzip or plain text, one per line) and the document ids of its
     `.doc` sibling (`x.src.gz` -> `x.doc.gz`, `x.txt` -> `x.doc.txt`), or None when it has none."""
@@ -120,9 +152,12 @@ def added_pairs(add: Path, task: str, options: dict) -> data_mod.Split:
 
 def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_size: int = 5,
             batch_size: int = 64, limit: int = 0, save_every: int = 20, data_dir: Path | None = None,
-            sources: Path | None = None, add: Path | None = None, device: str = "cpu", log=print) -> dict:
+            sources: Path | None = None, add: Path | None = None, device: str = "cpu", log=print,
+            rank: int = 0, world: int = 1, barrier=lambda: None) -> dict:
     """Decode the task's training sources (or the sentences of `sources`) with the teacher and write
-    the training folder <out>/<task>/ (see the module docstring); returns what distill.json holds."""
+    the training folder <out>/<task>/ (see the module docstring); returns what distill.json holds.
+    Process `rank` of `world` (torchrun) decodes every world-th batch; `barrier` waits for all of
+    them; rank 0 writes the folder (the others return their options and the batches they decoded)."""
     data_dir = Path(data_dir or data_mod.DATA_DIR)
     folder = out / task
     check_paths(task, model_path, folder, data_dir, sources and Path(sources), add and Path(add))
@@ -140,14 +175,10 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
         options |= {"sources": shown_path(sources), "sources_sha256": file_sha256(Path(sources))}
     extra = added_pairs(Path(add), task, options) if add is not None else None
     folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / ".partial.jsonl"
-    done = read_partial(partial, options)
-    if done is not None:
+    partial = folder / partial_name(rank, world)
+    done = saved_work(partial, options, barrier)
+    if done:
         log(f"continuing: {len(done)} of {n} sentences already distilled")
-    done = done or {}
-    # rewritten whole, so that new records never follow a line cut off mid-write
-    partial.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in
-                               [options, *({"i": i, "out": t} for i, t in done.items())]), encoding="utf-8")
 
     limit_len = model.cfg.max_positions - 1
     ids = [s[:limit_len] for s in tok.encode_batch(src[:n])]
@@ -156,9 +187,11 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
         if not ids[i]:
             done[i] = ""  # an empty source gives an empty target, as in decode.py
     t0, pending = time.time(), []
-    batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
+    batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)][rank::world]
     batches = [idx for idx in batches if not all(i in done for i in idx)]
-    progress = ProgressLine(n, "sentences", already=n - sum(map(len, batches)), log=log)
+    mine = sum(map(len, batches))  # this process's sentences still to decode
+    total, already = (n, n - mine) if world == 1 else (mine, 0)
+    progress = ProgressLine(total, "sentences" if world == 1 else f"sentences of rank {rank}", already=already, log=log)
     with torch.inference_mode():
         for b, idx in enumerate(batches, 1):
             rows = [ids[i] for i in idx]
@@ -175,7 +208,14 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
                 with open(partial, "a", encoding="utf-8") as f:
                     f.write("".join(p + "\n" for p in pending))
                 pending = []
-            progress.update(n - sum(map(len, batches[b:])), now=saved)  # a line at each save, and every few seconds
+            progress.update(already + mine - sum(map(len, batches[b:])), now=saved)  # a line at each save, and every few seconds
+    barrier()  # every process has saved its batches
+    if rank:
+        return {**options, "rank": rank, "batches": len(batches)}
+    done |= read_partials(folder, options)
+    missing = n - sum(i in done for i in range(n))
+    if missing:
+        raise RuntimeError(f"{missing} of {n} sentences are in no partial file of {folder}: rerun the same command")
     targets = [done[i] for i in range(n)]
     src, docs = src[:n], (docs[:n] if docs is not None else None)
     report = {**options, "seconds": round(time.time() - t0, 1)}
@@ -186,6 +226,14 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
             docs = [f"{Path(sources).name}/{i + 1}" for i in range(n)]  # line number in the sources
         src, targets, docs = extra.src + src, extra.tgt + targets, extra.docs + docs
         report |= {"added": str(add), "added_pairs": len(extra.src), "pairs": len(src)}
+    write_folder(folder, data_dir / task, src, targets, docs, report)
+    return report
+
+
+def write_folder(folder: Path, task_data: Path, src: list[str], targets: list[str], docs: list[str] | None,
+                 report: dict) -> None:
+    """The distilled folder: the pairs (and document ids) as train.*.gz, the task's dev and test files
+    unchanged, distill.json; the partial files of the run removed."""
     write_gz(folder / "train.src.gz", src)
     write_gz(folder / "train.tgt.gz", targets)
     if docs is not None:
@@ -193,11 +241,11 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     else:
         (folder / "train.doc.gz").unlink(missing_ok=True)  # an earlier run's ids would not line up
     for split in ("dev", "test"):
-        for f in sorted((data_dir / task).glob(f"{split}.*.gz")):
+        for f in sorted(task_data.glob(f"{split}.*.gz")):
             shutil.copyfile(f, folder / f.name)
     (folder / "distill.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    partial.unlink()
-    return report
+    for path in folder.glob(".partial*.jsonl"):
+        path.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,12 +269,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    barrier = lambda: None  # noqa: E731
+    if world > 1:  # torchrun: gloo only to wait for each other (no tensors are exchanged)
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        barrier = dist.barrier
+        if device == "cuda":
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     check_device(device)
     if args.beam_size < 1 or args.batch_size < 1 or args.limit < 0 or args.save_every < 1:
         raise UsageError("--beam-size, --batch-size and --save-every must be at least 1, --limit at least 0")
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif world > 1:  # the machine's cores shared between its processes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     elif note := fit_threads(BusyCores().others()):  # a half-second look at the other processes
         print(f"note: {note}", file=sys.stderr, flush=True)
     model = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
@@ -237,8 +295,11 @@ def run(args: argparse.Namespace) -> int:
                      data_dir=Path(args.data_dir) if args.data_dir else None,
                      sources=Path(args.sources) if args.sources else None,
                      add=Path(args.add) if args.add else None, device=device,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(json.dumps(report, indent=2))
+                     log=lambda m: print(m, file=sys.stderr, flush=True), rank=rank, world=world, barrier=barrier)
+    if rank == 0:
+        print(json.dumps(report, indent=2))
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -151,3 +151,43 @@ def test_add_puts_a_distilled_folder_first_and_checks_its_teacher(trained_tiny, 
     bad = run_py("-m", "refdec.distill", "--task", "mt-en-de", "--model", str(model), "--beam-size", "2",
                  "--sources", str(sources), "--add", str(tmp_path / "base"), "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "algo" in bad.stderr.decode() and b"Traceback" not in bad.stderr
+
+
+def test_torchrun_ranks_give_the_bytes_of_one_process_and_resume_per_rank(trained_tiny, tmp_path):
+    """Guards distillation across processes: 2 ranks (torchrun, gloo) write the bytes of a one-process
+    run, and a rank's saved work (its own partial file) is not decoded again."""
+    import socket
+
+    from refdec.tokenizer import Tokenizer
+    model = trained_tiny / "model.pt"
+    one = distill("mt-en-de", model, tmp_path / "one", algo="greedy", batch_size=8, limit=40, log=lambda m: None)
+
+    def torchrun(out):
+        with socket.socket() as sock:  # a free port, so a parallel run cannot collide
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        r = run_py("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, "-m", "refdec.distill",
+                   "--task", "mt-en-de", "--model", str(model), "--algo", "greedy", "--batch-size", "8", "--limit",
+                   "40", "--save-every", "1", "--out", str(out), timeout=600)
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        return r.stderr.decode()
+
+    torchrun(tmp_path / "two")
+    assert train_bytes(tmp_path / "two") == train_bytes(tmp_path / "one")
+    assert not list((tmp_path / "two" / "mt-en-de").glob(".partial*"))
+
+    # rank 1's batches (every second batch of the length-sorted sources) saved by an earlier run
+    tok = Tokenizer.load(trained_tiny / "tokenizer.json")
+    ids = tok.encode_batch(load_split("mt-en-de", "train").src[:40])
+    order = sorted((i for i in range(40) if ids[i]), key=lambda i: len(ids[i]))
+    rank1 = [i for b in range(1, 5, 2) for i in order[8 * b:8 * b + 8]]
+    folder = tmp_path / "resumed" / "mt-en-de"
+    folder.mkdir(parents=True)
+    header = {k: one[k] for k in ("teacher", "teacher_sha256", "algo", "beam_size", "sentences")}
+    (folder / ".partial.1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in
+                                                     [header, *({"i": i, "out": f"saved {i}"} for i in rank1)]))
+    err = torchrun(tmp_path / "resumed")
+    assert f"continuing: {len(rank1)} of 40" in err and "rank 1: batch" not in err and "rank 0: batch" in err
+    got, want = (load_split("mt-en-de", "train", tmp_path / d).tgt for d in ("resumed", "one"))
+    assert [got[i] for i in rank1] == [f"saved {i}" for i in rank1]
+    assert all(got[i] == want[i] for i in range(40) if i not in rank1)

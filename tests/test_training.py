@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -96,6 +97,8 @@ def test_resume_continues_exactly(tmp_path):
         assert (split / name).exists(), name
     model, tok, ck = load_model(split / "model.pt", task="mt-en-de")
     assert not model.training and ck["step"] == 8
+    records = [json.loads(line) for line in (split / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 8] and all(r["tokens_per_s"] > 0 for r in records)
 
 
 @pytest.mark.slow
@@ -206,7 +209,8 @@ def test_base_plus_random_head_loss_always_trains_the_base():
     (["--proposal-k", "3", "--head-loss", "max"], "head_loss"),
     (["--head-loss", "mean"], "need proposal_k"),
     (["--glancing-end", "0.1"], "need drafter_k"),
-    (["--pick", "newest"], "pick must be dev-loss or last"),
+    (["--pick", "newest"], "pick must be dev-loss, tokens-per-call or last"),
+    (["--pick", "tokens-per-call"], "need drafter_k or proposal_k"),
     (["--tokenizer-from", "t.json", "--init-from", "m.pt"], "exclude each other"),
     (["--kd-weight", "0.3"], "needs kd_from"),
     (["--kd-from", "m.pt", "--kd-weight", "1.5"], "kd_weight"),
@@ -221,12 +225,15 @@ def test_bad_proposal_options_are_one_line_errors(args, needle):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["causal", "bidirectional"])
 def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
-    """Guards the drafter's training path (random prefix, k masks, glancing) and its checkpoint mark."""
+    """Guards the drafter's training path (random prefix, k masks, glancing), its checkpoint mark, and
+    its dev figure: GAD's tokens per call with the verifier it starts from, which chooses model.pt."""
     out = tmp_path / "drafter"
     r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--init-from",
-               str(trained_tiny / "model.pt"), "--drafter-k", "4", "--drafter-layout", layout)
+               str(trained_tiny / "model.pt"), "--drafter-k", "4", "--drafter-layout", layout,
+               "--pick", "tokens-per-call", "--speed-sentences", "5")
     assert r.returncode == 0, r.stderr.decode()
-    assert "block accuracy" in r.stderr.decode()
+    assert "block accuracy" in r.stderr.decode() and "(GAD with the verifier on 5 sentences)" in r.stderr.decode()
+    assert 1 <= load_checkpoint(out / "best.pt")["meta"]["dev_tokens_per_call"] <= 5
     ck = load_checkpoint(out / "model.pt")
     assert ck["drafter"] == {"k": 4, "layout": layout}
     assert ck["meta"]["train_config"]["init_from"].endswith("model.pt")
@@ -332,3 +339,258 @@ def test_each_mode_trains_on_its_own_loss(mode):
         inp, gold, block = obj.drafter_batch(tgt_out)
         want = ce(model.project(model.forward_hidden(src, inp, block)), gold)
     assert torch.equal(got, want), (got, want)
+
+
+def test_heads_load_on_a_base_stored_before_newer_config_fields(tmp_path):
+    """Guards heads on a frozen base whose file predates ModelConfig fields (activation, norm, bias,
+    positions, ...): the heads' file stores them with their defaults, the base's does not, and the two
+    are still the same network. A base of another shape is still refused."""
+    from refdec.checkpoint import FORMAT, file_sha256
+    model = tiny_model(0)
+    full = model.cfg.to_dict()
+    old = {k: full[k] for k in ("vocab_size", "d_model", "n_heads", "d_ff", "enc_layers", "dec_layers", "dropout",
+                                "norm_first", "tie_embeddings", "max_positions", "pad_id", "bos_id", "eos_id")}
+    base = {"format": FORMAT, "task": "mt-en-de", "model_config": old, "model": model.state_dict(),
+            "tokenizer_sha256": "v", "step": 1, "meta": {}}
+    save_atomic(base, tmp_path / "base" / "model.pt")
+    heads = {"format": FORMAT, "task": "mt-en-de", "model_config": {**full, "dropout": 0.0}, "tokenizer_sha256": "v",
+             "step": 2, "meta": {}, "frozen_base": {"path": "../base/model.pt",
+                                                     "sha256": file_sha256(tmp_path / "base" / "model.pt")}}
+    save_atomic(heads, tmp_path / "heads" / "model.pt")
+    ck = load_checkpoint(tmp_path / "heads" / "model.pt")
+    assert all(torch.equal(ck["model"][k], v) for k, v in model.state_dict().items())
+    save_atomic({**heads, "model_config": {**full, "activation": "gelu"}}, tmp_path / "heads" / "model.pt")
+    with pytest.raises(CheckpointError, match="does not have the shape"):
+        load_checkpoint(tmp_path / "heads" / "model.pt")
+
+
+def _dev_and_vocab(n: int):
+    """The first n mt-en-de dev pairs of 8 source tokens or more (so that a batch's output budget,
+    2 x its longest source + 10, is the models' 23 positions for every row) and the shipped mt-en-de
+    vocabulary (no training needed)."""
+    from refdec.data import Split, load_split
+    from refdec.tokenizer import Tokenizer
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    dev = load_split("mt-en-de", "dev")
+    keep = [i for i, ids in enumerate(tok.encode_batch(dev.src[:2 * n])) if len(ids) >= 8][:n]
+    return Split([dev.src[i] for i in keep], [[r[i] for i in keep] for r in dev.refs], [dev.docs[i] for i in keep]), tok
+
+
+def _batch1_tokens_per_call(decode, tok, dev, room: int) -> float:
+    """Tokens per call of a decoder run one sentence at a time: all tokens over all calls."""
+    from refdec.data import source_tensor
+    tokens = calls = 0
+    for ids in tok.encode_batch(dev.src):
+        ids = ids[:room]
+        res = decode(source_tensor([ids]), room)
+        tokens, calls = tokens + res.stats.tokens, calls + res.stats.verifier_calls
+    return tokens / calls
+
+
+def test_heads_dev_tokens_per_call_is_per_row():
+    """Guards the heads' dev figure: tokens per call per sentence (at most k), as decoding each
+    sentence alone gives it, not all rows' tokens over the calls of a 40-row batch (which printed
+    14.49 for k = 10)."""
+    from refdec.config import PRESETS
+    from refdec.decoding.blockwise import decode_blockwise
+    from refdec.proposal import ProposalHeads
+    from refdec.training import build_model, build_objective
+    dev, tok = _dev_and_vocab(40)
+    cfg = PRESETS["tiny"].replace(proposal_k=3, head_loss="mean", eval_sentences=40, speed_sentences=40,
+                                  max_positions=24, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(cfg, tok.vocab_size).double()
+    heads = ProposalHeads(model.cfg.d_model, 16, 3).double()
+    scores = build_objective(cfg, model, heads).evaluate(tok, dev, torch.device("cpu"))
+    model.eval(), heads.eval()
+    want = _batch1_tokens_per_call(lambda x, n: decode_blockwise(model, heads, x, max_len=n), tok, dev, 23)
+    assert 1 <= scores["dev_tokens_per_call"] <= 3
+    assert scores["dev_tokens_per_call"] == pytest.approx(want, rel=1e-12)
+
+
+def test_drafter_dev_figure_is_gads_tokens_per_call_with_its_verifier(tmp_path):
+    """Guards the drafter's dev figure: GAD's tokens per verifier call and row with the verifier
+    (whose encoder the drafter reads) on the first speed_sentences dev sentences, as GAD one
+    sentence at a time gives it."""
+    from refdec.config import PRESETS
+    from refdec.decoding.adapters import SharedEncoder
+    from refdec.decoding.gad import decode_gad
+    from refdec.drafter import Drafter
+    from refdec.training import build_model, build_objective
+    dev, tok = _dev_and_vocab(30)
+    from refdec.checkpoint import make_checkpoint
+    torch.manual_seed(0)
+    verifier = build_model(PRESETS["tiny"].replace(max_positions=24, dropout=0.0), tok.vocab_size).double().eval()
+    save_atomic(make_checkpoint(verifier, "mt-en-de", tok, 0), tmp_path / "v.pt")
+    cfg = PRESETS["tiny"].replace(drafter_k=3, speed_sentences=12, max_positions=24, dropout=0.0,
+                                  encoder_from=str(tmp_path / "v.pt"), enc_layers=0, out_dir=str(tmp_path / "run"))
+    model = build_model(cfg, tok.vocab_size, encoder=verifier).double()
+    scores = build_objective(cfg, model, encoder=verifier).evaluate(tok, dev, torch.device("cpu"))
+    drafter = Drafter(SharedEncoder(model.eval(), verifier), k=3)
+    dev12 = type(dev)(dev.src[:12], [r[:12] for r in dev.refs], dev.docs[:12])
+    want = _batch1_tokens_per_call(lambda x, n: decode_gad(verifier, drafter, x, max_len=n), tok, dev12, 20)
+    assert 1 <= scores["dev_tokens_per_call"] <= 3 + 1
+    assert scores["dev_tokens_per_call"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("pick,best_step", [("tokens-per-call", 1), ("dev-loss", 2)])
+def test_best_checkpoint_is_ranked_by_the_runs_pick(tmp_path, pick, best_step):
+    """Guards what best.pt (and so model.pt) is: with pick tokens-per-call the evaluation with the
+    most tokens per call, though another has the lower dev loss."""
+    from refdec.config import PRESETS
+    from refdec.tokenizer import Tokenizer
+    from refdec.training import Progress, RunFolder, build_model, build_objective
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    cfg = PRESETS["tiny"].replace(drafter_k=3, pick=pick, out_dir=str(tmp_path))
+    model = build_model(cfg, tok.vocab_size)
+    folder = RunFolder(cfg, build_objective(cfg, model), tok, lambda msg: None)
+    progress, opt = Progress(), torch.optim.Adam(model.parameters())
+    for scores in ({"dev_loss": 2.0, "dev_tokens_per_call": 1.6}, {"dev_loss": 1.0, "dev_tokens_per_call": 1.2}):
+        progress.step += 1
+        folder.save_evaluation(scores, progress, opt)
+    assert load_checkpoint(tmp_path / "best.pt")["step"] == best_step
+
+
+def _saved(model, tok, path: Path, **entries) -> Path:
+    from refdec.checkpoint import make_checkpoint
+    save_atomic({**make_checkpoint(model, "mt-en-de", tok, 0), **entries}, path)
+    return path
+
+
+def test_drafter_starts_from_the_verifier_and_continues_a_drafter(tmp_path):
+    """Guards the drafters that start from what the verifier knows: on the verifier's frozen encoder,
+    init_from the verifier gives the drafter the verifier's embeddings, first dec_layers decoder
+    layers, final norm and output projection (every parameter equal to the verifier's); init_from a
+    drafter on that encoder continues it as it is; a drafter of another encoder is refused."""
+    from refdec.checkpoint import file_sha256
+    from refdec.config import PRESETS
+    from refdec.training import TrainingError, build_model, build_run_objective
+    _, tok = _dev_and_vocab(1)
+    torch.manual_seed(0)
+    verifier = build_model(PRESETS["tiny"].replace(dec_layers=3), tok.vocab_size)
+    v_path = _saved(verifier, tok, tmp_path / "v" / "model.pt")
+    cfg = PRESETS["tiny"].replace(drafter_k=3, enc_layers=0, dec_layers=2, encoder_from=str(v_path),
+                                  init_from=str(v_path), out_dir=str(tmp_path / "run"))
+    obj = build_run_objective(cfg, tok, load_checkpoint(v_path), torch.device("cpu"))
+    drafter, want = obj.model.state_dict(), verifier.state_dict()
+    assert obj.model.cfg.enc_layers == 0 and obj.model.cfg.dec_layers == 2
+    assert "decoder.0.ff.w1.weight" in drafter and "dec_norm.weight" in drafter and "tgt_embed.weight" in drafter
+    assert all(torch.equal(t, want[k]) for k, t in drafter.items())
+    assert obj.verifier[0] is obj.frozen_encoder[0]
+    with torch.no_grad():
+        obj.model.dec_norm.weight.add_(1.0)  # a trained drafter: not the verifier's any more
+    d_path = _saved(obj.model, tok, tmp_path / "d" / "model.pt", drafter={"k": 3, "layout": "causal"},
+                    shared_encoder={"path": "../v/model.pt", "sha256": file_sha256(v_path)})
+    cont = build_run_objective(cfg.replace(init_from=str(d_path)), tok, load_checkpoint(d_path), torch.device("cpu"))
+    assert all(torch.equal(t, obj.model.state_dict()[k]) for k, t in cont.model.state_dict().items())
+    other = _saved(build_model(PRESETS["tiny"], tok.vocab_size), tok, tmp_path / "o" / "model.pt")
+    with pytest.raises(TrainingError, match="another encoder"):
+        build_run_objective(cfg.replace(init_from=str(d_path), encoder_from=str(other)), tok, load_checkpoint(d_path),
+                            torch.device("cpu"))
+    with pytest.raises(TrainingError, match="at most its 3 decoder layers"):
+        build_run_objective(cfg.replace(dec_layers=4), tok, load_checkpoint(v_path), torch.device("cpu"))
+
+
+def test_heads_continue_from_trained_heads_on_their_base(tmp_path):
+    """Guards continuing trained heads: init_from a heads-alone file loads its heads (equal) on its
+    base's weights, and the new heads name that base file, not the heads' file, as their base."""
+    from refdec.checkpoint import file_sha256
+    from refdec.config import PRESETS
+    from refdec.proposal import ProposalHeads, proposal_state
+    from refdec.training import build_model, build_run_objective
+    _, tok = _dev_and_vocab(1)
+    torch.manual_seed(0)
+    base = build_model(PRESETS["tiny"], tok.vocab_size)
+    b_path = _saved(base, tok, tmp_path / "base" / "model.pt")
+    heads = ProposalHeads(base.cfg.d_model, 16, 3)
+    raw = {**torch.load(b_path, weights_only=True), "proposal": proposal_state(heads),
+           "frozen_base": {"path": "../base/model.pt", "sha256": file_sha256(b_path)}}
+    del raw["model"]
+    save_atomic(raw, tmp_path / "heads" / "model.pt")
+    cfg = PRESETS["tiny"].replace(proposal_k=3, proposal_d_ff=16, freeze_base=True, head_loss="mean",
+                                  init_from=str(tmp_path / "heads" / "model.pt"), out_dir=str(tmp_path / "run"))
+    obj = build_run_objective(cfg, tok, load_checkpoint(cfg.init_from), torch.device("cpu"))
+    assert all(torch.equal(t, heads.state_dict()[k]) for k, t in obj.heads.state_dict().items())
+    assert all(torch.equal(t, base.state_dict()[k]) for k, t in obj.model.state_dict().items())
+    assert obj.frozen_base == {"path": os.path.join("..", "base", "model.pt"), "sha256": file_sha256(b_path)}
+
+
+def test_two_half_batch_passes_make_the_one_batch_update():
+    """Guards gradient accumulation: a batch run as two passes (each loss weighted by its share of
+    the target tokens) gives the update of the batch in one pass (float64, the trainer's AdamW), and
+    on a CPU the default pass is the whole batch (a preset's optimisation as it was)."""
+    from refdec.config import PRESETS
+    from refdec.data import training_tensors
+    from refdec.training import accumulate, build_model, build_objective, device_pass_tokens
+    cfg = PRESETS["tiny"].replace(dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (6,), generator=g)]
+    tgt = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (6,), generator=g)]
+    params, losses, grads = [], [], []
+    for pieces in ([range(6)], [range(3), range(3, 6)]):
+        torch.manual_seed(0)
+        model = build_model(cfg, 40).double()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0)
+        obj = build_objective(cfg, model)
+        loss, n_tok = accumulate(obj, [training_tensors([src[i] for i in part], [tgt[i] for i in part])
+                                       for part in pieces], 0, torch.device("cpu"))
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        params.append(list(model.parameters()))
+        losses.append(loss)
+        assert n_tok == sum(map(len, src)) + sum(map(len, tgt)) + 12  # every eos
+    assert losses[0] == pytest.approx(losses[1], rel=1e-12)
+    moved = [not torch.equal(p, q) for p, q in zip(params[0], build_model(cfg, 40).double().parameters())]
+    assert any(moved)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-15), (a - b).abs().max()
+    for a, b in zip(*params):  # steps of lr 1e-2 agree to 1e-9 (Adam divides by sqrt(v) + eps: tiny gradients' rounding grows)
+        assert torch.allclose(a, b, rtol=0, atol=1e-9), (a - b).abs().max()
+    assert device_pass_tokens(cfg, build_model(cfg, 40).cfg, torch.device("cpu")) == cfg.batch_tokens
+
+
+def test_training_ids_are_cached_beside_the_data_and_never_stale(tmp_path, monkeypatch):
+    """Guards the token cache: a whole training set is tokenized once and its ids kept beside its
+    files; a later run reads them (no tokenizing) and gets the same ids; an edited corpus is
+    tokenized anew, never served from the old cache; a smoke run (train_limit) writes none."""
+    import gzip
+    from refdec.config import PRESETS
+    from refdec.data import load_split
+    from refdec.training import encode_pairs
+    _, tok = _dev_and_vocab(1)
+    folder = tmp_path / "mt-en-de"
+    folder.mkdir()
+    train = load_split("mt-en-de", "train")
+
+    def write(tgt_lines):
+        for name, lines in (("train.src.gz", train.src[:40]), ("train.tgt.gz", tgt_lines)):
+            with gzip.open(folder / name, "wt", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in lines))
+
+    write(train.tgt[:40])
+    cfg = PRESETS["tiny"].replace(data_dir=str(tmp_path))
+    pairs = list(zip(train.src[:40], train.tgt[:40]))
+    logs = []
+    first = encode_pairs(cfg, tok, pairs, 0, logs.append)
+    assert any("cached" in m for m in logs) and list(folder.glob(".train-ids-*.pt"))
+    real = tok.encode_batch
+    monkeypatch.setattr(type(tok), "encode_batch", lambda self, texts: pytest.fail("tokenized again"))
+    assert encode_pairs(cfg, tok, pairs, 0, logs.append) == first
+    assert encode_pairs(cfg.replace(train_limit=10), tok, pairs[:10], 0, logs.append) == tuple(
+        [row for row in side[:10]] for side in first)
+    monkeypatch.setattr(type(tok), "encode_batch", lambda self, texts: real(texts))
+    edited = ["Ein ganz anderer Satz."] + train.tgt[1:40]
+    write(edited)
+    again = encode_pairs(cfg, tok, list(zip(train.src[:40], edited)), 0, logs.append)
+    assert again[1][0] == tok.encode("Ein ganz anderer Satz.") != first[1][0]
+
+
+def test_tokens_per_call_pick_needs_a_drafters_verifier():
+    """Guards a drafter run told to keep its best tokens per call without a verifier to run GAD with
+    (neither --encoder-from nor --init-from a model): one clear error before training, not a run
+    whose evaluations lack the figure its model.pt is chosen by."""
+    from refdec.config import PRESETS
+    from refdec.training import DrafterLoss, TrainingError, build_model
+    cfg = PRESETS["tiny"].replace(drafter_k=3, pick="tokens-per-call")
+    with pytest.raises(TrainingError, match="needs the drafter's verifier"):
+        DrafterLoss.load(cfg, build_model(cfg, 40), None, torch.device("cpu"))
