@@ -187,7 +187,7 @@ def test_torchrun_ranks_give_the_bytes_of_one_process_and_resume_per_rank(traine
     (folder / ".partial.1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in
                                                      [header, *({"i": i, "out": f"saved {i}"} for i in rank1)]))
     err = torchrun(tmp_path / "resumed")
-    assert f"continuing: {len(rank1)} of 40" in err and "rank 1: batch" not in err and "rank 0: batch" in err
+    assert f"continuing: {len(rank1)} of 40" in err and "sentences of rank 1" not in err and "sentences of rank 0" in err
     got, want = (load_split("mt-en-de", "train", tmp_path / d).tgt for d in ("resumed", "one"))
     assert [got[i] for i in rank1] == [f"saved {i}" for i in rank1]
     assert all(got[i] == want[i] for i in range(40) if i not in rank1)
