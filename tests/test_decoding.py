@@ -12,10 +12,19 @@ from refdec.config import BOS_ID, EOS_ID
 from refdec.decoding import decode_beam, decode_greedy
 
 
-def first_divergence(a: torch.Tensor, b: torch.Tensor) -> str:
+def first_divergence(a: torch.Tensor, b: torch.Tensor, model=None, src: torch.Tensor | None = None) -> str:
+    """Where greedy's tokens `a` and another decoder's `b` part; given the model and the row's source
+    (1, S), also the model's top-1/top-2 logit margin there (refdec.exactness.divergences): a near-tie
+    or a bug."""
     n = min(len(a), len(b))
     pos = next((i for i in range(n) if a[i] != b[i]), n)
-    return f"first divergence at position {pos}: {a[pos:pos + 3].tolist()} vs {b[pos:pos + 3].tolist()}"
+    text = f"first divergence at position {pos}: {a[pos:pos + 3].tolist()} vs {b[pos:pos + 3].tolist()}"
+    if model is not None and src is not None and not torch.equal(a, b):
+        from refdec.exactness import divergences
+        ids = [t for t in src[0].tolist() if t != model.cfg.pad_id][:-1]  # the source without its eos
+        d = divergences(model, [ids], [a], [b], src.device)
+        text += f"; top-1/top-2 logit margin {d[0]['margin_top1_top2']:.3g}" if d else ""
+    return text
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -134,3 +143,18 @@ def test_max_len_is_respected():
     for max_len in (1, 2, 7):
         for res in (decode_greedy(m, src, max_len=max_len), decode_beam(m, src, max_len=max_len, beam_size=3)):
             assert all(len(t) <= max_len for t in res.tokens)
+
+
+def test_first_divergence_gives_the_margin_where_the_outputs_part():
+    """Guards the failure message of every exactness test: the position and, with the model, the
+    top-1/top-2 margin there, equal to the one refdec.exactness reports."""
+    from refdec.exactness import divergences
+    m = tiny_model(3, vocab=30)
+    src = random_src(3, 1, 30, min_len=4, max_len=6)
+    g = decode_greedy(m, src, max_len=12).tokens[0]
+    other = g.clone()
+    other[2] = (int(g[2]) + 1) % 30
+    text = first_divergence(g, other, m, src)
+    ids = [t for t in src[0].tolist() if t != m.cfg.pad_id][:-1]
+    margin = divergences(m, [ids], [g], [other], src.device)[0]["margin_top1_top2"]
+    assert "position 2" in text and f"margin {margin:.3g}" in text

@@ -30,7 +30,7 @@ def assert_same_as_greedy(model, src, max_len, **knobs):
     r = decode_iad(model, src, max_len=max_len, **knobs)
     assert r.stats.hit_max_len == g.stats.hit_max_len
     for b, (x, y) in enumerate(zip(g.tokens, r.tokens)):
-        assert torch.equal(x, y), f"row {b}, {knobs}: {first_divergence(x, y)}"
+        assert torch.equal(x, y), f"row {b}, {knobs}: {first_divergence(x, y, model, src[b:b + 1])}"
     return g, r
 
 
