@@ -37,9 +37,9 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from refdec.algorithms import ALGORITHMS, OPTIONS, option_defaults
+    from refdec.algorithms import ALGORITHMS
     from refdec.data import TASKS
-    from refdec.plan import help_default
+    from refdec.plan import add_option_flags
     algos = "\n".join(f"  {a.name:12s}{a.summary}" for a in ALGORITHMS.values())
     p = argparse.ArgumentParser(description=__doc__ + "\nalgorithms:\n" + algos,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,14 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--graphed", action="store_true", help="the graphed route: the fast route's decoder call and "
                    "encoder on static shapes (a preallocated KV cache, calls padded to buckets), captured once per "
                    "shape as a CUDA graph and replayed on a GPU, run as they are on a CPU (docs/graphed.md)")
-    g = p.add_argument_group("algorithm options (read from the decoders' signatures)")
-    for name, default in ((n, next(iter(d.values()))) for n, d in option_defaults().items() if d):
-        flag, opt = "--" + name.replace("_", "-"), OPTIONS[name]
-        help_text = f"{opt.help} ({help_default(name)})"
-        if isinstance(default, bool):
-            g.add_argument(flag, action="store_const", const=True, help=help_text)
-        else:
-            g.add_argument(flag, type=type(default), metavar=opt.metavar, choices=opt.choices or None, help=help_text)
+    add_option_flags(p.add_argument_group("algorithm options (read from the decoders' signatures)"))
     return p
 
 
@@ -189,38 +182,26 @@ def run(args) -> int:
     summary = report.summarise(args.task, runs, lines, refs, ids, loader.tokenizer, args.device,
                                warning=busy_warning(others_busy, torch.get_num_threads(), usable_cores(), "kept"))
     model_path = inputs.shown_path(loader.main_path)
+    settings = {"batch_size": sorted({r.batch_size for r in runs}) if args.batch_sizes else runs[0].batch_size,
+                "batch_tokens": args.batch_tokens, "max_len": args.max_len, "row_invariant": args.invariant,
+                "fast_route": args.fast, "graphed_route": args.graphed}
     if args.report:
-        report.write_report(args.report, report.build_report(args.task, summary.rows, runs, n_lines=len(lines), extra={
-            "model": model_path, "model_step": loader.ckpt.get("step"), "input": input_path,
-            "batch_size": sorted({r.batch_size for r in runs}) if args.batch_sizes else runs[0].batch_size,
-            "batch_tokens": args.batch_tokens,
-            "max_len": args.max_len, "runs": summary.rows, "speedup_matrix": summary.matrix,
-            "lossless_checks": summary.checks, "interrupted": interrupted, "lines_decoded": complete,
-            "row_invariant": args.invariant, "fast_route": args.fast, "graphed_route": args.graphed, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
-                "threads_auto": args.threads is None, "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}}))
+        report.write_report(args.report, report.run_report(
+            args.task, summary, runs, n_lines=len(lines), model=model_path, model_step=loader.ckpt.get("step"), input=input_path,
+            settings=settings, interrupted=interrupted, environment={
+                **environment(torch.get_num_threads(), args.device, dtype), "threads_auto": args.threads is None,
+                "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}))
     if args.trace:
         from refdec.trace import print_traces
         print_traces(args.algo, runs[0].traces, loader.tokenizer)
     if args.html:
-        write_html(args, summary, runs, loader, model_path, input_path, lines, refs, ids, interrupted)
+        from refdec.htmlreport import write_run_page
+        write_run_page(args.html, summary, runs, loader.tokenizer, lines, refs, ids, task=args.task, model=model_path,
+                       input=input_path, interrupted=interrupted, device=f"{args.device}, {args.dtype}",
+                       batch_size=args.batch_size, batch_tokens=args.batch_tokens,
+                       command=shlex.join(["python", "decode.py", *args.argv]))
     print(summary.text, file=sys.stderr if not args.output else sys.stdout)
     return stopped_by()[1] if interrupted else 0
-
-
-def write_html(args, summary, runs, loader, model_path: str, input_path: str, lines, refs, ids, interrupted: bool) -> None:
-    """--html: the page of the table, the charts and every sentence's decoding (refdec.htmlreport)."""
-    import torch
-
-    from refdec import htmlreport
-    batches = ((f"{args.batch_tokens} source tokens" + (f", at most {args.batch_size} sentences" if args.batch_size else ""))
-               if args.batch_tokens else args.batch_size or 1)
-    facts = {"task": args.task, "model": model_path, "input": input_path,
-             "sentences": f"{len(lines)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
-             "batch size": batches, "device": f"{args.device}, {args.dtype}, {torch.get_num_threads()} thread(s)",
-             "command": shlex.join(["python", "decode.py", *args.argv])}
-    htmlreport.write_page(args.html, title=f"refdec: {' vs '.join(r.name for r in runs)} on {args.task or args.model}",
-                          facts=facts, summary=summary, sources=lines, refs=refs, ids=ids, runs=runs,
-                          tokenizer=loader.tokenizer)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,20 @@ def write_page(path: str, **kw) -> None:
         f.write(build_page(**kw))
 
 
+def write_run_page(path: str, summary: "report.Summary", runs: list, tokenizer, sources: list[str], refs: list[list[str]],
+                   ids: list, *, task: str | None, model: str, input: str, interrupted: bool, device: str,
+                   batch_size: int | None, batch_tokens: int | None, command: str) -> None:
+    """decode.py's page of a run: a header of what ran (task, model, input, batches, device, the
+    command), then build_page."""
+    batches = ((f"{batch_tokens} source tokens" + (f", at most {batch_size} sentences" if batch_size else ""))
+               if batch_tokens else batch_size or 1)
+    facts = {"task": task, "model": model, "input": input,
+             "sentences": f"{len(sources)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
+             "batch size": batches, "device": f"{device}, {torch.get_num_threads()} thread(s)", "command": command}
+    write_page(path, title=f"refdec: {' vs '.join(r.name for r in runs)} on {task or model}", facts=facts,
+               summary=summary, sources=sources, refs=refs, ids=ids, runs=runs, tokenizer=tokenizer)
+
+
 def build_page(*, title: str, facts: dict, summary: "report.Summary", sources: list[str], refs: list[list[str]],
                ids: list, runs: list, tokenizer) -> str:
     """The page for runs decoded on `sources` (`ids` their token ids, None for an empty line), with

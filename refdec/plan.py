@@ -258,6 +258,18 @@ def help_default(name: str) -> str:
     return "default: " + ", ".join(f"{k} {v}" for k, v in show.items())
 
 
-__all__ = ["Compared", "OPTIONS", "RunSpec", "check_counts", "checkpoints_read", "default_checkpoint", "help_default", "parse_compare",
+def add_option_flags(group) -> None:
+    """One flag per algorithm option (--fallback-threshold ...), its type and help read from the
+    decoders' signatures (refdec.algorithms), onto decode.py's argparse group."""
+    for name, default in ((n, next(iter(d.values()))) for n, d in option_defaults().items() if d):
+        flag, opt = "--" + name.replace("_", "-"), OPTIONS[name]
+        help_text = f"{opt.help} ({help_default(name)})"
+        if isinstance(default, bool):
+            group.add_argument(flag, action="store_const", const=True, help=help_text)
+        else:
+            group.add_argument(flag, type=type(default), metavar=opt.metavar, choices=opt.choices or None, help=help_text)
+
+
+__all__ = ["Compared", "OPTIONS", "RunSpec", "add_option_flags", "check_counts", "checkpoints_read", "default_checkpoint", "help_default", "parse_compare",
            "parse_sizes", "plan_runs",
            "shared_second_models"]

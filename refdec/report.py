@@ -129,6 +129,17 @@ def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, 
     return report
 
 
+def run_report(task: str, summary: "Summary", runs: list[Run], *, n_lines: int, model: str, model_step, input: str,
+               settings: dict, interrupted: bool, environment: dict) -> dict:
+    """decode.py's JSON report of a run: its model, input and settings (batches, max_len, route), every
+    run's row, the speedup matrix and the lossless checks, and the machine it ran on. `n_lines`: the
+    lines every run finished (all of them unless the run was interrupted)."""
+    return build_report(task, summary.rows, runs, n_lines=n_lines, extra={
+        "model": model, "model_step": model_step, "input": input, **settings, "runs": summary.rows,
+        "speedup_matrix": summary.matrix, "lossless_checks": summary.checks, "interrupted": interrupted,
+        "lines_decoded": n_lines, "environment": environment})
+
+
 def write_report(path: str, report: dict) -> None:
     Path(path).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
