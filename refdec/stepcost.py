@@ -37,7 +37,6 @@ import copy
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -49,15 +48,8 @@ from .checkpoint import CheckpointError, load_model
 from .errors import UsageError
 from .hints import repo_file
 from .inputs import shown_path
+from .machine import check_device, clock
 from .progress import ProgressLine
-
-
-def clock(device: torch.device) -> float:
-    """time.perf_counter() once the device has finished the work queued on it (a GPU runs
-    asynchronously: without the synchronisation a time would be the launch's alone)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
@@ -174,12 +166,9 @@ def main(argv: list[str] | None = None) -> int:
               "at least 1", file=sys.stderr)
         return 2
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        print(f"error: --device {args.device} is not a device torch knows (cpu, cuda, cuda:1, ...)", file=sys.stderr)
-        return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda requested but no CUDA device is available", file=sys.stderr)
+        device = check_device(args.device)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     try:
