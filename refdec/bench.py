@@ -29,8 +29,10 @@ route's greedy (and beam), and each route's greedy against the reference route's
 and the top-1/top-2 logit margin where a line differs.
 
 Sizes. On a GPU: 100 sentences per batch-1 run, 256 in the batched section, 50 for the ceiling
-(k = 4, 8, 16, 25, accept 1 and 0.8, with and without the drafter's cost), 40 for transformers, 30
-rounds of stepcost: about 5 minutes on one H100-class GPU. --limit N sets every section's sentences.
+(k = 4, 8, 16, 25, accept 1 and 0.8, with and without the drafter's cost), 40 for transformers, 15
+rounds of stepcost: chosen to finish within 8 minutes on one H100-class GPU going by the reference
+route's times there (docs/gpu.md); the run prints each section's time and the total. --limit N sets
+every section's sentences.
 On the CPU (--device cpu) or with --limit of 10 or less the inner settings are small, so that the
 whole command runs in minutes: 1 warm-up batch (or sentence) instead of 2, 1 round of stepcost
 after its warm-up round, the ceiling at k = 4 and 8 with accept 1, and only the batch sizes up to the
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -60,7 +62,7 @@ import torch
 
 from . import inputs, loading, plan, report, runner
 from .data import REPO
-from .errors import UsageError, run_command
+from .errors import CheckpointError, UsageError, first_line, run_command
 from .exactness import divergences, identical_rate
 from .machine import check_device, device_name, environment
 from .progress import duration
@@ -107,7 +109,7 @@ def settings(args, device: torch.device) -> dict:
     sizes = DECODERS["batched"][4]
     if small:  # the sizes below the sentences' count, and the first that holds them all
         sizes = [b for b in sizes if b < n["batched"]] + [next((b for b in sizes if b >= n["batched"]), sizes[-1])]
-    return {"sentences": n, "sizes": sizes, "rounds": 1 if small else 30, "warmup": 1 if small else 2,
+    return {"sentences": n, "sizes": sizes, "rounds": 1 if small else 15, "warmup": 1 if small else 2,
             "k": "4,8" if small else "4,8,16,25", "accept": "1" if small else "1,0.8"}
 
 
@@ -337,8 +339,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             body = (decoder_section(section, args, device, plan_) if section in DECODERS
                     else command_sections(section, args, device, plan_, prefix))
-        except (SectionError, UsageError, RuntimeError, ValueError) as e:
-            print(f"error: {section}: {e}", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 -- one section's failure leaves the others to run
+            if os.environ.get("REFDEC_DEBUG"):
+                raise
+            known = isinstance(e, (SectionError, UsageError, CheckpointError))
+            print(f"error: {section}: {'' if known else type(e).__name__ + ': '}{first_line(e)}", file=sys.stderr,
+                  flush=True)
             failed.append(section)
             continue
         seconds = time.perf_counter() - t0

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     enc = {name: 1000 * statistics.median(v) for name, v in encoder.items()}
     enc_ms = enc["reference"]
     print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
-          f"{args.threads} threads, {device}, {path}")
+          f"{args.threads} threads, {device}, {shown_path(path)}")
     print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
           f"rows (refdec's default); plain: x @ W.T throughout")
     columns = []  # (header, key, decimals) of each route beside the reference

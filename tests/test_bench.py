@@ -116,7 +116,7 @@ def test_bench_runs_on_the_cpu_from_a_copy_of_its_files(tmp_path):
         (copy / p).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / p, copy / p)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-m", "refdec.bench", "--device", "cpu", "--limit", "3"], cwd=copy,
+    r = subprocess.run([sys.executable, "-m", "refdec.bench", "--device", "cpu", "--limit", "3", "--threads", "1"], cwd=copy,
                        capture_output=True, text=True, timeout=1500, env={**env, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
