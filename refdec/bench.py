@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -201,7 +202,11 @@ def decoder_section(section: str, args, device: torch.device, plan_: dict) -> di
     n = plan_["sentences"]["batched" if section == "batched" else "batch1"]
     sizes = plan_["sizes"] if section == "batched" else []
     runs, lines, refs, ids, tokenizer, max_positions = decoder_runs(section, n, sizes, device)
-    task = DECODERS[section][0]
+    task, algo, compare, model, _, _ = DECODERS[section]
+    print(f"as python decode.py --algo {algo} --task {task}" + (f" --model {model}" if model else "")
+          + f" --compare {compare} --limit {len(lines)}" + (f" --batch-sizes {','.join(map(str, sizes))}" if sizes else "")
+          + "; every run on the reference route, the fast route (--fast) and the graphed route (--graphed), "
+          "interleaved in one process", flush=True)
     log(f"{section}: {len(runs)} runs ({len(runs) // len(ROUTES)} on each route), {len(lines)} sentences")
     runner.decode_lines(runs, ids, max_len=None, max_positions=max_positions, device=device, warmup=plan_["warmup"],
                         progress=True)
@@ -249,8 +254,10 @@ def command_sections(section: str, args, device: torch.device, plan_: dict, pref
     reports = {}
     for name, main, argv in commands:
         path = out / f"{prefix}-{name}.json"
-        log(f"{section}: python -m {main.__module__.removesuffix('.cli')} {' '.join(argv[:2])} ...")
-        print(f"\n# {name}", flush=True)
+        command = shlex.join(["python", "-m", main.__module__.removesuffix(".cli"),
+                              *(inputs.shown_path(a) if a.startswith("/") else a for a in argv)])
+        log(f"{name}: {command}")
+        print(f"\n# {name}: {command}", flush=True)
         status = main([*argv, "--report", str(path)])
         sys.stdout.flush()
         reports[name] = {"report": path.name, "exit_status": status}
