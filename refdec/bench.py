@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, metavar="N", help="sentences per run in every section (default: 100 at batch "
                    "1, 256 batched, 50 for the ceiling, 40 for transformers)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"sections to run, by name, separated by commas "
-                   f"(default all: {','.join(SECTIONS)})")
+                   f"(default all: {', '.join(SECTIONS)})")
     p.add_argument("--out", metavar="DIR", default=str(REPO / "reports"), help="folder of the JSON reports "
                    "(default: the repository's reports/; created if its parent exists)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
