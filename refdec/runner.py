@@ -1,10 +1,10 @@
 """What decode.py does between reading its input and reporting: decode every line with every run, the
 runs interleaved (`decode_lines`, the timing loop), and write the first run's outputs as they finish.
 
-Timing covers encoding and decoding of each batch (time.perf_counter around the decoder call, read once
-the device has finished its work: refdec.machine.clock), after
-a warm-up on the first sentences that is not counted. With several runs the runs alternate batch by
-batch, and which goes first alternates too, so drift in machine speed hits all of them alike.
+Timing covers encoding and decoding of each batch (time.perf_counter around the decoder call, read
+once the device has finished its work: refdec.machine.clock), after a warm-up on the first sentences
+that is not counted. With several runs the runs alternate batch by batch, and which goes first
+alternates too, so drift in machine speed hits all of them alike.
 """
 
 from __future__ import annotations
