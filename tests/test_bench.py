@@ -83,6 +83,28 @@ def test_every_measuring_command_refuses_a_device_it_cannot_use_in_one_line(name
         assert capsys.readouterr().err.strip().splitlines() == [line], (name, device)
 
 
+def test_without_transformers_its_section_is_one_line_and_a_report(tmp_path, capsys, monkeypatch):
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "transformers" else real(name))
+    assert bench.main(["--device", "cpu", "--sections", "transformers", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "transformers is not installed: its greedy, assisted generation and prompt lookup are left out" in out
+    assert json.loads((tmp_path / "cpu-transformers.json").read_text())["skipped"] == "transformers is not installed"
+
+
+def test_a_failing_section_is_named_and_the_others_still_run(tmp_path, capsys, monkeypatch):
+    def fake(section, *args):
+        if section == "ceiling":
+            raise bench.SectionError("python -m refdec.ceiling exited with 2")
+        return {"reports": {}}
+    monkeypatch.setattr(bench, "command_sections", fake)
+    assert bench.main(["--device", "cpu", "--sections", "ceiling,stepcost", "--out", str(tmp_path / "new")]) == 1
+    out = capsys.readouterr()
+    assert "error: ceiling: python -m refdec.ceiling exited with 2" in out.err
+    assert "1 of 2 sections in" in out.out and "failed: ceiling" in out.out
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["cpu-stepcost.json"]
+
+
 def test_clock_waits_for_the_gpu_and_not_for_the_cpu(monkeypatch):
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
