@@ -72,7 +72,7 @@ ROUTES = ("reference", "fast", "graphed")
 MAX_BYTES = 62 * 2**20  # what a copy of the repository for a GPU machine may hold: 62 MiB (du -h's M)
 GEC_MODEL = "checkpoints/gec-uk-6x6/model.pt"
 MT = ["mt-en-de", "mt-en-de-drafter", "mt-en-de-blockwise", "mt-en-de-small-aligned"]
-TEST_SETS = {"mt-en-de": ("src", "tgt", "doc"), "gec-uk": ("src", "tgt", "tgt2")}  # mt-en-de's ids: ceiling reads it
+TEST_SETS = {"mt-en-de": ("src", "tgt", "doc"), "gec-uk": ("src", "tgt", "tgt2")}  # the ceiling loads mt-en-de's doc ids
 
 
 # The decoder sections: (task, --algo, --compare, model, batch sizes, baselines of the per-route table)
@@ -109,7 +109,7 @@ def settings(args, device: torch.device) -> dict:
         n = dict.fromkeys(n, args.limit)
     sizes = DECODERS["batched"][4]
     if small:  # the sizes below the sentences' count, and the first that holds them all
-        sizes = [b for b in sizes if b < n["batched"]] + [next((b for b in sizes if b >= n["batched"]), sizes[-1])]
+        sizes = [b for b in sizes if b < n["batched"]] + [b for b in sizes if b >= n["batched"]][:1]
     return {"sentences": n, "sizes": sizes, "rounds": 1 if small else 15, "warmup": 1 if small else 2,
             "k": "4,8" if small else "4,8,16,25", "accept": "1" if small else "1,0.8"}
 

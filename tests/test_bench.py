@@ -105,6 +105,18 @@ def test_a_failing_section_is_named_and_the_others_still_run(tmp_path, capsys, m
     assert [p.name for p in (tmp_path / "new").iterdir()] == ["cpu-stepcost.json"]
 
 
+def test_inner_settings_are_small_on_the_cpu_or_with_a_small_limit():
+    from argparse import Namespace
+    gpu = bench.settings(Namespace(limit=None), torch.device("cuda"))
+    assert gpu["sizes"] == [1, 8, 32, 128] and gpu["k"] == "4,8,16,25" and gpu["accept"] == "1,0.8"
+    assert gpu["sentences"] == {"batch1": 100, "batched": 256, "ceiling": 50, "transformers": 40}
+    for device, limit in (("cpu", 3), ("cuda", 5)):
+        small = bench.settings(Namespace(limit=limit), torch.device(device))
+        assert small["sizes"] == [1, 8] and small["rounds"] == 1 and small["warmup"] == 1
+        assert set(small["sentences"].values()) == {limit}
+    assert bench.settings(Namespace(limit=None), torch.device("cpu"))["sizes"] == [1, 8, 32, 128]
+
+
 def test_clock_waits_for_the_gpu_and_not_for_the_cpu(monkeypatch):
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
