@@ -18,7 +18,8 @@ Sections (--sections, default all; each prints its tables and writes its JSON re
     ceiling       python -m refdec.ceiling on mt-en-de (the model's own output as the draft), every route
     transformers  python -m refdec.hf audit on mt-en-de (with the small model: assisted generation) and
                   UA-GEC 6+6 (prompt lookup): transformers' greedy, assisted generation and prompt lookup
-                  beside refdec's decoders; left out, with a line saying so, when transformers is absent
+                  beside refdec's decoders on every route; left out, with a line saying so, when
+                  transformers is absent
 
 The three decoder sections run every decoder on the three routes in one process, interleaved
 (refdec.runner.decode_lines, the loop decode.py times with, after 2 warm-up batches): the reference
@@ -250,7 +251,7 @@ def command_sections(section: str, args, device: torch.device, plan_: dict, pref
             commands.append((f"transformers-{task}", hf_cli.main, [
                 "audit", "--task", task, "--model", str(REPO / "checkpoints" / model / "model.pt"),
                 *(["--small", str(REPO / "checkpoints" / small / "model.pt")] if small else []), "--limit", n,
-                *warmup, *common]))
+                "--routes", ",".join(ROUTES), *warmup, *common]))
     reports = {}
     for name, main, argv in commands:
         path = out / f"{prefix}-{name}.json"

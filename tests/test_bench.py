@@ -178,3 +178,8 @@ def test_bench_runs_on_the_cpu_from_a_copy_of_its_files(tmp_path):
     assert [c["q"] for c in calls] == [1, 2, 4, 8, 16, 32, 64] and all("graphed_ms" in c for c in calls)
     hf = json.loads((reports / "cpu-transformers.json").read_text())
     assert hf.get("skipped") or set(hf["reports"]) == {"transformers-mt-en-de", "transformers-gec-uk"}
+    if not hf.get("skipped"):
+        audit = json.loads((reports / "cpu-transformers-gec-uk.json").read_text())
+        methods = {m["method"]: m for m in audit["methods"]}
+        assert {"refdec-iad", "refdec-iad [fast]", "refdec-greedy [graphed]", "hf-greedy", "hf-prompt-lookup"} <= set(methods)
+        assert methods["refdec-iad [graphed]"]["identical"] == 1.0

@@ -78,6 +78,27 @@ def hf_algorithm(name: str, hf_model, failures: dict, **extra) -> Algorithm:
     return Algorithm(name, decode_hf, f"transformers' {name}")
 
 
+def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
+    """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' on
+    copies (refdec.fast, refdec.graphed), so that each route's decoders are rows of the one audit."""
+    import copy
+
+    from ..fast import set_fast_route
+    from ..graphed import set_graphed_route
+    from ..loading import Models
+    out = []
+    for route in routes:
+        if route == "reference":
+            out.append((route, models))
+            continue
+        model, small = copy.deepcopy(models.model), copy.deepcopy(models.small)
+        for m in (model, small):
+            if m is not None:
+                (set_graphed_route if route == "graphed" else set_fast_route)(m)
+        out.append((route, Models(model, models.path, small=small)))
+    return out
+
+
 def _audit(args, lines: list[str], tmp: Path) -> dict:
     from .. import inputs
     from ..algorithms import ALGORITHMS
@@ -104,7 +125,9 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     models = Models(model, Path(args.model), small=small)
     refdec = ["greedy"] + ["iad"] * (args.task is None or TASKS.get(args.task) == "gec") + ["speculative"] * bool(small)
     runs = [Run(ALGORITHMS[a], {**ALGORITHMS[a].defaults(), **({"gamma": args.gamma} if a == "speculative" else {})},
-                models, label=f"refdec-{a}") for a in refdec]  # IAD copies the source: GEC, or the user's own model
+                m, label=f"refdec-{a}" + (f" [{route}]" if route != "reference" else ""))
+            for route, m in route_models(models, getattr(args, "routes", ["reference"]))
+            for a in refdec]  # IAD copies the source: GEC, or the user's own model
     failures: dict = {}
     hf_methods = {"hf-greedy": {}, "hf-assisted": {"assistant_model": hf_small},
                   "hf-prompt-lookup": {"prompt_lookup_num_tokens": args.prompt_lookup}}
@@ -129,15 +152,17 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     return {"task": args.task, "model": shown_path(args.model), "small": args.small and shown_path(args.small),
             "lines": len(ids), "warmup": args.warmup, "threads": args.threads, "device": device_name(device),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "gamma": args.gamma, "prompt_lookup_num_tokens": args.prompt_lookup, "methods": rows}
+            "gamma": args.gamma, "prompt_lookup_num_tokens": args.prompt_lookup,
+            "routes": getattr(args, "routes", ["reference"]), "methods": rows}
 
 
 def audit_table(report: dict) -> str:
-    head = f"{'method':<20} {'seconds':>9} {'ms/token':>9} {'tokens':>7} {'identical':>9}"
+    w = max([20] + [len(r["method"]) for r in report["methods"]])
+    head = f"{'method':<{w}} {'seconds':>9} {'ms/token':>9} {'tokens':>7} {'identical':>9}"
     out = [f"{report['task'] or report['model']}: {report['lines']} lines, {report['threads']} thread(s), "
            f"{report.get('device', 'cpu')}, warm-up {report['warmup']}", head]
     for r in report["methods"]:
-        out.append(f"{r['method']:<20} {r['seconds']:>9.2f} {r['ms_per_token']:>9.2f} {r['tokens']:>7} "
+        out.append(f"{r['method']:<{w}} {r['seconds']:>9.2f} {r['ms_per_token']:>9.2f} {r['tokens']:>7} "
                    f"{100 * r['identical']:>8.1f}%")
     for r in report["methods"]:
         for d in r["differing"]:
