@@ -30,6 +30,10 @@ a drafter that reaches that many tokens per call. Each setting runs once per cos
                   thrown away: the ceiling of those decoders with that small model's cost when
                   the large model is called every k tokens (BiLD's window, speculative's gamma)
 
+--device cuda runs it on a GPU, each time read after a device synchronisation; --fast and --graphed
+run every model on the fast route (refdec.fast) or the graphed route (refdec.graphed) instead of the
+reference route.
+
 Every run's output is checked against greedy's (the verification step is lossless, so they agree
 unless a float32 near-tie falls differently). Prints one row per run: calls per sentence, tokens
 per call, seconds, and speed over greedy (greedy's seconds / the run's); --report writes them as JSON.
@@ -41,7 +45,6 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -54,7 +57,10 @@ from .decoding.verify import verify
 from .drafter import draft_block
 from .errors import UsageError, first_line, run_command
 from .repo import repo_file
+from .fast import set_fast_route
+from .graphed import set_graphed_route
 from .inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
+from .machine import check_device, clock, device_name
 from .model import Transformer
 from .progress import ProgressLine
 
@@ -124,8 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up sentences (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the scripted drafts' choices (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu); times are read after a device "
+                   "synchronisation")
+    route = p.add_mutually_exclusive_group()
+    route.add_argument("--fast", action="store_true", help="every model on the fast route (refdec.fast)")
+    route.add_argument("--graphed", action="store_true", help="every model on the graphed route (refdec.graphed; "
+                       "CUDA graphs on a GPU, its static-shape steps as they are on a CPU)")
     p.add_argument("--report", help="write the figures as JSON")
     return p
+
+
+def route_name(args) -> str:
+    return "graphed" if args.graphed else "fast" if args.fast else "reference"
 
 
 def load_models(args, path: Path) -> dict:
@@ -137,14 +153,19 @@ def load_models(args, path: Path) -> dict:
         drafter_path = None  # free drafts only
     else:
         drafter_path = Path(args.drafter) if args.drafter else shipped_drafter
-    model, tokenizer, _ = load_model(path, task=args.task)
+    model, tokenizer, _ = load_model(path, task=args.task, device=args.device)
     drafter, spec = None, {}
     if drafter_path is not None:
-        drafter, _, ck = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model})
+        drafter, _, ck = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model}, device=args.device)
         if "drafter" not in ck:
             raise CheckpointError(f"{drafter_path} is not a GAD drafter (train.py --drafter-k)")
         spec = ck["drafter"]
-    small = load_model(args.small, task=args.task, loaded={file_sha256(path): model})[0] if args.small else None
+    small = load_model(args.small, task=args.task, loaded={file_sha256(path): model}, device=args.device)[0] \
+        if args.small else None
+    if args.fast or args.graphed:
+        for m in (model, drafter, small):
+            if m is not None:
+                (set_graphed_route if args.graphed else set_fast_route)(m)
     return {"model": model, "tokenizer": tokenizer, "drafter": drafter, "drafter_path": drafter_path, "spec": spec,
             "small": small, "split": data_mod.load_split(args.task, "test")}
 
@@ -158,20 +179,20 @@ def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng
     n = 0
     progress = ProgressLine(len(ids), "sentences")
     for i, s in enumerate(ids):
-        src = data_mod.source_tensor([s])
+        src = data_mod.source_tensor([s]).to(model.tgt_embed.weight.device)
         max_len = max_len_for([s], None, model.cfg.max_positions)
         y, _ = greedy_output(model, src, max_len)
         timed = i >= warmup
         order = runs[i % len(runs):] + runs[:i % len(runs)]
         for name, k, rate, cost in order:
-            t0 = time.perf_counter()
+            t0 = clock(src.device)
             if k is None:
                 out, c = greedy_output(model, src, max_len)
             else:
                 out, c = scripted_gad(model, src, y, k=k, accept=rate, max_len=max_len, rng=rng,
                                       drafter=drafter if cost == "drafter" else None,
                                       layout=m["spec"].get("layout", "causal"), small=small if cost == "small" else None)
-            dt = time.perf_counter() - t0
+            dt = clock(src.device) - t0
             if timed:
                 t = totals[name]
                 t["seconds"] += dt
@@ -196,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError("--k takes positive integers and --accept numbers in [0, 1], separated by commas; "
                          "--limit and --threads at least 1, --warmup at least 0") from None
+    args.device = str(check_device(args.device))
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
     repo_file("data", args.task)  # its test set: the repository's
@@ -231,7 +253,8 @@ def report(args, path: Path, m: dict, runs: list[tuple], totals: dict, n: int) -
              "identical": totals[name]["same"] / n}
             for name, k, rate, cost in runs]
     drafter, drafter_path, small = m["drafter"], m["drafter_path"], m["small"]
-    print(f"{n} sentences of the {args.task} test set, {args.threads} threads, model {shown_path(path)}"
+    print(f"{n} sentences of the {args.task} test set, {args.threads} threads, {device_name(args.device)}, "
+          f"{route_name(args)} route, model {shown_path(path)}"
           + (f", drafter {shown_path(drafter_path)}" if drafter is not None else "")
           + (f", small {shown_path(args.small)}" if small else ""))
     print(f"{'run':>32}  {'seconds':>8}  {'calls/sent':>10}  {'tokens/call':>11}  {'speed':>6}  {'identical':>9}")
@@ -244,6 +267,7 @@ def report(args, path: Path, m: dict, runs: list[tuple], totals: dict, n: int) -
             "task": args.task, "model": shown_path(path), "drafter": shown_path(drafter_path) if drafter is not None else None,
             **({"small": shown_path(args.small)} if small is not None else {}),
             "sentences": n, "threads": args.threads, "seed": args.seed, "rows": rows,
+            "device": device_name(args.device), "route": route_name(args),
             "torch": torch.__version__}, indent=2) + "\n")
 
 

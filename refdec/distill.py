@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -51,8 +50,8 @@ from .checkpoint import file_sha256, load_model
 from .decoding import decode_beam, decode_greedy
 from .errors import UsageError, run_command
 from .repo import repo_file
-from .inputs import check_device, check_outputs, checkpoint_files, shown_path
-from .machine import BusyCores, fit_threads
+from .inputs import check_outputs, checkpoint_files, shown_path
+from .machine import BusyCores, check_device, clock, fit_threads
 from .progress import ProgressLine
 
 
@@ -186,7 +185,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     for i in range(n):
         if not ids[i]:
             done[i] = ""  # an empty source gives an empty target, as in decode.py
-    t0, pending = time.time(), []
+    t0, pending = clock(device), []
     batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)][rank::world]
     batches = [idx for idx in batches if not all(i in done for i in idx)]
     mine = sum(map(len, batches))  # this process's sentences still to decode
@@ -218,7 +217,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
         raise RuntimeError(f"{missing} of {n} sentences are in no partial file of {folder}: rerun the same command")
     targets = [done[i] for i in range(n)]
     src, docs = src[:n], (docs[:n] if docs is not None else None)
-    report = {**options, "seconds": round(time.time() - t0, 1)}
+    report = {**options, "seconds": round(clock(device) - t0, 1)}  # the device's work done
     if refs is not None:
         report["identical_to_reference"] = sum(a == b for a, b in zip(targets, refs)) / max(n, 1)
     if extra is not None:
@@ -278,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         barrier = dist.barrier
         if device == "cuda":
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    check_device(device)
+    device = str(check_device(device))
     if args.beam_size < 1 or args.batch_size < 1 or args.limit < 0 or args.save_every < 1:
         raise UsageError("--beam-size, --batch-size and --save-every must be at least 1, --limit at least 0")
     if args.threads:

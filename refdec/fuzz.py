@@ -25,6 +25,9 @@ ties exactly with its twin wherever either is the argmax); near (the copies pert
 float64 near-ties, exact ties once rounded to float32); constant (exact twins and a final norm of
 scale 0, so every position has the same logits and the same tie).
 
+--device cuda runs the models and decoders on a GPU (the models are drawn on the CPU, so a seed gives
+the same case on either device).
+
 Prints the comparisons per decoder and family and every mismatch; exit status 1 on any mismatch.
 """
 
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections import Counter
 from contextlib import contextmanager
 
@@ -41,6 +43,7 @@ import torch
 from .config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
 from .errors import UsageError, run_command
 from .kernels import set_row_invariant
+from .machine import check_device, clock, device_name
 from .model import Transformer
 from .progress import ProgressLine
 
@@ -101,10 +104,11 @@ def pick(g: torch.Generator, options):
     return options[int(torch.randint(0, len(options), (1,), generator=g))]
 
 
-def draw_case(seed: int, dtype: torch.dtype, family: str | None = None, invariant: bool = True) -> dict:
+def draw_case(seed: int, dtype: torch.dtype, family: str | None = None, invariant: bool = True,
+              device: torch.device | str = "cpu") -> dict:
     """One fuzz case: a large model of `family` (random when None), a small model, a drafter,
-    proposal heads, sources and a max_len, all from `seed`, in `dtype`, in row-invariant mode
-    unless `invariant` is False."""
+    proposal heads, sources and a max_len, all from `seed`, in `dtype` on `device`, in row-invariant
+    mode unless `invariant` is False."""
     from .proposal import ProposalHeads
     g = torch.Generator().manual_seed(seed)
     family = family or pick(g, FAMILIES)
@@ -123,11 +127,11 @@ def draw_case(seed: int, dtype: torch.dtype, family: str | None = None, invarian
     with torch.no_grad():
         heads.w2.weight.normal_(0, 0.5)
         heads.w2.bias.normal_(0, 0.5)
-    models = [m.to(dtype) for m in (large, small, drafter, heads.double().eval())]
+    models = [m.to(device=device, dtype=dtype) for m in (large, small, drafter, heads.double().eval())]
     for m in models:
         set_row_invariant(m, invariant)
     return {"seed": seed, "family": family, "large": models[0], "small": models[1], "drafter": models[2],
-            "heads": models[3], "src": random_sources(g, int(torch.randint(1, 4, (1,), generator=g)), vocab),
+            "heads": models[3], "src": random_sources(g, int(torch.randint(1, 4, (1,), generator=g)), vocab).to(device),
             "max_len": int(torch.randint(1, 13, (1,), generator=g)), "g": g}
 
 
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="first case's seed; case i uses seed + i (default 0)")
     p.add_argument("--family", choices=FAMILIES, help="only this family (default: each case draws one)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu); the time printed is read after a "
+                   "device synchronisation")
     p.add_argument("--default-mode", action="store_true", help="run the models in the default mode instead "
                    "(its mismatches on ties are what row-invariant mode removes)")
     return run_command(lambda: run(p.parse_args(argv)))
@@ -189,16 +195,17 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.models < 1 or args.threads < 1:
         raise UsageError("--models and --threads must be at least 1")
+    device = check_device(args.device)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     counts: Counter = Counter()
     families: Counter = Counter()
     mismatches = []
-    t0 = time.perf_counter()
+    t0 = clock(device)
     progress = ProgressLine(args.models, "models")
     for i in range(args.models):
         progress.update(i)
-        case = draw_case(args.seed + i, dtype, args.family, invariant=not args.default_mode)
+        case = draw_case(args.seed + i, dtype, args.family, invariant=not args.default_mode, device=device)
         families[case["family"]] += 1
         for name, got, ref in comparisons(case):
             for b, (x, y) in enumerate(zip(got, ref)):
@@ -206,9 +213,11 @@ def run(args: argparse.Namespace) -> int:
                 if not torch.equal(x, y):
                     mismatches.append(f"seed {case['seed']} ({case['family']}) {name} row {b}: {x.tolist()} "
                                       f"vs greedy {y.tolist()}")
+    seconds = clock(device) - t0
     total = sum(counts.values())
     print(f"{args.models} models ({', '.join(f'{f} {n}' for f, n in sorted(families.items()))}), {args.dtype}, "
-          f"{'default' if args.default_mode else 'row-invariant'} mode, seeds {args.seed}..{args.seed + args.models - 1}, {time.perf_counter() - t0:.0f} s")
+          f"{'default' if args.default_mode else 'row-invariant'} mode, seeds {args.seed}..{args.seed + args.models - 1}, "
+          f"{device_name(device)}, {seconds:.0f} s")
     print(f"{total} comparisons with greedy (one per decoder and source row): "
           + ", ".join(f"{name} {n}" for name, n in counts.items()))
     print(f"{len(mismatches)} mismatches")

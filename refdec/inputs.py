@@ -14,7 +14,7 @@ import torch
 
 from . import data as data_mod
 from .errors import UsageError
-from .machine import usable_cores
+from .machine import check_device, usable_cores
 from .tokenizer import Tokenizer
 
 
@@ -91,21 +91,6 @@ def checkpoint_files(what: str, path: str | Path | None) -> dict[str, str | Path
     if p.is_dir():
         return {f"the folder {path} ({what})": p}
     return {what: p, f"the tokenizer beside {what}": p.parent / "tokenizer.json"}
-
-
-def check_device(device: str) -> None:
-    """--device names a device refdec runs on, present on this machine: cpu, or cuda[:N]."""
-    try:
-        kind = torch.device(device)
-    except RuntimeError:
-        kind = None
-    if kind is None or kind.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {device}: refdec runs on cpu or cuda (cuda:N for one GPU of several)")
-    if kind.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: this machine has no CUDA device; use --device cpu")
-    if kind.type == "cuda" and kind.index is not None and kind.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
 
 def check_machine(device: str, threads: int | None) -> None:

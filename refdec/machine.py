@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from .errors import UsageError
+
 # A sample: (monotonic seconds, seconds of CPU time every process used, seconds of CPU time this process used).
 Sample = tuple[float, float, float]
 
@@ -128,6 +130,37 @@ def busy_warning(others: float | None, threads: int, cores: int, when: str) -> s
             f"uses {threads} thread(s): timings will not be reliable, and threads that wait for a busy core can "
             f"make decoding many times slower; run alone"
             + (f", or with --threads {default_threads(others, cores)}" if threads > 1 else ""))
+
+
+def check_device(name: str) -> torch.device:
+    """The device a command's --device names, or a one-line UsageError (exit 2): a name that is not
+    cpu or cuda[:N], or cuda on a machine without a CUDA device (or without that many)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: refdec runs on cpu or cuda (cuda:N for one GPU of several)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: this machine has no CUDA device; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def clock(device: torch.device | str) -> float:
+    """time.perf_counter() once the device has finished the work queued on it (a GPU runs
+    asynchronously: without the synchronisation a time would be the launch's alone)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def device_name(device: torch.device | str) -> str:
+    """What a report says the device is: the GPU's name on CUDA, else the device type."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def environment(threads: int, device, dtype) -> dict:

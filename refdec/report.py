@@ -153,11 +153,12 @@ class Summary:
 
 
 def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: list, tokenizer: Tokenizer,
-              device, *, warning: str | None = None) -> Summary:
+              device, *, warning: str | None = None, matrix_text: bool = True) -> Summary:
     """The table's rows, the speedup matrix, the lossless checks (every line where a lossless run
     differs from greedy of the same model, with the margin there; for GEC at batch size 1 the
     speedup by edit ratio) and the printed text: `warning` (e.g. that the machine was busy) under the
-    table, or, where no line was decoded, that sentence instead of a table of empty figures."""
+    table, or, where no line was decoded, that sentence instead of a table of empty figures. Without
+    `matrix_text` the matrix is left out of the text (it stays in `matrix`)."""
     kind = data_mod.TASKS.get(task)  # None: a Hugging Face folder's text, no task (BLEU and chrF with --ref)
     rows = [{**summary_row(r, scores(kind, lines, texts(tokenizer, r.outputs), refs)), "options": r.options}
             for r in runs]
@@ -168,7 +169,7 @@ def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: lis
     notes, matrix, checks = [], None, []
     if len(runs) > 2:
         matrix, text = speedup_matrix(rows)
-        notes.append(text)
+        notes += [text] if matrix_text else []
     for fast in runs:
         base = min((r for r in runs if r.algo.name == "greedy" and r.models.model is fast.models.model),
                    key=lambda r: r.batch_size or float("inf"), default=None)  # batch-1 greedy where there is one

@@ -1,9 +1,10 @@
 """What decode.py does between reading its input and reporting: decode every line with every run, the
 runs interleaved (`decode_lines`, the timing loop), and write the first run's outputs as they finish.
 
-Timing covers encoding and decoding of each batch (time.perf_counter around the decoder call), after
-a warm-up on the first sentences that is not counted. With several runs the runs alternate batch by
-batch, and which goes first alternates too, so drift in machine speed hits all of them alike.
+Timing covers encoding and decoding of each batch (time.perf_counter around the decoder call, read
+once the device has finished its work: refdec.machine.clock), after a warm-up on the first sentences
+that is not counted. With several runs the runs alternate batch by batch, and which goes first
+alternates too, so drift in machine speed hits all of them alike.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .errors import UsageError, first_line
 from .inputs import max_len_for, warn
 from .interrupt import stopped_by
 from .loading import Models
-from .machine import BusyCores, available_memory, busy_warning, decode_bytes, usable_cores
+from .machine import BusyCores, available_memory, busy_warning, clock, decode_bytes, usable_cores
 from .tokenizer import Tokenizer
 
 
@@ -100,11 +101,10 @@ def sigint_deferred():
 def run_batch(run: Run, batch: list[list[int]], max_len: int, device) -> tuple[list, float, DecodeStats, list | None]:
     cfg = run.models.model.cfg  # an imported model brings its own ids
     src = data_mod.source_tensor(batch, cfg.eos_id, cfg.pad_id).to(device)
-    t0 = time.perf_counter()
+    t0 = clock(src.device)
     res = run.algo.run(run.models, src, max_len, run.options, trace=run.trace)
-    if src.is_cuda:
-        torch.cuda.synchronize()
-    return [t.cpu() for t in res.tokens], time.perf_counter() - t0, res.stats, res.trace
+    seconds = clock(src.device) - t0  # the device's work done, not only launched
+    return [t.cpu() for t in res.tokens], seconds, res.stats, res.trace
 
 
 WARMUP_ROWS = 16  # a warm-up batch holds at most this many sentences, whatever --batch-size

@@ -37,7 +37,6 @@ import copy
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -48,16 +47,9 @@ from .kernels import FEW_ROWS, set_few_row_route
 from .checkpoint import CheckpointError, load_model
 from .errors import UsageError
 from .repo import repo_file
-from .inputs import check_device, check_outputs, checkpoint_files, shown_path
+from .inputs import check_outputs, checkpoint_files, shown_path
+from .machine import check_device, clock
 from .progress import ProgressLine
-
-
-def clock(device: torch.device) -> float:
-    """time.perf_counter() once the device has finished the work queued on it (a GPU runs
-    asynchronously: without the synchronisation a time would be the launch's alone)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
@@ -174,12 +166,11 @@ def main(argv: list[str] | None = None) -> int:
               "at least 1", file=sys.stderr)
         return 2
     try:
-        check_device(args.device)
+        device = check_device(args.device)
         path = args.model or repo_file("checkpoints", args.task, "model.pt", flag="--model")
         check_outputs({"--report": args.report}, checkpoint_files("the model", path))
         torch.set_num_threads(args.threads)
-        model, _, _ = load_model(path, task=args.task, device=args.device)
-        device = torch.device(args.device)
+        model, _, _ = load_model(path, task=args.task, device=device)
     except (CheckpointError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -199,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     enc = {name: 1000 * statistics.median(v) for name, v in encoder.items()}
     enc_ms = enc["reference"]
     print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
-          f"{args.threads} threads, {device}, {path}")
+          f"{args.threads} threads, {device}, {shown_path(path)}")
     print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
           f"rows (refdec's default); plain: x @ W.T throughout")
     columns = []  # (header, key, decimals) of each route beside the reference

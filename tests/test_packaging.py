@@ -75,7 +75,7 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path):
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "OMP_NUM_THREADS": "1"}
     for module in ("refdec.hf", "refdec.ctranslate2", "refdec.stepcost", "refdec.ceiling", "refdec.fuzz",
-                   "refdec.distill"):
+                   "refdec.distill", "refdec.bench"):
         r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=elsewhere, env=env, **run)
         assert r.returncode == 0 and "usage:" in r.stdout, (module, r.stderr)
     r = subprocess.run([sys.executable, "-c", "import refdec; print(refdec.__file__)"], cwd=elsewhere, env=env, **run)

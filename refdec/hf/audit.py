@@ -6,7 +6,8 @@ assistant_model) and prompt-lookup decoding, on the same weights and inputs, in 
 interleaved sentence by sentence after a warm-up by refdec.runner.decode_lines (the loop decode.py
 times with; transformers' generate is an Algorithm like any other): seconds, ms per output token,
 and how many outputs equal refdec greedy's, each differing line with its first divergent position
-and refdec's top-1/top-2 logit margin there.
+and refdec's top-1/top-2 logit margin there. --device cuda runs both on a GPU (each batch's time read
+after a device synchronisation, as decode.py reads it).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from .export import write_folder
 from .importing import load_folder
 
 
-def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name: str):
+def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name: str, device="cpu"):
     """(refdec model, tokenizer, transformers model) for a refdec checkpoint (exported to `workdir`
-    and loaded from there with transformers) or a transformers folder, in float32."""
+    and loaded from there with transformers) or a transformers folder, in float32, both on `device`."""
     if is_hf_folder(path):
         model, tok, _ = load_folder(path, src_lang=src_lang, tgt_lang=tgt_lang)
-        return model, tok, hf_from_pretrained(path)
+        return model.to(device), tok, hf_from_pretrained(path).to(device)
     model, tok, _ = load_model(path, task=task)
-    return model, tok, hf_from_pretrained(write_folder(model, tok, workdir / name))
+    return model.to(device), tok, hf_from_pretrained(write_folder(model, tok, workdir / name)).to(device)
 
 
 def audit(args) -> dict:
@@ -76,20 +77,44 @@ def hf_algorithm(name: str, hf_model, failures: dict, **extra) -> Algorithm:
     return Algorithm(name, decode_hf, f"transformers' {name}")
 
 
+def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
+    """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' on
+    copies (refdec.fast, refdec.graphed), so that each route's decoders are rows of the one audit."""
+    import copy
+
+    from ..fast import set_fast_route
+    from ..graphed import set_graphed_route
+    from ..loading import Models
+    out = []
+    for route in routes:
+        if route == "reference":
+            out.append((route, models))
+            continue
+        model, small = copy.deepcopy(models.model), copy.deepcopy(models.small)
+        for m in (model, small):
+            if m is not None:
+                (set_graphed_route if route == "graphed" else set_fast_route)(m)
+        out.append((route, Models(model, models.path, small=small)))
+    return out
+
+
 def _audit(args, lines: list[str], tmp: Path) -> dict:
     from .. import inputs
     from ..algorithms import ALGORITHMS
     from ..data import TASKS
     from ..exactness import divergences
+    from ..inputs import shown_path
+    from ..machine import device_name
     from ..loading import Models
     from ..runner import Run, decode_lines
 
+    device = getattr(args, "device", "cpu")
     model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
-                                workdir=tmp, name="model")
+                                workdir=tmp, name="model", device=device)
     small = hf_small = None
     if args.small:
         small, small_tok, hf_small = _load_pair(args.small, task=args.task, src_lang=args.src_lang,
-                                                tgt_lang=args.tgt_lang, workdir=tmp, name="small")
+                                                tgt_lang=args.tgt_lang, workdir=tmp, name="small", device=device)
         if small_tok.sha256 != tok.sha256 or small.cfg.encoder_prefix != model.cfg.encoder_prefix \
                 or small.cfg.decoder_prefix != model.cfg.decoder_prefix:
             raise HFError(f"{args.small} does not share the vocabulary and forced tokens of {args.model}")
@@ -99,13 +124,15 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     models = Models(model, Path(args.model), small=small)
     refdec = ["greedy"] + ["iad"] * (args.task is None or TASKS.get(args.task) == "gec") + ["speculative"] * bool(small)
     runs = [Run(ALGORITHMS[a], {**ALGORITHMS[a].defaults(), **({"gamma": args.gamma} if a == "speculative" else {})},
-                models, label=f"refdec-{a}") for a in refdec]  # IAD copies the source: GEC, or the user's own model
+                m, label=f"refdec-{a}" + (f" [{route}]" if route != "reference" else ""))
+            for route, m in route_models(models, getattr(args, "routes", ["reference"]))
+            for a in refdec]  # IAD copies the source: GEC, or the user's own model
     failures: dict = {}
     hf_methods = {"hf-greedy": {}, "hf-assisted": {"assistant_model": hf_small},
                   "hf-prompt-lookup": {"prompt_lookup_num_tokens": args.prompt_lookup}}
     runs += [Run(hf_algorithm(name, hf, failures, **extra), {}, models, label=name)
              for name, extra in hf_methods.items() if name != "hf-assisted" or hf_small is not None]
-    decode_lines(runs, ids, max_len=None, max_positions=limit, device="cpu", warmup=args.warmup)
+    decode_lines(runs, ids, max_len=None, max_positions=limit, device=device, warmup=args.warmup)
     greedy_out = runs[0].outputs
     if any(o is None for o in greedy_out):
         raise HFError("refdec greedy failed on a line (see the warning above): nothing to audit against")
@@ -118,19 +145,23 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
                   if o is None]
         rows.append({"method": run.name, "seconds": run.seconds, "tokens": tokens,
                      "ms_per_token": 1000 * run.seconds / max(tokens, 1), "identical": same / max(len(ids), 1),
-                     "differing": [] if run is runs[0] else divergences(model, ids, greedy_out, outs, "cpu"),
+                     "differing": [] if run is runs[0] else divergences(model, ids, greedy_out, outs, device),
                      "errors": errors})
     transformers = require_transformers()
-    return {"task": args.task, "model": args.model, "small": args.small, "lines": len(ids), "warmup": args.warmup,
-            "threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__,
-            "gamma": args.gamma, "prompt_lookup_num_tokens": args.prompt_lookup, "methods": rows}
+    return {"task": args.task, "model": shown_path(args.model), "small": args.small and shown_path(args.small),
+            "lines": len(ids), "warmup": args.warmup, "threads": args.threads, "device": device_name(device),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "gamma": args.gamma, "prompt_lookup_num_tokens": args.prompt_lookup,
+            "routes": getattr(args, "routes", ["reference"]), "methods": rows}
 
 
 def audit_table(report: dict) -> str:
-    head = f"{'method':<20} {'seconds':>9} {'ms/token':>9} {'tokens':>7} {'identical':>9}"
-    out = [f"{report['task'] or report['model']}: {report['lines']} lines, {report['threads']} thread(s), warm-up {report['warmup']}", head]
+    w = max([20] + [len(r["method"]) for r in report["methods"]])
+    head = f"{'method':<{w}} {'seconds':>9} {'ms/token':>9} {'tokens':>7} {'identical':>9}"
+    out = [f"{report['task'] or report['model']}: {report['lines']} lines, {report['threads']} thread(s), "
+           f"{report.get('device', 'cpu')}, warm-up {report['warmup']}", head]
     for r in report["methods"]:
-        out.append(f"{r['method']:<20} {r['seconds']:>9.2f} {r['ms_per_token']:>9.2f} {r['tokens']:>7} "
+        out.append(f"{r['method']:<{w}} {r['seconds']:>9.2f} {r['ms_per_token']:>9.2f} {r['tokens']:>7} "
                    f"{100 * r['identical']:>8.1f}%")
     for r in report["methods"]:
         for d in r["differing"]:

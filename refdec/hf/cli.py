@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import run_command
 from ..inputs import check_outputs, checkpoint_files, input_files
+from ..machine import check_device
 from .audit import audit, audit_table
 from .common import HFError, is_hf_folder
 from .export import export
@@ -36,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers' prompt_lookup_num_tokens (default 10)")
     a.add_argument("--src-lang", help="a transformers folder's source-language token (NLLB: eng_Latn)")
     a.add_argument("--tgt-lang", help="a transformers folder's target-language token (NLLB: deu_Latn)")
+    a.add_argument("--routes", default="reference", help="refdec's decoders on each of these routes, separated "
+                   "by commas: reference, fast (refdec.fast), graphed (refdec.graphed); the reference route's always, "
+                   "first (default reference)")
+    a.add_argument("--device", default="cpu", help="cpu or cuda (default cpu): refdec's and transformers' models "
+                   "both run there, each batch's time read after a device synchronisation")
     a.add_argument("--report", help="write the figures as JSON here")
     return p
 
@@ -61,6 +67,11 @@ def _run(args: argparse.Namespace) -> int:
             raise HFError(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         raise HFError("--warmup must be at least 0")
+    args.device = str(check_device(args.device))
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if not set(routes) <= {"reference", "fast", "graphed"}:
+        raise HFError(f"--routes {args.routes}: choose from reference, fast, graphed, separated by commas")
+    args.routes = ["reference"] + [r for r in dict.fromkeys(routes) if r != "reference"]
     if not (args.task or args.input) or (args.task is None and not is_hf_folder(args.model)):
         raise HFError("audit needs --task (a refdec checkpoint's task) or a transformers folder and --input")
     if not is_hf_folder(args.model) and (args.src_lang or args.tgt_lang):

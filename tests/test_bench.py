@@ -1,0 +1,185 @@
+"""python -m refdec.bench and the --device of every measuring command: the files the bench reads (the
+list a GPU machine's copy is made from), its whole run on the CPU from such a copy, and the one-line
+errors for a device this machine does not have. No test needs a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+from refdec import bench, machine
+
+
+def listed(capsys, *args: str) -> tuple[list[str], str]:
+    assert bench.main(["--files", *args]) == 0
+    out = capsys.readouterr()
+    return out.out.splitlines(), out.err
+
+
+def test_files_lists_repository_files_within_the_copys_limit(capsys):
+    """Case: the GPU machine takes a copy of at most 64 MB; the repository is 212 MB. The list holds the
+    code, the test sets and the checkpoints the sections read, each inside the repository."""
+    paths, err = listed(capsys)
+    total = 0
+    for p in paths:
+        assert not p.startswith("/") and ".." not in p.split("/"), p
+        full = (REPO / p).resolve()
+        assert full.is_file() and full.is_relative_to(REPO), p
+        total += full.stat().st_size
+    assert total <= 62 * 2**20 and f"{len(paths)} files" in err and "MiB" in err
+    assert len(set(paths)) == len(paths)
+    for needed in ("refdec/bench.py", "refdec/graphed.py", "refdec/hf/audit.py", "data/build.py",
+                   "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de-drafter/tokenizer.json",
+                   "checkpoints/gec-uk-6x6/model.pt", "data/gec-uk/test.tgt2.gz", "data/mt-en-de/test.src.gz"):
+        assert needed in paths, needed
+    assert not any(p.startswith(("checkpoints/gec-en", "data/mono-en", "data/distilled", "tests/")) or "train." in p
+                   for p in paths)
+    some, _ = listed(capsys, "--sections", "stepcost")
+    assert set(some) < set(paths) and "checkpoints/gec-uk-6x6/model.pt" not in some
+
+
+def test_files_over_the_limit_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "MAX_BYTES", 1000)
+    assert bench.main(["--files"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the files come to") and "MiB" in err[-1]
+
+
+@pytest.mark.parametrize("args, needle", [(["--sections", "stepcost,nope"], "--sections: nope"),
+                                          (["--device", "cpu", "--limit", "0"], "--limit"),
+                                          (["--device", "gpu0"], "--device gpu0: refdec runs on cpu or cuda")])
+def test_bench_refuses_bad_options_in_one_line(args, needle, capsys):
+    assert bench.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+def commands():
+    from refdec import ceiling, distill, fuzz, stepcost
+    from refdec.hf import cli as hf_cli
+    return {"stepcost": (stepcost.main, []), "ceiling": (ceiling.main, []), "fuzz": (fuzz.main, []),
+            "distill": (distill.main, ["--task", "mt-en-de", "--out", "unused"]),
+            "hf audit": (hf_cli.main, ["audit", "--task", "mt-en-de", "--model", "unused"]),
+            "bench": (bench.main, [])}
+
+
+@pytest.mark.parametrize("name", ["stepcost", "ceiling", "fuzz", "distill", "hf audit", "bench"])
+def test_every_measuring_command_refuses_a_device_it_cannot_use_in_one_line(name, capsys, monkeypatch):
+    """The same exit-2 line from each command, before any model loads: a name torch does not know,
+    and cuda on a machine without a GPU (made so here whatever the machine has)."""
+    main, argv = commands()[name]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device, line in (("tpu-ish", "error: --device tpu-ish: refdec runs on cpu or cuda (cuda:N for one GPU of several)"),
+                         ("cuda", "error: --device cuda: this machine has no CUDA device; use --device cpu")):
+        assert main([*argv, "--device", device]) == 2, (name, device)
+        assert capsys.readouterr().err.strip().splitlines() == [line], (name, device)
+
+
+def test_without_transformers_its_section_is_one_line_and_a_report(tmp_path, capsys, monkeypatch):
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "transformers" else real(name))
+    assert bench.main(["--device", "cpu", "--sections", "transformers", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "transformers is not installed: its greedy, assisted generation and prompt lookup are left out" in out
+    assert json.loads((tmp_path / "cpu-transformers.json").read_text())["skipped"] == "transformers is not installed"
+
+
+def test_a_failing_section_is_named_and_the_others_still_run(tmp_path, capsys, monkeypatch):
+    def fake(section, *args):
+        if section == "ceiling":
+            raise bench.SectionError("python -m refdec.ceiling exited with 2")
+        return {"reports": {}}
+    monkeypatch.setattr(bench, "command_sections", fake)
+    assert bench.main(["--device", "cpu", "--sections", "ceiling,stepcost", "--out", str(tmp_path / "new")]) == 1
+    out = capsys.readouterr()
+    assert "error: ceiling: python -m refdec.ceiling exited with 2" in out.err
+    assert "1 of 2 sections in" in out.out and "failed: ceiling" in out.out
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["cpu-stepcost.json"]
+
+
+def test_inner_settings_are_small_on_the_cpu_or_with_a_small_limit():
+    from argparse import Namespace
+    gpu = bench.settings(Namespace(limit=None), torch.device("cuda"))
+    assert gpu["sizes"] == [1, 8, 32, 128] and gpu["k"] == "4,8,16,25" and gpu["accept"] == "1,0.8"
+    assert gpu["sentences"] == {"batch1": 100, "batched": 256, "ceiling": 50, "transformers": 40}
+    for device, limit in (("cpu", 3), ("cuda", 5)):
+        small = bench.settings(Namespace(limit=limit), torch.device(device))
+        assert small["sizes"] == [1, 8] and small["rounds"] == 1 and small["warmup"] == 1
+        assert set(small["sentences"].values()) == {limit}
+    assert bench.settings(Namespace(limit=None), torch.device("cpu"))["sizes"] == [1, 8, 32, 128]
+
+
+def test_clock_waits_for_the_gpu_and_not_for_the_cpu(monkeypatch):
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    machine.clock(torch.device("cpu"))
+    assert waited == []
+    machine.clock(torch.device("cuda", 0))
+    assert waited == [torch.device("cuda", 0)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["fast", "graphed"])
+def test_ceiling_runs_its_models_on_a_route(route, trained_tiny, tmp_path):
+    from refdec.ceiling import main
+    rep = tmp_path / "ceiling.json"
+    assert main(["--model", str(trained_tiny / "model.pt"), "--drafter", "none", "--limit", "2", "--warmup", "0",
+                 "--k", "3", "--threads", "1", f"--{route}", "--device", "cpu", "--report", str(rep)]) == 0
+    r = json.loads(rep.read_text())
+    assert r["route"] == route and r["device"] == "cpu" and [row["run"] for row in r["rows"]] == [
+        "greedy", "k=3 accept=1 free drafts"]
+
+
+@pytest.mark.slow
+def test_bench_runs_on_the_cpu_from_a_copy_of_its_files(tmp_path):
+    """What a GPU machine does, on the CPU: copy the files --files lists, run the command there with
+    --limit 3, and find every section's tables on stdout and its report (no absolute path in it)."""
+    listing = subprocess.run([sys.executable, "-m", "refdec.bench", "--files"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    copy = tmp_path / "copy"
+    for p in listing.stdout.splitlines():
+        (copy / p).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / p, copy / p)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-m", "refdec.bench", "--device", "cpu", "--limit", "3", "--threads", "1"], cwd=copy,
+                       capture_output=True, text=True, timeout=1500, env={**env, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    for section in bench.SECTIONS:
+        assert f"## {section} (cpu" in out, section
+    for line in ("reference route\n", "fast route\n", "graphed route\n", "speed vs greedy", "speed vs beam",
+                 "graphed route's greedy against the reference route's:", "sent/s", "# stepcost-rows32",
+                 "# ceiling-graphed", "6 of 6 sections"):
+        assert line in out, line
+    assert "iad [graphed]" in out and "batch 1" in out
+    reports = copy / "reports"
+    for path in reports.glob("*.json"):
+        text = path.read_text(encoding="utf-8")
+        assert str(copy) not in text and str(REPO) not in text, path.name
+    batch1 = json.loads((reports / "cpu-gec-uk.json").read_text())
+    assert batch1["sentences"] == 3 and set(batch1["routes"]) == {"reference", "fast", "graphed"}
+    iad = next(row for row in batch1["routes"]["graphed"] if row["run"] == "iad")
+    assert iad["identical_to_greedy"] == 1.0 and iad["speed_vs_beam"] > 0
+    assert set(batch1["greedy_against_reference"]) == {"fast", "graphed"}
+    batched = json.loads((reports / "cpu-batched.json").read_text())
+    assert batched["batch_sizes"] == [1, 8] and len(batched["throughput"]) == 6
+    for name in ("stepcost-rows1", "stepcost-rows32", "ceiling-reference", "ceiling-fast", "ceiling-graphed"):
+        assert (reports / f"cpu-{name}.json").is_file(), name
+    calls = json.loads((reports / "cpu-stepcost-rows32.json").read_text())["calls"]
+    assert [c["q"] for c in calls] == [1, 2, 4, 8, 16, 32, 64] and all("graphed_ms" in c for c in calls)
+    hf = json.loads((reports / "cpu-transformers.json").read_text())
+    assert hf.get("skipped") or set(hf["reports"]) == {"transformers-mt-en-de", "transformers-gec-uk"}
+    if not hf.get("skipped"):
+        audit = json.loads((reports / "cpu-transformers-gec-uk.json").read_text())
+        methods = {m["method"]: m for m in audit["methods"]}
+        assert {"refdec-iad", "refdec-iad [fast]", "refdec-greedy [graphed]", "hf-greedy", "hf-prompt-lookup"} <= set(methods)
+        assert methods["refdec-iad [graphed]"]["identical"] == 1.0
