@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and identical "
                    "rates; ALGO runs on the model --algo ALGO would use, ALGO@CKPT on another checkpoint with the same "
                    "tokenizer; :OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3), "
-                   "its second model (:small=PATH|early-exit, :drafter=PATH) or its batches (:batch-size=N, :batch-tokens=N)")
+                   "its second model (:small=PATH|early-exit, :drafter=PATH), its batches (:batch-size=N, :batch-tokens=N) "
+                   "or the int8 route (:int8, e.g. --algo greedy --compare greedy:int8,iad:int8)")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     route = g.add_mutually_exclusive_group()  # two ways to compute one model: one at a time
     route.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
                    "each product); float32 logits differ from the reference route's in the last bits "
                    "(docs/fast.md)")
+    g.add_argument("--int8", action="store_true", help="the int8 route for every model: the linear layers and the "
+                   "output projection as int8 products with per-row activation scales, so a position's result does "
+                   "not depend on the rest of the call and lossless algorithms equal greedy on int8; combines with "
+                   "--fast or --invariant; :int8 after one --compare run puts that run alone on it (docs/int8.md)")
     g = p.add_argument_group("algorithm options (read from the decoders' signatures)")
     for name, default in ((n, next(iter(d.values()))) for n, d in option_defaults().items() if d):
         flag, opt = "--" + name.replace("_", "-"), OPTIONS[name]
@@ -151,7 +156,7 @@ def run(args) -> int:
     compares = plan.parse_compare(args.compare) if args.compare else []
     specs = plan.plan_runs(args.algo, args.task, model=args.model, given=given, compares=compares,
                            batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size),
-                           batch_tokens=args.batch_tokens)
+                           batch_tokens=args.batch_tokens, int8=args.int8)
     shared = plan.shared_second_models(specs, args.task, {"small": args.small, "drafter": args.drafter})
     inputs.check_machine(args.device, args.threads, output=args.output, report=args.report, html=args.html,
                          reads={"input": args.input, **{f"--ref file {r}": r for r in args.ref}})
@@ -193,7 +198,7 @@ def run(args) -> int:
             "batch_tokens": args.batch_tokens,
             "max_len": args.max_len, "runs": summary.rows, "speedup_matrix": summary.matrix,
             "lossless_checks": summary.checks, "interrupted": interrupted, "lines_decoded": complete,
-            "row_invariant": args.invariant, "fast_route": args.fast, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
+            "row_invariant": args.invariant, "fast_route": args.fast, "int8": args.int8, "environment": {**environment(torch.get_num_threads(), args.device, dtype),
                 "threads_auto": args.threads is None, "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}}))
     if args.trace:
         from refdec.trace import colour_enabled, trace_text

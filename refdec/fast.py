@@ -45,6 +45,8 @@ from torch import nn
 from .cache import KVCache, Memory
 from .config import ModelConfig
 from .forced import before_source, with_forced_prefix
+from .int8 import Int8Layout, QuantizedWeight
+from . import int8
 from .model import Transformer, causal_block, ragged_block
 
 
@@ -56,17 +58,23 @@ def applies_to(cfg: ModelConfig) -> bool:
             and cfg.positions != "relative" and not cfg.rescale_head)
 
 
-def t(layer: nn.Linear) -> torch.Tensor:
-    return layer.weight.t()  # (out, in) -> (in, out), a view: x @ t(layer) is the layer's product
+def t(layer: nn.Linear) -> torch.Tensor | QuantizedWeight:
+    """The layer's weight as (in, out): a view, x @ t(layer) is the layer's product; on the int8
+    route (refdec.int8) its int8 form."""
+    return layer.quantized("_int8", layer.weight) if layer.int8_active() else layer.weight.t()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
     """x (N, in) @ w (in, out) + b."""
+    if isinstance(w, QuantizedWeight):
+        return int8.linear(x, w, b)
     return torch.addmm(b, x, w)
 
 
-def residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """x + (h @ w + b), the residual sum done by the product itself."""
+def residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
+    """x + (h @ w + b), the residual sum done by the product itself (int8: added after it)."""
+    if isinstance(w, QuantizedWeight):
+        return int8.product(h, w).add_(x).add_(b)
     return torch.addmm(x, h, w).add_(b)
 
 
@@ -198,12 +206,19 @@ class FastTransformer(Transformer):
         memory.__dict__["_fast"] = (self, self.decoder_weights())  # checked once per decoding call
         return memory
 
-    def decoder_weights(self) -> DecoderWeights:
-        """The decoder's weights in the fast layout, laid out again if a parameter has left it."""
+    def decoder_weights(self) -> DecoderWeights | Int8Layout:
+        """The decoder's weights in the fast layout, laid out again if a parameter has left it; on
+        the int8 route, their int8 forms in the same layout (refdec.int8.Int8Layout), made again if
+        a weight has been written since."""
         kept = self.__dict__.get("_decoder_weights")
         if kept is None or not kept.current():
             kept = self.__dict__["_decoder_weights"] = DecoderWeights(self)
-        return kept
+        if not self.int8_active():
+            return kept
+        quantized = self.__dict__.get("_int8_layout")
+        if quantized is None or not quantized.current(kept):
+            quantized = self.__dict__["_int8_layout"] = Int8Layout(kept)
+        return quantized
 
     def weights_for(self, memory: Memory) -> DecoderWeights:
         """The layout a decoding call (a Memory, or one made from it by select) uses: checked once per call."""
@@ -216,7 +231,7 @@ class FastTransformer(Transformer):
         if not self._route() or self.cfg.rescale_head:
             return super().project(hidden, memory)
         vocab = (self.decoder_weights() if memory is None else self.weights_for(memory)).vocab  # (D, V)
-        logits = hidden @ vocab
+        logits = int8.linear(hidden, vocab, None) if isinstance(vocab, QuantizedWeight) else hidden @ vocab
         return logits if self.logits_bias is None else logits + self.logits_bias
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
@@ -275,6 +290,7 @@ def set_fast_route(module: nn.Module, on: bool = True) -> int:
             switched += 1
         elif not on and type(m) is FastTransformer:
             m.__class__ = Transformer
+            m.__dict__.pop("_int8_layout", None)
             laid_out = m.__dict__.pop("_decoder_weights", None)
             if laid_out is not None:
                 with torch.no_grad():  # every parameter the layout holds its own contiguous tensor again
