@@ -71,10 +71,18 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) 
     return torch.addmm(b, x, w)
 
 
+def linears(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor]:
+    """[x @ t(m) + m.bias for m in layers] for x (N, in); on the int8 route x is quantized once."""
+    weights, biases = [t(m) for m in layers], [m.bias for m in layers]
+    if isinstance(weights[0], QuantizedWeight):
+        return int8.linears(x, weights, biases)
+    return [torch.addmm(b, x, w) for w, b in zip(weights, biases)]
+
+
 def residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
-    """x + (h @ w + b), the residual sum done by the product itself (int8: added after it)."""
+    """x + (h @ w + b), the residual sum done by the product itself (int8: added to it, then the bias)."""
     if isinstance(w, QuantizedWeight):
-        return int8.product(h, w).add_(x).add_(b)
+        return int8.product(h, w, x).add_(b)
     return torch.addmm(x, h, w).add_(b)
 
 
@@ -187,7 +195,7 @@ class FastTransformer(Transformer):
         x = self._embed("src", src, 0).reshape(B * S, -1)
         for layer in self.encoder:  # once per source, many rows: the parameters as they are, no copy
             def self_attn(h, x, a=layer.attn):
-                q, k, v = (heads(linear(h, t(m), m.bias), B, S, H) for m in (a.wq, a.wk, a.wv))
+                q, k, v = (heads(y, B, S, H) for y in linears(h, [a.wq, a.wk, a.wv]))
                 return attend(q, k, v, allowed, x, t(a.wo), a.wo.bias)
             ff = {"w1": t(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": t(layer.ff.w2), "b2": layer.ff.w2.bias,
                   "act": layer.ff.act}
@@ -200,9 +208,9 @@ class FastTransformer(Transformer):
             return super().attach(states, src_pad)
         B, S, _ = states.shape
         rows, H = states.reshape(B * S, -1), self.cfg.n_heads
-        memory = Memory(states, src_pad, [tuple(heads(linear(rows, t(m), m.bias), B, S, H).contiguous()
-                                                for m in (layer.cross_attn.wk, layer.cross_attn.wv))
-                                          for layer in self.decoder])
+        kv = [heads(y, B, S, H).contiguous()
+              for y in linears(rows, [m for layer in self.decoder for m in (layer.cross_attn.wk, layer.cross_attn.wv)])]
+        memory = Memory(states, src_pad, list(zip(kv[0::2], kv[1::2])))
         memory.__dict__["_fast"] = (self, self.decoder_weights())  # checked once per decoding call
         return memory
 

@@ -66,23 +66,31 @@ def stamp(t: torch.Tensor) -> tuple:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) float -> (M, K) int8 and (M, 1) scales, each row scaled by its own largest magnitude
     (a row of zeros gets the smallest normal scale and stays zeros)."""
-    scale = (x.abs().amax(1, keepdim=True) / LEVELS).clamp_min_(torch.finfo(x.dtype).tiny)
+    scale = x.abs().amax(1, keepdim=True).div_(LEVELS).clamp_min_(torch.finfo(x.dtype).tiny)
     return torch.round(x / scale).to(torch.int8), scale
 
 
-def product(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact, times
-    each row's scale, then each output's scale (two elementwise products: no fused rounding)."""
-    xq, sx = quantize_rows(x)
-    return (torch._int_mm(xq, w.q) * sx).mul_(w.scale)
+def product(x: torch.Tensor, w: QuantizedWeight, add: torch.Tensor | None = None,
+            rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`add` + x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact,
+    times each row's scale, times each output's scale, plus `add` ((N,) a bias, or (M, N) the
+    residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
+    Each output element goes through the same elementwise operations whatever the other rows."""
+    xq, sx = quantize_rows(x) if rows is None else rows
+    scaled = torch._int_mm(xq, w.q) * sx
+    return scaled.mul_(w.scale) if add is None else torch.addcmul(add, scaled, w.scale)
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., K) -> (..., N): the int8 product plus the bias."""
-    y = product(x.reshape(-1, x.shape[-1]), w)
-    if bias is not None:
-        y = y.add_(bias)
+    y = product(x.reshape(-1, x.shape[-1]), w, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linears(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[linear(x, w, b) for each weight] for x (M, K), x quantized once for all of them."""
+    rows = quantize_rows(x)
+    return [product(x, w, b, rows) for w, b in zip(weights, biases)]
 
 
 # -- the int8 product's exactness on this CPU -----------------------------------------------------------
@@ -162,13 +170,19 @@ class Int8Layout:
     """refdec.fast.DecoderWeights with each of its matrices, the vocabulary's included, in int8 form;
     norms, biases and activations are the layout's own. Made again when the layout is made again, or
     when one of its matrices has been written in place (its version counter, which a write through
-    any parameter that is a view of it advances)."""
+    parameter laid out in it advances: each parameter keeps a counter of its own)."""
 
     def __init__(self, weights):
         self.source = weights
         self.layers = [{**w, **{k: QuantizedWeight(w[k], w[k]) for k in PRODUCTS}} for w in weights.layers]
         self.vocab = QuantizedWeight(weights.vocab, weights.vocab)
+        self.versions = versions(weights)
 
     def current(self, weights) -> bool:
-        return (weights is self.source and self.vocab.current(weights.vocab)
+        return (weights is self.source and self.versions == versions(weights) and self.vocab.current(weights.vocab)
                 and all(q[k].current(w[k]) for q, w in zip(self.layers, weights.layers) for k in PRODUCTS))
+
+
+def versions(weights) -> list[int]:
+    """The version counters of the parameters a refdec.fast.DecoderWeights holds."""
+    return [p._version for p, _, _ in weights.places]
