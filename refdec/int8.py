@@ -156,8 +156,11 @@ def set_int8_route(module: nn.Module, on: bool = True) -> nn.Module:
     return module
 
 
-def is_int8(module: nn.Module) -> bool:
-    """Whether `module`'s layers take the int8 route (the switch sets them together)."""
+def is_int8(module) -> bool:
+    """Whether `module`'s layers take the int8 route (the switch sets them together); False for
+    anything that is not a torch module (an external decoder's model)."""
+    if not isinstance(module, nn.Module):
+        return False
     layers = [m for m in module.modules() if isinstance(m, Int8Route)]
     return bool(layers) and all(m.int8 for m in layers)
 
