@@ -50,7 +50,9 @@ class QuantizedWeight:
     def __init__(self, w_in_out: torch.Tensor, source: torch.Tensor):
         w = w_in_out.detach()
         self.scale = (w.abs().amax(0) / weight_levels()).clamp_min(torch.finfo(w.dtype).tiny)  # (out,)
-        self.q = torch.round(w / self.scale).to(torch.int8).contiguous()  # (in, out)
+        # (in, out), a view of an (out, in) contiguous matrix: oneDNN's int8 product reads it fastest
+        # that way (2-3x faster than a contiguous (in, out) one for the vocabulary, 192 x 8000)
+        self.q = torch.round(w / self.scale).to(torch.int8).t().contiguous().t()
         self.key = stamp(source)
 
     def current(self, source: torch.Tensor) -> bool:

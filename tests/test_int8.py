@@ -7,6 +7,7 @@ weights that follow weight writes, and the :int8 run option."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -216,3 +217,27 @@ def test_int8_is_a_run_option_of_compare():
     assert (a.int8, b.int8, c.int8) == (False, True, True) and c.options == {"max_draft": 4}
     with pytest.raises(UsageError, match="NAME=VALUE"):
         parse_compare("greedy:int9")
+
+
+def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, capsys):
+    """decode.py --compare greedy:int8,iad:int8: the int8 runs on one int8 copy of the model (IAD
+    checked against int8 greedy), int8 greedy checked against float greedy line by line, and
+    --int8 puts every run on the route."""
+    import decode
+    from test_ctranslate2 import TEXTS, random_checkpoint
+    ckpt = random_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS[:4]) + "\n", encoding="utf-8")
+    common = ["--task", "mt-en-de", "--model", str(ckpt), "--input", str(tmp_path / "in.txt"), "--max-len", "12",
+              "--warmup", "0", "--quiet", "--output", str(tmp_path / "out.txt"), "--report", str(tmp_path / "r.json")]
+    assert decode.main(["--algo", "greedy", "--compare", "greedy:int8,iad:int8", "--fast", *common]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert [r["algo"] for r in rep["runs"]] == ["greedy", "greedy:int8", "iad:int8"] and rep["int8"] is False
+    checks = {(c["algo"], c["greedy"]): c for c in rep["lossless_checks"]}
+    assert checks["iad:int8", "greedy:int8"]["identical"] == 1.0
+    against_float = checks["greedy:int8", "greedy"]
+    assert against_float["int8_against_float"] and len(against_float["divergences"]) == round(
+        4 * (1 - against_float["identical"]))
+    assert "greedy:int8 vs greedy:" in capsys.readouterr().out
+    assert decode.main(["--algo", "iad", "--compare", "greedy", "--int8", *common]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["int8"] is True and rep["lossless_checks"][0]["identical"] == 1.0
