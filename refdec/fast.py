@@ -105,8 +105,12 @@ def heads(x: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
            x: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor) -> torch.Tensor:
     """Attention of queries q (B, H, q, Dh) over k, v (B, H, L, Dh), `allowed` True = may attend,
-    through the output projection wo (in, out), bo, added to the residual stream x (B*q, D)."""
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, q, Dh)
+    through the output projection wo (in, out), bo, added to the residual stream x (B*q, D). On the
+    int8 route the attention is computed in float64 (refdec.int8, "Attention in float64")."""
+    if isinstance(wo, QuantizedWeight):  # k, v: float64 already when they come from the cache or the Memory
+        a = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed).to(x.dtype)
+    else:
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, q, Dh)
     return residual_linear(x, a.transpose(1, 2).reshape(x.shape[0], -1), wo, bo)
 
 
@@ -208,7 +212,8 @@ class FastTransformer(Transformer):
             return super().attach(states, src_pad)
         B, S, _ = states.shape
         rows, H = states.reshape(B * S, -1), self.cfg.n_heads
-        kv = [heads(y, B, S, H).contiguous()
+        dtype = torch.float64 if self.int8_active() else states.dtype  # int8: its attention's dtype (refdec.int8)
+        kv = [heads(y, B, S, H).to(dtype).contiguous()
               for y in linears(rows, [m for layer in self.decoder for m in (layer.cross_attn.wk, layer.cross_attn.wv)])]
         memory = Memory(states, src_pad, list(zip(kv[0::2], kv[1::2])))
         memory.__dict__["_fast"] = (self, self.decoder_weights())  # checked once per decoding call

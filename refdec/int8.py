@@ -15,8 +15,19 @@ over one row whose result does not depend on the order of its terms (a maximum),
 accumulates integers exactly (|sum| <= in x 127 x 127 fits int32, and oneDNN's int8 product on CPU
 sums it without saturating: `exact_products` checks that once per process). So a row's output is a
 function of that row alone: bitwise the same alone, beside 7 other rows, or as one position of a
-verification call. The rest of the model (attention, layer norm, residual sums) stays in floating
-point, as on the route the int8 products are combined with.
+verification call. Layer norms, residual sums and the scaling are per row or elementwise too.
+
+Attention in float64. What is left is attention, whose kernels round by the call's shape (a
+verification call's queries see their keys through a mask over a longer row; a batch pads its
+sources): in float32 such a last-bit difference in a product's input can move a value across a
+rounding boundary of the quantizer, and a one-unit change in one int8 value moves the logits by
+~1e-2, not 1e-7; on UA-GEC that made batched IAD write another token than batched greedy on one line
+of 500 (margin 0.03). So on the int8 route attention is computed in float64 (its cache and the
+cross-attention's keys and values are kept in float64) and rounded back to the model's dtype: a
+float64 difference of ~1e-16 changes the float32 result only when it straddles a float32 rounding
+boundary (about 2^-29 of values), and a quantizer boundary after that. Every position's logits are
+bitwise independent of the call's shape in row-invariant mode (`--int8 --invariant`, slower),
+where attention sees exactly its own keys.
 
 The alternative, weight-only int8 (`torch.ops.aten._weight_int8pack_mm`, float activations), was
 measured and left out: its CPU kernel took 3-10x the float32 product's time at one row and 30-50x

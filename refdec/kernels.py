@@ -28,6 +28,10 @@ decoder that verifies k tokens in one call computes bitwise what greedy computes
 included; it is slower (docs/algorithms.md, "Row-invariant mode"). Temporaries are kept to
 INVARIANT_BLOCK bytes: glibc serves larger ones (from 128 KiB) by mmap, and their page faults made a
 greedy step several times slower. This mode never takes the few-row route or the projection copy.
+
+The int8 route (refdec.int8, `set_int8_route`, off by default). The linear layers and the vocabulary
+projection as int8 products with one activation scale per row, exact in int32: row-invariant by
+construction, and it wins over the modes above wherever it is on.
 """
 
 from __future__ import annotations

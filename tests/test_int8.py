@@ -241,3 +241,14 @@ def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, caps
     assert decode.main(["--algo", "iad", "--compare", "greedy", "--int8", *common]) == 0
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["int8"] is True and rep["lossless_checks"][0]["identical"] == 1.0
+
+
+def test_int8bench_finds_the_routes_product_row_invariant():
+    """python -m refdec.int8bench's figures on a tiny model's shapes: every candidate timed at each row
+    count, and the route's per-row product the same for row 0 alone and within more rows."""
+    from refdec.int8bench import measure, table
+    results = measure(tiny_model(25), [1, 5], rounds=1, reps=1)
+    assert {r["candidate"] for r in results} == {"float32", "weight-only", "per-tensor", "per-row"}
+    assert all(r["us"][1] > 0 and r["us"][5] > 0 for r in results)
+    assert all(r["row_0_same"][5] for r in results if r["candidate"] == "per-row")
+    assert "vocabulary" in table(results, [1, 5])
