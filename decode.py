@@ -93,8 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and identical "
                    "rates; ALGO runs on the model --algo ALGO would use, ALGO@CKPT on another checkpoint with the same "
                    "tokenizer; :OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3), "
-                   "its second model (:small=PATH|early-exit, :drafter=PATH), its batches (:batch-size=N, :batch-tokens=N) "
-                   "or the int8 route (:int8, e.g. --algo greedy --compare greedy:int8,iad:int8)")
+                   "its second model (:small=PATH|early-exit, :drafter=PATH), its batches (:batch-size=N, :batch-tokens=N), :int8")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     route = g.add_mutually_exclusive_group()  # two ways to compute one model: one at a time
     route.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
@@ -104,10 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
                    "each product); float32 logits differ from the reference route's in the last bits "
                    "(docs/fast.md)")
-    g.add_argument("--int8", action="store_true", help="the int8 route for every model: the linear layers and the "
-                   "output projection as int8 products with per-row activation scales, so a position's result does "
-                   "not depend on the rest of the call and lossless algorithms equal greedy on int8; combines with "
-                   "--fast or --invariant; :int8 after one --compare run puts that run alone on it (docs/int8.md)")
+    g.add_argument("--int8", action="store_true", help="the int8 route for every model (a --compare run alone: :int8): "
+                   "linear layers as int8 products with per-row scales, so lossless algorithms still equal greedy; "
+                   "combines with --fast or --invariant (docs/int8.md)")
     g = p.add_argument_group("algorithm options (read from the decoders' signatures)")
     for name, default in ((n, next(iter(d.values()))) for n, d in option_defaults().items() if d):
         flag, opt = "--" + name.replace("_", "-"), OPTIONS[name]
