@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and identical "
                    "rates; ALGO runs on the model --algo ALGO would use, ALGO@CKPT on another checkpoint with the same "
                    "tokenizer; :OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3), "
-                   "its second model (:small=PATH|early-exit, :drafter=PATH) or its batches (:batch-size=N, :batch-tokens=N)")
+                   "its second model (:small=PATH|early-exit, :drafter=PATH), its batches (:batch-size=N, :batch-tokens=N), :int8")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     route = g.add_mutually_exclusive_group()  # two ways to compute one model: one at a time
     route.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--graphed", action="store_true", help="the graphed route: the fast route's decoder call and "
                    "encoder on static shapes (a preallocated KV cache, calls padded to buckets), captured once per "
                    "shape as a CUDA graph and replayed on a GPU, run as they are on a CPU (docs/graphed.md)")
+    g.add_argument("--int8", action="store_true", help="the int8 route for every model (a --compare run alone: :int8): "
+                   "linear layers as int8 products with per-row scales, so lossless algorithms still equal greedy; "
+                   "combines with --fast or --invariant (docs/int8.md)")
     add_option_flags(p.add_argument_group("algorithm options (read from the decoders' signatures)"))
     return p
 
@@ -149,7 +152,7 @@ def run(args) -> int:
     compares = plan.parse_compare(args.compare) if args.compare else []
     specs = plan.plan_runs(args.algo, args.task, model=args.model, given=given, compares=compares,
                            batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size),
-                           batch_tokens=args.batch_tokens)
+                           batch_tokens=args.batch_tokens, int8=args.int8)
     shared = plan.shared_second_models(specs, args.task, {"small": args.small, "drafter": args.drafter})
     inputs.check_outputs({"--output": args.output, "--report": args.report, "--html": args.html},  # none a file read
                          inputs.input_files(args.task, args.input, args.ref) | plan.checkpoints_read(specs, shared))
@@ -184,7 +187,7 @@ def run(args) -> int:
     model_path = inputs.shown_path(loader.main_path)
     settings = {"batch_size": sorted({r.batch_size for r in runs}) if args.batch_sizes else runs[0].batch_size,
                 "batch_tokens": args.batch_tokens, "max_len": args.max_len, "row_invariant": args.invariant,
-                "fast_route": args.fast, "graphed_route": args.graphed}
+                "fast_route": args.fast, "graphed_route": args.graphed, "int8": args.int8}
     if args.report:
         report.write_report(args.report, report.run_report(
             args.task, summary, runs, n_lines=len(lines), model=model_path, model_step=loader.ckpt.get("step"), input=input_path,

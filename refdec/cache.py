@@ -121,6 +121,7 @@ class KVCache:
         are stale and must be masked by the caller. The new positions count only after `advance(q)`.
         """
         q = k.shape[2]
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # a cache may keep another dtype (refdec.int8's float64)
         start, end = self.prefix + self._end, self.prefix + self._end + q
         self._reserve(end)
         if self._lengths is None:

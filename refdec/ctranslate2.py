@@ -2,7 +2,7 @@
 a CPU, as the baseline refdec's decoders are measured against.
 
     python -m refdec.ctranslate2 --task gec-uk --model checkpoints/gec-uk-6x6/model.pt \\
-        --batch-sizes 1,32 --limit 500 --threads 1,2 [--iad] [--fast] --report reports/ct2.json
+        --batch-sizes 1,32 --limit 500 --threads 1,2 [--iad] [--fast] [--int8] --report reports/ct2.json
     (--batch-tokens N,N: also in batches by a token budget; --max-draft 0,16: IAD once per value)
 
 The checkpoint goes through refdec.hf's export (a Pegasus folder that stock transformers loads, checked
@@ -21,11 +21,14 @@ cached in a folder named by the checkpoint's sha256 and the CTranslate2 version,
 Each CTranslate2 compute type is a run of refdec.runner's timing loop like any refdec decoder: one
 translate_batch call (beam_size 1, no minimum length, the same output budget as refdec's, eos
 returned so that it is counted) per batch. For each thread count, refdec greedy, optionally refdec
-IAD, with --fast both again on refdec's fast route (refdec.fast), and CTranslate2 greedy in float32 and int8, each at batch 1 and at every --batch-sizes value,
+IAD, with --fast both again on refdec's fast route (refdec.fast), with --int8 both again on refdec's
+int8 route (refdec.int8; on the fast route with --fast), and CTranslate2 greedy in float32 and int8,
+each at batch 1 and at every --batch-sizes value,
 decode the same lines interleaved after a warm-up; the table gives ms per output token (eos
 included), sentences per second and the identical rate against refdec greedy at batch 1 (token ids
 equal), and every differing line's first divergent position with refdec's top-1/top-2 margin there;
-then, for each CTranslate2 run, how far its scores (the mean log-probability per output token of its
+each refdec int8 run's identical rate against refdec int8 greedy at batch 1, with the int8 model's
+margin at every line that differs; then, for each CTranslate2 run, how far its scores (the mean log-probability per output token of its
 own output) lie from refdec's log-probabilities of the same tokens.
 """
 
@@ -52,6 +55,7 @@ from .errors import UsageError, run_command
 from .fast import is_fast, set_fast_route
 from .hf import PEGASUS, check_export, export_route, write_folder
 from .repo import repo_file
+from .int8 import is_int8, set_int8_route
 from .inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from .loading import Models
 from .machine import usable_cores
@@ -175,10 +179,12 @@ def logprob_gaps(model, ids: list, scored: dict) -> dict | None:
     return {"lines": len(gaps), "max": max(gaps), "median": statistics.median(gaps)} if gaps else None
 
 
-def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], fast: Models | None = None) -> list[Run]:
+def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], fast: Models | None = None,
+              int8: Models | None = None) -> list[Run]:
     """Every method at batch 1, at each --batch-sizes value and at each --batch-tokens budget; refdec
     greedy at batch 1 first (the reference of the identical rate). IAD once per --max-draft value.
-    With `fast` (the same model on the fast route), refdec's methods again on it."""
+    With `fast` (the same model on the fast route), refdec's methods again on it; with `int8` (on the
+    int8 route), again on that."""
     refdec = [(ALGORITHMS["greedy"], {}, "refdec-greedy")]
     if args.iad:
         iad = ALGORITHMS["iad"]
@@ -187,6 +193,9 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
     methods = [(algo, options, label, models) for algo, options, label in refdec]
     if fast is not None:
         methods += [(algo, options, f"{label}-fast", fast) for algo, options, label in refdec]
+    if int8 is not None:
+        route = "-fast-int8" if is_fast(int8.model) else "-int8"
+        methods += [(algo, options, f"{label}{route}", int8) for algo, options, label in refdec]
     runs = []
     batchings = [(size, 0, f"b{size}") for size in args.batch_sizes] + [(0, n, f"t{n}") for n in args.batch_tokens]
     for size, budget, tag in batchings:  # a CTranslate2 algorithm per batching: each keeps its own lines' scores
@@ -198,16 +207,18 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
 
 
 def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int,
-            fast: Models | None = None) -> tuple[list[dict], int, dict | None]:
+            fast: Models | None = None, int8: Models | None = None) -> tuple[list[dict], int, dict | None]:
     """One thread count: every run decodes every line, interleaved; a row of figures per run, how
     many leading lines every run finished (all of them unless Ctrl-C stopped the loop), and with
-    --step-cost one decoder step's cost per route and compute type."""
+    --step-cost one decoder step's cost per route and compute type. An int8 run's row also holds its
+    identical rate against int8 greedy at batch 1 and the lines where it differs from it."""
     ctranslate2 = _ctranslate2()
     torch.set_num_threads(threads)
     ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=threads, inter_threads=1)
            for c in COMPUTE_TYPES}
-    runs = make_runs(args, models, ct2, tokens, fast)
+    runs = make_runs(args, models, ct2, tokens, fast, int8)
     model = models.model
+    own = next((r for r in runs if int8 is not None and r.models is int8), None)  # int8 greedy at batch 1
     done = decode_lines(runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu",
                         warmup=args.warmup, progress=True)
     finished = done == len(ids)
@@ -221,10 +232,14 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
         rows.append({**{k: row.get(k) for k in ROW_KEYS}, "threads": threads,
                      "identical": exactness.identical_rate(base, outs),
                      "differing": exactness.divergences(model, ids, base, outs, "cpu"),
-                     **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {})})
+                     **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {}),
+                     **({"int8_greedy": own.name, "identical_int8_greedy": exactness.identical_rate(own.outputs[:done], outs),
+                         "differing_int8_greedy": exactness.divergences(int8.model, ids, own.outputs[:done], outs, "cpu")}
+                        if own is not None and run.models is int8 and run is not own else {})})
     steps = None
     if args.step_cost and finished:
-        routes = [("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])
+        routes = ([("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])
+                  + ([("refdec" + ("-fast" if is_fast(int8.model) else "") + "-int8", int8.model)] if int8 is not None else []))
         steps = step_costs(routes, ct2, tokens)
     return rows, done, steps
 
@@ -240,7 +255,7 @@ def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object]
     of that step in PyTorch's products. Medians over interleaved rounds after one warm-up round."""
     src = torch.full((1, src_len - 1), 11)
     src = torch.cat([src, torch.full((1, 1), models[0][1].cfg.eos_id)], 1)
-    fast = [m for _, m in models if is_fast(m)]
+    fast = [m for _, m in models if is_fast(m) and not is_int8(m)]
     names = [n for n, _ in models] + (["refdec-fast-products"] if fast else []) + [f"ct2-{c}" for c in ct2]
     times: dict[str, list[float]] = {name: [] for name in names}
     progress = ProgressLine(rounds + 1, "rounds of one decoder step")
@@ -276,6 +291,12 @@ def table(rows: list[dict]) -> str:
         for d in r["differing"]:
             out.append(f"{r['algo']}: line {d['line']} differs from refdec greedy at position {d['position']} "
                        f"(refdec's top-1/top-2 margin there {d['margin_top1_top2']:.3g})")
+    for r in rows:
+        if "int8_greedy" in r:
+            out.append(f"{r['algo']}: identical to {r['int8_greedy']} {r['identical_int8_greedy']:.4f}")
+            for d in r["differing_int8_greedy"]:
+                out.append(f"{r['algo']}: line {d['line']} differs from {r['int8_greedy']} at position {d['position']} "
+                           f"(int8 top-1/top-2 margin there {d['margin_top1_top2']:.3g})")
     return "\n".join(out)
 
 
@@ -309,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "several values, comma-separated: an IAD run for each (default 0)")
     p.add_argument("--fast", action="store_true", help="time refdec's methods on its fast route too (refdec.fast), "
                    "each against refdec greedy on the reference route")
+    p.add_argument("--int8", action="store_true", help="time refdec's methods on its int8 route too (refdec.int8; "
+                   "on the fast route with --fast): its greedy against refdec greedy, its IAD against its greedy")
     p.add_argument("--step-cost", action="store_true", help="also time one decoder step on each refdec route and "
                    "each CTranslate2 compute type (1 row, a cache of 30 tokens, a source of 30)")
     p.add_argument("--cache-dir", default=str(default_cache_dir()),
@@ -350,9 +373,15 @@ def run(args) -> int:
         fast_model = copy.deepcopy(model)
         set_fast_route(fast_model)
         fast = Models(fast_model, Path(args.model))
+    int8 = None
+    if args.int8:  # another copy: the int8 route, on the fast route with --fast
+        int8_model = copy.deepcopy(model)
+        if args.fast:
+            set_fast_route(int8_model)
+        int8 = Models(set_int8_route(int8_model), Path(args.model))
     results, interrupted = [], False
     for threads in args.threads:
-        rows, done, steps = compare(args, models, folder, tokens, ids, threads, fast)
+        rows, done, steps = compare(args, models, folder, tokens, ids, threads, fast, int8)
         interrupted = done < len(ids)
         print(f"{args.task}: {sum(s is not None for s in ids[:done])} lines{' (interrupted)' if interrupted else ''}, "
               f"{threads} thread(s), warm-up {args.warmup}")
@@ -368,7 +397,7 @@ def run(args) -> int:
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
             "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "batch_tokens": args.batch_tokens,
             "threads": args.threads,
-            "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
+            "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "int8": args.int8, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
             "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
             "ctranslate2": ctranslate2.__version__, "results": results})
     return 0

@@ -45,6 +45,8 @@ from torch import nn
 from .cache import KVCache, Memory
 from .config import ModelConfig
 from .forced import before_source, with_forced_prefix
+from .int8 import Int8Layout, QuantizedWeight
+from . import int8
 from .model import Transformer, causal_block, ragged_block
 
 
@@ -56,17 +58,31 @@ def applies_to(cfg: ModelConfig) -> bool:
             and cfg.positions != "relative" and not cfg.rescale_head)
 
 
-def t(layer: nn.Linear) -> torch.Tensor:
-    return layer.weight.t()  # (out, in) -> (in, out), a view: x @ t(layer) is the layer's product
+def t(layer: nn.Linear) -> torch.Tensor | QuantizedWeight:
+    """The layer's weight as (in, out): a view, x @ t(layer) is the layer's product; on the int8
+    route (refdec.int8) its int8 form."""
+    return layer.quantized("_int8", layer.weight) if layer.int8_active() else layer.weight.t()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
     """x (N, in) @ w (in, out) + b."""
+    if isinstance(w, QuantizedWeight):
+        return int8.linear(x, w, b)
     return torch.addmm(b, x, w)
 
 
-def residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """x + (h @ w + b), the residual sum done by the product itself."""
+def linears(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor]:
+    """[x @ t(m) + m.bias for m in layers] for x (N, in); on the int8 route x is quantized once."""
+    weights, biases = [t(m) for m in layers], [m.bias for m in layers]
+    if isinstance(weights[0], QuantizedWeight):
+        return int8.linears(x, weights, biases)
+    return [torch.addmm(b, x, w) for w, b in zip(weights, biases)]
+
+
+def residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
+    """x + (h @ w + b), the residual sum done by the product itself (int8: added to it, then the bias)."""
+    if isinstance(w, QuantizedWeight):
+        return int8.product(h, w, x).add_(b)
     return torch.addmm(x, h, w).add_(b)
 
 
@@ -89,8 +105,12 @@ def heads(x: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
            x: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor) -> torch.Tensor:
     """Attention of queries q (B, H, q, Dh) over k, v (B, H, L, Dh), `allowed` True = may attend,
-    through the output projection wo (in, out), bo, added to the residual stream x (B*q, D)."""
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, q, Dh)
+    through the output projection wo (in, out), bo, added to the residual stream x (B*q, D). On the
+    int8 route the attention is computed in float64 (refdec.int8, "Attention in float64")."""
+    if isinstance(wo, QuantizedWeight):  # k, v: float64 already when they come from the cache or the Memory
+        a = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed).to(x.dtype)
+    else:
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, q, Dh)
     return residual_linear(x, a.transpose(1, 2).reshape(x.shape[0], -1), wo, bo)
 
 
@@ -207,7 +227,7 @@ class FastTransformer(Transformer):
         x = self._embed("src", src, 0).reshape(B * S, -1)
         for layer in self.encoder:  # once per source, many rows: the parameters as they are, no copy
             def self_attn(h, x, a=layer.attn):
-                q, k, v = (heads(linear(h, t(m), m.bias), B, S, H) for m in (a.wq, a.wk, a.wv))
+                q, k, v = (heads(y, B, S, H) for y in linears(h, [a.wq, a.wk, a.wv]))
                 return attend(q, k, v, allowed, x, t(a.wo), a.wo.bias)
             ff = {"w1": t(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": t(layer.ff.w2), "b2": layer.ff.w2.bias,
                   "act": layer.ff.act}
@@ -220,18 +240,26 @@ class FastTransformer(Transformer):
             return super().attach(states, src_pad)
         B, S, _ = states.shape
         rows, H = states.reshape(B * S, -1), self.cfg.n_heads
-        memory = Memory(states, src_pad, [tuple(heads(linear(rows, t(m), m.bias), B, S, H).contiguous()
-                                                for m in (layer.cross_attn.wk, layer.cross_attn.wv))
-                                          for layer in self.decoder])
+        dtype = torch.float64 if self.int8_active() else states.dtype  # int8: its attention's dtype (refdec.int8)
+        kv = [heads(y, B, S, H).to(dtype).contiguous()
+              for y in linears(rows, [m for layer in self.decoder for m in (layer.cross_attn.wk, layer.cross_attn.wv)])]
+        memory = Memory(states, src_pad, list(zip(kv[0::2], kv[1::2])))
         memory.__dict__["_fast"] = (self, self.decoder_weights())  # checked once per decoding call
         return memory
 
-    def decoder_weights(self) -> DecoderWeights:
-        """The decoder's weights in the fast layout, laid out again if a parameter has left it."""
+    def decoder_weights(self) -> DecoderWeights | Int8Layout:
+        """The decoder's weights in the fast layout, laid out again if a parameter has left it; on
+        the int8 route, their int8 forms in the same layout (refdec.int8.Int8Layout), made again if
+        a weight has been written since."""
         kept = self.__dict__.get("_decoder_weights")
         if kept is None or not kept.current():
             kept = self.__dict__["_decoder_weights"] = DecoderWeights(self)
-        return kept
+        if not self.int8_active():
+            return kept
+        quantized = self.__dict__.get("_int8_layout")
+        if quantized is None or not quantized.current(kept):
+            quantized = self.__dict__["_int8_layout"] = Int8Layout(kept)
+        return quantized
 
     def weights_for(self, memory: Memory) -> DecoderWeights:
         """The layout a decoding call (a Memory, or one made from it by select) uses: checked once per call."""
@@ -244,7 +272,7 @@ class FastTransformer(Transformer):
         if not self._route() or self.cfg.rescale_head:
             return super().project(hidden, memory)
         vocab = (self.decoder_weights() if memory is None else self.weights_for(memory)).vocab  # (D, V)
-        logits = hidden @ vocab
+        logits = int8.linear(hidden, vocab, None) if isinstance(vocab, QuantizedWeight) else hidden @ vocab
         return logits if self.logits_bias is None else logits + self.logits_bias
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
@@ -290,6 +318,7 @@ def set_fast_route(module: nn.Module, on: bool = True) -> int:
             switched += 1
         elif not on and type(m) is FastTransformer:
             m.__class__ = Transformer
+            m.__dict__.pop("_int8_layout", None)
             laid_out = m.__dict__.pop("_decoder_weights", None)
             if laid_out is not None:
                 with torch.no_grad():  # every parameter the layout holds its own contiguous tensor again

@@ -28,6 +28,10 @@ decoder that verifies k tokens in one call computes bitwise what greedy computes
 included; it is slower (docs/algorithms.md, "Row-invariant mode"). Temporaries are kept to
 INVARIANT_BLOCK bytes: glibc serves larger ones (from 128 KiB) by mmap, and their page faults made a
 greedy step several times slower. This mode never takes the few-row route or the projection copy.
+
+The int8 route (refdec.int8, `set_int8_route`, off by default). The linear layers and the vocabulary
+projection as int8 products with one activation scale per row, exact in int32: row-invariant by
+construction, and it wins over the modes above wherever it is on.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import int8
+from .int8 import Int8Route
 
 FEW_ROWS = range(2, 17)  # row counts that take the few-row route
 INVARIANT_BLOCK = 1 << 16  # bytes per temporary in row-invariant mode
@@ -142,11 +149,13 @@ def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked
 
 
 # -- the layers the model is built from ------------------------------------------------------------------
-class Linear(nn.Linear, RowInvariant, FewRowRoute):
-    """nn.Linear (same parameters and state-dict keys) whose forward is `linear`, or `rowwise_linear`
-    in row-invariant mode."""
+class Linear(nn.Linear, RowInvariant, FewRowRoute, Int8Route):
+    """nn.Linear (same parameters and state-dict keys) whose forward is `linear`, `rowwise_linear`
+    in row-invariant mode, or on the int8 route (refdec.int8) the int8 product, itself row-invariant."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_active():
+            return int8.linear(x, self.quantized("_int8", self.weight), self.bias)
         if self.row_invariant:
             return rowwise_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self.few_rows)
@@ -179,12 +188,14 @@ class StepCopies:
         return got
 
 
-class VocabularyProjection(RowInvariant, FewRowRoute):
+class VocabularyProjection(RowInvariant, FewRowRoute, Int8Route):
     """The model's output projection (B, q, D) -> (B, q, V) under its compute mode."""
 
     def project_vocabulary(self, hidden: torch.Tensor, W: torch.Tensor, copies: StepCopies | None) -> torch.Tensor:
         """hidden (B, q, D) @ W (V, D).T; a one-row inference step on CPU with the `copies` of its
-        decoding call uses the contiguous transposed copy."""
+        decoding call uses the contiguous transposed copy; the int8 route, W's int8 form."""
+        if self.int8_active():
+            return int8.linear(hidden, self.quantized("_int8_vocab", W), None)
         if self.row_invariant:
             return rowwise_linear(hidden, W, None)
         if (copies is not None and hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu"

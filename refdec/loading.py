@@ -13,6 +13,7 @@ encoder it was trained on.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +21,11 @@ import torch
 
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .drafter import Drafter
+from .errors import UsageError
 from .decoding.adapters import EarlyExit
 from .fast import set_fast_route
 from .graphed import set_graphed_route
+from .int8 import set_int8_route
 from .kernels import set_row_invariant
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
@@ -154,8 +157,14 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
     """The models of each of refdec.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` second models (role -> path) and
     each run's own. With `invariant`, every model in row-invariant mode; with `fast`, every model the fast
-    route writes on it (refdec.fast); with `graphed`, on the graphed route (refdec.graphed). Returns the loader (the
+    route writes on it (refdec.fast); with `graphed`, on the graphed route (refdec.graphed). A spec with
+    `int8` runs on the int8 route (refdec.int8): on copies of its models when other runs read them in
+    floating point, the same copy for every such run (so each lossless int8 run is checked against
+    greedy on int8). Returns the loader (the
     tokenizer, the main checkpoint) and one Models per spec."""
+    if graphed and any(s.int8 for s in specs):
+        raise UsageError("the graphed route has no int8 form: run --int8 (or :int8) without --graphed, on the fast "
+                         "or the reference route")
     loader = RunLoader(specs[0].path, task=task, device=device, dtype=dtype, languages=languages)
     for s in specs[1:]:
         loader.add(s.path)
@@ -170,6 +179,13 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
         for m in models:
             for module in m.all():
                 (set_graphed_route if graphed else set_fast_route)(module)
+    if any(s.int8 for s in specs):
+        memo: dict = {}  # one copy of each model, whichever int8 runs read it
+        if not all(s.int8 for s in specs):
+            models = [copy.deepcopy(m, memo) if s.int8 else m for s, m in zip(specs, models)]
+        for s, m in zip(specs, models):
+            for module in m.all() if s.int8 else ():
+                set_int8_route(module)
     return loader, models
 
 

@@ -121,7 +121,10 @@ class MultiHeadAttention(nn.Module, RowInvariant):
         """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
         B, q_len, _ = x.shape
         attend = rowwise_attention if self.row_invariant else attention
-        out = attend(self.split(self.wq(x)), k, v, blocked, self.scale, bias)  # (B, H, q, Dh)
+        if self.wo.int8_active():  # the int8 route: attention in float64, rounded back (refdec.int8)
+            out = attend(self.split(self.wq(x)).double(), k.double(), v.double(), blocked, self.scale, bias).to(x.dtype)
+        else:
+            out = attend(self.split(self.wq(x)), k, v, blocked, self.scale, bias)  # (B, H, q, Dh)
         if self.training:
             out = self.drop(out)
         return self.wo(out.transpose(1, 2).reshape(B, q_len, self.h * self.dh))
@@ -270,9 +273,10 @@ class Transformer(nn.Module, VocabularyProjection):
         return self.drop(x) if self.training else x
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
+        """An empty cache; on the int8 route in float64, the dtype its attention computes in (refdec.int8)."""
         p = self.tgt_embed.weight
         return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
-                       device=p.device, dtype=p.dtype)
+                       device=p.device, dtype=torch.float64 if self.int8_active() else p.dtype)
 
     def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
         """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied

@@ -2,7 +2,7 @@
 
 A run is an algorithm on a checkpoint with its option values, its own second models (or the shared
 ones) and its batches: a batch size, or a token budget. The first run is --algo's; `--compare ALGO[@CKPT][:OPTION=VALUE...]` adds
-the others; `--batch-sizes` repeats all of them at each size. Every run finds its default checkpoint
+the others (`:int8` puts one on the int8 route, refdec.int8); `--batch-sizes` repeats all of them at each size. Every run finds its default checkpoint
 by the same rule (`default_checkpoint`), so `--compare blockwise` runs on the model
 `--algo blockwise` would use.
 """
@@ -34,6 +34,7 @@ class Compared:
     second_models: dict = field(default_factory=dict)  # "small" / "drafter" -> PATH or "early-exit"
     batch_size: int | None = None
     batch_tokens: int | None = None
+    int8: bool = False  # :int8, the run on the int8 route (refdec.int8)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class RunSpec:
     batch_size: int  # most sentences per batch (0: no limit, with a token budget)
     label: str
     batch_tokens: int = 0  # most source tokens per batch, padding included (0: batches by batch_size alone)
+    int8: bool = False  # its models on the int8 route (refdec.int8)
 
 
 def check_counts(*, batch_size: int | None, max_len: int | None, limit: int | None, warmup: int, refs: list,
@@ -76,7 +78,8 @@ def parse_sizes(text: str | None, batch_size: int | None) -> list[int]:
 
 
 def parse_compare(spec: str) -> list[Compared]:
-    """"greedy,beam@ckpt.pt:beam-size=4" -> [Compared("greedy"), Compared("beam", "ckpt.pt", {"beam_size": 4})]."""
+    """"greedy,beam@ckpt.pt:beam-size=4" -> [Compared("greedy"), Compared("beam", "ckpt.pt", {"beam_size": 4})];
+    a bare ":int8" puts that run on the int8 route."""
     out = []
     for item in spec.split(","):
         head, *settings = item.strip().split(":")
@@ -85,12 +88,15 @@ def parse_compare(spec: str) -> list[Compared]:
             raise UsageError(f"--compare: unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
         if path:
             check_checkpoint_path(f"--compare {name}@", path)
-        algo, options, second_models, size, tokens = ALGORITHMS[name], {}, {}, None, None
+        algo, options, second_models, size, tokens, int8 = ALGORITHMS[name], {}, {}, None, None, False
         for setting in settings:
+            if setting == "int8":
+                int8 = True
+                continue
             key, eq, value = setting.partition("=")
             key = key.replace("-", "_")
             if not eq or not value:
-                raise UsageError(f"--compare {item}: write an option as NAME=VALUE, not {setting!r}")
+                raise UsageError(f"--compare {item}: write an option as NAME=VALUE (or :int8 alone), not {setting!r}")
             if key in ("batch_size", "batch_tokens"):
                 if not value.isdigit() or int(value) < 1:
                     raise UsageError(f"--compare {item}: {key.replace('_', '-')} must be a whole number of at least 1, "
@@ -110,7 +116,7 @@ def parse_compare(spec: str) -> list[Compared]:
             else:
                 raise UsageError(f"--compare {item}: {key.replace('_', '-')} is not an option of {name} "
                                  f"(its options: {', '.join(k.replace('_', '-') for k in algo.options) or 'none'})")
-        out.append(Compared(name, path or None, options, second_models, size, tokens))
+        out.append(Compared(name, path or None, options, second_models, size, tokens, int8))
     return out
 
 
@@ -142,7 +148,8 @@ def shipped_for(algo: Algorithm) -> str:
 
 
 def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, compares: list[Compared],
-              batch_size: int | None, sizes: list[int], batch_tokens: int | None = None) -> list[RunSpec]:
+              batch_size: int | None, sizes: list[int], batch_tokens: int | None = None,
+              int8: bool = False) -> list[RunSpec]:
     """The runs, in order: --algo's first, then each compared one (all of them at each of `sizes`).
 
     Batches: a --compare run that sets its own batch-size or batch-tokens is batched by those alone
@@ -151,7 +158,8 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
 
     `given` holds the options set on the command line; each run takes its algorithm's defaults,
     then those, then its own. An option no run reads is refused, as is a value out of range or an
-    option whose condition is not met (--top-k without --block-rule top-k)."""
+    option whose condition is not met (--top-k without --block-rule top-k). `int8` (--int8) puts every
+    run on the int8 route; without it, the runs that say :int8."""
     first = ALGORITHMS[algo_name]
     items = [Compared(algo_name)] + compares
     unread = set(given) - set().union(*(ALGORITHMS[c.name].options for c in items))
@@ -162,7 +170,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         if batch_tokens or any(c.batch_size or c.batch_tokens for c in compares):
             raise UsageError("--batch-sizes sets every run's batches: leave out --batch-tokens; a --compare run "
                              "cannot set its own batch-size or batch-tokens")
-        items = [Compared(c.name, c.path, c.options, c.second_models, n) for n in sizes for c in items]
+        items = [Compared(c.name, c.path, c.options, c.second_models, n, int8=c.int8) for n in sizes for c in items]
     if model:
         check_checkpoint_path("--model ", model)
     main = Path(model) if model else default_checkpoint(first, task)
@@ -180,7 +188,8 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
             raise UsageError(f"--compare {c.name}: {e}" if specs else str(e)) from None
         tokens = c.batch_tokens or (0 if c.batch_size else batch_tokens or 0)
         rows = c.batch_size or (0 if c.batch_tokens else batch_size) or (0 if tokens else 1)
-        specs.append(RunSpec(algo, Path(own) if own else main, options, c.second_models, rows, "", tokens))
+        specs.append(RunSpec(algo, Path(own) if own else main, options, c.second_models, rows, "", tokens,
+                             int8 or c.int8))
     names = model_names([s.path for s in specs])
     return [replace(s, label=label(s, c, names if len(names) > 1 else None, bool(sizes))) for s, c in zip(specs, items)]
 
@@ -211,7 +220,7 @@ def label(spec: RunSpec, item: Compared, names: dict[Path, str] | None, with_siz
         v = (model_name(v) if k in ("small", "drafter") and v != "early-exit"
              else f"{v:g}" if isinstance(v, float) else v)
         name += f":{k.replace('_', '-')}={v}"
-    return name
+    return name + (":int8" if item.int8 else "")
 
 
 def shared_second_models(specs: list[RunSpec], task: str, given: dict) -> dict:

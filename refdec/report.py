@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import data as data_mod
 from .exactness import divergences, identical_rate
+from .int8 import is_int8
 from .metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
 from .runner import Run, texts
 from .tokenizer import Tokenizer
@@ -86,6 +87,21 @@ def speedup_matrix(rows: list[dict]) -> tuple[list[list[float]], str]:
 
 
 EDIT_BUCKETS = ((0.0, 0.0), (0.0, 0.1), (0.1, 0.2), (0.2, 0.4), (0.4, float("inf")))
+
+
+def divergence_check(run: Run, base: Run, ids: list, tokenizer: Tokenizer, device, notes: list[str]) -> dict:
+    """`run`'s outputs against greedy's (`base`): the identical rate and every line that differs, with
+    the first divergent token and the top-1/top-2 logit margin there of `base`'s model; its text
+    goes to `notes`."""
+    div = divergences(base.models.model, ids, base.outputs, run.outputs, device)
+    check = {"algo": run.name, "greedy": base.name, "identical": identical_rate(base.outputs, run.outputs),
+             "divergences": div}
+    notes.append(f"{run.name} vs {base.name}: {check['identical']:.4f} identical, {len(div)} line(s) differ"
+                 + "".join(f"\n  line {d['line']}: first divergence at token {d['position']} "
+                           f"(greedy {tokenizer.tokens([d['greedy_token']])[0]!r}, "
+                           f"{run.name} {tokenizer.tokens([d['other_token']])[0]!r}); top-1/top-2 logit "
+                           f"margin {d['margin_top1_top2']:.3g}" for d in div))
+    return check
 
 
 def edit_buckets(sources: list[str], hyps: list[str], fast: Run, base: Run) -> tuple[list[dict], str]:
@@ -175,18 +191,16 @@ def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: lis
                    key=lambda r: r.batch_size or float("inf"), default=None)  # batch-1 greedy where there is one
         if base is None or fast is base or not fast.algo.is_lossless(fast.options):
             continue
-        div = divergences(fast.models.model, ids, base.outputs, fast.outputs, device)
-        check = {"algo": fast.name, "greedy": base.name, "identical": identical_rate(base.outputs, fast.outputs),
-                 "divergences": div}
-        notes.append(f"{fast.name} vs {base.name}: {check['identical']:.4f} identical, {len(div)} line(s) differ"
-                     + "".join(f"\n  line {d['line']}: first divergence at token {d['position']} "
-                               f"(greedy {tokenizer.tokens([d['greedy_token']])[0]!r}, "
-                               f"{fast.name} {tokenizer.tokens([d['other_token']])[0]!r}); top-1/top-2 logit "
-                               f"margin {d['margin_top1_top2']:.3g}" for d in div))
+        check = divergence_check(fast, base, ids, tokenizer, device, notes)
         if kind == "gec" and fast.batch_size == 1 and base.batch_size == 1:  # how much of the input survives
             check["edit_buckets"], text = edit_buckets(lines, texts(tokenizer, base.outputs), fast, base)
             notes.append(text)
         checks.append(check)
+    for q in runs:  # greedy on the int8 route against greedy in floating point on the same checkpoint
+        base = min((r for r in runs if r.algo.name == "greedy" and not is_int8(r.models.model)
+                    and r.models.path == q.models.path), key=lambda r: r.batch_size or float("inf"), default=None)
+        if q.algo.name == "greedy" and is_int8(q.models.model) and base is not None:
+            checks.append({**divergence_check(q, base, ids, tokenizer, device, notes), "int8_against_float": True})
     if not any(r["n"] for r in rows):
         return Summary(rows, matrix, checks, NOTHING_DECODED)
     table = format_table(rows) + (f"\nwarning: {warning}" if warning else "")

@@ -96,24 +96,28 @@ def test_command_writes_report(tmp_path):
         gap = by_name[f"ct2-greedy-float32 b{size}"]["logprob_gap"]
         assert gap["lines"] == 5 and gap["max"] < 1e-5, gap
     assert "logprob_gap" not in by_name["refdec-greedy b1"] and "largest difference" in out
-    # again from the cache, with the fast route's runs, one decoder step's cost per route, a token
-    # budget and IAD at two draft limits
+    # again from the cache, with the fast route's runs and the int8 route's on it, one decoder step's
+    # cost per route, a token budget and IAD at two draft limits
     r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
-               str(tmp_path / "in.txt"), "--threads", "1", "--warmup", "1", "--iad", "--fast", "--step-cost",
+               str(tmp_path / "in.txt"), "--threads", "1", "--warmup", "1", "--iad", "--fast", "--int8", "--step-cost",
                "--batch-tokens", "40", "--max-draft", "0,3",
                "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
     assert r.returncode == 0, r.stderr.decode()
     rep = json.loads(report.read_text())
-    assert rep["conversion"]["cached"] is True and rep["fast"] is True
+    assert rep["conversion"]["cached"] is True and rep["fast"] is True and rep["int8"] is True
     rows = {row["algo"]: row for row in rep["results"][0]["rows"]}
     assert {"refdec-greedy-fast b1", "refdec-iad-fast b1", "refdec-iad-draft3-fast b1", "ct2-greedy-int8 t40"} <= set(rows)
     assert rows["refdec-greedy-fast b1"]["tokens"] == rows["refdec-greedy b1"]["tokens"]
+    for name in ("refdec-iad-fast-int8 b1", "refdec-iad-draft3-fast-int8 t40", "refdec-greedy-fast-int8 t40"):
+        assert rows[name]["int8_greedy"] == "refdec-greedy-fast-int8 b1"
+        assert rows[name]["identical_int8_greedy"] == 1.0 and rows[name]["differing_int8_greedy"] == []
+    assert "int8_greedy" not in rows["refdec-greedy-fast-int8 b1"] and "identical" in rows["refdec-greedy-fast-int8 b1"]
     for name in ("refdec-iad-draft3 t40", "refdec-iad-fast t40", "ct2-greedy-float32 t40"):
         assert rows[name]["batch_tokens"] == 40 and rows[name]["batch_size"] is None
         assert rows[name]["identical"] == 1.0 and rows[name]["n"] == 5
     assert rep["batch_tokens"] == [40] and rep["max_draft"] == [0, 3]
     steps = rep["results"][0]["step_ms"]
-    assert set(steps) == {"refdec", "refdec-fast", "refdec-fast-products", "ct2-float32", "ct2-int8"}
+    assert set(steps) == {"refdec", "refdec-fast", "refdec-fast-int8", "refdec-fast-products", "ct2-float32", "ct2-int8"}
     assert steps["refdec-fast-products"] < steps["refdec-fast"]  # a part of the step
     assert all(ms > 0 for name, ms in steps.items() if name.startswith("refdec"))
     assert "one decoder step" in r.stdout.decode()

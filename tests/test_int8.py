@@ -1,0 +1,265 @@
+"""The int8 route (refdec.int8): exact int8 products whose rows do not depend on the other rows of a
+call, a model's logits for a row alone equal to that row's within 8 rows (torch.equal, float32 and
+float64, on the reference and the fast route), every lossless decoder on the route equal to greedy
+on the route, the switch per model and reversible, the floating-point route for training, int8
+weights that follow weight writes, and the :int8 run option."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from conftest import copy_model, random_src, tiny_model
+from refdec import int8
+from refdec.config import BOS_ID, EOS_ID
+from refdec.decoding import decode_greedy, decode_iad
+from refdec.decoding import gad as gad_module
+from refdec.decoding.bild import decode_bild
+from refdec.decoding.blockwise import decode_blockwise
+from refdec.decoding.gad import decode_gad
+from refdec.decoding.speculative import decode_speculative
+from refdec.drafter import Drafter
+from refdec.errors import UsageError
+from refdec.fast import set_fast_route
+from refdec.int8 import QuantizedWeight, is_int8, set_int8_route
+from refdec.kernels import set_row_invariant
+from refdec.plan import parse_compare
+from test_batched import assert_rows_equal, batch1_greedy, check_batched_iad
+from test_batched_decoders import adversarial_drafter, ragged_src
+from test_blockwise import random_heads
+
+ROUTES = ["reference", "fast"]
+
+
+def int8_copy(model, route: str = "reference", dtype: torch.dtype | None = None):
+    m = copy.deepcopy(model)
+    if dtype is not None:
+        m = m.to(dtype)
+    if route == "fast":
+        set_fast_route(m)
+    return set_int8_route(m)
+
+
+# -- the product ---------------------------------------------------------------------------------------
+def test_this_machines_int8_product_is_exact():
+    """torch._int_mm sums int8 products in int32 without saturating (the route refuses a machine
+    where it does not at any weight range)."""
+    assert int8.weight_levels() in (127, 63)
+    assert int8.exact_products(int8.weight_levels())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k,n", [(16, 12), (32, 40), (48, 96), (192, 8000)])
+def test_a_row_of_a_product_does_not_depend_on_the_other_rows(dtype, k, n):
+    """Each row of int8.linear alone equals (torch.equal) the same row within 2-40 rows of other
+    data, wherever it sits; with a bias and with a residual stream added; a row of zeros stays zeros."""
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g, dtype=dtype)
+    b = torch.randn(n, generator=g, dtype=dtype)
+    qw = QuantizedWeight(w.t(), w)
+    x = torch.randn(40, k, generator=g, dtype=dtype) * torch.rand(40, 1, generator=g, dtype=dtype) * 10
+    x[7] = 0
+    res = torch.randn(40, n, generator=g, dtype=dtype)
+    whole, whole_res = int8.linear(x, qw, b), int8.product(x, qw, res)
+    for rows in (2, 8, 13, 40):
+        part = int8.linear(x[:rows], qw, b)
+        assert torch.equal(part, whole[:rows])
+    for i in (0, 5, 7, 39):
+        assert torch.equal(int8.linear(x[i:i + 1], qw, b), whole[i:i + 1])
+        assert torch.equal(int8.product(x[i:i + 1], qw, res[i:i + 1]), whole_res[i:i + 1])
+    assert torch.equal(int8.product(x[7:8], qw), torch.zeros(1, n, dtype=dtype))
+    ref = x @ w.t() + b  # and the quantized product is close to the exact one
+    assert ((whole - ref).abs().amax(1) / ref.abs().amax(1)).max() < 0.05
+
+
+# -- the model -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["fast", "invariant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_rows_logits_do_not_depend_on_the_other_rows_of_a_call(route, dtype):
+    """The decoder's logits for a batch row alone equal its logits within a call of 8 rows (sources
+    of one length), bitwise: for one new token, for 5 at once (a verification call), and on the
+    next step over the cache each call wrote; the encoder's states too. On the fast route (its
+    fused attention works batch row by batch row) and in row-invariant mode; the reference
+    route's attention products (torch.matmul over the batch) may round by the batch's size."""
+    m = int8_copy(tiny_model(21, norm_first=route == "fast"), "fast" if route == "fast" else "reference", dtype)
+    if route == "invariant":
+        set_row_invariant(m)
+    src = random_src(21, 8, 40, min_len=7, max_len=7)
+    tgt = torch.randint(5, 40, (8, 5), generator=torch.Generator().manual_seed(21))
+    tgt[:, 0] = BOS_ID
+    with torch.no_grad():
+        mem8, cache8 = m.encode(src), m.new_cache(8)
+        first8, next8 = m.decode(tgt, mem8, cache8), m.decode(tgt[:, :1], mem8, cache8)
+        one8 = m.decode(tgt[:, :1], mem8, m.new_cache(8))
+        for b in (0, 3, 7):
+            mem, cache = m.encode(src[b:b + 1]), m.new_cache(1)
+            assert torch.equal(mem.states, mem8.states[b:b + 1])
+            assert torch.equal(m.decode(tgt[b:b + 1], mem, cache), first8[b:b + 1])
+            assert torch.equal(m.decode(tgt[b:b + 1, :1], mem, cache), next8[b:b + 1])
+            assert torch.equal(m.decode(tgt[b:b + 1, :1], mem, m.new_cache(1)), one8[b:b + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_int8_and_row_invariant_mode_make_every_position_independent_of_the_call(dtype):
+    """With row-invariant mode's attention and norms, a verification call of 6 tokens computes
+    bitwise what 6 one-token steps compute, in float32 too."""
+    m = set_row_invariant(int8_copy(tiny_model(22), "reference", dtype))
+    src = random_src(22, 3, 40)
+    tgt = torch.randint(5, 40, (3, 6), generator=torch.Generator().manual_seed(22))
+    tgt[:, 0] = BOS_ID
+    with torch.no_grad():
+        mem = m.encode(src)
+        whole = m.decode(tgt, mem, m.new_cache(3))
+        cache = m.new_cache(3)
+        steps = torch.cat([m.decode(tgt[:, i:i + 1], mem, cache) for i in range(6)], 1)
+    assert torch.equal(whole, steps)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_routes_agree_and_stay_near_floating_point(route):
+    """The int8 route on the reference and on the fast route computes the same products (float64:
+    within rounding of each other, the same greedy tokens), near the floating-point model's logits."""
+    m = tiny_model(23, norm_first=route == "fast")
+    q_ref, q = int8_copy(m), int8_copy(m, route)
+    src = random_src(23, 6, 40)
+    tgt = torch.randint(5, 40, (6, 4), generator=torch.Generator().manual_seed(23))
+    tgt[:, 0] = BOS_ID
+    with torch.no_grad():
+        a, b, f = (mm.decode(tgt, mm.encode(src), mm.new_cache(6)) for mm in (q_ref, q, m))
+    assert (a - b).abs().max() < 1e-9
+    assert (a - f).abs().max() < 0.1 * f.std()
+    assert_rows_equal(decode_greedy(q, src, max_len=15).tokens, decode_greedy(q_ref, src, max_len=15).tokens,
+                      "int8 greedy, fast vs reference route")
+
+
+# -- every lossless decoder on the route equals greedy on the route -------------------------------------
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_lossless_decoders_on_int8_equal_int8_greedy(route, batch, monkeypatch):
+    """Batched IAD on a copying model (long drafts accepted and rejected), GAD with a real and an
+    adversarial drafter, blockwise with random heads, speculative decoding (self-drafted and with a
+    random small model) and BiLD at its greedy limit, on the int8 route, each equal row by row to
+    batch-1 greedy on the int8 route (float64, torch.equal)."""
+    copying = int8_copy(copy_model(), route)
+    src = random_src(400 + batch, batch, 16, min_len=1, max_len=14)
+    check_batched_iad(copying, src, 30)
+    check_batched_iad(copying, src, 30, max_draft=3, match="longest")
+
+    vocab = 12 if batch % 2 else 40
+    m = int8_copy(tiny_model(batch + 30, vocab=vocab), route)
+    small = int8_copy(tiny_model(batch + 130, vocab=vocab, d_model=16, layers=(1, 1)), route)
+    drafter = Drafter(int8_copy(tiny_model(batch + 80, vocab=vocab, layers=(1, 2)), route), k=1 + batch % 5)
+    src = ragged_src(700 + batch, batch, vocab)
+    max_len = 20
+    ref = batch1_greedy(m, src, max_len)
+    assert_rows_equal(decode_gad(m, drafter, src, max_len=max_len).tokens, ref, "gad")
+    refs = [t.tolist() + [EOS_ID] for t in ref]
+    with monkeypatch.context() as mp:
+        mp.setattr(gad_module, "draft_blocks", adversarial_drafter(refs, batch + max_len, vocab))
+        assert_rows_equal(decode_gad(m, Drafter(drafter.model, k=6), src, max_len=max_len).tokens, ref, "gad adversarial")
+    assert_rows_equal(decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref, "blockwise")
+    assert_rows_equal(decode_speculative(m, m, src, max_len=max_len, gamma=4).tokens, ref, "speculative self")
+    assert_rows_equal(decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref, "speculative")
+    assert_rows_equal(decode_bild(m, small, src, max_len=max_len, fallback_threshold=1.5).tokens, ref, "bild")
+
+
+def test_lossless_decoders_on_int8_equal_int8_greedy_in_float32():
+    """In float32 on the fast route (where the attention's roundings depend on the call's shape),
+    IAD, blockwise and speculative decoding still write int8 greedy's tokens on these models; with
+    row-invariant mode the verification calls equal the steps bitwise (the test above)."""
+    m = int8_copy(copy_model(), "fast", torch.float32)
+    src = random_src(900, 8, 16, min_len=1, max_len=14)
+    ref = batch1_greedy(m, src, 30)
+    assert_rows_equal(decode_iad(m, src, max_len=30).tokens, ref, "iad float32")
+    assert_rows_equal(decode_blockwise(m, random_heads(m, 3, 8).float(), src, max_len=30).tokens, ref,
+                      "blockwise float32")
+    assert_rows_equal(decode_speculative(m, m, src, max_len=30, gamma=4).tokens, ref, "speculative float32")
+
+
+# -- the switch -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_switch_is_reversible_training_stays_float_and_weight_writes_are_followed(route):
+    m = tiny_model(24)
+    q = int8_copy(m, route)
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    assert is_int8(q) and not is_int8(m)
+    src = random_src(24, 3, 40)
+    tgt = torch.randint(5, 40, (3, 6))
+    assert (q(src, tgt) - m(src, tgt)).abs().max() < 1e-9  # gradients on: the floating-point products
+
+    def logits(model):
+        with torch.no_grad():
+            return model.decode(tgt[:, :1], model.encode(src), model.new_cache(3))
+
+    before = logits(q)
+    assert not torch.equal(before, logits(m))
+    q.train()  # an optimizer step, then load_state_dict: the int8 weights are made again from the new values
+    opt = torch.optim.SGD(q.parameters(), lr=0.1)
+    q(src, tgt).logsumexp(-1).mean().backward()
+    opt.step()
+    q.eval()
+    fresh = tiny_model(24)
+    fresh.load_state_dict(q.state_dict())
+    after = logits(q)
+    assert not torch.equal(after, before) and torch.equal(after, logits(int8_copy(fresh, route)))
+    q.load_state_dict(state)
+    assert torch.equal(logits(q), before)
+    set_int8_route(q, False)
+    assert not is_int8(q) and (logits(q) - logits(m)).abs().max() < 1e-9
+    assert not any(isinstance(v, QuantizedWeight) for mod in q.modules() for v in mod.__dict__.values())
+
+
+def test_int8_is_a_run_option_of_compare():
+    a, b, c = parse_compare("greedy,greedy:int8,iad:max-draft=4:int8")
+    assert (a.int8, b.int8, c.int8) == (False, True, True) and c.options == {"max_draft": 4}
+    with pytest.raises(UsageError, match="NAME=VALUE"):
+        parse_compare("greedy:int9")
+
+
+def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, capsys):
+    """decode.py --compare greedy:int8,iad:int8: the int8 runs on one int8 copy of the model (IAD
+    checked against int8 greedy), int8 greedy checked against float greedy line by line, and
+    --int8 puts every run on the route."""
+    import decode
+    from test_ctranslate2 import TEXTS, random_checkpoint
+    ckpt = random_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS[:4]) + "\n", encoding="utf-8")
+    common = ["--task", "mt-en-de", "--model", str(ckpt), "--input", str(tmp_path / "in.txt"), "--max-len", "12",
+              "--warmup", "0", "--quiet", "--output", str(tmp_path / "out.txt"), "--report", str(tmp_path / "r.json")]
+    assert decode.main(["--algo", "greedy", "--compare", "greedy:int8,iad:int8", "--fast", *common]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert [r["algo"] for r in rep["runs"]] == ["greedy", "greedy:int8", "iad:int8"] and rep["int8"] is False
+    checks = {(c["algo"], c["greedy"]): c for c in rep["lossless_checks"]}
+    assert checks["iad:int8", "greedy:int8"]["identical"] == 1.0
+    against_float = checks["greedy:int8", "greedy"]
+    assert against_float["int8_against_float"] and len(against_float["divergences"]) == round(
+        4 * (1 - against_float["identical"]))
+    assert "greedy:int8 vs greedy:" in capsys.readouterr().out
+    assert decode.main(["--algo", "iad", "--compare", "greedy", "--int8", *common]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["int8"] is True and rep["lossless_checks"][0]["identical"] == 1.0
+
+
+def test_int8bench_finds_the_routes_product_row_invariant():
+    """python -m refdec.int8bench's figures on a tiny model's shapes: every candidate timed at each row
+    count, and the route's per-row product the same for row 0 alone and within more rows."""
+    from refdec.int8bench import measure, table
+    results = measure(tiny_model(25), [1, 5], rounds=1, reps=1)
+    assert {r["candidate"] for r in results} == {"float32", "weight-only", "per-tensor", "per-row"}
+    assert all(r["us"][1] > 0 and r["us"][5] > 0 for r in results)
+    assert all(r["row_0_same"][5] for r in results if r["candidate"] == "per-row")
+    assert "vocabulary" in table(results, [1, 5])
+
+
+def test_int8_and_the_graphed_route_are_refused_together_in_one_line():
+    """Guards against an int8 run silently taking the graphed route, which has no int8 form."""
+    from refdec.errors import UsageError
+    from refdec.loading import load_models
+    from refdec.plan import plan_runs
+    specs = plan_runs("greedy", "gec-en", model=None, given={}, compares=[], batch_size=None, sizes=None,
+                      batch_tokens=None, int8=True)
+    with pytest.raises(UsageError, match="graphed route has no int8 form"):
+        load_models(specs, {}, task="gec-en", device="cpu", dtype=torch.float32, graphed=True)
