@@ -39,7 +39,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from refdec.algorithms import ALGORITHMS
     from refdec.data import TASKS
-    from refdec.plan import add_option_flags
+    from refdec.plan import add_option_flags, add_route_flags
     algos = "\n".join(f"  {a.name:12s}{a.summary}" for a in ALGORITHMS.values())
     p = argparse.ArgumentParser(description=__doc__ + "\nalgorithms:\n" + algos,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,20 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokenizer; :OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3), "
                    "its second model (:small=PATH|early-exit, :drafter=PATH), its batches (:batch-size=N, :batch-tokens=N), :int8")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
-    route = g.add_mutually_exclusive_group()  # two ways to compute one model: one at a time
-    route.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
-                   "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
-                   "ties included (slower; docs/algorithms.md, 'Row-invariant mode')")
-    route.add_argument("--fast", action="store_true", help="the fast route for every model it applies to: the same "
-                   "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
-                   "each product); float32 logits differ from the reference route's in the last bits "
-                   "(docs/fast.md)")
-    route.add_argument("--graphed", action="store_true", help="the graphed route: the fast route's decoder call and "
-                   "encoder on static shapes (a preallocated KV cache, calls padded to buckets), captured once per "
-                   "shape as a CUDA graph and replayed on a GPU, run as they are on a CPU (docs/graphed.md)")
-    g.add_argument("--int8", action="store_true", help="the int8 route for every model (a --compare run alone: :int8): "
-                   "linear layers as int8 products with per-row scales, so lossless algorithms still equal greedy; "
-                   "combines with --fast or --invariant (docs/int8.md)")
+    add_route_flags(g)
     add_option_flags(p.add_argument_group("algorithm options (read from the decoders' signatures)"))
     return p
 

@@ -267,6 +267,25 @@ def help_default(name: str) -> str:
     return "default: " + ", ".join(f"{k} {v}" for k, v in show.items())
 
 
+def add_route_flags(group) -> None:
+    """decode.py's routes, the ways to compute one model: the reference route by default, or one of
+    row-invariant mode, the fast route and the graphed route; the int8 route combines with the first two."""
+    route = group.add_mutually_exclusive_group()  # two ways to compute one model: one at a time
+    route.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
+                   "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
+                   "ties included (slower; docs/algorithms.md, 'Row-invariant mode')")
+    route.add_argument("--fast", action="store_true", help="the fast route for every model it applies to: the same "
+                   "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
+                   "each product); float32 logits differ from the reference route's in the last bits "
+                   "(docs/fast.md)")
+    route.add_argument("--graphed", action="store_true", help="the graphed route: the fast route's decoder call and "
+                   "encoder on static shapes (a preallocated KV cache, calls padded to buckets), captured once per "
+                   "shape as a CUDA graph and replayed on a GPU, run as they are on a CPU (docs/graphed.md)")
+    group.add_argument("--int8", action="store_true", help="the int8 route for every model (a --compare run alone: :int8): "
+                   "linear layers as int8 products with per-row scales, so lossless algorithms still equal greedy; "
+                   "combines with --fast or --invariant (docs/int8.md)")
+
+
 def add_option_flags(group) -> None:
     """One flag per algorithm option (--fallback-threshold ...), its type and help read from the
     decoders' signatures (refdec.algorithms), onto decode.py's argparse group."""
@@ -279,6 +298,6 @@ def add_option_flags(group) -> None:
             group.add_argument(flag, type=type(default), metavar=opt.metavar, choices=opt.choices or None, help=help_text)
 
 
-__all__ = ["Compared", "OPTIONS", "RunSpec", "add_option_flags", "check_counts", "checkpoints_read", "default_checkpoint", "help_default", "parse_compare",
+__all__ = ["Compared", "OPTIONS", "RunSpec", "add_option_flags", "add_route_flags", "check_counts", "checkpoints_read", "default_checkpoint", "help_default", "parse_compare",
            "parse_sizes", "plan_runs",
            "shared_second_models"]
