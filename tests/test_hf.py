@@ -156,6 +156,7 @@ def test_export_of_a_checkpoint_with_proposal_heads_refuses_or_leaves_them_out_w
     r = run_py("-m", "refdec.hf", "export", str(ckpt), str(tmp_path / "out"), "--without-heads")
     assert r.returncode == 0, r.stderr.decode()
     assert "the proposal heads are not in it" in r.stdout.decode()
+    assert "loading it back with transformers to check it" in r.stderr.decode()  # said before its silent seconds
     back, _, _ = hf.load_folder(tmp_path / "out")
     assert all(torch.equal(back.state_dict()[k], v.float()) for k, v in stored["model"].items() if k in back.state_dict())
     # a plain checkpoint exports as before, with nothing left out

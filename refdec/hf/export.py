@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -145,6 +146,8 @@ def export(ckpt: str | Path, out_dir: str | Path, probe: str = "A short sentence
     A checkpoint with proposal heads is refused unless `without_heads` (check_heads)."""
     model, tokenizer, stored = load_model(ckpt)
     check_heads(ckpt, stored, without_heads)
+    print(f"exporting to {out_dir}, then loading it back with transformers to check it (several seconds)",
+          file=sys.stderr, flush=True)
     folder = write_folder(model, tokenizer, out_dir)
     return {"folder": str(folder), "architecture": export_route(model.cfg), "heads_left_out": "proposal" in stored,
             **check_export(model, folder, tokenizer.encode(probe))}
