@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # transformers, subprocess runs
 from conftest import run_py  # noqa: E402
 
 from refdec import hf  # noqa: E402
-from refdec.hf.cli import main as hf_main  # noqa: E402
+from refdec.hfcli import main as hf_main  # noqa: E402
 from refdec.checkpoint import make_checkpoint, save_atomic  # noqa: E402
 from refdec.config import ModelConfig  # noqa: E402
 from refdec.decoding import decode_beam, decode_greedy, decode_iad, decode_speculative  # noqa: E402
