@@ -9,14 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO
-
-
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"refdec_script_{name}", REPO / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import REPO, error_of, script
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +20,6 @@ def decode():
 @pytest.fixture(scope="module")
 def train():
     return script("train")
-
-
-def error_of(main, argv: list[str], capsys, monkeypatch) -> str:
-    """The one line main(argv) prints on stderr, checked to be an error with exit status 2."""
-    monkeypatch.chdir(REPO)
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (code, err)
-    return err
 
 
 def sections(page: str) -> set[str]:

@@ -19,8 +19,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # transformers, subprocess runs
 
-from conftest import run_py  # noqa: E402
-from test_hf import LANGS, WORDS, m2m_folder, one_line_error, sources, word_tokenizer_json  # noqa: E402
+from conftest import one_line_error, run_py  # noqa: E402
+from hf_helpers import LANGS, WORDS, m2m_folder, sources, word_tokenizer_json  # noqa: E402
 
 from refdec import hf  # noqa: E402
 from refdec.decoding import decode_beam, decode_bild, decode_greedy, decode_iad, decode_speculative  # noqa: E402
