@@ -161,6 +161,19 @@ def test_model_py_imports_no_speed_route_but_int8_through_kernels():
     assert set(reached(graph, "refdec.model")) & set(SPEED_ROUTES) == {"refdec.int8"}
 
 
+def test_no_test_module_imports_another():
+    """Case: eight test modules imported helpers from other test files (`from test_batched import ...`),
+    so running one file ran another's imports and a helper's home depended on who wrote it first. What
+    several modules share lives in conftest.py, or hf_helpers.py when it needs transformers."""
+    borrowed = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            borrowed += [f"{path.name}:{node.lineno} {n}" for n in names if n.startswith("test_")]
+    assert not borrowed, borrowed
+
+
 def test_model_py_is_short_and_no_function_or_class_outgrows_a_reading():
     """Case: model.py was 676 lines with the compute modes before the reference layers; Trainer was a
     328-line class branching on the training mode."""
