@@ -227,7 +227,7 @@ def command_sections(section: str, args, device: torch.device, plan_: dict, pref
     """stepcost, ceiling and transformers: the repository's own commands, each writing its report
     beside the bench's; returns where they are and their exit statuses."""
     from . import ceiling, stepcost
-    from .hf import cli as hf_cli
+    from . import hfcli as hf_cli
     common = ["--device", str(device), "--threads", str(args.threads)]
     warmup = ["--warmup", str(plan_["warmup"])]
     out, commands = Path(args.out), []

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .adapters import SharedEncoder
 from .config import ModelConfig
-from .decoding.adapters import SharedEncoder
 from .errors import CheckpointError, first_line
 from .model import Transformer
 from .tokenizer import Tokenizer

@@ -31,7 +31,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # one matrix for source, target and output projection
     max_positions: int = 256  # longest source or target the model accepts, bos/eos included
     # Width of the encoder states the cross-attention reads (0 = d_model). With enc_layers 0 the model has
-    # no encoder of its own and reads another model's (refdec.decoding.adapters.SharedEncoder: a BiLD small model
+    # no encoder of its own and reads another model's (refdec.adapters.SharedEncoder: a BiLD small model
     # on the large model's encoder), whose width this is.
     d_memory: int = 0
     pad_id: int = PAD_ID
@@ -175,7 +175,7 @@ class TrainConfig:
     # BiLD's early-exit small model (Kim et al. 2023, section 4.4): the first n decoder layers share
     # the prediction head and the loss is the average of the early and the full model's.
     early_exit: int = 0
-    # A decoder on another model's frozen encoder (refdec.decoding.adapters.SharedEncoder): the checkpoint whose
+    # A decoder on another model's frozen encoder (refdec.adapters.SharedEncoder): the checkpoint whose
     # encoder it reads (its vocabulary too); needs enc_layers 0. BiLD's small model or GAD's drafter on
     # the large model's (the verifier's) encoder runs no encoder of its own when decoding.
     encoder_from: str = ""

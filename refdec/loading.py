@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from .adapters import EarlyExit
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .drafter import Drafter
 from .errors import UsageError
-from .decoding.adapters import EarlyExit
 from .fast import set_fast_route
 from .graphed import set_graphed_route
 from .int8 import set_int8_route

@@ -296,7 +296,7 @@ class Transformer(nn.Module, VocabularyProjection):
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder alone: src (B, S) -> states (B, S, D) and src_pad (B, S), True at padding."""
         if not self.cfg.enc_layers:
-            raise ValueError("this model has no encoder of its own: it reads another model's (refdec.decoding.adapters.SharedEncoder)")
+            raise ValueError("this model has no encoder of its own: it reads another model's (refdec.adapters.SharedEncoder)")
         src = before_source(src, self.cfg.encoder_prefix)  # forced tokens (an NLLB model's language code)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S) keys that are padding

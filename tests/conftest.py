@@ -1,7 +1,10 @@
-"""Shared fixtures: tiny random models in float64 (exactness) and a tiny trained checkpoint (CLI)."""
+"""Shared fixtures and helpers: tiny random models in float64 (exactness), a tiny trained checkpoint (CLI),
+the batch-1 greedy reference and row-by-row comparisons, adversarial drafts, and commands' one-line errors."""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,8 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from refdec.config import EOS_ID, ModelConfig
+from refdec.adapters import SharedEncoder
+from refdec.checkpoint import make_checkpoint, save_atomic
+from refdec.config import EOS_ID, PAD_ID, ModelConfig
+from refdec.decoding import decode_bild, decode_blockwise, decode_gad, decode_greedy, decode_iad, decode_speculative
+from refdec.decoding import gad as gad_module
+from refdec.drafter import Drafter
+from refdec.exactness import divergences
+from refdec.kernels import set_row_invariant
 from refdec.model import Transformer
+from refdec.proposal import ProposalHeads
+from refdec.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
@@ -114,3 +126,180 @@ def tiny_extras(trained_tiny, tmp_path_factory) -> dict:
         assert r.returncode == 0, r.stderr.decode()
         made[name] = out / name / "model.pt"
     return made
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor, model=None, src: torch.Tensor | None = None) -> str:
+    """Where greedy's tokens `a` and another decoder's `b` part; given the model and the row's source
+    (1, S), also the model's top-1/top-2 logit margin there (refdec.exactness.divergences): a near-tie
+    or a bug."""
+    n = min(len(a), len(b))
+    pos = next((i for i in range(n) if a[i] != b[i]), n)
+    text = f"first divergence at position {pos}: {a[pos:pos + 3].tolist()} vs {b[pos:pos + 3].tolist()}"
+    if model is not None and src is not None and not torch.equal(a, b):
+        ids = [t for t in src[0].tolist() if t != model.cfg.pad_id][:-1]  # the source without its eos
+        d = divergences(model, [ids], [a], [b], src.device)
+        text += f"; top-1/top-2 logit margin {d[0]['margin_top1_top2']:.3g}" if d else ""
+    return text
+
+
+def alone(src: torch.Tensor, b: int) -> torch.Tensor:
+    """Source row b as a batch of one, without padding."""
+    return src[b:b + 1, : max(1, int(src[b].ne(PAD_ID).sum()))]
+
+
+def batch1_greedy(model, src: torch.Tensor, max_len: int) -> list[torch.Tensor]:
+    return [decode_greedy(model, alone(src, b), max_len=max_len).tokens[0] for b in range(src.shape[0])]
+
+
+def assert_rows_equal(got, ref, what: str):
+    assert len(got) == len(ref)
+    for b, (x, y) in enumerate(zip(got, ref)):
+        assert torch.equal(x, y), f"{what}, row {b}: {first_divergence(x, y)}"
+
+
+def invariant_copy(model, dtype):
+    return set_row_invariant(copy.deepcopy(model).to(dtype))
+
+
+def check_batched_iad(model, src, max_len, **knobs):
+    ref = batch1_greedy(model, src, max_len)
+    r = decode_iad(model, src, max_len=max_len, trace=True, **knobs)
+    assert_rows_equal(r.tokens, ref, f"B={src.shape[0]} max_len={max_len} {knobs}")
+    singles = [decode_iad(model, alone(src, b), max_len=max_len, **knobs) for b in range(src.shape[0])] if src.shape[0] <= 6 else []
+    if singles:  # each row drafts what it drafts alone, so the batch makes as many calls as its slowest row
+        assert r.stats.verifier_calls == max(s.stats.verifier_calls for s in singles)
+        assert sorted(r.stats.committed) == sorted(a for s in singles for a in s.stats.committed)
+    return r
+
+
+def random_heads(model, k: int, seed: int) -> ProposalHeads:
+    torch.manual_seed(seed)
+    h = ProposalHeads(model.cfg.d_model, 16, k)
+    with torch.no_grad():
+        h.w2.weight.normal_(0, 0.5)
+        h.w2.bias.normal_(0, 0.5)
+    return h.double().eval()
+
+
+def ragged_src(seed: int, batch: int, vocab: int) -> torch.Tensor:
+    """Sources of 0-13 tokens (0: eos alone) for `batch` rows."""
+    return random_src(seed, batch, vocab, min_len=0 if batch > 2 else 1, max_len=13)
+
+
+def adversarial_drafter(refs: list[list[int]], seed: int, vocab: int):
+    """A stand-in for draft_blocks that knows each row's greedy output (refs, eos included) and
+    corrupts it: per row and call, the block is right, right up to one wrong token, all wrong, runs
+    past eos (eos inside the draft) or is empty; lengths vary from row to row."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draft(drafter, memory, cache, sequences, k, layout):
+        out = []
+        for sequence in sequences:
+            j = len(sequence) - 1
+            rows = [r for r in refs if r[:j] == sequence[1:]] or [[5] * (j + k)]  # rows sharing this output so far
+            row = rows[int(torch.randint(0, len(rows), (1,), generator=g))]
+            n = int(torch.randint(0, k + 1, (1,), generator=g))
+            block = (row + [EOS_ID] * (k + 3))[j:j + n]
+            how = int(torch.randint(0, 4, (1,), generator=g))
+            if how == 1 and block:
+                i = int(torch.randint(0, len(block), (1,), generator=g))
+                block[i] = (block[i] + 1) % vocab
+            elif how == 2:
+                block = [(t + 3) % vocab for t in block]
+            out.append(block)
+        return out
+    return draft
+
+
+def fake_models():
+    """The Models record of a run whose decoder needs no model, only the special ids."""
+    from types import SimpleNamespace
+
+    from refdec.loading import Models
+    return Models(SimpleNamespace(cfg=SimpleNamespace(eos_id=EOS_ID, pad_id=0)), Path("fake.pt"))
+
+
+def shared_small(large, seed: int = 7, d_model: int = 16):
+    """A random float64 decoder without an encoder, reading `large`'s encoder states."""
+    torch.manual_seed(seed)
+    small = Transformer(ModelConfig(vocab_size=large.cfg.vocab_size, d_model=d_model, n_heads=2, d_ff=2 * d_model,
+                                    enc_layers=0, dec_layers=1, d_memory=large.cfg.d_model, tie_embeddings=False,
+                                    max_positions=large.cfg.max_positions))
+    return SharedEncoder(small.double().eval(), large)
+
+
+def check_lossless_decoders(route_copy, batch: int, monkeypatch) -> Transformer:
+    """Every lossless decoder on a route (`route_copy(model)`: a copy of the model on it): batched IAD
+    (a copying model: long drafts accepted and rejected), GAD (a real drafter and an adversarial one),
+    blockwise (random heads), speculative (self-drafted and a random small model) and BiLD at its
+    greedy limit, each equal row by row to batch-1 greedy on the same route (float64, torch.equal).
+    Returns the verifier."""
+    copying = route_copy(copy_model())
+    src = random_src(100 + batch, batch, 16, min_len=1, max_len=14)
+    check_batched_iad(copying, src, 30)
+    check_batched_iad(copying, src, 30, max_draft=3, match="longest")
+
+    vocab = 12 if batch % 2 else 40
+    m = route_copy(tiny_model(batch, vocab=vocab))
+    small = route_copy(tiny_model(batch + 100, vocab=vocab, d_model=16, layers=(1, 1)))
+    drafter = Drafter(route_copy(tiny_model(batch + 50, vocab=vocab, layers=(1, 2))), k=1 + batch % 5)
+    src = ragged_src(300 + batch, batch, vocab)
+    for max_len in (25, 4):
+        ref = batch1_greedy(m, src, max_len)
+        what = f"B={batch} max_len={max_len}"
+        assert_rows_equal(decode_greedy(m, src, max_len=max_len).tokens, ref, f"batched greedy {what}")
+        assert_rows_equal(decode_gad(m, drafter, src, max_len=max_len).tokens, ref, f"gad {what}")
+        refs = [t.tolist() + [EOS_ID] for t in ref]
+        with monkeypatch.context() as mp:
+            mp.setattr(gad_module, "draft_blocks", adversarial_drafter(refs, batch + max_len, vocab))
+            assert_rows_equal(decode_gad(m, Drafter(drafter.model, k=6), src, max_len=max_len).tokens, ref,
+                              f"gad adversarial {what}")
+        assert_rows_equal(decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref,
+                          f"blockwise {what}")
+        assert_rows_equal(decode_speculative(m, m, src, max_len=max_len, gamma=4).tokens, ref, f"speculative self {what}")
+        assert_rows_equal(decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref,
+                          f"speculative {what}")
+        assert_rows_equal(decode_bild(m, small, src, max_len=max_len, fallback_threshold=1.5).tokens, ref,
+                          f"bild (large writes) {what}")
+    return m
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(f"refdec_script_{name}", REPO / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def error_of(main, argv: list[str], capsys, monkeypatch) -> str:
+    """The one line main(argv) prints on stderr, checked to be an error with exit status 2."""
+    monkeypatch.chdir(REPO)
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (code, err)
+    return err
+
+
+TEXTS = ["the cat sat on the mat", "a dog ran in the park", "der Hund lief im Park", "the park",
+         "a cat", "on the mat the dog sat", "im Park lief der Hund", "the dog ran"]
+
+
+def random_checkpoint(path: Path, seed: int = 0, eos_bias: float = 0.0) -> Path:
+    """A random tied pre-norm refdec model (conftest's tiny_model) on a byte-level tokenizer of TEXTS.
+    Its outputs run to max_len; `eos_bias` adds that much to eos's logit (through the final decoder
+    norm's bias): 14 makes eos the first output token of some sources and not of others."""
+    tok = Tokenizer.train(TEXTS * 5, vocab_size=300, min_frequency=1)
+    model = tiny_model(seed, tok.vocab_size, d_model=16, n_heads=2, tie=True).float()
+    with torch.no_grad():
+        e = model.tgt_embed.weight[tok.eos_id]
+        model.dec_norm.bias += eos_bias * e / e.norm() ** 2
+    path.mkdir(parents=True, exist_ok=True)
+    save_atomic(make_checkpoint(model, "mt-en-de", tok, step=1), path / "model.pt")
+    tok.save(path / "tokenizer.json")
+    return path / "model.pt"
+
+
+def one_line_error(r) -> str:
+    err = r.stderr.decode().strip()
+    assert r.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err
+    return err

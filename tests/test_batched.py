@@ -3,38 +3,17 @@ ragged batch, and batched IAD equal to batch-1 greedy row by row."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
-from conftest import copy_model, random_src, tiny_model
+from conftest import alone, check_batched_iad, copy_model, invariant_copy, random_src, tiny_model
 from refdec.cache import KVCache
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy
 from refdec.decoding.iad import decode_iad
 from refdec.decoding.verify import verify, verify_rows
 from refdec.kernels import set_row_invariant
-from test_decoding import first_divergence
-
-
-def alone(src: torch.Tensor, b: int) -> torch.Tensor:
-    """Source row b as a batch of one, without padding."""
-    return src[b:b + 1, : max(1, int(src[b].ne(PAD_ID).sum()))]
-
-
-def batch1_greedy(model, src: torch.Tensor, max_len: int) -> list[torch.Tensor]:
-    return [decode_greedy(model, alone(src, b), max_len=max_len).tokens[0] for b in range(src.shape[0])]
-
-
-def assert_rows_equal(got, ref, what: str):
-    assert len(got) == len(ref)
-    for b, (x, y) in enumerate(zip(got, ref)):
-        assert torch.equal(x, y), f"{what}, row {b}: {first_divergence(x, y)}"
-
-
-def invariant_copy(model, dtype):
-    return set_row_invariant(copy.deepcopy(model).to(dtype))
 
 
 # -- the cache --------------------------------------------------------------------------------------
@@ -161,15 +140,6 @@ def test_each_row_is_truncated_by_its_own_rejected_count():
 
 
 # -- batched IAD == batch-1 greedy ---------------------------------------------------------------------
-def check_batched_iad(model, src, max_len, **knobs):
-    ref = batch1_greedy(model, src, max_len)
-    r = decode_iad(model, src, max_len=max_len, trace=True, **knobs)
-    assert_rows_equal(r.tokens, ref, f"B={src.shape[0]} max_len={max_len} {knobs}")
-    singles = [decode_iad(model, alone(src, b), max_len=max_len, **knobs) for b in range(src.shape[0])] if src.shape[0] <= 6 else []
-    if singles:  # each row drafts what it drafts alone, so the batch makes as many calls as its slowest row
-        assert r.stats.verifier_calls == max(s.stats.verifier_calls for s in singles)
-        assert sorted(r.stats.committed) == sorted(a for s in singles for a in s.stats.committed)
-    return r
 
 
 @pytest.mark.parametrize("batch", range(1, 18))

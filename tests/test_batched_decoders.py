@@ -6,12 +6,12 @@ the batched drafter and small-model Follower see nothing of another row or of th
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import copy_model, random_src, tiny_model
+from conftest import (adversarial_drafter, alone, assert_rows_equal, batch1_greedy, copy_model, fake_models,
+                      invariant_copy, ragged_src, random_heads, random_src, tiny_model)
 from refdec.config import BOS_ID, EOS_ID
 from refdec.decoding.bild import decode_bild
 from refdec.decoding.blockwise import decode_blockwise
@@ -22,39 +22,6 @@ from refdec.decoding.pairing import Follower
 from refdec.drafter import Drafter, draft_block, draft_blocks
 from refdec.fuzz import gadpp_rule_at_exact
 from refdec.proposal import ProposalHeads
-from test_batched import alone, assert_rows_equal, batch1_greedy, invariant_copy
-from test_blockwise import random_heads
-
-
-
-def ragged_src(seed: int, batch: int, vocab: int) -> torch.Tensor:
-    """Sources of 0-13 tokens (0: eos alone) for `batch` rows."""
-    return random_src(seed, batch, vocab, min_len=0 if batch > 2 else 1, max_len=13)
-
-
-def adversarial_drafter(refs: list[list[int]], seed: int, vocab: int):
-    """A stand-in for draft_blocks that knows each row's greedy output (refs, eos included) and
-    corrupts it: per row and call, the block is right, right up to one wrong token, all wrong, runs
-    past eos (eos inside the draft) or is empty; lengths vary from row to row."""
-    g = torch.Generator().manual_seed(seed)
-
-    def draft(drafter, memory, cache, sequences, k, layout):
-        out = []
-        for sequence in sequences:
-            j = len(sequence) - 1
-            rows = [r for r in refs if r[:j] == sequence[1:]] or [[5] * (j + k)]  # rows sharing this output so far
-            row = rows[int(torch.randint(0, len(rows), (1,), generator=g))]
-            n = int(torch.randint(0, k + 1, (1,), generator=g))
-            block = (row + [EOS_ID] * (k + 3))[j:j + n]
-            how = int(torch.randint(0, 4, (1,), generator=g))
-            if how == 1 and block:
-                i = int(torch.randint(0, len(block), (1,), generator=g))
-                block[i] = (block[i] + 1) % vocab
-            elif how == 2:
-                block = [(t + 3) % vocab for t in block]
-            out.append(block)
-        return out
-    return draft
 
 
 @pytest.mark.parametrize("batch", range(1, 18))
@@ -331,9 +298,3 @@ def test_batch_tokens_options_are_parsed_planned_and_refused():
         cli.run(cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-tokens", "0"]))
 
 
-def fake_models():
-    """The Models record of a run whose decoder needs no model, only the special ids."""
-    from types import SimpleNamespace
-
-    from refdec.loading import Models
-    return Models(SimpleNamespace(cfg=SimpleNamespace(eos_id=EOS_ID, pad_id=0)), Path("fake.pt"))

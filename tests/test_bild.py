@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import copy_model, random_src, tiny_model
+from conftest import copy_model, first_divergence, random_src, shared_small, tiny_model
 from refdec.decoding import decode_greedy
 from refdec.decoding.bild import decode_bild
 from refdec.decoding.sampling import distribution, nucleus
 from refdec.decoding.speculative import decode_speculative
-from test_decoding import first_divergence
 
 
 def pair(seed: int, vocab: int = 12):
@@ -150,7 +149,7 @@ def test_mismatched_vocabularies_are_refused():
 def test_early_exit_is_the_first_layers_with_the_shared_head():
     """The early-exit small model's cached decoding equals the first layers of the teacher-forced
     model through the shared norm and projection, and BiLD over it falls back to the full model."""
-    from refdec.decoding.adapters import EarlyExit
+    from refdec.adapters import EarlyExit
     m = tiny_model(4, vocab=40, layers=(2, 3))
     small = EarlyExit(m, 1)
     src = random_src(4, 1, 40, min_len=5, max_len=5)
@@ -167,18 +166,6 @@ def test_early_exit_is_the_first_layers_with_the_shared_head():
     assert r.stats.encoder_calls == 1  # the early exit reads the large model's encoder output
     with pytest.raises(ValueError):
         EarlyExit(m, 3)
-
-
-def shared_small(large, seed: int = 7, d_model: int = 16):
-    """A random float64 decoder without an encoder, reading `large`'s encoder states."""
-    torch.manual_seed(seed)
-    from refdec.config import ModelConfig
-    from refdec.decoding.adapters import SharedEncoder
-    from refdec.model import Transformer
-    small = Transformer(ModelConfig(vocab_size=large.cfg.vocab_size, d_model=d_model, n_heads=2, d_ff=2 * d_model,
-                                    enc_layers=0, dec_layers=1, d_memory=large.cfg.d_model, tie_embeddings=False,
-                                    max_positions=large.cfg.max_positions))
-    return SharedEncoder(small.double().eval(), large)
 
 
 def test_shared_encoder_small_model_decodes_like_its_teacher_forced_self():
@@ -221,7 +208,7 @@ def test_bild_and_speculative_with_a_shared_encoder_small_model_are_greedy_of_th
 
 def test_a_shared_encoder_needs_a_decoder_of_the_encoders_width():
     from refdec.config import ModelConfig
-    from refdec.decoding.adapters import SharedEncoder
+    from refdec.adapters import SharedEncoder
     from refdec.model import Transformer
     large = tiny_model(1, vocab=12)
     with pytest.raises(ValueError, match="width"):

@@ -7,21 +7,11 @@ import math
 import pytest
 import torch
 
-from conftest import copy_model, random_src, tiny_model
+from conftest import copy_model, first_divergence, random_heads, random_src, tiny_model
 from refdec.decoding import decode_greedy
 from refdec.decoding.blockwise import accept_rule, decode_blockwise
 from refdec.proposal import ProposalHeads, head_targets
 from refdec.training import smoothed_loss
-from test_decoding import first_divergence
-
-
-def random_heads(model, k: int, seed: int) -> ProposalHeads:
-    torch.manual_seed(seed)
-    h = ProposalHeads(model.cfg.d_model, 16, k)
-    with torch.no_grad():
-        h.w2.weight.normal_(0, 0.5)
-        h.w2.bias.normal_(0, 0.5)
-    return h.double().eval()
 
 
 def constant_model(token: int = 7) -> torch.nn.Module:

@@ -11,37 +11,16 @@ from __future__ import annotations
 
 import builtins
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import run_py, tiny_model
+from conftest import TEXTS, random_checkpoint, run_py
 
-from refdec.checkpoint import load_model, make_checkpoint, save_atomic
+from refdec.checkpoint import load_model
 from refdec.data import source_tensor
 from refdec.decoding import decode_greedy
-from refdec.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # transformers, CTranslate2 and a command in a subprocess
-
-TEXTS = ["the cat sat on the mat", "a dog ran in the park", "der Hund lief im Park", "the park",
-         "a cat", "on the mat the dog sat", "im Park lief der Hund", "the dog ran"]
-
-
-def random_checkpoint(path: Path, seed: int = 0, eos_bias: float = 0.0) -> Path:
-    """A random tied pre-norm refdec model (conftest's tiny_model) on a byte-level tokenizer of TEXTS.
-    Its outputs run to max_len; `eos_bias` adds that much to eos's logit (through the final decoder
-    norm's bias): 14 makes eos the first output token of some sources and not of others."""
-    tok = Tokenizer.train(TEXTS * 5, vocab_size=300, min_frequency=1)
-    model = tiny_model(seed, tok.vocab_size, d_model=16, n_heads=2, tie=True).float()
-    with torch.no_grad():
-        e = model.tgt_embed.weight[tok.eos_id]
-        model.dec_norm.bias += eos_bias * e / e.norm() ** 2
-    path.mkdir(parents=True, exist_ok=True)
-    save_atomic(make_checkpoint(model, "mt-en-de", tok, step=1), path / "model.pt")
-    tok.save(path / "tokenizer.json")
-    return path / "model.pt"
 
 
 @pytest.mark.parametrize("eos_bias", [0.0, 14.0])

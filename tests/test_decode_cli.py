@@ -10,20 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_py
+from conftest import REPO, fake_models, one_line_error, run_py
 
 DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet"]
 
 
 def decode(ckpt, *args, stdin=None):
     return run_py(*DECODE, "--model", str(ckpt / "model.pt"), *args, stdin=stdin)
-
-
-def one_line_error(r) -> str:
-    err = r.stderr.decode().strip()
-    assert r.returncode != 0
-    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err
-    return err
 
 
 @pytest.mark.slow
@@ -135,7 +128,6 @@ def test_edit_ratio_buckets_for_gec():
     from refdec import report, runner
     from refdec.algorithms import ALGORITHMS
     from refdec.tokenizer import Tokenizer
-    from test_batched_decoders import fake_models
     tok = Tokenizer.load(REPO / "checkpoints" / "gec-uk" / "tokenizer.json")
     lines = ["Це речення без помилок.", "Друге речення тут.", "Третє."]
     models = fake_models()
@@ -463,7 +455,6 @@ def test_the_reports_speed_is_the_tables(tmp_path):
     from refdec import report, runner
     from refdec.algorithms import ALGORITHMS
     from refdec.tokenizer import Tokenizer
-    from test_batched_decoders import fake_models
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     lines = ["One line.", "Two lines."]
     runs = [runner.Run(ALGORITHMS[name], {}, fake_models()) for name in ("greedy", "iad", "beam")]

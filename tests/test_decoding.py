@@ -7,24 +7,9 @@ import itertools
 import pytest
 import torch
 
-from conftest import random_src, tiny_model
+from conftest import first_divergence, random_src, tiny_model
 from refdec.config import BOS_ID, EOS_ID
 from refdec.decoding import decode_beam, decode_greedy
-
-
-def first_divergence(a: torch.Tensor, b: torch.Tensor, model=None, src: torch.Tensor | None = None) -> str:
-    """Where greedy's tokens `a` and another decoder's `b` part; given the model and the row's source
-    (1, S), also the model's top-1/top-2 logit margin there (refdec.exactness.divergences): a near-tie
-    or a bug."""
-    n = min(len(a), len(b))
-    pos = next((i for i in range(n) if a[i] != b[i]), n)
-    text = f"first divergence at position {pos}: {a[pos:pos + 3].tolist()} vs {b[pos:pos + 3].tolist()}"
-    if model is not None and src is not None and not torch.equal(a, b):
-        from refdec.exactness import divergences
-        ids = [t for t in src[0].tolist() if t != model.cfg.pad_id][:-1]  # the source without its eos
-        d = divergences(model, [ids], [a], [b], src.device)
-        text += f"; top-1/top-2 logit margin {d[0]['margin_top1_top2']:.3g}" if d else ""
-    return text
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -9,14 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO
-
-
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"refdec_script_{name}", REPO / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import REPO, error_of, script
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +20,6 @@ def decode():
 @pytest.fixture(scope="module")
 def train():
     return script("train")
-
-
-def error_of(main, argv: list[str], capsys, monkeypatch) -> str:
-    """The one line main(argv) prints on stderr, checked to be an error with exit status 2."""
-    monkeypatch.chdir(REPO)
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (code, err)
-    return err
 
 
 def sections(page: str) -> set[str]:
@@ -136,7 +120,7 @@ GEC = ["--algo", "greedy", "--task", "gec-en", "--limit", "2"]
      "is also the drafter (--drafter)"),
     ("ctranslate2", ["--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report",
                      "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
-    ("hf.cli", ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report",
+    ("hfcli", ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report",
                 "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
     ("stepcost", ["--report", "checkpoints/mt-en-de/model.pt"], "is also the model"),
     ("ceiling", ["--task", "mt-en-de", "--report", "data/mt-en-de/test.tgt.gz"], "lies in the data folder"),
@@ -156,7 +140,7 @@ def test_no_command_writes_a_file_it_reads(capsys, monkeypatch, name, argv, need
 
 def test_audit_refuses_a_report_over_its_input(capsys, monkeypatch, tmp_path):
     """Was: `python -m refdec.hf audit --input s.txt --report s.txt` overwrote its input with the report."""
-    from refdec.hf.cli import main
+    from refdec.hfcli import main
     src = tmp_path / "s.txt"
     src.write_text("She go to school.\n", encoding="utf-8")
     err = error_of(main, ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--input",
@@ -188,7 +172,7 @@ def test_distill_refuses_to_write_the_folder_it_adds(capsys, monkeypatch, tmp_pa
 
 def test_hf_export_into_a_file_is_one_line(capsys, monkeypatch, tmp_path):
     """Was: `python -m refdec.hf export ckpt.pt ckpt.pt` exited 1 with NotADirectoryError."""
-    from refdec.hf.cli import main
+    from refdec.hfcli import main
     err = error_of(main, ["export", "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de/model.pt"], capsys, monkeypatch)
     assert err == "error: checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import random_src, tiny_model
+from conftest import first_divergence, random_src, tiny_model
 from refdec.config import BOS_ID, EOS_ID, ModelConfig
 from refdec.decoding import decode_beam, decode_gad, decode_greedy, decode_iad
 from refdec.decoding.blockwise import accept_rule
@@ -19,7 +19,6 @@ from refdec.drafter import Drafter
 from refdec.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
 from refdec.kernels import is_row_invariant, set_row_invariant
 from refdec.model import Transformer, sinusoidal_positions
-from test_decoding import first_divergence
 
 DTYPES = [torch.float32, torch.float64]
 

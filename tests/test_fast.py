@@ -11,22 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import copy_model, random_src, tiny_model
-from refdec.config import BOS_ID, EOS_ID
+from conftest import assert_rows_equal, check_lossless_decoders, random_src, tiny_model
+from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy, decode_iad
-from refdec.decoding import gad as gad_module
-from refdec.decoding.bild import decode_bild
-from refdec.decoding.blockwise import decode_blockwise
-from refdec.decoding.gad import decode_gad
-from refdec.decoding.speculative import decode_speculative
-from refdec.drafter import Drafter
 from refdec.fast import FastTransformer, applies_to, is_fast, set_fast_route
 from refdec.kernels import set_row_invariant
 from refdec.model import Transformer
-from refdec.proposal import ProposalHeads
-from test_batched import assert_rows_equal, batch1_greedy, check_batched_iad
-from test_batched_decoders import adversarial_drafter, ragged_src
-from test_blockwise import random_heads
 
 TOL = 1e-12  # float64: the two routes sum in different orders
 
@@ -145,42 +135,6 @@ def test_teacher_forcing_and_training_use_the_reference_route():
 def test_lossless_decoders_on_the_fast_route_equal_its_greedy(batch, monkeypatch):
     """Guards the fast route under every lossless decoder (check_lossless_decoders)."""
     check_lossless_decoders(fast_copy, batch, monkeypatch)
-
-
-def check_lossless_decoders(route_copy, batch: int, monkeypatch) -> Transformer:
-    """Every lossless decoder on a route (`route_copy(model)`: a copy of the model on it): batched IAD
-    (a copying model: long drafts accepted and rejected), GAD (a real drafter and an adversarial one),
-    blockwise (random heads), speculative (self-drafted and a random small model) and BiLD at its
-    greedy limit, each equal row by row to batch-1 greedy on the same route (float64, torch.equal).
-    Returns the verifier."""
-    copying = route_copy(copy_model())
-    src = random_src(100 + batch, batch, 16, min_len=1, max_len=14)
-    check_batched_iad(copying, src, 30)
-    check_batched_iad(copying, src, 30, max_draft=3, match="longest")
-
-    vocab = 12 if batch % 2 else 40
-    m = route_copy(tiny_model(batch, vocab=vocab))
-    small = route_copy(tiny_model(batch + 100, vocab=vocab, d_model=16, layers=(1, 1)))
-    drafter = Drafter(route_copy(tiny_model(batch + 50, vocab=vocab, layers=(1, 2))), k=1 + batch % 5)
-    src = ragged_src(300 + batch, batch, vocab)
-    for max_len in (25, 4):
-        ref = batch1_greedy(m, src, max_len)
-        what = f"B={batch} max_len={max_len}"
-        assert_rows_equal(decode_greedy(m, src, max_len=max_len).tokens, ref, f"batched greedy {what}")
-        assert_rows_equal(decode_gad(m, drafter, src, max_len=max_len).tokens, ref, f"gad {what}")
-        refs = [t.tolist() + [EOS_ID] for t in ref]
-        with monkeypatch.context() as mp:
-            mp.setattr(gad_module, "draft_blocks", adversarial_drafter(refs, batch + max_len, vocab))
-            assert_rows_equal(decode_gad(m, Drafter(drafter.model, k=6), src, max_len=max_len).tokens, ref,
-                              f"gad adversarial {what}")
-        assert_rows_equal(decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref,
-                          f"blockwise {what}")
-        assert_rows_equal(decode_speculative(m, m, src, max_len=max_len, gamma=4).tokens, ref, f"speculative self {what}")
-        assert_rows_equal(decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref,
-                          f"speculative {what}")
-        assert_rows_equal(decode_bild(m, small, src, max_len=max_len, fallback_threshold=1.5).tokens, ref,
-                          f"bild (large writes) {what}")
-    return m
 
 
 @pytest.mark.parametrize("seed", range(3))

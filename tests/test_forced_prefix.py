@@ -9,13 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import random_src, tiny_model
+from conftest import alone, random_src, tiny_model
 from refdec.config import BOS_ID
 from refdec.decoding import decode_bild, decode_gad, decode_greedy
 from refdec.drafter import Drafter, draft_blocks
 from refdec.kernels import set_row_invariant
 from refdec.model import Transformer
-from test_batched import alone
 
 
 def prefixed(seed: int, prefix: tuple[int, ...], **shape) -> Transformer:

@@ -7,14 +7,13 @@ import math
 import pytest
 import torch
 
-from conftest import random_src, tiny_model
+from conftest import first_divergence, random_src, shared_small, tiny_model
 from refdec.config import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 from refdec.decoding import decode_greedy
 from refdec.decoding.gad import decode_gad, gadpp_rule
 from refdec.decoding import gad as gad_module
 from refdec.drafter import Drafter, block_batch, draft_block, glance, glancing_ratio
 from refdec.fuzz import gadpp_rule_at_exact
-from test_decoding import first_divergence
 
 
 
@@ -180,7 +179,6 @@ def test_gad_with_a_drafter_on_the_verifiers_encoder_is_greedy(seed, layout):
     """A drafter without an encoder of its own (SharedEncoder over the verifier): GAD is still the
     verifier's greedy output, the encoder runs once per batch for both, and what it drafts at decoding
     time is what its training layout computes on the same encoder states."""
-    from test_bild import shared_small
     vocab = 12 if seed % 2 else 40
     verifier = tiny_model(seed, vocab=vocab, layers=(2, 2))
     drafter = shared_small(verifier, seed=seed + 30)

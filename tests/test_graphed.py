@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import REPO, copy_model, random_src, run_py, tiny_model
+from conftest import (REPO, assert_rows_equal, batch1_greedy, check_batched_iad, check_lossless_decoders,
+                      copy_model, random_src, run_py, tiny_model)
 from refdec import graphed
 from refdec.cache import KVCache
 from refdec.config import BOS_ID
@@ -23,8 +24,6 @@ from refdec.decoding import decode_beam, decode_greedy
 from refdec.fast import FastTransformer, set_fast_route
 from refdec.graphed import GraphedTransformer, Replay, StaticKVCache, is_graphed, set_graphed_route
 from refdec.model import Transformer
-from test_batched import assert_rows_equal, batch1_greedy, check_batched_iad
-from test_fast import check_lossless_decoders
 
 TOL = 1e-12  # float64: the routes sum in different orders
 

@@ -16,57 +16,20 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # transformers, subprocess runs
 
-from conftest import run_py  # noqa: E402
+from conftest import error_of, one_line_error, run_py, script  # noqa: E402
+from hf_helpers import LANGS, WORDS, m2m_folder, sources  # noqa: E402
 
 from refdec import hf  # noqa: E402
-from refdec.hf.cli import main as hf_main  # noqa: E402
 from refdec.checkpoint import make_checkpoint, save_atomic  # noqa: E402
 from refdec.config import ModelConfig  # noqa: E402
 from refdec.decoding import decode_beam, decode_greedy, decode_iad, decode_speculative  # noqa: E402
+from refdec.hfcli import main as hf_main  # noqa: E402
 from refdec.model import Transformer  # noqa: E402
 from refdec.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # transformers models and commands
 
 transformers.logging.set_verbosity_error()
-WORDS = [f"w{i}" for i in range(40)]
-LANGS = ["__en__", "__de__"]
-
-
-def word_tokenizer_json() -> str:
-    """An M2M100-like vocabulary: <s> 0, <pad> 1, </s> 2, <unk> 3, words, then language codes."""
-    from tokenizers import Tokenizer as Tok
-    from tokenizers import models, pre_tokenizers, decoders
-    vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>"] + WORDS)}
-    tok = Tok(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>"] + LANGS)
-    return tok.to_str()
-
-
-def m2m_folder(path: Path, seed: int = 0, **over) -> Path:
-    """A random M2M100 model (every weight perturbed: biases and norms are not their trivial init) saved
-    by transformers, with a word-level tokenizer.json."""
-    torch.manual_seed(seed)
-    fields = dict(vocab_size=4 + len(WORDS) + len(LANGS), d_model=16, encoder_layers=2, decoder_layers=2,
-                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
-                  max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-                  scale_embedding=True, activation_function="relu")
-    fields.update(over)
-    model = transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(**fields))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path)
-    (path / "tokenizer.json").write_text(word_tokenizer_json(), encoding="utf-8")
-    return path
-
-
-def sources(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 4 + len(WORDS), (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -218,12 +181,6 @@ def test_core_library_imports_without_transformers():
     assert r.returncode == 0 and "needs the transformers package" in r.stdout.decode(), r.stderr.decode()
 
 
-def one_line_error(r) -> str:
-    err = r.stderr.decode().strip()
-    assert r.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err
-    return err
-
-
 def test_unsupported_architecture_and_missing_files(tmp_path, folder):
     bad = tmp_path / "bart"
     bad.mkdir()
@@ -298,7 +255,6 @@ def test_a_second_model_a_folder_does_not_bring_is_asked_for(folder, tmp_path, c
     """Case: `decode.py --model FOLDER --input s.txt --algo gad` (bild, speculative, --compare gad) exited 1
     with `TypeError: replace() argument 1 must be str, not None`: without --task there is no shipped
     second model to default to. One line now names the model the algorithm needs and its flag."""
-    from test_error_messages import error_of, script
     (tmp_path / "s.txt").write_text("w1 w2 w3\n", encoding="utf-8")
     err = error_of(script("decode").main, ["--model", str(folder), "--input", str(tmp_path / "s.txt"), *argv],
                    capsys, monkeypatch)

@@ -19,8 +19,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # transformers, subprocess runs
 
-from conftest import run_py  # noqa: E402
-from test_hf import LANGS, WORDS, m2m_folder, one_line_error, sources, word_tokenizer_json  # noqa: E402
+from conftest import one_line_error, run_py  # noqa: E402
+from hf_helpers import LANGS, WORDS, m2m_folder, sources, word_tokenizer_json  # noqa: E402
 
 from refdec import hf  # noqa: E402
 from refdec.decoding import decode_beam, decode_bild, decode_greedy, decode_iad, decode_speculative  # noqa: E402
@@ -219,7 +219,7 @@ def test_audit_on_a_family_pair(family, folders, tmp_path, capsys):
     """python -m refdec.hf audit on a folder pair and a text file: refdec greedy, IAD and speculative,
     transformers' greedy, beam-free assisted generation and prompt lookup; refdec's lossless decoders
     and transformers' greedy identical to refdec greedy, differing lines reported with a margin."""
-    from refdec.hf.cli import main as hf_main
+    from refdec.hfcli import main as hf_main
     large, small = folders(family)
     (tmp_path / "in.txt").write_text("\n".join(" ".join(WORDS[t - 4] for t in s) for s in sources(4, seed=8)) + "\n")
     assert hf_main(["audit", "--model", str(large), "--small", str(small), "--input", str(tmp_path / "in.txt"),

@@ -7,12 +7,11 @@ import itertools
 import pytest
 import torch
 
-from conftest import copy_model, random_src, rewrite_target, tiny_model
+from conftest import copy_model, first_divergence, random_src, rewrite_target, tiny_model
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy
 from refdec.decoding.iad import MATCH_POLICIES, find_match, decode_iad
 from refdec.decoding.verify import verify
-from test_decoding import first_divergence
 
 SETTINGS = list(itertools.product(MATCH_POLICIES, (0, 1, 3), (0, 2)))  # match, max_draft, max_suffix
 

@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from conftest import copy_model, random_src, tiny_model
+from conftest import (TEXTS, adversarial_drafter, assert_rows_equal, batch1_greedy, check_batched_iad, copy_model,
+                      ragged_src, random_checkpoint, random_heads, random_src, tiny_model)
 from refdec import int8
 from refdec.config import BOS_ID, EOS_ID
 from refdec.decoding import decode_greedy, decode_iad
@@ -27,9 +28,6 @@ from refdec.fast import set_fast_route
 from refdec.int8 import QuantizedWeight, is_int8, set_int8_route
 from refdec.kernels import set_row_invariant
 from refdec.plan import parse_compare
-from test_batched import assert_rows_equal, batch1_greedy, check_batched_iad
-from test_batched_decoders import adversarial_drafter, ragged_src
-from test_blockwise import random_heads
 
 ROUTES = ["reference", "fast"]
 
@@ -224,7 +222,6 @@ def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, caps
     checked against int8 greedy), int8 greedy checked against float greedy line by line, and
     --int8 puts every run on the route."""
     import decode
-    from test_ctranslate2 import TEXTS, random_checkpoint
     ckpt = random_checkpoint(tmp_path / "ckpt")
     (tmp_path / "in.txt").write_text("\n".join(TEXTS[:4]) + "\n", encoding="utf-8")
     common = ["--task", "mt-en-de", "--model", str(ckpt), "--input", str(tmp_path / "in.txt"), "--max-len", "12",

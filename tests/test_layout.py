@@ -1,6 +1,8 @@
 """The shape of the code a learner reads: refdec's modules import each other in layers (no cycle,
-function-local imports included), model.py stays the paper's Transformer at a readable length, and
-no function or class grows past what one reading holds. Parses the sources; a fraction of a second."""
+function-local imports included, and none running back up from the model's layer to the decoders,
+the runner, reporting, the commands or the transformers package), model.py stays the paper's Transformer
+at a readable length, and no function or class grows past what one reading holds. Parses the sources;
+a fraction of a second."""
 
 from __future__ import annotations
 
@@ -37,19 +39,77 @@ def imports_of(path, modules: set[str]) -> set[str]:
     return found - {name}
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Each refdec module -> the refdec modules it imports. Importing `refdec.decoding.verify` from
+    outside refdec/decoding/ runs the package's __init__ too (which imports every decoder): an edge to
+    `refdec.decoding` as well."""
+    paths = [p for p in SOURCES if module_name(p).startswith("refdec")]
+    modules = {module_name(p) for p in paths}
+    graph = {module_name(p): imports_of(p, modules) for p in paths}
+    for m, targets in graph.items():
+        for t in list(targets):
+            parts = t.split(".")
+            targets |= {p for p in (".".join(parts[:i]) for i in range(2, len(parts)))
+                        if p in modules and not (m + ".").startswith(p + ".")}
+    return graph
+
+
+def layers(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor: 0 for a module importing no other refdec module, else one above the highest
+    module it imports (the graph has no cycle: the test below)."""
+    floor: dict[str, int] = {}
+
+    def of(m: str) -> int:
+        if m not in floor:
+            floor[m] = -1  # on the way down: met again only through an import cycle
+            floor[m] = 1 + max((of(d) for d in graph[m]), default=-1)
+        assert floor[m] >= 0, f"import cycle through {m}"
+        return floor[m]
+
+    for m in graph:
+        of(m)
+    return floor
+
+
+def reached(graph: dict[str, set[str]], m: str) -> dict[str, list[str]]:
+    """Every module `m` imports, directly or through others -> one chain of imports leading to it."""
+    chains = {m: [m]}
+    todo = [m]
+    while todo:
+        x = todo.pop()
+        for d in sorted(graph[x]):
+            if d not in chains:
+                chains[d] = chains[x] + [d]
+                todo.append(d)
+    del chains[m]
+    return chains
+
+
+# The model's layer: the Transformer, its cache and kernels, checkpoints, tokenizer, data, the one-line
+# errors. None of them may import (directly, function-locally or through another module) the layers above.
+MODEL_LAYER = ["refdec." + m for m in (
+    "config", "errors", "model", "cache", "kernels", "forced", "positions", "variants", "adapters", "checkpoint",
+    "tokenizer", "data", "repo", "hints", "machine", "inputs", "interrupt", "progress", "metrics", "exactness",
+    "trace", "drafter", "proposal")]
+COMMANDS = ["refdec." + m for m in (
+    "bench", "ceiling", "ctranslate2", "distill", "fuzz", "hfaudit", "hfcli", "int8bench", "stepcost",
+    "train_drafters")]
+ABOVE_THE_MODEL = ("refdec.decoding", "refdec.runner", "refdec.report", "refdec.htmlreport", "refdec.loading",
+                   "refdec.algorithms", "refdec.plan", "refdec.hf", "refdec.training", *COMMANDS)
+SPEED_ROUTES = ("refdec.fast", "refdec.graphed", "refdec.int8")
+
+
 def test_no_import_cycle_among_refdecs_modules():
     """Case: runner and htmlreport imported each other, and loading -> hf -> runner -> loading ran in a
     circle through function-local imports; the layers are errors/machine, inputs/exactness, the
     registry/plan/loading, the runner, reporting."""
-    paths = [p for p in SOURCES if module_name(p).startswith("refdec")]
-    modules = {module_name(p) for p in paths}
-    graph = {module_name(p): imports_of(p, modules) for p in paths}
+    graph = import_graph()
     state: dict[str, int] = {}  # 1 on the current path, 2 finished
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = 1
         for d in sorted(graph[m]):
-            assert state.get(d) != 1, "import cycle: " + " -> ".join(path[path.index(d):] + [m, d])
+            assert state.get(d) != 1, "import cycle: " + " -> ".join((path + [m])[(path + [m]).index(d):] + [d])
             if d not in state:
                 visit(d, path + [m])
         state[m] = 2
@@ -57,6 +117,61 @@ def test_no_import_cycle_among_refdecs_modules():
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+def test_no_import_runs_back_up_from_the_models_layer():
+    """Case: checkpoint.py imported decoding.adapters, which loads all seven decoders, so loading a
+    checkpoint stood above the decoders it feeds (the adapters now sit beside the model). Each module's
+    floor is derived from the import graph; every module of the model's layer stands below every
+    decoder, the runner, reporting, loading, the registry, the transformers package and the commands,
+    and imports none of them, directly or through another module."""
+    graph = import_graph()
+    assert set(MODEL_LAYER) <= set(graph) and set(COMMANDS) <= set(graph)
+    upward = [f"{m} reaches {d}: " + " -> ".join(chain)
+              for m in MODEL_LAYER for d, chain in reached(graph, m).items() if d.startswith(ABOVE_THE_MODEL)]
+    assert not upward, upward
+    floor = layers(graph)
+    above = [m for m in graph if m.startswith(ABOVE_THE_MODEL)]
+    assert max(floor[m] for m in MODEL_LAYER) < max(floor[m] for m in above)
+
+
+def test_no_package_and_the_modules_around_it_import_each_other():
+    """Case: loading.py read transformers folders with refdec.hf, whose audit stood on the runner and on
+    loading: drawn with each package (decoding, training, hf) as one box, an import ran back up. The
+    audit and its command now stand beside the other commands. A package's __main__ is its command
+    line, a script on top like decode.py, not a part of the box."""
+    def box(m: str) -> str:
+        return m if m.endswith(".__main__") else ".".join(m.split(".")[:2])
+
+    boxes: dict[str, set[str]] = {}
+    for m, targets in import_graph().items():
+        boxes.setdefault(box(m), set()).update(box(t) for t in targets if box(t) != box(m))
+    circles = [" -> ".join(chain + [b]) for b in sorted(boxes)
+               for d, chain in reached(boxes, b).items() if b in boxes[d]]
+    assert not circles, circles
+
+
+def test_model_py_imports_no_speed_route_but_int8_through_kernels():
+    """model.py imports no route directly; kernels.py, whose Linear and vocabulary projection model.py
+    builds on, switches to the int8 products of refdec.int8 (the compute modes still live in kernels.py
+    and model.py's attend). fast and graphed are out of its reach; when the compute modes move beside
+    the routes, int8 leaves this set too."""
+    graph = import_graph()
+    assert not graph["refdec.model"] & set(SPEED_ROUTES)
+    assert set(reached(graph, "refdec.model")) & set(SPEED_ROUTES) == {"refdec.int8"}
+
+
+def test_no_test_module_imports_another():
+    """Case: eight test modules imported helpers from other test files (`from test_batched import ...`),
+    so running one file ran another's imports and a helper's home depended on who wrote it first. What
+    several modules share lives in conftest.py, or hf_helpers.py when it needs transformers."""
+    borrowed = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            borrowed += [f"{path.name}:{node.lineno} {n}" for n in names if n.startswith("test_")]
+    assert not borrowed, borrowed
 
 
 def test_model_py_is_short_and_no_function_or_class_outgrows_a_reading():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_py
+from conftest import REPO, fake_models, run_py
 
 TINY = ["train.py", "--preset", "tiny", "--train-limit", "400", "--threads", "1", "--dev-limit", "16"]
 DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet"]
@@ -425,7 +425,6 @@ def test_warm_up_is_a_few_sentences_whatever_the_batch_size():
     from refdec import runner
     from refdec.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
-    from test_batched_decoders import fake_models
     seen = []
 
     def fake(model, src, *, max_len, trace=False):

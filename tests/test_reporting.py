@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, run_py
+from conftest import REPO, fake_models, run_py
 
 
 class BusyMachine:
@@ -82,7 +82,6 @@ def test_the_busy_warning_names_the_threads_that_fit():
 def fake_run(name: str = "greedy", outputs: list | None = None):
     from refdec.algorithms import ALGORITHMS
     from refdec.runner import Run
-    from test_batched_decoders import fake_models
     run = Run(ALGORITHMS[name], {}, fake_models())
     run.outputs = outputs or []
     return run

@@ -413,7 +413,7 @@ def test_drafter_dev_figure_is_gads_tokens_per_call_with_its_verifier(tmp_path):
     (whose encoder the drafter reads) on the first speed_sentences dev sentences, as GAD one
     sentence at a time gives it."""
     from refdec.config import PRESETS
-    from refdec.decoding.adapters import SharedEncoder
+    from refdec.adapters import SharedEncoder
     from refdec.decoding.gad import decode_gad
     from refdec.drafter import Drafter
     from refdec.training import build_model, build_objective

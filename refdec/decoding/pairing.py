@@ -3,14 +3,14 @@ GAD's block drafter all run beside the model whose output is produced, and share
 
 - `check_pair`: the second model must speak the verifier's vocabulary and be in eval mode.
 - `shares_encoder`, `encoder_passes`, `small_memory`: a second model that reads the verifier's
-  encoder (an early exit, `refdec.decoding.adapters.EarlyExit`; a decoder on a frozen encoder,
-  `refdec.decoding.adapters.SharedEncoder`) takes its memory from the verifier's encoder pass, so the encoder
+  encoder (an early exit, `refdec.adapters.EarlyExit`; a decoder on a frozen encoder,
+  `refdec.adapters.SharedEncoder`) takes its memory from the verifier's encoder pass, so the encoder
   runs once per batch for both; any other model encodes the source itself.
 - `Follower`: the second model's KV cache kept in step with what the verifier committed, cut back
   to the first changed token after a rollback or a rejected draft.
 
 `SecondModel` names what a decoder asks of a second model; a Transformer, an EarlyExit and a
-SharedEncoder all provide it (the adapters in refdec.model).
+SharedEncoder all provide it (refdec.adapters).
 """
 
 from __future__ import annotations

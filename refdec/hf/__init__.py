@@ -1,4 +1,4 @@
-"""Hugging Face transformers interoperability: import a model folder, export a checkpoint, audit.
+"""Hugging Face transformers interoperability: import a model folder, export a checkpoint.
 
 Everything that touches transformers lives in this package, and transformers is imported only
 inside the functions that need it: the rest of refdec imports and runs without it.
@@ -13,8 +13,10 @@ inside the functions that need it: the rest of refdec imports and runs without i
     importing.py  a folder -> (Transformer, Tokenizer): the family's mapping applied, its tokenizer read
     compare.py    transformers' model, generate and logits beside refdec's on the same weights
     export.py     a refdec checkpoint -> a Pegasus or M2M100 folder, checked by loading it back
-    audit.py      refdec's and transformers' decoders on the same weights, line by line
-    cli.py        the command line (python -m refdec.hf)
+
+The audit (refdec.hfaudit) and the command line (refdec.hfcli, run by this package's __main__) stand
+on the runner, which stands on refdec.loading, which reads folders with this package: they live
+beside the other commands, above it.
 """
 
 from .common import LOGIT_TOLERANCE, HFError, is_hf_folder, read_weights

@@ -1,7 +1,7 @@
-"""python -m refdec.hf export CKPT OUT_DIR | audit ... (refdec.hf.cli)"""
+"""python -m refdec.hf export CKPT OUT_DIR | audit ... (refdec.hfcli)"""
 
 import sys
 
-from .cli import main
+from ..hfcli import main
 
 sys.exit(main())

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import data as data_mod
+from ..adapters import SharedEncoder
 from ..checkpoint import average_states, file_sha256, load_checkpoint, referenced_file
 from ..config import ModelConfig, TrainConfig
-from ..decoding.adapters import SharedEncoder
 from ..decoding.blockwise import decode_blockwise
 from ..decoding.gad import decode_gad
 from ..decoding.greedy import decode_greedy

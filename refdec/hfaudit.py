@@ -1,4 +1,6 @@
-"""refdec's and transformers' decoders on the same weights and inputs, line by line.
+"""python -m refdec.hf audit: refdec's and transformers' decoders on the same weights and inputs, line by
+line. It stands on refdec.hf (import, export, transformers beside refdec) and on the runner it times with,
+so it lives beside the other commands, not in refdec.hf, which refdec.loading reads folders from.
 
 Audit: refdec greedy, refdec IAD (GEC tasks, and a transformers folder's own --input) and speculative
 decoding (with --small), transformers' greedy generate, assisted generation (the small model as
@@ -18,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from ..algorithms import Algorithm
-from ..checkpoint import load_model
-from ..data import source_rows
-from ..decoding.result import DecodeResult, DecodeStats, result_of
-from .common import HFError, first_line, is_hf_folder, require_transformers
-from .compare import hf_from_pretrained, hf_generate
-from .export import write_folder
-from .importing import load_folder
+from .algorithms import Algorithm
+from .checkpoint import load_model
+from .data import source_rows
+from .decoding.result import DecodeResult, DecodeStats, result_of
+from .hf.common import HFError, first_line, is_hf_folder, require_transformers
+from .hf.compare import hf_from_pretrained, hf_generate
+from .hf.export import write_folder
+from .hf.importing import load_folder
 
 
 def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name: str, device="cpu"):
@@ -39,8 +41,8 @@ def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name:
 
 
 def audit(args) -> dict:
-    from ..data import read_lines
-    from ..repo import repo_file
+    from .data import read_lines
+    from .repo import repo_file
 
     torch.set_num_threads(args.threads)
     if args.input:  # a file of the user's (a transformers folder needs no task)
@@ -82,9 +84,9 @@ def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
     copies (refdec.fast, refdec.graphed), so that each route's decoders are rows of the one audit."""
     import copy
 
-    from ..fast import set_fast_route
-    from ..graphed import set_graphed_route
-    from ..loading import Models
+    from .fast import set_fast_route
+    from .graphed import set_graphed_route
+    from .loading import Models
     out = []
     for route in routes:
         if route == "reference":
@@ -99,14 +101,14 @@ def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
 
 
 def _audit(args, lines: list[str], tmp: Path) -> dict:
-    from .. import inputs
-    from ..algorithms import ALGORITHMS
-    from ..data import TASKS
-    from ..exactness import divergences
-    from ..inputs import shown_path
-    from ..machine import device_name
-    from ..loading import Models
-    from ..runner import Run, decode_lines
+    from . import inputs
+    from .algorithms import ALGORITHMS
+    from .data import TASKS
+    from .exactness import divergences
+    from .inputs import shown_path
+    from .machine import device_name
+    from .loading import Models
+    from .runner import Run, decode_lines
 
     device = getattr(args, "device", "cpu")
     model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,

@@ -1,4 +1,4 @@
-"""python -m refdec.hf export|audit"""
+"""python -m refdec.hf export|audit: the command over refdec.hf (its export) and refdec.hfaudit"""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
-from ..errors import run_command
-from ..inputs import check_outputs, checkpoint_files, input_files
-from ..machine import check_device
-from .audit import audit, audit_table
-from .common import HFError, is_hf_folder
-from .export import export
+from .errors import run_command
+from .hf.common import HFError, is_hf_folder
+from .hf.export import export
+from .hfaudit import audit, audit_table
+from .inputs import check_outputs, checkpoint_files, input_files
+from .machine import check_device
 
 
 def build_parser() -> argparse.ArgumentParser:
