@@ -169,9 +169,10 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
     def advance() -> None:  # hand over every line up to the first one not done, the empty ones too
         nonlocal complete
         while complete < len(ids) and done[complete]:
-            if on_line is not None:
-                on_line(complete, runs[0].outputs[complete])
-            complete += 1
+            with sigint_deferred():  # the line written and counted together: a Ctrl-C or SIGTERM falls before or after both
+                if on_line is not None:
+                    on_line(complete, runs[0].outputs[complete])
+                complete += 1
 
     try:
         for c in chunks[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept

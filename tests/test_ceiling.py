@@ -7,7 +7,6 @@ import json
 import random
 
 import pytest
-import torch
 
 from conftest import random_src, tiny_model
 from refdec.ceiling import greedy_output, main, scripted_draft, scripted_gad

@@ -526,3 +526,36 @@ def test_decode_given_no_thread_count_leaves_the_busy_core(trained_tiny, tmp_pat
     environment = json.loads(rep.read_text())["environment"]
     assert environment["threads"] == int(note[1]) < usable_cores() and environment["threads_auto"] is True
     assert environment["other_busy_cores_at_start"] >= 0.5
+
+
+
+def test_a_line_handed_over_is_a_line_counted_whenever_the_signal_lands():
+    """Case: SIGTERM that arrived while a finished line was being written was delivered as the write
+    ended, before the line was counted: the output file held 11 lines and the warning, table and
+    report said 10. decode_lines now writes and counts a line with the signals held back together,
+    so the count it returns is the lines written."""
+    from refdec import runner
+    from refdec.algorithms import Algorithm
+    from refdec.decoding import DecodeResult, DecodeStats
+    from refdec.interrupt import hold_sigint, release_sigint
+
+    def decode(model, src, *, max_len, trace=False):
+        return DecodeResult([torch.tensor([7, 2])] * src.shape[0], DecodeStats(sentences=src.shape[0]))
+
+    handed = []
+
+    def on_line(i, tokens):
+        handed.append(i)
+        if i == 2:  # the signal lands while line 2 is handed over
+            signal.raise_signal(signal.SIGTERM)
+
+    run = runner.Run(Algorithm("fake", decode, "fake"), {}, fake_models(), batch_size=1)
+    hold_sigint(sigterm=True)
+    release_sigint()  # SIGTERM now raises KeyboardInterrupt where it is delivered, as in decode.py
+    try:
+        done = runner.decode_lines([run], [[5, 6]] * 6, max_len=4, max_positions=64, device="cpu", warmup=0,
+                                   progress=False, on_line=on_line)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert handed == [0, 1, 2] and done == 3
