@@ -144,15 +144,20 @@ def route_name(args) -> str:
     return "graphed" if args.graphed else "fast" if args.fast else "reference"
 
 
+def drafter_file(args) -> Path | None:
+    """The drafter the run reads: --drafter, or the task's shipped one where it exists; None (free
+    drafts only) with --drafter none or no shipped drafter."""
+    shipped = data_mod.REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
+    if args.drafter == "none" or (args.drafter is None and not shipped.exists()):
+        return None
+    return Path(args.drafter) if args.drafter else shipped
+
+
 def load_models(args, path: Path) -> dict:
     """The verifier (`model`, with its `tokenizer`), the drafter (None for free drafts only; `spec`:
     its layout), the small model (or None) and the test `split`; CheckpointError, FileNotFoundError
     or ValueError on a file that cannot serve."""
-    shipped_drafter = data_mod.REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
-    if args.drafter == "none" or (args.drafter is None and not shipped_drafter.exists()):
-        drafter_path = None  # free drafts only
-    else:
-        drafter_path = Path(args.drafter) if args.drafter else shipped_drafter
+    drafter_path = drafter_file(args)
     model, tokenizer, _ = load_model(path, task=args.task, device=args.device)
     drafter, spec = None, {}
     if drafter_path is not None:
@@ -221,10 +226,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
     repo_file("data", args.task)  # its test set: the repository's
-    shipped_drafter = data_mod.REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
-    drafter = None if args.drafter == "none" else args.drafter or shipped_drafter
     check_outputs({"--report": args.report}, input_files(args.task, None) | checkpoint_files("the model", path)
-                  | checkpoint_files("the drafter", drafter) | checkpoint_files("--small", args.small))
+                  | checkpoint_files("the drafter", drafter_file(args)) | checkpoint_files("--small", args.small))
     try:
         m = load_models(args, path)
     except ValueError as e:
