@@ -20,7 +20,7 @@ from refdec.decoding import gad as gad_module
 from refdec.decoding.speculative import decode_speculative
 from refdec.decoding.pairing import Follower
 from refdec.drafter import Drafter, draft_block, draft_blocks
-from refdec.fuzz import gadpp_rule_at_exact
+from refdec.commands.fuzz import gadpp_rule_at_exact
 from refdec.proposal import ProposalHeads
 
 

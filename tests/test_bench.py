@@ -15,7 +15,8 @@ import torch
 
 from conftest import REPO
 
-from refdec import bench, machine
+from refdec import machine
+from refdec.commands import bench
 
 
 def listed(capsys, *args: str) -> tuple[list[str], str]:
@@ -36,7 +37,7 @@ def test_files_lists_repository_files_within_the_copys_limit(capsys):
         total += full.stat().st_size
     assert total <= 62 * 2**20 and f"{len(paths)} files" in err and "MiB" in err
     assert len(set(paths)) == len(paths)
-    for needed in ("refdec/bench.py", "refdec/graphed.py", "refdec/hfaudit.py", "data/build.py",
+    for needed in ("refdec/commands/bench.py", "refdec/graphed.py", "refdec/commands/hfaudit.py", "data/build.py",
                    "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de-drafter/tokenizer.json",
                    "checkpoints/gec-uk-6x6/model.pt", "data/gec-uk/test.tgt2.gz", "data/mt-en-de/test.src.gz"):
         assert needed in paths, needed
@@ -63,8 +64,8 @@ def test_bench_refuses_bad_options_in_one_line(args, needle, capsys):
 
 
 def commands():
-    from refdec import ceiling, distill, fuzz, stepcost
-    from refdec import hfcli as hf_cli
+    from refdec.commands import ceiling, distill, fuzz, stepcost
+    from refdec.commands import hfcli as hf_cli
     return {"stepcost": (stepcost.main, []), "ceiling": (ceiling.main, []), "fuzz": (fuzz.main, []),
             "distill": (distill.main, ["--task", "mt-en-de", "--out", "unused"]),
             "hf audit": (hf_cli.main, ["audit", "--task", "mt-en-de", "--model", "unused"]),
@@ -129,7 +130,7 @@ def test_clock_waits_for_the_gpu_and_not_for_the_cpu(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("route", ["fast", "graphed"])
 def test_ceiling_runs_its_models_on_a_route(route, trained_tiny, tmp_path):
-    from refdec.ceiling import main
+    from refdec.commands.ceiling import main
     rep = tmp_path / "ceiling.json"
     assert main(["--model", str(trained_tiny / "model.pt"), "--drafter", "none", "--limit", "2", "--warmup", "0",
                  "--k", "3", "--threads", "1", f"--{route}", "--device", "cpu", "--report", str(rep)]) == 0

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # transformers, CTranslate2 and a command in a su
 def test_converted_model_greedy_equals_refdec_greedy_in_float32(tmp_path, eos_bias):
     ctranslate2 = pytest.importorskip("ctranslate2")
     pytest.importorskip("transformers")
-    from refdec import ctranslate2 as ct2
+    from refdec.commands import ctranslate2 as ct2
     ckpt = random_checkpoint(tmp_path / "ckpt", eos_bias=eos_bias)
     model, tok, _ = load_model(ckpt)
     folder, conversion = ct2.convert(ckpt, model, tok, tmp_path / "cache")
@@ -103,7 +103,7 @@ def test_command_writes_report(tmp_path):
 
 
 def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
-    from refdec import ctranslate2 as ct2
+    from refdec.commands import ctranslate2 as ct2
     real_import = builtins.__import__
 
     def no_ctranslate2(name, *args, **kwargs):
@@ -124,7 +124,7 @@ def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
     (["--limit", "0"], "error: --limit must be at least 1"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
-    from refdec import ctranslate2 as ct2
+    from refdec.commands import ctranslate2 as ct2
     code = ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), "--cache-dir", str(tmp_path), *flags])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith(message)
@@ -133,7 +133,7 @@ def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
 @pytest.mark.parametrize("flags, message", [(["--iad", "--max-draft", "4,-1"], "give numbers of at least 0"),
                                             (["--batch-tokens", "0"], "give numbers of at least 1")])
 def test_bad_lists_are_refused_by_the_parser(tmp_path, capsys, flags, message):
-    from refdec import ctranslate2 as ct2
+    from refdec.commands import ctranslate2 as ct2
     with pytest.raises(SystemExit) as stop:
         ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err

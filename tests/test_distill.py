@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_py
 from refdec.data import load_split
-from refdec.distill import distill, write_gz
+from refdec.commands.distill import distill, write_gz
 
 pytestmark = pytest.mark.slow  # every test trains a tiny model and runs the distill command
 

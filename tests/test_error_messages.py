@@ -102,10 +102,10 @@ def test_every_command_loading_a_checkpoint_points_a_folder_at_its_model_pt(tmp_
 # -- no run writes a file it reads -------------------------------------------------------------
 
 def command(name: str):
-    """A command's main(argv): decode.py's, or a library module's (`python -m refdec.NAME`)."""
+    """A command's main(argv): decode.py's, or one of refdec.commands (`python -m refdec.NAME`)."""
     if name == "decode":
         return script("decode").main
-    return importlib.import_module(f"refdec.{name}").main
+    return importlib.import_module(f"refdec.commands.{name}").main
 
 
 GEC = ["--algo", "greedy", "--task", "gec-en", "--limit", "2"]
@@ -140,7 +140,7 @@ def test_no_command_writes_a_file_it_reads(capsys, monkeypatch, name, argv, need
 
 def test_audit_refuses_a_report_over_its_input(capsys, monkeypatch, tmp_path):
     """Was: `python -m refdec.hf audit --input s.txt --report s.txt` overwrote its input with the report."""
-    from refdec.hfcli import main
+    from refdec.commands.hfcli import main
     src = tmp_path / "s.txt"
     src.write_text("She go to school.\n", encoding="utf-8")
     err = error_of(main, ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--input",
@@ -162,7 +162,7 @@ def test_one_file_under_two_names_is_caught(decode, capsys, monkeypatch, tmp_pat
 
 def test_distill_refuses_to_write_the_folder_it_adds(capsys, monkeypatch, tmp_path):
     """--add X --out X would overwrite the training pairs it reads, as --out data overwrites the shipped ones."""
-    from refdec.distill import main
+    from refdec.commands.distill import main
     (tmp_path / "x" / "mt-en-de").mkdir(parents=True)
     (tmp_path / "x" / "mt-en-de" / "train.src.gz").write_bytes(b"")
     err = error_of(main, ["--task", "mt-en-de", "--threads", "1", "--out", str(tmp_path / "x"), "--add",
@@ -172,7 +172,7 @@ def test_distill_refuses_to_write_the_folder_it_adds(capsys, monkeypatch, tmp_pa
 
 def test_hf_export_into_a_file_is_one_line(capsys, monkeypatch, tmp_path):
     """Was: `python -m refdec.hf export ckpt.pt ckpt.pt` exited 1 with NotADirectoryError."""
-    from refdec.hfcli import main
+    from refdec.commands.hfcli import main
     err = error_of(main, ["export", "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de/model.pt"], capsys, monkeypatch)
     assert err == "error: checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
 

@@ -16,7 +16,7 @@ from refdec.decoding import gad as gad_module
 from refdec.decoding.gad import gadpp_rule
 from refdec.decoding.ties import best_candidates, rank
 from refdec.drafter import Drafter
-from refdec.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
+from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
 from refdec.kernels import is_row_invariant, set_row_invariant
 from refdec.model import Transformer, sinusoidal_positions
 

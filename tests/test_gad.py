@@ -13,7 +13,7 @@ from refdec.decoding import decode_greedy
 from refdec.decoding.gad import decode_gad, gadpp_rule
 from refdec.decoding import gad as gad_module
 from refdec.drafter import Drafter, block_batch, draft_block, glance, glancing_ratio
-from refdec.fuzz import gadpp_rule_at_exact
+from refdec.commands.fuzz import gadpp_rule_at_exact
 
 
 

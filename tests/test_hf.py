@@ -23,7 +23,7 @@ from refdec import hf  # noqa: E402
 from refdec.checkpoint import make_checkpoint, save_atomic  # noqa: E402
 from refdec.config import ModelConfig  # noqa: E402
 from refdec.decoding import decode_beam, decode_greedy, decode_iad, decode_speculative  # noqa: E402
-from refdec.hfcli import main as hf_main  # noqa: E402
+from refdec.commands.hfcli import main as hf_main  # noqa: E402
 from refdec.model import Transformer  # noqa: E402
 from refdec.tokenizer import Tokenizer  # noqa: E402
 

@@ -219,7 +219,7 @@ def test_audit_on_a_family_pair(family, folders, tmp_path, capsys):
     """python -m refdec.hf audit on a folder pair and a text file: refdec greedy, IAD and speculative,
     transformers' greedy, beam-free assisted generation and prompt lookup; refdec's lossless decoders
     and transformers' greedy identical to refdec greedy, differing lines reported with a margin."""
-    from refdec.hfcli import main as hf_main
+    from refdec.commands.hfcli import main as hf_main
     large, small = folders(family)
     (tmp_path / "in.txt").write_text("\n".join(" ".join(WORDS[t - 4] for t in s) for s in sources(4, seed=8)) + "\n")
     assert hf_main(["audit", "--model", str(large), "--small", str(small), "--input", str(tmp_path / "in.txt"),

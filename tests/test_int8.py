@@ -243,7 +243,7 @@ def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, caps
 def test_int8bench_finds_the_routes_product_row_invariant():
     """python -m refdec.int8bench's figures on a tiny model's shapes: every candidate timed at each row
     count, and the route's per-row product the same for row 0 alone and within more rows."""
-    from refdec.int8bench import measure, table
+    from refdec.commands.int8bench import measure, table
     results = measure(tiny_model(25), [1, 5], rounds=1, reps=1)
     assert {r["candidate"] for r in results} == {"float32", "weight-only", "per-tensor", "per-row"}
     assert all(r["us"][1] > 0 and r["us"][5] > 0 for r in results)

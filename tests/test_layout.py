@@ -91,11 +91,16 @@ MODEL_LAYER = ["refdec." + m for m in (
     "config", "errors", "model", "cache", "kernels", "forced", "positions", "variants", "adapters", "checkpoint",
     "tokenizer", "data", "repo", "hints", "machine", "inputs", "interrupt", "progress", "metrics", "exactness",
     "trace", "drafter", "proposal")]
-COMMANDS = ["refdec." + m for m in (
-    "bench", "ceiling", "ctranslate2", "distill", "fuzz", "hfaudit", "hfcli", "int8bench", "stepcost",
+# The measuring commands, on top, in one package; `python -m refdec.X` finds each through a module of
+# that name that runs refdec.commands.X's main (ENTRIES), and `python -m refdec.hf` through refdec.hf's
+# __main__.
+COMMANDS = ["refdec.commands." + m for m in (
+    "bench", "ceiling", "ctranslate2", "distill", "fuzz", "harness", "hfaudit", "hfcli", "int8bench", "stepcost",
     "train_drafters")]
+ENTRIES = ["refdec." + m.rpartition(".")[2] for m in COMMANDS
+           if m.rpartition(".")[2] not in ("harness", "hfaudit", "hfcli")]
 ABOVE_THE_MODEL = ("refdec.decoding", "refdec.runner", "refdec.report", "refdec.htmlreport", "refdec.loading",
-                   "refdec.algorithms", "refdec.plan", "refdec.hf", "refdec.training", *COMMANDS)
+                   "refdec.algorithms", "refdec.plan", "refdec.hf", "refdec.training", "refdec.commands", *ENTRIES)
 SPEED_ROUTES = ("refdec.fast", "refdec.graphed", "refdec.int8")
 
 
@@ -126,13 +131,30 @@ def test_no_import_runs_back_up_from_the_models_layer():
     decoder, the runner, reporting, loading, the registry, the transformers package and the commands,
     and imports none of them, directly or through another module."""
     graph = import_graph()
-    assert set(MODEL_LAYER) <= set(graph) and set(COMMANDS) <= set(graph)
+    assert set(MODEL_LAYER) <= set(graph) and set(COMMANDS + ENTRIES) <= set(graph)
     upward = [f"{m} reaches {d}: " + " -> ".join(chain)
               for m in MODEL_LAYER for d, chain in reached(graph, m).items() if d.startswith(ABOVE_THE_MODEL)]
     assert not upward, upward
     floor = layers(graph)
     above = [m for m in graph if m.startswith(ABOVE_THE_MODEL)]
     assert max(floor[m] for m in MODEL_LAYER) < max(floor[m] for m in above)
+
+
+def test_the_commands_stand_on_top_and_nothing_below_imports_them():
+    """Case: ten commands lived flat among the library's modules, each with its own option parsing and
+    report writing, and ctranslate2.py imported stepcost.py's timers as a library would. They are one
+    package now, refdec.commands, over one harness; no module outside it imports a command, directly or
+    through another module, but the `python -m` entries (one module per command, calling its main, and
+    refdec.hf's __main__), and each entry imports its own command alone."""
+    graph = import_graph()
+    assert set(COMMANDS) <= set(graph), sorted(set(COMMANDS) - set(graph))
+    entries = {*ENTRIES, "refdec.hf.__main__"}
+    below = [f"{m} reaches {d}: " + " -> ".join(chain) for m in graph
+             if not m.startswith("refdec.commands") and m not in entries
+             for d, chain in reached(graph, m).items() if d.startswith("refdec.commands")]
+    assert not below, below
+    for entry in ENTRIES:
+        assert graph[entry] == {"refdec.commands", "refdec.commands." + entry.rpartition(".")[2]}, entry
 
 
 def test_no_package_and_the_modules_around_it_import_each_other():

@@ -200,7 +200,7 @@ def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
     projection timings."""
     import json
 
-    from refdec.stepcost import main
+    from refdec.commands.stepcost import main
     rep = tmp_path / "cost.json"
     assert main(["--model", str(trained_tiny / "model.pt"), "--q", "1,2,4", "--rounds", "2", "--threads", "1",
                  "--src", "8", "--prefix", "8", "--report", str(rep)]) == 0
@@ -220,7 +220,7 @@ def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
     costs; a device torch does not know is refused."""
     import json
 
-    from refdec.stepcost import main
+    from refdec.commands.stepcost import main
     rep = tmp_path / "cost.json"
     assert main(["--model", str(trained_tiny / "model.pt"), "--rows", "3", "--q", "1,4", "--rounds", "1",
                  "--threads", "1", "--src", "5", "--prefix", "4", "--fast", "--graphed", "--device", "cpu",

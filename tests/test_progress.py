@@ -44,7 +44,7 @@ def test_a_line_only_when_one_is_due_with_the_pace_so_far(monkeypatch):
 
 
 def test_fuzz_reports_progress_on_stderr(every_update, capsys):
-    from refdec.fuzz import main
+    from refdec.commands.fuzz import main
     assert main(["--models", "3", "--dtype", "float32"]) == 0
     out, err = capsys.readouterr()
     assert re.findall(r"^  (\d)/3 models, ", err, re.M) == ["1", "2"]
@@ -53,9 +53,9 @@ def test_fuzz_reports_progress_on_stderr(every_update, capsys):
 
 @pytest.mark.slow
 def test_stepcost_ceiling_and_distill_report_progress_on_stderr(every_update, trained_tiny, tmp_path, capsys):
-    from refdec.ceiling import main as ceiling
-    from refdec.distill import distill
-    from refdec.stepcost import main as stepcost
+    from refdec.commands.ceiling import main as ceiling
+    from refdec.commands.distill import distill
+    from refdec.commands.stepcost import main as stepcost
     model = str(trained_tiny / "model.pt")
     assert stepcost(["--model", model, "--q", "1,2", "--rounds", "2", "--threads", "1", "--src", "4",
                      "--prefix", "4"]) == 0

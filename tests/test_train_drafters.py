@@ -16,10 +16,10 @@ from refdec.checkpoint import load_checkpoint
 
 def test_the_listed_files_are_there_and_under_60_mb():
     """Guards what is sent to a GPU machine: every file a run reads, and small enough to send."""
-    from refdec.train_drafters import needed_files
+    from refdec.commands.train_drafters import needed_files
     files = needed_files()
     assert all((REPO / f).is_file() for f in files)
-    assert "train.py" in files and "checkpoints/mt-en-de/model.pt" in files and "refdec/train_drafters.py" in files
+    assert "train.py" in files and "checkpoints/mt-en-de/model.pt" in files and "refdec/commands/train_drafters.py" in files
     assert sum((REPO / f).stat().st_size for f in files) < 60e6
 
 

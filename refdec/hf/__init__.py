@@ -14,9 +14,9 @@ inside the functions that need it: the rest of refdec imports and runs without i
     compare.py    transformers' model, generate and logits beside refdec's on the same weights
     export.py     a refdec checkpoint -> a Pegasus or M2M100 folder, checked by loading it back
 
-The audit (refdec.hfaudit) and the command line (refdec.hfcli, run by this package's __main__) stand
-on the runner, which stands on refdec.loading, which reads folders with this package: they live
-beside the other commands, above it.
+The audit (refdec.commands.hfaudit) and the command line (refdec.commands.hfcli, run by this package's
+__main__) stand on the runner, which stands on refdec.loading, which reads folders with this package:
+they live beside the other commands, above it.
 """
 
 from .common import LOGIT_TOLERANCE, HFError, is_hf_folder, read_weights

@@ -1,7 +1,7 @@
-"""python -m refdec.hf export CKPT OUT_DIR | audit ... (refdec.hfcli)"""
+"""python -m refdec.hf export CKPT OUT_DIR | audit ... (refdec.commands.hfcli)"""
 
 import sys
 
-from ..hfcli import main
+from ..commands.hfcli import main
 
 sys.exit(main())

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .algorithms import Algorithm
-from .checkpoint import load_model
-from .data import source_rows
-from .decoding.result import DecodeResult, DecodeStats, result_of
-from .hf.common import HFError, first_line, is_hf_folder, require_transformers
-from .hf.compare import hf_from_pretrained, hf_generate
-from .hf.export import write_folder
-from .hf.importing import load_folder
+from ..algorithms import Algorithm
+from ..checkpoint import load_model
+from ..data import source_rows
+from ..decoding.result import DecodeResult, DecodeStats, result_of
+from ..hf.common import HFError, first_line, is_hf_folder, require_transformers
+from ..hf.compare import hf_from_pretrained, hf_generate
+from ..hf.export import write_folder
+from ..hf.importing import load_folder
 
 
 def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name: str, device="cpu"):
@@ -41,10 +41,9 @@ def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name:
 
 
 def audit(args) -> dict:
-    from .data import read_lines
-    from .repo import repo_file
+    from ..data import read_lines
+    from ..repo import repo_file
 
-    torch.set_num_threads(args.threads)
     if args.input:  # a file of the user's (a transformers folder needs no task)
         lines = read_lines(args.input)
     else:
@@ -84,9 +83,9 @@ def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
     copies (refdec.fast, refdec.graphed), so that each route's decoders are rows of the one audit."""
     import copy
 
-    from .fast import set_fast_route
-    from .graphed import set_graphed_route
-    from .loading import Models
+    from ..fast import set_fast_route
+    from ..graphed import set_graphed_route
+    from ..loading import Models
     out = []
     for route in routes:
         if route == "reference":
@@ -101,14 +100,14 @@ def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
 
 
 def _audit(args, lines: list[str], tmp: Path) -> dict:
-    from . import inputs
-    from .algorithms import ALGORITHMS
-    from .data import TASKS
-    from .exactness import divergences
-    from .inputs import shown_path
-    from .machine import device_name
-    from .loading import Models
-    from .runner import Run, decode_lines
+    from .. import inputs
+    from ..algorithms import ALGORITHMS
+    from ..data import TASKS
+    from ..exactness import divergences
+    from ..inputs import shown_path
+    from ..machine import device_name
+    from ..loading import Models
+    from ..runner import Run, decode_lines
 
     device = getattr(args, "device", "cpu")
     model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,

@@ -1,17 +1,16 @@
-"""python -m refdec.hf export|audit: the command over refdec.hf (its export) and refdec.hfaudit"""
+"""python -m refdec.hf export|audit: the command over refdec.hf (its export) and refdec.commands.hfaudit"""
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from .errors import run_command
-from .hf.common import HFError, is_hf_folder
-from .hf.export import export
+from ..errors import run_command
+from ..hf.common import HFError, is_hf_folder
+from ..hf.export import export
 from .hfaudit import audit, audit_table
-from .inputs import check_outputs, checkpoint_files, input_files
-from .machine import check_device
+from ..inputs import check_outputs, checkpoint_files, input_files
+from .harness import machine_options, report_option, set_up_machine, write_report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--small", help="a small model on the same vocabulary: speculative and assisted generation")
     a.add_argument("--limit", type=int, default=100, help="sentences decoded (default 100)")
     a.add_argument("--warmup", type=int, default=2, help="untimed warm-up sentences (default 2)")
-    a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     a.add_argument("--gamma", type=int, default=3, help="refdec speculative decoding's draft window (default 3)")
     a.add_argument("--prompt-lookup", type=int, default=10, metavar="N",
                    help="transformers' prompt_lookup_num_tokens (default 10)")
@@ -40,9 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--routes", default="reference", help="refdec's decoders on each of these routes, separated "
                    "by commas: reference, fast (refdec.fast), graphed (refdec.graphed); the reference route's always, "
                    "first (default reference)")
-    a.add_argument("--device", default="cpu", help="cpu or cuda (default cpu): refdec's and transformers' models "
-                   "both run there, each batch's time read after a device synchronisation")
-    a.add_argument("--report", help="write the figures as JSON here")
+    machine_options(a, threads=1, timed="refdec's and transformers' models both run there, each batch's time "
+                    "read after a device synchronisation")
+    report_option(a)
     return p
 
 
@@ -67,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
             raise HFError(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         raise HFError("--warmup must be at least 0")
-    args.device = str(check_device(args.device))
+    args.device = str(set_up_machine(args))
     routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     if not set(routes) <= {"reference", "fast", "graphed"}:
         raise HFError(f"--routes {args.routes}: choose from reference, fast, graphed, separated by commas")
@@ -81,5 +79,5 @@ def _run(args: argparse.Namespace) -> int:
     report = audit(args)
     print(audit_table(report))
     if args.report:
-        Path(args.report).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_report(args.report, report)
     return 0

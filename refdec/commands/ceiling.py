@@ -1,0 +1,275 @@
+"""What a drafter that guesses right would buy on this machine: the ceiling of draft-then-verify
+decoding, measured with the model's own output as the draft.
+
+    python -m refdec.ceiling --task mt-en-de --limit 500                  # shipped model and drafter
+    python -m refdec.ceiling --task mt-en-de --k 4,8,16 --accept 1,0.8,0.6 --report ceiling.json
+    python -m refdec.ceiling --task mt-en-de --k 3,10 --small checkpoints/mt-en-de-small-aligned/model.pt
+
+First, untimed, greedy decoding gives each sentence's output y. Then, sentence by sentence and
+interleaved (the order rotates), it times greedy decoding again and the GAD loop (the shared
+verification step, refdec.decoding.verify) whose draft is y itself:
+
+    repeat until eos:   draft  the next k tokens of y, each kept with probability --accept
+                               (the first one not kept is replaced by a wrong token)
+                        verify one call over the draft; commit up to and including the bifurcation
+
+With --accept 1 every drafted token passes (up to a float32 near-tie between the two runs), so each
+call commits k + 1 tokens (fewer where the sentence ends): no drafter with blocks of k can do
+better. Lower rates give the speed of
+a drafter that reaches that many tokens per call. Each setting runs once per cost model:
+
+    free drafts   drafting costs nothing: the ceiling of GAD with a costless drafter, and of
+                  blockwise parallel decoding less its heads' cost (its proposals ride on the
+                  verification call itself)
+    + drafter     the GAD drafter (--drafter; default: the task's shipped one) also drafts k
+                  tokens every iteration, as in `--algo gad`, and its draft is thrown away: the
+                  ceiling of GAD with that drafter's cost (it drafts k masks whatever k it was
+                  trained with: only its cost counts here)
+    + small model with --small: an autoregressive small model (speculative decoding, BiLD) takes
+                  one step per drafted token, as it would to write the draft; its tokens are
+                  thrown away: the ceiling of those decoders with that small model's cost when
+                  the large model is called every k tokens (BiLD's window, speculative's gamma)
+
+--device cuda runs it on a GPU, each time read after a device synchronisation; --fast and --graphed
+run every model on the fast route (refdec.fast) or the graphed route (refdec.graphed) instead of the
+reference route.
+
+Every run's output is checked against greedy's (the verification step is lossless, so they agree
+unless a float32 near-tie falls differently). Prints one row per run: calls per sentence, tokens
+per call, seconds, and speed over greedy (greedy's seconds / the run's); --report writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import data as data_mod
+from ..checkpoint import CheckpointError, file_sha256, load_model
+from ..decoding.pairing import Follower, small_memory
+from ..decoding.greedy import decode_greedy
+from ..decoding.verify import verify
+from ..drafter import draft_block
+from ..errors import UsageError, first_line, run_command
+from ..repo import REPO, repo_file
+from ..fast import set_fast_route
+from ..graphed import set_graphed_route
+from ..inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
+from ..machine import clock, device_name
+from ..model import Transformer
+from ..progress import ProgressLine
+from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
+
+
+def greedy_output(model: Transformer, src: torch.Tensor, max_len: int) -> tuple[list[int], int]:
+    """Greedy decoding of one sentence as the scripted loop returns it: the tokens with their eos
+    (none when max_len stopped it), and the decoder calls."""
+    res = decode_greedy(model, src, max_len=max_len)
+    y = res.tokens[0].tolist()
+    return (y + [model.cfg.eos_id] if len(y) < max_len else y), res.stats.verifier_calls
+
+
+def scripted_draft(y: list[int], done: int, k: int, accept: float, rng: random.Random, vocab: int) -> list[int]:
+    """The next k tokens of the known output y after `done` committed ones, each kept with
+    probability `accept`; the first one not kept becomes another token (so the verifier refuses it)
+    and the draft ends there."""
+    draft = []
+    for tok in y[done:done + k]:
+        if rng.random() >= accept:
+            draft.append((tok + 1) % vocab)
+            break
+        draft.append(tok)
+    return draft
+
+
+@torch.inference_mode()
+def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int, accept: float, max_len: int,
+                 rng: random.Random, drafter=None, layout: str = "causal", small=None) -> tuple[list[int], int]:
+    """GAD's loop for one sentence (src (1, S)) with the scripted draft of y (y ends in eos).
+    With `drafter`, it also drafts each iteration; with `small`, that autoregressive model takes a
+    step per drafted token (their tokens unused: only their cost counts). Returns (output, calls)."""
+    cfg = model.cfg
+    memory = model.encode(src)
+    if drafter is not None:
+        mem_d = small_memory(model, drafter, memory, src)
+        cache_d = drafter.new_cache(1, capacity=max_len + k + 1) if layout == "causal" else None
+    if small is not None:
+        follower = Follower(small, small_memory(model, small, memory, src), capacity=max_len + k + 2)
+    cache = model.new_cache(1, capacity=max_len + 1)
+    out: list[int] = []
+    last, calls = cfg.bos_id, 0
+    while len(out) < max_len and (not out or out[-1] != cfg.eos_id):
+        if drafter is not None:
+            draft_block(drafter, mem_d, cache_d, [cfg.bos_id] + out, k, layout)
+        draft = scripted_draft(y, len(out), k, accept, rng, cfg.vocab_size)
+        if small is not None:
+            for i in range(len(draft)):
+                follower.next_logits([[cfg.bos_id] + out + draft[:i]])
+        v = verify(model, memory, cache, last, draft, budget=max_len - len(out), eos_id=cfg.eos_id)
+        out += v.tokens
+        last, calls = v.tokens[-1], calls + 1
+    return out, calls
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser(__doc__, "ceiling")
+    p.add_argument("--task", default="mt-en-de", choices=sorted(data_mod.TASKS),
+                   help="task whose test set and shipped checkpoints to use (default mt-en-de)")
+    p.add_argument("--model", help="the verifier (default: checkpoints/<task>/model.pt)")
+    p.add_argument("--drafter", help="GAD drafter for the '+ drafter' rows (default: checkpoints/<task>-drafter/model.pt where "
+                                     "the task ships one; 'none' = free drafts only)")
+    p.add_argument("--small", help="autoregressive small model for '+ small model' rows (e.g. "
+                                   "checkpoints/<task>-small-aligned/model.pt; default: none)")
+    p.add_argument("--limit", type=int, default=200, help="first N test sentences (default 200)")
+    p.add_argument("--k", default="2,4,8,16", help="block sizes (default 2,4,8,16)")
+    p.add_argument("--accept", default="1", help="probabilities that a drafted token is the model's own (default 1)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up sentences (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the scripted drafts' choices (default 0)")
+    machine_options(p)
+    route = p.add_mutually_exclusive_group()
+    route.add_argument("--fast", action="store_true", help="every model on the fast route (refdec.fast)")
+    route.add_argument("--graphed", action="store_true", help="every model on the graphed route (refdec.graphed; "
+                       "CUDA graphs on a GPU, its static-shape steps as they are on a CPU)")
+    report_option(p)
+    return p
+
+
+def route_name(args) -> str:
+    return "graphed" if args.graphed else "fast" if args.fast else "reference"
+
+
+def drafter_file(args) -> Path | None:
+    """The drafter the run reads: --drafter, or the task's shipped one where it exists; None (free
+    drafts only) with --drafter none or no shipped drafter."""
+    shipped = REPO / "checkpoints" / f"{args.task}-drafter" / "model.pt"
+    if args.drafter == "none" or (args.drafter is None and not shipped.exists()):
+        return None
+    return Path(args.drafter) if args.drafter else shipped
+
+
+def load_models(args, path: Path) -> dict:
+    """The verifier (`model`, with its `tokenizer`), the drafter (None for free drafts only; `spec`:
+    its layout), the small model (or None) and the test `split`; CheckpointError, FileNotFoundError
+    or ValueError on a file that cannot serve."""
+    drafter_path = drafter_file(args)
+    model, tokenizer, _ = load_model(path, task=args.task, device=args.device)
+    drafter, spec = None, {}
+    if drafter_path is not None:
+        drafter, _, ck = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model}, device=args.device)
+        if "drafter" not in ck:
+            raise CheckpointError(f"{drafter_path} is not a GAD drafter (train.py --drafter-k)")
+        spec = ck["drafter"]
+    small = load_model(args.small, task=args.task, loaded={file_sha256(path): model}, device=args.device)[0] \
+        if args.small else None
+    if args.fast or args.graphed:
+        for m in (model, drafter, small):
+            if m is not None:
+                (set_graphed_route if args.graphed else set_fast_route)(m)
+    return {"model": model, "tokenizer": tokenizer, "drafter": drafter, "drafter_path": drafter_path, "spec": spec,
+            "small": small, "split": data_mod.load_split(args.task, "test")}
+
+
+def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng: random.Random) -> tuple[dict, int]:
+    """Each run on every sentence, the order rotating sentence by sentence: per run its seconds,
+    calls, tokens and outputs identical to greedy's, summed over the sentences after the first
+    `warmup`; and how many those are."""
+    model, drafter, small = m["model"], m["drafter"], m["small"]
+    totals = {r[0]: {"seconds": 0.0, "calls": 0, "tokens": 0, "same": 0} for r in runs}
+    n = 0
+    progress = ProgressLine(len(ids), "sentences")
+    for i, s in enumerate(ids):
+        src = data_mod.source_tensor([s]).to(model.tgt_embed.weight.device)
+        max_len = max_len_for([s], None, model.cfg.max_positions)
+        y, _ = greedy_output(model, src, max_len)
+        timed = i >= warmup
+        order = runs[i % len(runs):] + runs[:i % len(runs)]
+        for name, k, rate, cost in order:
+            t0 = clock(src.device)
+            if k is None:
+                out, c = greedy_output(model, src, max_len)
+            else:
+                out, c = scripted_gad(model, src, y, k=k, accept=rate, max_len=max_len, rng=rng,
+                                      drafter=drafter if cost == "drafter" else None,
+                                      layout=m["spec"].get("layout", "causal"), small=small if cost == "small" else None)
+            dt = clock(src.device) - t0
+            if timed:
+                t = totals[name]
+                t["seconds"] += dt
+                t["calls"] += c
+                t["tokens"] += len(out)
+                t["same"] += int(out == y)
+        n += int(timed)
+        progress.update(i + 1)
+    return totals, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(lambda: run(build_parser().parse_args(argv)), known=(FileNotFoundError,))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ks = [int(x) for x in args.k.split(",")]
+        rates = [float(x) for x in args.accept.split(",")]
+        if min(ks) < 1 or not all(0 <= r <= 1 for r in rates) or args.limit < 1 or args.threads < 1 or args.warmup < 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError("--k takes positive integers and --accept numbers in [0, 1], separated by commas; "
+                         "--limit and --threads at least 1, --warmup at least 0") from None
+    args.device = str(set_up_machine(args))
+    path = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
+    repo_file("data", args.task)  # its test set: the repository's
+    check_outputs({"--report": args.report}, input_files(args.task, None) | checkpoint_files("the model", path)
+                  | checkpoint_files("the drafter", drafter_file(args)) | checkpoint_files("--small", args.small))
+    try:
+        m = load_models(args, path)
+    except ValueError as e:
+        raise UsageError(first_line(e)) from None
+    model = m["model"]
+    ids = [s for s in source_ids(m["tokenizer"], m["split"].src[:args.limit + args.warmup], model.cfg.max_positions) if s]
+    costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if m["drafter"] is not None else []) \
+        + ([("+ small model", "small")] if m["small"] is not None else [])
+    runs = [("greedy", None, None, None)] + [(f"k={k} accept={r:g} {name}", k, r, cost)
+                                             for k in ks for r in rates for name, cost in costs]
+    totals, n = time_runs(runs, ids, m, args.warmup, random.Random(args.seed))
+    if n == 0:
+        raise UsageError("no sentence left to time after the warm-up (raise --limit)")
+    report(args, path, m, runs, totals, n)
+    return 0
+
+
+def report(args, path: Path, m: dict, runs: list[tuple], totals: dict, n: int) -> None:
+    """One row per run on stdout; with --report, the same as JSON."""
+    g = totals["greedy"]["seconds"]
+    rows = [{"run": name, "k": k, "accept": rate, "drafter": cost == "drafter", "small": cost == "small",
+             "seconds": totals[name]["seconds"],
+             "calls_per_sentence": totals[name]["calls"] / n,
+             "tokens_per_call": totals[name]["tokens"] / max(totals[name]["calls"], 1),
+             "speed_over_greedy": g / totals[name]["seconds"] if totals[name]["seconds"] else 0.0,
+             "identical": totals[name]["same"] / n}
+            for name, k, rate, cost in runs]
+    drafter, drafter_path, small = m["drafter"], m["drafter_path"], m["small"]
+    print(f"{n} sentences of the {args.task} test set, {args.threads} threads, {device_name(args.device)}, "
+          f"{route_name(args)} route, model {shown_path(path)}"
+          + (f", drafter {shown_path(drafter_path)}" if drafter is not None else "")
+          + (f", small {shown_path(args.small)}" if small else ""))
+    print(f"{'run':>32}  {'seconds':>8}  {'calls/sent':>10}  {'tokens/call':>11}  {'speed':>6}  {'identical':>9}")
+    for r in rows:
+        print(f"{r['run']:>32}  {r['seconds']:8.2f}  {r['calls_per_sentence']:10.2f}  {r['tokens_per_call']:11.2f}"
+              f"  {r['speed_over_greedy']:5.2f}x  {r['identical']:9.4f}")
+    print("speed = greedy's seconds / the run's (above 1 = faster than greedy)")
+    if args.report:
+        write_report(args.report, {
+            "task": args.task, "model": shown_path(path), "drafter": shown_path(drafter_path) if drafter is not None else None,
+            **({"small": shown_path(args.small)} if small is not None else {}),
+            "sentences": n, "threads": args.threads, "seed": args.seed, "rows": rows,
+            "device": device_name(args.device), "route": route_name(args),
+            "torch": torch.__version__})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

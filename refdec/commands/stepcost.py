@@ -1,0 +1,218 @@
+"""What one decoder call costs as a function of how many new tokens it appends.
+
+    python -m refdec.stepcost --task mt-en-de              # the shipped model, 2 threads
+    python -m refdec.stepcost --task mt-en-de --report cost.json
+    python -m refdec.stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
+    python -m refdec.stepcost --task gec-uk --fast                   # the fast route beside
+    python -m refdec.stepcost --task mt-en-de --fast --graphed --device cuda   # and the graphed route, on a GPU
+
+For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
+--src source tokens, interleaving the q values round by round, and prints the median cost and
+cost(q) / cost(1): the price of verifying a draft of q tokens in one call, which decides what every
+speculative decoder can gain on this machine. Each call is
+timed twice, interleaved: with refdec.kernels' few-row route for the linear layers (the default:
+(W @ x.T).T for 2-16 rows) and with the plain x @ W.T of torch's F.linear. It also times the one-row
+vocabulary projection both ways: the strided view W.t() against the contiguous transposed copy that
+a decoding call takes from its second one-row step on (refdec.kernels, the projection copy).
+
+With --rows B every call decodes B batch rows at once (a batched decoder's call: B rows x q tokens),
+and the table adds the cost per decoder position (ms / (B x q)): once a call holds a few hundred
+positions that cost stops falling, the call is bound by arithmetic, and a decoder that computes more
+positions per output token (a drafted token that is rejected, a padded one) pays for each of them.
+The encoder's cost over B sources of --src tokens is timed in the same rounds: the part of a
+sentence's cost that no decoding algorithm changes.
+
+With --device cuda every time is read after torch.cuda.synchronize(), so it covers the GPU's work
+and not only its launch. --graphed times the graphed route (refdec.graphed) beside: its first call
+of each shape is captured in the warm-up round, the timed calls replay.
+
+The table goes to stdout; stderr says what is timed and, every few seconds, how many rounds are done
+and how long the rest should take (64 rows x 30 rounds take minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+
+import torch
+
+from ..fast import set_fast_route
+from ..graphed import set_graphed_route
+from ..kernels import FEW_ROWS, set_few_row_route
+from ..checkpoint import load_model
+from ..errors import UsageError, run_command
+from ..repo import repo_file
+from ..inputs import check_outputs, checkpoint_files, shown_path
+from ..machine import clock
+from ..progress import ProgressLine
+from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
+
+
+def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
+    """Median seconds of one decode call appending q tokens to every row of a cache holding `prefix`
+    tokens (one row per batch row of `memory`)."""
+    rows, device = memory.states.shape[0], memory.states.device
+    cache = model.new_cache(rows, capacity=prefix + q)
+    model.decode(torch.full((rows, prefix), 7, device=device), memory, cache)
+    new = torch.full((rows, q), 9, device=device)
+    times = []
+    for _ in range(reps):
+        t0 = clock(device)
+        model.decode(new, memory, cache)
+        times.append(clock(device) - t0)
+        cache.truncate(prefix)
+    return statistics.median(times)
+
+
+def time_products(model, reps: int, rows: int = 1) -> float:
+    """Median seconds of the matrix products alone of one fast-route decoder step that appends one token
+    to each of `rows` rows (refdec.fast.DecoderWeights.products), on the model's own laid-out weights,
+    with nothing between them: the part of the step that attention, norms, the cache and dispatch
+    come on top of. `model` is on the fast route."""
+    weights = model.decoder_weights()
+    x = weights.vocab.new_zeros(rows, model.cfg.d_model)
+    times = []
+    for _ in range(reps):
+        t0 = clock(x.device)
+        weights.products(x)
+        times.append(clock(x.device) - t0)
+    return statistics.median(times)
+
+
+def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
+    """Seconds per call of each route at each q, of the one-row projection both ways, and of the
+    encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.kernels), and
+    with --fast the fast route (refdec.fast) on a copy of the model, whose encoder is timed too, and
+    the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures), and
+    with --graphed the graphed route (refdec.graphed) on another copy."""
+    routes = {"few-row": (model, True), "plain": (model, False)}
+    for name, switch in (("fast", set_fast_route), ("graphed", set_graphed_route)):
+        if getattr(args, name):
+            routes[name] = (copy.deepcopy(model), True)
+            switch(routes[name][0])
+    fast = routes["fast"][0] if args.fast else None
+    device = model.tgt_embed.weight.device
+    samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}
+    W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
+    W_t = W.t().contiguous()
+    proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
+    encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
+                                       **({"graphed": []} if args.graphed else {})}
+    src = torch.full((args.rows, args.src), 11, device=device)
+    print(f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
+          f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}", file=sys.stderr, flush=True)
+    progress = ProgressLine(args.rounds + 1, "rounds")
+    with torch.inference_mode():
+        memories = {m: m.encode(src) for m, _ in routes.values()}  # one per model (the reference routes share one)
+        h = torch.randn(1, 1, model.cfg.d_model, device=device)
+        schedule = [(3, False)] + [(5, True)] * args.rounds  # a warm-up round, then the timed ones
+        for done, (reps, timed) in enumerate(schedule):
+            progress.update(done)  # the rounds finished so far
+            for route, (m, on) in routes.items():
+                set_few_row_route(m, on)
+                for q in qs:
+                    cost = time_decode(m, memories[m], args.prefix, q, reps)
+                    if timed:
+                        samples[route, q].append(cost)
+                if timed and route == "fast":  # right after its calls, as warm as they were
+                    encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
+            if not timed:
+                continue
+            for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
+                t0 = clock(device)
+                for _ in range(10):
+                    h @ w
+                proj[name].append((clock(device) - t0) / 10)
+            set_few_row_route(model, True)  # the encoder as decode.py runs it
+            for name in ("reference", "fast", "graphed"):
+                if name in encoder:
+                    t0 = clock(device)
+                    routes.get(name, (model,))[0].encode(src)
+                    encoder[name].append(clock(device) - t0)
+    return samples, proj, encoder
+
+
+def parser() -> argparse.ArgumentParser:
+    p = command_parser(__doc__, "stepcost")
+    p.add_argument("--task", default="mt-en-de", help="task whose shipped checkpoint to load (default mt-en-de)")
+    p.add_argument("--model", help="checkpoint path (default: checkpoints/<task>/model.pt)")
+    p.add_argument("--src", type=int, default=30, help="source tokens (default 30)")
+    p.add_argument("--prefix", type=int, default=30, help="tokens already in the cache (default 30)")
+    p.add_argument("--rows", type=int, default=1, help="batch rows per call (default 1)")
+    p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
+    p.add_argument("--fast", action="store_true", help="time the fast route (refdec.fast) too, in the same rounds")
+    p.add_argument("--graphed", action="store_true", help="time the graphed route (refdec.graphed) too, in the same "
+                   "rounds (CUDA graphs on a GPU; on the CPU its static-shape steps run as they are)")
+    machine_options(p)
+    report_option(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return run_command(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        qs = [int(x) for x in args.q.split(",")]
+        if min(qs) < 1 or args.rounds < 1 or args.threads < 1 or args.rows < 1 or args.src < 1:
+            raise ValueError
+    except ValueError:
+        raise UsageError("--q takes positive integers separated by commas; --rounds, --threads, --rows and --src "
+                         "at least 1") from None
+    device = set_up_machine(args)
+    path = args.model or repo_file("checkpoints", args.task, "model.pt", flag="--model")
+    check_outputs({"--report": args.report}, checkpoint_files("the model", path))
+    model, _, _ = load_model(path, task=args.task, device=device)
+    if args.src + args.prefix + max(qs) > model.cfg.max_positions:
+        raise UsageError(f"--src/--prefix/--q exceed the model's {model.cfg.max_positions} positions")
+    samples, proj, encoder = measure(model, args, qs)
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    B = args.rows
+    extra = [route for route in ("fast", "graphed") if getattr(args, route)]  # the routes beside the reference
+    rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
+             "ms_per_position": 1000 * med["few-row", q] / (B * q),
+             "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]],
+             **{key: value for route in extra for key, value in ((f"{route}_ms", 1000 * med[route, q]),
+                                                                (f"{route}_ratio", med[route, q] / med[route, qs[0]]))}}
+            for q in qs]
+    enc = {name: 1000 * statistics.median(v) for name, v in encoder.items()}
+    enc_ms = enc["reference"]
+    print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
+          f"{args.threads} threads, {device}, {shown_path(path)}")
+    print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
+          f"rows (refdec's default); plain: x @ W.T throughout")
+    columns = []  # (header, key, decimals) of each route beside the reference
+    for route in extra:
+        columns += [(f"   {route} ms/call", f"{route}_ms", 3), (f"   {route} cost(q)/cost(q={qs[0]})", f"{route}_ratio", 2)]
+    print("    q   ms/call   cost(q)/cost(q=%d)   ms/position   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0])
+          + "".join(head for head, _, _ in columns))
+    for r in rows:
+        print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['ms_per_position']:8.4f}     "
+              f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}"
+              + "".join(f"{r[key]:{len(head)}.{digits}f}" for head, key, digits in columns))
+    print(f"encoder over {B} source(s) of {args.src} tokens: {enc_ms:.3f} ms ({enc_ms / (B * args.src):.4f} ms per "
+          f"source token)" + "".join(f"; {route} route {enc[route]:.3f} ms ({enc[route] / (B * args.src):.4f})"
+                                     for route in extra))
+    if args.fast:
+        whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
+        print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")
+    pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
+    print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
+    if args.report:
+        write_report(args.report, {"model": shown_path(path), "threads": args.threads, "device": str(device),
+                                   "rows": B, "src": args.src, "prefix": args.prefix, "calls": rows, "encoder_ms": enc_ms,
+                                   **({"fast_encoder_ms": enc["fast"],
+                                       "fast_products_ms": enc["fast products, q = 1"]} if args.fast else {}),
+                                   **({"graphed_encoder_ms": enc["graphed"]} if args.graphed else {}),
+                                   "projection_ms": pm, "torch": torch.__version__})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
