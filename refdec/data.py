@@ -20,6 +20,7 @@ import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -130,6 +131,27 @@ def training_tensors(src_ids: list[list[int]], tgt_ids: list[list[int]]) -> tupl
             pad_batch([t + [EOS_ID] for t in tgt_ids]))
 
 
+def cut_batches(order: list[int], lengths: Callable[[int], tuple[int, ...]],
+                fits: Callable[[int, tuple[int, ...]], bool]) -> list[list[int]]:
+    """`order` (example indices) cut into consecutive batches, each as long as `fits(rows, longest)`
+    allows, one example at least: `longest` holds the batch's largest of each entry of `lengths(i)`
+    (source and target lengths in training, the source's in decoding). The one length bucketer of
+    training (token_batches) and decoding (refdec.runner's chunks and batches): each sorts its order
+    by length first."""
+    out: list[list[int]] = []
+    batch: list[int] = []
+    longest: tuple[int, ...] = ()
+    for i in order:
+        size = lengths(i)
+        wider = tuple(map(max, longest, size)) if batch else size
+        if batch and not fits(len(batch) + 1, wider):
+            out.append(batch)
+            batch, wider = [], size
+        batch.append(i)
+        longest = wider
+    return out + [batch] if batch else out
+
+
 def token_batches(lengths: list[tuple[int, int]], batch_tokens: int, seed: int | None) -> list[list[int]]:
     """Group example indices into batches of at most `batch_tokens` padded source + target tokens.
 
@@ -137,17 +159,8 @@ def token_batches(lengths: list[tuple[int, int]], batch_tokens: int, seed: int |
     (None keeps length order, for evaluation).
     """
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i][1], lengths[i][0], i))
-    batches, cur, max_s, max_t = [], [], 0, 0
-    for i in order:
-        s, t = lengths[i][0] + 1, lengths[i][1] + 1  # eos / bos
-        ns, nt = max(max_s, s), max(max_t, t)
-        if cur and (ns + nt) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, ns, nt = [], s, t
-        cur.append(i)
-        max_s, max_t = ns, nt
-    if cur:
-        batches.append(cur)
+    batches = cut_batches(order, lambda i: (lengths[i][0] + 1, lengths[i][1] + 1),  # eos / bos
+                          lambda rows, longest: sum(longest) * rows <= batch_tokens)
     if seed is not None:
         random.Random(seed).shuffle(batches)
     return batches

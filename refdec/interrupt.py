@@ -18,6 +18,7 @@ apart for the message and the exit status (130 for SIGINT, 143 for SIGTERM, as a
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -56,3 +57,17 @@ def release_sigint(raise_held: bool = True) -> None:
     _holding = False
     if _received and raise_held:
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold SIGINT and SIGTERM back for the duration (POSIX): they are delivered, as usual, right after.
+    What must not be cut in half (an output line written and counted) runs inside."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

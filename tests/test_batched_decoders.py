@@ -217,7 +217,7 @@ def test_batch_size_options_are_parsed_and_refused():
     """Guards --compare's :batch-size=N and --batch-sizes (a size that is not a whole number of at
     least 1, repeated sizes, or --batch-sizes beside --batch-size: refused, never ignored)."""
     from refdec.plan import Compared, parse_compare, parse_sizes
-    from refdec.runner import UsageError
+    from refdec.errors import UsageError
     cli = load_cli()
     assert parse_compare("iad:batch-size=4:max-draft=8,greedy") == [
         Compared("iad", None, {"max_draft": 8}, batch_size=4), Compared("greedy")]
@@ -280,7 +280,7 @@ def test_batch_tokens_options_are_parsed_planned_and_refused():
     """Guards --batch-tokens and :batch-tokens=N: a global budget with --batch-size as its row cap, a
     --compare run's own budget without the global cap, labels that say so, and refusals."""
     from refdec.plan import Compared, parse_compare, plan_runs
-    from refdec.runner import UsageError
+    from refdec.errors import UsageError
     assert parse_compare("iad:batch-tokens=512,greedy:batch-size=8:batch-tokens=256") == [
         Compared("iad", None, {}, batch_tokens=512), Compared("greedy", None, {}, batch_size=8, batch_tokens=256)]
     with pytest.raises(UsageError, match="batch-tokens must be a whole number"):

@@ -394,14 +394,15 @@ def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
     assert "GiB" in one_line_error(r) and "use at most" in r.stderr.decode()
     assert "cores" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--threads", "10000"))
     from refdec import runner
+    from refdec.errors import UsageError
     from refdec.algorithms import ALGORITHMS
     from refdec.checkpoint import load_model
     from refdec.loading import Models
     model, _, _ = load_model(trained_tiny / "model.pt")
     run = runner.Run(ALGORITHMS["greedy"], {}, Models(model, trained_tiny / "model.pt"), batch_size=100000)
     ids = [[7] * 50 for _ in range(4000)]
-    monkeypatch.setattr(runner, "available_memory", lambda: 2**26)
-    with pytest.raises(runner.UsageError, match="sentences per batch"):
+    monkeypatch.setattr(runner.memory, "available_memory", lambda: 2**26)
+    with pytest.raises(UsageError, match="sentences per batch"):
         runner.check_fits(run, ids, None, 128, torch.float32)
     run.batch_size = 8
     runner.check_fits(run, ids, None, 128, torch.float32)  # fits

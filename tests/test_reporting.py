@@ -93,7 +93,7 @@ def test_decoding_on_a_busy_machine_warns_before_it_starts(tmp_path, capsys, mon
     from refdec import runner
     from refdec.machine import BusyCores
     machine = BusyMachine(others=1.8)
-    monkeypatch.setattr(runner, "usable_cores", lambda: 2)
+    monkeypatch.setattr(runner.output, "usable_cores", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     tokenizer = SimpleNamespace(decode=lambda ids: "", invalid_bytes=lambda ids: 0)
     done = runner.decode_to_output([fake_run()], [None, None], tokenizer, output=str(tmp_path / "out.txt"),

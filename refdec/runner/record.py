@@ -1,0 +1,47 @@
+"""Run: one algorithm's outputs and accumulated figures over the whole input, with the limits of its
+batches; make_runs, a Run per planned RunSpec on its loaded models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algorithms import Algorithm
+from ..decoding import DecodeStats
+from ..loading import Models
+
+
+@dataclass
+class Run:
+    """One algorithm's outputs and accumulated figures over the whole input."""
+
+    algo: Algorithm
+    options: dict
+    models: Models
+    label: str = ""  # name in tables ("" = the algorithm's name)
+    batch_size: int = 1  # most sentences per decoder call (0: no limit, with a token budget)
+    trace: bool = False  # keep each sentence's steps
+    batch_tokens: int = 0  # most source tokens per decoder call, padding included (0: none)
+    outputs: list[torch.Tensor | None] = field(default_factory=list)
+    seconds: float = 0.0
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    traces: list = field(default_factory=list)
+    times: list[float | None] = field(default_factory=list)  # per line: seconds of its batch / batch size
+    calls: list[int | None] = field(default_factory=list)  # per line: verifier calls of its batch
+
+    @property
+    def name(self) -> str:
+        return self.label or self.algo.name
+
+    def fits(self, rows: int, longest: int) -> bool:
+        """Whether a batch of `rows` sources, the longest `longest` ids, is within this run's limits:
+        its batch size, and its token budget counted as the padded source tensor (rows x (longest + 1),
+        eos included)."""
+        return ((not self.batch_size or rows <= self.batch_size)
+                and (not self.batch_tokens or rows * (longest + 1) <= self.batch_tokens))
+
+
+def make_runs(specs: list, models: list[Models], *, trace: bool = False) -> list[Run]:
+    """A Run per refdec.plan RunSpec, on the models refdec.loading.load_models gave it."""
+    return [Run(s.algo, s.options, m, s.label, s.batch_size, trace, s.batch_tokens) for s, m in zip(specs, models)]
