@@ -85,4 +85,4 @@ def test_ceiling_refuses_bad_options_with_one_line(args, capsys):
 def test_ceiling_refuses_a_model_that_is_not_a_drafter(trained_tiny, capsys):
     path = str(trained_tiny / "model.pt")
     assert main(["--model", path, "--drafter", path, "--limit", "1"]) == 2
-    assert "is not a GAD drafter" in capsys.readouterr().err
+    assert "is not a block drafter" in capsys.readouterr().err

@@ -49,7 +49,6 @@ from pathlib import Path
 import torch
 
 from .. import data as data_mod
-from ..checkpoint import CheckpointError, file_sha256, load_model
 from ..decoding.pairing import Follower, small_memory
 from ..decoding.greedy import decode_greedy
 from ..decoding.verify import verify
@@ -59,9 +58,11 @@ from ..repo import REPO, repo_file
 from ..fast import set_fast_route
 from ..graphed import set_graphed_route
 from ..inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
+from ..loading import Models, RunLoader
 from ..machine import clock, device_name
 from ..model import Transformer
 from ..progress import ProgressLine
+from ..tokenizer import Tokenizer
 from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
 
 
@@ -151,33 +152,33 @@ def drafter_file(args) -> Path | None:
     return Path(args.drafter) if args.drafter else shipped
 
 
-def load_models(args, path: Path) -> dict:
-    """The verifier (`model`, with its `tokenizer`), the drafter (None for free drafts only; `spec`:
-    its layout), the small model (or None) and the test `split`; CheckpointError, FileNotFoundError
-    or ValueError on a file that cannot serve."""
-    drafter_path = drafter_file(args)
-    model, tokenizer, _ = load_model(path, task=args.task, device=args.device)
-    drafter, spec = None, {}
-    if drafter_path is not None:
-        drafter, _, ck = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model}, device=args.device)
-        if "drafter" not in ck:
-            raise CheckpointError(f"{drafter_path} is not a GAD drafter (train.py --drafter-k)")
-        spec = ck["drafter"]
-    small = load_model(args.small, task=args.task, loaded={file_sha256(path): model}, device=args.device)[0] \
-        if args.small else None
+def load_models(args, path: Path) -> tuple[Models, Tokenizer]:
+    """The verifier with the drafter (None: free drafts only) and the small model (or None) the run
+    reads, as refdec.loading loads a decode.py run's (one tokenizer; a drafter that is one), on the
+    route --fast or --graphed chooses; and the verifier's tokenizer. CheckpointError,
+    FileNotFoundError or ValueError on a file that cannot serve."""
+    loader = RunLoader(path, task=args.task, device=args.device, dtype=torch.float32)
+    own = {role: str(p) for role, p in (("drafter", drafter_file(args)), ("small", args.small)) if p is not None}
+    models = loader.models_for(path, tuple(own), own)
     if args.fast or args.graphed:
-        for m in (model, drafter, small):
-            if m is not None:
-                (set_graphed_route if args.graphed else set_fast_route)(m)
-    return {"model": model, "tokenizer": tokenizer, "drafter": drafter, "drafter_path": drafter_path, "spec": spec,
-            "small": small, "split": data_mod.load_split(args.task, "test")}
+        for m in models.all():
+            (set_graphed_route if args.graphed else set_fast_route)(m)
+    return models, loader.tokenizer
 
 
-def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng: random.Random) -> tuple[dict, int]:
+def time_runs(runs: list[tuple], ids: list[list[int]], models: Models, warmup: int,
+              rng: random.Random) -> tuple[dict, int]:
     """Each run on every sentence, the order rotating sentence by sentence: per run its seconds,
     calls, tokens and outputs identical to greedy's, summed over the sentences after the first
-    `warmup`; and how many those are."""
-    model, drafter, small = m["model"], m["drafter"], m["small"]
+    `warmup`; and how many those are.
+
+    Not refdec.runner.decode_lines, the loop decode.py times with: each scripted run needs the
+    sentence's greedy output y, decoded untimed before the runs; the scripted drafts of every run
+    draw on one generator in the order the runs go, so another interleaving would draw other drafts
+    at --accept below 1 for the same --seed; and the warm-up sentences are left out of the figures,
+    where decode_lines times them again."""
+    model, small = models.model, models.small
+    drafter, layout = (models.drafter.model, models.drafter.layout) if models.drafter else (None, "causal")
     totals = {r[0]: {"seconds": 0.0, "calls": 0, "tokens": 0, "same": 0} for r in runs}
     n = 0
     progress = ProgressLine(len(ids), "sentences")
@@ -193,8 +194,8 @@ def time_runs(runs: list[tuple], ids: list[list[int]], m: dict, warmup: int, rng
                 out, c = greedy_output(model, src, max_len)
             else:
                 out, c = scripted_gad(model, src, y, k=k, accept=rate, max_len=max_len, rng=rng,
-                                      drafter=drafter if cost == "drafter" else None,
-                                      layout=m["spec"].get("layout", "causal"), small=small if cost == "small" else None)
+                                      drafter=drafter if cost == "drafter" else None, layout=layout,
+                                      small=small if cost == "small" else None)
             dt = clock(src.device) - t0
             if timed:
                 t = totals[name]
@@ -226,23 +227,23 @@ def run(args: argparse.Namespace) -> int:
     check_outputs({"--report": args.report}, input_files(args.task, None) | checkpoint_files("the model", path)
                   | checkpoint_files("the drafter", drafter_file(args)) | checkpoint_files("--small", args.small))
     try:
-        m = load_models(args, path)
+        models, tokenizer = load_models(args, path)
     except ValueError as e:
         raise UsageError(first_line(e)) from None
-    model = m["model"]
-    ids = [s for s in source_ids(m["tokenizer"], m["split"].src[:args.limit + args.warmup], model.cfg.max_positions) if s]
-    costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if m["drafter"] is not None else []) \
-        + ([("+ small model", "small")] if m["small"] is not None else [])
+    sources = data_mod.load_split(args.task, "test").src[:args.limit + args.warmup]
+    ids = [s for s in source_ids(tokenizer, sources, models.model.cfg.max_positions) if s]
+    costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if models.drafter is not None else []) \
+        + ([("+ small model", "small")] if models.small is not None else [])
     runs = [("greedy", None, None, None)] + [(f"k={k} accept={r:g} {name}", k, r, cost)
                                              for k in ks for r in rates for name, cost in costs]
-    totals, n = time_runs(runs, ids, m, args.warmup, random.Random(args.seed))
+    totals, n = time_runs(runs, ids, models, args.warmup, random.Random(args.seed))
     if n == 0:
         raise UsageError("no sentence left to time after the warm-up (raise --limit)")
-    report(args, path, m, runs, totals, n)
+    report(args, path, models, runs, totals, n)
     return 0
 
 
-def report(args, path: Path, m: dict, runs: list[tuple], totals: dict, n: int) -> None:
+def report(args, path: Path, models: Models, runs: list[tuple], totals: dict, n: int) -> None:
     """One row per run on stdout; with --report, the same as JSON."""
     g = totals["greedy"]["seconds"]
     rows = [{"run": name, "k": k, "accept": rate, "drafter": cost == "drafter", "small": cost == "small",
@@ -252,7 +253,7 @@ def report(args, path: Path, m: dict, runs: list[tuple], totals: dict, n: int) -
              "speed_over_greedy": g / totals[name]["seconds"] if totals[name]["seconds"] else 0.0,
              "identical": totals[name]["same"] / n}
             for name, k, rate, cost in runs]
-    drafter, drafter_path, small = m["drafter"], m["drafter_path"], m["small"]
+    drafter, drafter_path, small = models.drafter, drafter_file(args), models.small
     print(f"{n} sentences of the {args.task} test set, {args.threads} threads, {device_name(args.device)}, "
           f"{route_name(args)} route, model {shown_path(path)}"
           + (f", drafter {shown_path(drafter_path)}" if drafter is not None else "")
