@@ -45,11 +45,15 @@ def summary_row(run: Run, metrics: dict) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    cells = table_cells(rows)
+    return columns(table_cells(rows))
+
+
+def columns(cells: list[list[str]]) -> str:
+    """Text cells as right-aligned columns, a rule under the header (the first row): every command's
+    tables."""
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
 
 
 def table_cells(rows: list[dict]) -> list[list[str]]:

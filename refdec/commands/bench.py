@@ -68,7 +68,7 @@ from ..errors import CheckpointError, UsageError, first_line, run_command
 from ..exactness import divergences, identical_rate
 from ..machine import device_name, environment
 from ..progress import duration
-from .harness import command_parser, invocation, machine_options, set_up_machine, write_report
+from .harness import columns, command_parser, invocation, machine_options, set_up_machine, write_report
 
 ROUTES = ("reference", "fast", "graphed")
 MAX_BYTES = 62 * 2**20  # what a copy of the repository for a GPU machine may hold: 62 MiB (du -h's M)
@@ -177,13 +177,6 @@ def route_tables(section: str, runs: list, rows: list[dict], ids: list, device) 
                     f"differ" + "".join(f"\n  line {d['line']}: first divergence at token {d['position']}, top-1/top-2 "
                                         f"logit margin {d['margin_top1_top2']:.3g}" for d in div))
     return "\n\n".join(text), figures
-
-
-def columns(cells: list[list[str]]) -> str:
-    """Text cells as right-aligned columns, a rule under the header."""
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
 
 
 def throughput(runs: list, rows: list[dict], sizes: list[int]) -> tuple[str, list[dict]]:

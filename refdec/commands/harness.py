@@ -1,8 +1,9 @@
 """What the measuring commands share: a parser whose --help is the command's docstring and whose name
 is its `python -m` line, the options every timed command takes (--device, --threads) and --report,
-the machine set up from them, and the JSON report (refdec.report.write_report, as decode.py writes
-its own). The decoders they time against each other go through refdec.runner.decode_lines on the
-models of a refdec.loading.Models, as decode.py's do; the repository's files through refdec.repo."""
+the machine set up from them, and the writers of tables and JSON reports (refdec.report's columns
+and write_report, as decode.py writes its own). The decoders they time against each other go
+through refdec.runner.decode_lines on the models of a refdec.loading.Models, as decode.py's do; the
+repository's files through refdec.repo."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import torch
 
 from ..errors import UsageError
 from ..machine import check_device
-from ..report import write_report
+from ..report import columns, write_report
 
-__all__ = ["command_parser", "invocation", "machine_options", "report_option", "set_up_machine", "write_report"]
+__all__ = ["columns", "command_parser", "invocation", "machine_options", "report_option", "set_up_machine",
+           "write_report"]
 
 SYNCHRONISED = "times are read after a device synchronisation"
 

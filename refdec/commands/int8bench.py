@@ -27,7 +27,7 @@ from .. import int8
 from ..checkpoint import load_model
 from ..errors import run_command
 from ..inputs import check_writable, shown_path
-from .harness import report_option, write_report
+from .harness import columns, report_option, write_report
 
 
 def shapes(model) -> list[tuple[str, int, int]]:
@@ -87,10 +87,7 @@ def table(results: list[dict], rows: list[int]) -> str:
            [f"row 0 same at {m}" for m in rows if m > 1]
     cells = [head] + [[r["product"], f"{r['in']} x {r['out']}", r["candidate"]] + [f"{r['us'][m]:.1f}" for m in rows]
                       + ["yes" if r["row_0_same"][m] else "no" for m in rows if m > 1] for r in results]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return columns(cells)
 
 
 def build_parser() -> argparse.ArgumentParser:
