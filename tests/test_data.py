@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refdec.data import TASKS, load_split, token_batches
+from refdec.data import TASKS, cut_batches, load_split, token_batches
 
 MIN_TEST = {"mt-en-de": 2000, "gec-uk": 2000, "gec-en": 800}
 
@@ -45,6 +45,23 @@ def test_token_batches_respect_budget_and_cover_everything():
         t = max(lengths[i][1] for i in b) + 1
         assert len(b) == 1 or (s + t) * len(b) <= 200
     assert token_batches(lengths, 200, seed=3) == batches  # seeded: reproducible
+
+
+def test_cut_batches_keeps_the_order_and_fills_each_batch_as_far_as_it_fits():
+    """Guards the one length bucketer of training and decoding: batches are consecutive runs of the
+    order given, each as long as `fits` allows on the batch's largest of each length (one example at
+    least, however long), so that the next example would not have fitted."""
+    lengths = [(3, 1), (1, 5), (9, 2), (2, 2), (30, 1), (1, 1), (2, 4)]
+    order = [6, 0, 3, 1, 2, 4, 5]
+    fits = lambda rows, longest: rows * sum(longest) <= 20  # noqa: E731
+    got = cut_batches(order, lambda i: lengths[i], fits)
+    assert [i for b in got for i in b] == order
+    widest = lambda b: tuple(max(lengths[i][j] for i in b) for j in range(2))  # noqa: E731
+    for b, nxt in zip(got, got[1:] + [None]):
+        assert len(b) == 1 or fits(len(b), widest(b))
+        assert nxt is None or not fits(len(b) + 1, widest(b + nxt[:1]))
+    assert [4] in got  # longer than any budget: a batch of its own
+    assert cut_batches([], lambda i: (0,), fits) == []
 
 
 def test_text_is_read_as_users_save_it(tmp_path, capsys):

@@ -142,10 +142,9 @@ def test_no_import_runs_back_up_from_the_models_layer():
 
 def test_the_commands_stand_on_top_and_nothing_below_imports_them():
     """Case: ten commands lived flat among the library's modules, each with its own option parsing and
-    report writing, and ctranslate2.py imported stepcost.py's timers as a library would. They are one
-    package now, refdec.commands, over one harness; no module outside it imports a command, directly or
-    through another module, but the `python -m` entries (one module per command, calling its main, and
-    refdec.hf's __main__), and each entry imports its own command alone."""
+    report writing. They are one package now, refdec.commands, over one harness; no module outside it
+    imports a command, directly or through another module, but the `python -m` entries (one module per
+    command, calling its main, and refdec.hf's __main__), and each entry imports its own command alone."""
     graph = import_graph()
     assert set(COMMANDS) <= set(graph), sorted(set(COMMANDS) - set(graph))
     entries = {*ENTRIES, "refdec.hf.__main__"}
