@@ -2,8 +2,8 @@
 is its `python -m` line, the options every timed command takes (--device, --threads) and --report,
 the machine set up from them, and the writers of tables and JSON reports (refdec.report's columns
 and write_report, as decode.py writes its own). The decoders they time against each other go
-through refdec.runner.decode_lines on the models of a refdec.loading.Models, as decode.py's do; the
-repository's files through refdec.repo."""
+through refdec.runner.decode_lines on the models of a refdec.loading.Models, as decode.py's do (the
+ceiling's scripted loop aside: its time_runs says why); the repository's files through refdec.repo."""
 
 from __future__ import annotations
 
