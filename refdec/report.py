@@ -136,12 +136,12 @@ def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, 
               **{k: first[k] for k in ("gec_f05", "gec_precision", "gec_recall") if k in first},
               "options": runs[0].options, **extra}
     if len(rows) > 1:
-        second = rows[1]
-        report["compare"] = {"algo": runs[1].algo.name, "seconds": second["seconds"],
-                             "speed_vs_first": second["speed_vs_first"],
-                             "identical": second["identical"], "bleu": second.get("bleu"), "chrf": second.get("chrf"),
-                             "tokens": second["tokens"], "verifier_calls": second["verifier_calls"],
-                             **{k: second[k] for k in ("gec_f05",) if k in second}, "options": runs[1].options}
+        compared = rows[1]
+        report["compare"] = {"algo": runs[1].algo.name, "seconds": compared["seconds"],
+                             "speed_vs_first": compared["speed_vs_first"],
+                             "identical": compared["identical"], "bleu": compared.get("bleu"), "chrf": compared.get("chrf"),
+                             "tokens": compared["tokens"], "verifier_calls": compared["verifier_calls"],
+                             **{k: compared[k] for k in ("gec_f05",) if k in compared}, "options": runs[1].options}
     return report
 
 

@@ -151,7 +151,7 @@ def test_edit_ratio_buckets_for_gec():
     ("bild", ["--small", "{tiny}", "--fallback-threshold", "2"]),
     ("speculative", ["--small", "{tiny}", "--gamma", "3"]),
 ])
-def test_second_model_algorithms_reproduce_greedy(trained_tiny, tiny_extras, tmp_path, algo, extra):
+def test_drafter_heads_and_small_model_algorithms_reproduce_greedy(trained_tiny, tiny_extras, tmp_path, algo, extra):
     """Guards decode.py's wiring of the drafter, the proposal heads and the small model: in their
     lossless settings (BiLD: falling back at every step) the outputs are greedy's, in float64."""
     paths = {"drafter": tiny_extras["drafter"], "heads": tiny_extras["heads"], "tiny": trained_tiny / "model.pt"}
@@ -167,7 +167,7 @@ def test_second_model_algorithms_reproduce_greedy(trained_tiny, tiny_extras, tmp
 
 
 @pytest.mark.slow
-def test_second_models_are_checked(trained_tiny, tiny_extras):
+def test_drafters_heads_and_small_models_are_checked(trained_tiny, tiny_extras):
     r = decode(trained_tiny, "--algo", "blockwise", "--limit", "1")
     assert "no proposal heads" in one_line_error(r)
     r = decode(trained_tiny, "--algo", "gad", "--drafter", str(trained_tiny / "model.pt"), "--limit", "1")
@@ -183,7 +183,7 @@ def test_second_models_are_checked(trained_tiny, tiny_extras):
 
 @pytest.mark.slow
 def test_compared_runs_take_their_own_options_and_small_models(trained_tiny, tmp_path):
-    """A sweep in one process: each --compare entry may set its own algorithm options and second
+    """A sweep in one process: each --compare entry may set its own algorithm options and small
     model after colons; the rows are told apart by them, the report keeps each run's options, and
     a lossless setting (fallback at every step) still reproduces greedy exactly."""
     tiny = str(trained_tiny / "model.pt")

@@ -240,7 +240,7 @@ def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_a_second_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny, tmp_path):
+def test_a_small_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny, tmp_path):
     """Guards BiLD's small-model path: --tokenizer-from trains a model of another shape on the same
     vocabulary (decode.py refuses pairs that differ), and --pick last makes model.pt the final
     weights rather than the best on the references' dev loss (alignment aims at a teacher's outputs)."""
