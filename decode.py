@@ -177,7 +177,7 @@ def run(args) -> int:
                 "fast_route": args.fast, "graphed_route": args.graphed, "int8": args.int8}
     if args.report:
         report.write_report(args.report, report.run_report(
-            args.task, summary, runs, n_lines=len(lines), model=model_path, model_step=loader.ckpt.get("step"), input=input_path,
+            args.task, summary, runs, n_lines=len(lines), model=model_path, model_step=loader.checkpoint.get("step"), input=input_path,
             settings=settings, interrupted=interrupted, environment={
                 **environment(torch.get_num_threads(), args.device, dtype), "threads_auto": args.threads is None,
                 "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}))

@@ -161,10 +161,10 @@ def load_models(args, path: Path) -> dict:
     model, tokenizer, _ = load_model(path, task=args.task, device=args.device)
     drafter, spec = None, {}
     if drafter_path is not None:
-        drafter, _, ck = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model}, device=args.device)
-        if "drafter" not in ck:
+        drafter, _, checkpoint = load_model(drafter_path, task=args.task, loaded={file_sha256(path): model}, device=args.device)
+        if "drafter" not in checkpoint:
             raise CheckpointError(f"{drafter_path} is not a GAD drafter (train.py --drafter-k)")
-        spec = ck["drafter"]
+        spec = checkpoint["drafter"]
     small = load_model(args.small, task=args.task, loaded={file_sha256(path): model}, device=args.device)[0] \
         if args.small else None
     if args.fast or args.graphed:

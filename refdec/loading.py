@@ -70,8 +70,9 @@ class RunLoader:
                  languages: tuple[str | None, str | None] = (None, None)):
         self.task, self.device, self.dtype, self.languages = task, device, dtype, languages
         self.main_path = Path(main_path)
-        model, self.tokenizer, ckpt = load_any(main_path, task=task, device=device, dtype=dtype, languages=languages)
-        self.loaded = {self.main_path.resolve(): (model, ckpt)}  # large models by file
+        model, self.tokenizer, checkpoint = load_any(main_path, task=task, device=device, dtype=dtype,
+                                                     languages=languages)
+        self.loaded = {self.main_path.resolve(): (model, checkpoint)}  # large models by file
         self.loaded_companions: dict = {}  # (role, file, large model's file) -> {role: model}
         self.hashes: dict = {}
         self.shared: dict = {}  # companion models of every run that names none of its own
@@ -81,7 +82,7 @@ class RunLoader:
         return self.loaded[self.main_path.resolve()][0]
 
     @property
-    def ckpt(self) -> dict:
+    def checkpoint(self) -> dict:
         return self.loaded[self.main_path.resolve()][1]
 
     @property
@@ -94,11 +95,11 @@ class RunLoader:
         """Another large model for compared runs (`ALGO@CKPT`), on the main model's tokenizer."""
         if Path(path).resolve() in self.loaded:
             return
-        model, tok, ckpt = load_any(path, task=self.task, device=self.device, dtype=self.dtype,
-                                    languages=self.languages if Path(path).is_dir() else (None, None))
+        model, tok, checkpoint = load_any(path, task=self.task, device=self.device, dtype=self.dtype,
+                                          languages=self.languages if Path(path).is_dir() else (None, None))
         if tok.sha256 != self.tokenizer.sha256:
             raise LoadError(f"{path} has a different tokenizer from {self.main_path}; compared runs must share one")
-        self.loaded[Path(path).resolve()] = (model, ckpt)
+        self.loaded[Path(path).resolve()] = (model, checkpoint)
 
     def share(self, role: str, value: str) -> None:
         """The companion model (`role`: drafter or small) of every run that names none of its own."""
@@ -107,24 +108,24 @@ class RunLoader:
     def load_companion(self, role: str, value: str, large_path: Path) -> dict:
         """A small model or drafter (a file, or 'early-exit': the exit inside the large model of
         `large_path`), each file loaded once per large model."""
-        large, ck = self.loaded[large_path.resolve()]
+        large, large_checkpoint = self.loaded[large_path.resolve()]
         if value == "early-exit":  # BiLD section 4.4
-            if "early_exit" not in ck:
+            if "early_exit" not in large_checkpoint:
                 raise LoadError(f"{large_path} has no early exit; train one with train.py --early-exit N")
-            return {"small": EarlyExit(large, ck["early_exit"])}
+            return {"small": EarlyExit(large, large_checkpoint["early_exit"])}
         key = (role, Path(value).resolve(), large_path.resolve())
         if key not in self.loaded_companions:
-            model, tok, ck2 = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
-                                       loaded={self.sha256(large_path): large},
-                                       languages=self.languages if Path(value).is_dir() else (None, None))
+            model, tok, checkpoint = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
+                                              loaded={self.sha256(large_path): large},
+                                              languages=self.languages if Path(value).is_dir() else (None, None))
             if tok.sha256 != self.tokenizer.sha256:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
             if (model.cfg.encoder_prefix, model.cfg.decoder_prefix) != (large.cfg.encoder_prefix, large.cfg.decoder_prefix):
                 raise LoadError(f"{role} {value} does not force the tokens {large_path} forces (language codes, <s>)")
-            if role == "drafter" and "drafter" not in ck2:
+            if role == "drafter" and "drafter" not in checkpoint:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
             if role == "drafter":  # the model with the block size and layout it was trained for
-                model = Drafter(model, k=ck2["drafter"]["k"], layout=ck2["drafter"]["layout"])
+                model = Drafter(model, k=checkpoint["drafter"]["k"], layout=checkpoint["drafter"]["layout"])
             self.loaded_companions[key] = {role: model}
         return self.loaded_companions[key]
 
@@ -137,12 +138,12 @@ class RunLoader:
         """The models of one run on the large model of `path`, with the Models fields `model_args`
         names ("drafter", "small", "heads"); `companions` names the run's own companion models
         ({"small": PATH, "drafter": PATH}), the others are the shared ones."""
-        large, ck = self.loaded[path.resolve()]
+        large, checkpoint = self.loaded[path.resolve()]
         found = dict(self.shared)
         for role, value in (companions or {}).items():
             found.update(self.load_companion(role, value, path))
         if "heads" in model_args:
-            heads = load_proposal(ck, device=self.device, dtype=self.dtype)
+            heads = load_proposal(checkpoint, device=self.device, dtype=self.dtype)
             if heads is None:
                 what = "is a transformers folder, with" if path.is_dir() else "has"
                 raise LoadError(f"{path} {what} no proposal heads; blockwise runs on a refdec checkpoint with heads "

@@ -21,7 +21,7 @@ from .inputs import checkpoint_files
 CHECKPOINTS = REPO / "checkpoints"
 COMPANION_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
 COMPANION_WORDS = {"drafter": "block drafter on the same tokenizer (a checkpoint of train.py --drafter-k)",
-                      "small": "small model on the same tokenizer (a refdec checkpoint or a transformers folder)"}
+                   "small": "small model on the same tokenizer (a refdec checkpoint or a transformers folder)"}
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         # Without --model, ALGO runs on the checkpoint --algo ALGO would use, except that an algorithm
         # on the task's plain model (greedy, beam, iad, ...) beside --algo blockwise runs on the heads'
         # file, whose base model it is, so the lossless check compares the two on one model.
-        own = c.path or (None if model or algo.model_dir in (first.model_dir, "{task}") else default_checkpoint(algo, task))
+        run_path = c.path or (None if model or algo.model_dir in (first.model_dir, "{task}") else default_checkpoint(algo, task))
         options = {**algo.defaults(), **{k: v for k, v in given.items() if k in algo.options}, **c.options}
         try:
             check_options(algo, options, set(given) | set(c.options))
@@ -188,7 +188,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
             raise UsageError(f"--compare {c.name}: {e}" if specs else str(e)) from None
         tokens = c.batch_tokens or (0 if c.batch_size else batch_tokens or 0)
         rows = c.batch_size or (0 if c.batch_tokens else batch_size) or (0 if tokens else 1)
-        specs.append(RunSpec(algo, Path(own) if own else main, options, c.companions, rows, "", tokens,
+        specs.append(RunSpec(algo, Path(run_path) if run_path else main, options, c.companions, rows, "", tokens,
                              int8 or c.int8))
     names = model_names([s.path for s in specs])
     return [replace(s, label=label(s, c, names if len(names) > 1 else None, bool(sizes))) for s, c in zip(specs, items)]
@@ -213,10 +213,10 @@ def label(spec: RunSpec, item: Compared, names: dict[Path, str] | None, with_siz
     """Row name: the algorithm, plus its checkpoint's name when the runs use several checkpoints
     (`names`, model_names), plus what the run sets itself (a companion model by its folder)."""
     name = f"{spec.algo.name}@{names[spec.path.resolve()]}" if names else spec.algo.name
-    own = {**item.options, **item.companions,
-           **({"batch_size": spec.batch_size} if with_size or item.batch_size else {}),
-           **({"batch_tokens": spec.batch_tokens} if item.batch_tokens else {})}
-    for k, v in own.items():
+    settings = {**item.options, **item.companions,
+                **({"batch_size": spec.batch_size} if with_size or item.batch_size else {}),
+                **({"batch_tokens": spec.batch_tokens} if item.batch_tokens else {})}
+    for k, v in settings.items():
         v = (model_name(v) if k in ("small", "drafter") and v != "early-exit"
              else f"{v:g}" if isinstance(v, float) else v)
         name += f":{k.replace('_', '-')}={v}"

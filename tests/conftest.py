@@ -119,10 +119,10 @@ def tiny_extras(trained_tiny, tmp_path_factory) -> dict:
     blockwise proposal heads (k = 3) and a GAD block drafter (k = 4)."""
     out = tmp_path_factory.mktemp("extras")
     made = {}
-    for name, extra in (("heads", ["--proposal-k", "3", "--freeze-base", "true"]), ("drafter", ["--drafter-k", "4"])):
+    for name, flags in (("heads", ["--proposal-k", "3", "--freeze-base", "true"]), ("drafter", ["--drafter-k", "4"])):
         r = run_py("train.py", "--preset", "tiny", "--out-dir", str(out / name), "--train-limit", "800",
                    "--max-steps", "4", "--eval-every", "4", "--threads", "1", "--init-from",
-                   str(trained_tiny / "model.pt"), *extra)
+                   str(trained_tiny / "model.pt"), *flags)
         assert r.returncode == 0, r.stderr.decode()
         made[name] = out / name / "model.pt"
     return made
