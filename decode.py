@@ -16,7 +16,7 @@ writes every figure as JSON.
     python decode.py --algo iad --task gec-uk --model checkpoints/gec-uk-9x3/model.pt \
         --compare greedy,beam@checkpoints/gec-uk-6x6/model.pt,iad@checkpoints/gec-uk-6x6/model.pt
 
-Each may also set its own algorithm options and second model after colons, so that one process
+Each may also set its own algorithm options and small model or drafter after colons, so that one process
 sweeps a trade-off (the first run takes the command line's options; a compared run starts from them):
 
     python decode.py --algo greedy --task mt-en-de \
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and identical "
                    "rates; ALGO runs on the model --algo ALGO would use, ALGO@CKPT on another checkpoint with the same "
                    "tokenizer; :OPTION=VALUE sets one of that run's algorithm options (e.g. :fallback-threshold=0.3), "
-                   "its second model (:small=PATH|early-exit, :drafter=PATH), its batches (:batch-size=N, :batch-tokens=N), :int8")
+                   "its small model or drafter (:small=PATH|early-exit, :drafter=PATH), its batches (:batch-size=N, :batch-tokens=N), :int8")
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     add_route_flags(g)
     add_option_flags(p.add_argument_group("algorithm options (read from the decoders' signatures)"))
@@ -140,7 +140,7 @@ def run(args) -> int:
     specs = plan.plan_runs(args.algo, args.task, model=args.model, given=given, compares=compares,
                            batch_size=args.batch_size, sizes=plan.parse_sizes(args.batch_sizes, args.batch_size),
                            batch_tokens=args.batch_tokens, int8=args.int8)
-    shared = plan.shared_second_models(specs, args.task, {"small": args.small, "drafter": args.drafter})
+    shared = plan.shared_companions(specs, args.task, {"small": args.small, "drafter": args.drafter})
     inputs.check_outputs({"--output": args.output, "--report": args.report, "--html": args.html},  # none a file read
                          inputs.input_files(args.task, args.input, args.ref) | plan.checkpoints_read(specs, shared))
     if args.html:
@@ -177,7 +177,7 @@ def run(args) -> int:
                 "fast_route": args.fast, "graphed_route": args.graphed, "int8": args.int8}
     if args.report:
         report.write_report(args.report, report.run_report(
-            args.task, summary, runs, n_lines=len(lines), model=model_path, model_step=loader.ckpt.get("step"), input=input_path,
+            args.task, summary, runs, n_lines=len(lines), model=model_path, model_step=loader.checkpoint.get("step"), input=input_path,
             settings=settings, interrupted=interrupted, environment={
                 **environment(torch.get_num_threads(), args.device, dtype), "threads_auto": args.threads is None,
                 "other_busy_cores_at_start": others_at_start, "other_busy_cores": others_busy}))

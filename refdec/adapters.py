@@ -1,6 +1,6 @@
 """Small models made of parts of other models, which the pairing code (refdec.decoding.pairing) pairs
 with a verifier: both read the verifier's encoder, so the encoder runs once per source for the pair
-(`memory_from`), and both answer what a decoder asks of a second model (refdec.decoding.pairing.SecondModel).
+(`memory_from`), and both answer what a decoder asks of a companion model (refdec.decoding.pairing.Companion).
 
 - `EarlyExit`: the first n decoder layers of the verifier itself (BiLD's early-exit small model).
 - `SharedEncoder`: a decoder without an encoder of its own on another model's encoder.

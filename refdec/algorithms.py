@@ -101,11 +101,11 @@ class Algorithm:
     name: str
     decoder: Callable[..., DecodeResult]
     summary: str
-    second: tuple[str, ...] = ()  # the Models fields it takes after the model: "drafter", "small", "heads"
+    model_args: tuple[str, ...] = ()  # the Models fields it takes after the model: "drafter", "small", "heads"
     lossless_if: Callable[[dict], bool] | None = None  # options that keep it lossless (None: always lossless)
     lossy: bool = False  # never lossless (beam search, BiLD)
     model_dir: str = "{task}"  # checkpoints/<model_dir>/model.pt is its default model
-    extra: Callable[[Models], dict] | None = None  # keyword inputs it takes from the models (not options)
+    model_kwargs: Callable[[Models], dict] | None = None  # keyword inputs it takes from the models (not options)
 
     def defaults(self) -> dict:
         """The decoder's options and their defaults, from its signature."""
@@ -117,9 +117,10 @@ class Algorithm:
         return tuple(self.defaults())
 
     @property
-    def roles(self) -> tuple[str, ...]:
-        """The checkpoints it reads besides the model (proposal heads live in the model's own file)."""
-        return tuple(r for r in self.second if r != "heads")
+    def companion_roles(self) -> tuple[str, ...]:
+        """The roles of its companion models, the checkpoints it reads besides the model: "drafter",
+        "small" (proposal heads live in the model's own file)."""
+        return tuple(r for r in self.model_args if r != "heads")
 
     def is_lossless(self, options: dict) -> bool:
         return not self.lossy and (self.lossless_if is None or self.lossless_if(options))
@@ -131,8 +132,8 @@ class Algorithm:
     def run(self, models: Models, src: torch.Tensor, max_len: int, options: dict, trace: bool = False) -> DecodeResult:
         """Decode `src` with the models; `options`: values of this algorithm's options (refdec.plan
         gives every run all of them)."""
-        inputs = self.extra(models) if self.extra else {}
-        return self.decoder(models.model, *(getattr(models, r) for r in self.second), src, max_len=max_len,
+        inputs = self.model_kwargs(models) if self.model_kwargs else {}
+        return self.decoder(models.model, *(getattr(models, r) for r in self.model_args), src, max_len=max_len,
                             trace=trace, **inputs, **options)
 
 
@@ -148,16 +149,16 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("iad", decode_iad, "input-guided aggressive decoding: draft a copy of the input, verify it in one call "
               "(GEC; SAD = iad on a deep-encoder/shallow-decoder model)"),
     Algorithm("gad", decode_gad, "generalized aggressive decoding: a non-autoregressive drafter proposes a block, the "
-              "model verifies it (GAD++ with --top-beta/--tau)", second=("drafter",),
+              "model verifies it (GAD++ with --top-beta/--tau)", model_args=("drafter",),
               lossless_if=lambda o: o["top_beta"] == 1 and o["tau"] == 0),
     Algorithm("blockwise", decode_blockwise, "blockwise parallel decoding: proposal heads on the model guess k tokens, "
-              "one call verifies them and proposes the next block", second=("heads",), model_dir="{task}-blockwise",
+              "one call verifies them and proposes the next block", model_args=("heads",), model_dir="{task}-blockwise",
               lossless_if=lambda o: o["block_rule"] == "exact" and o["min_block"] == 1,
-              extra=lambda m: {"values": m.number_values}),
+              model_kwargs=lambda m: {"values": m.number_values}),
     Algorithm("bild", decode_bild, "big-little decoder: a small model writes while confident; the large model falls "
-              "back and rolls back", second=("small",), lossy=True),
+              "back and rolls back", model_args=("small",), lossy=True),
     Algorithm("speculative", decode_speculative, "speculative sampling: the small model drafts gamma tokens, "
-              "rejection sampling against the large model (greedy without --sample)", second=("small",),
+              "rejection sampling against the large model (greedy without --sample)", model_args=("small",),
               lossless_if=lambda o: not o["sample"]),
 )}
 

@@ -60,14 +60,14 @@ def load_checkpoint(path: str | Path) -> dict:
         raise CheckpointError(f"{path} is not a checkpoint (a model.pt written by train.py); "
                               f"give the model.pt file of a checkpoint folder")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, foreign pickle, truncated download
         raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {first_line(e, 200)}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a refdec checkpoint (format {FORMAT})")
-    if "frozen_base" in ckpt and "model" not in ckpt:
-        ckpt["model"] = frozen_base(path, ckpt)["model"]
-    return ckpt
+    if "frozen_base" in checkpoint and "model" not in checkpoint:
+        checkpoint["model"] = frozen_base(path, checkpoint)["model"]
+    return checkpoint
 
 
 def referenced_file(path: str | Path, spec: dict, role: str) -> Path:
@@ -82,24 +82,24 @@ def referenced_file(path: str | Path, spec: dict, role: str) -> Path:
     return target
 
 
-def frozen_base(path: str | Path, ckpt: dict) -> dict:
+def frozen_base(path: str | Path, checkpoint: dict) -> dict:
     """The checkpoint whose weights a heads-only file (proposal heads on a frozen base, written by
     the trainer without the base's weights) stands on: the file its `frozen_base` entry names,
     relative to its folder, checked to be the very file it was trained on."""
-    base_path = referenced_file(path, ckpt["frozen_base"], "holds proposal heads on the frozen model")
+    base_path = referenced_file(path, checkpoint["frozen_base"], "holds proposal heads on the frozen model")
     base = load_checkpoint(base_path)
     shape = model_shape(base)
-    if base.get("tokenizer_sha256") != ckpt.get("tokenizer_sha256") or shape is None or shape != model_shape(ckpt):
+    if base.get("tokenizer_sha256") != checkpoint.get("tokenizer_sha256") or shape is None or shape != model_shape(checkpoint):
         raise CheckpointError(f"{base_path} does not have the shape and vocabulary of the heads in {path}")
     return base
 
 
-def model_shape(ckpt: dict) -> ModelConfig | None:
+def model_shape(checkpoint: dict) -> ModelConfig | None:
     """The shape of a checkpoint's model, every field filled in (a file written before a field
     existed holds its default) and dropout left out (training's, not the shape's): two files'
     models are the same network exactly when these are equal."""
     try:
-        return replace(ModelConfig.from_dict(ckpt.get("model_config") or {}), dropout=0.0)
+        return replace(ModelConfig.from_dict(checkpoint.get("model_config") or {}), dropout=0.0)
     except (TypeError, ValueError):
         return None
 
@@ -156,9 +156,9 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
     folder) and checked to be the very file it was trained on. `loaded` maps the sha256 of files
     the caller has already loaded (same device and dtype) to their models: such an encoder is
     taken from there, not loaded a second time."""
-    ckpt = load_checkpoint(path)
-    if task is not None and ckpt.get("task") != task:
-        raise CheckpointError(f"{path} was trained for task {ckpt.get('task')!r}, not {task!r}")
+    checkpoint = load_checkpoint(path)
+    if task is not None and checkpoint.get("task") != task:
+        raise CheckpointError(f"{path} was trained for task {checkpoint.get('task')!r}, not {task!r}")
     tok_path = Path(tokenizer_path) if tokenizer_path else Path(path).parent / "tokenizer.json"
     if not tok_path.is_file():
         raise CheckpointError(f"tokenizer {tok_path} not found (it is saved beside the checkpoint)")
@@ -166,26 +166,26 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
         tokenizer = Tokenizer.load(tok_path)
     except Exception as e:
         raise CheckpointError(f"cannot load tokenizer {tok_path}: {first_line(e, 200)}") from None
-    if tokenizer.sha256 != ckpt.get("tokenizer_sha256"):
+    if tokenizer.sha256 != checkpoint.get("tokenizer_sha256"):
         raise CheckpointError(f"{tok_path} is not the vocabulary {path} was trained with")
     try:
-        cfg = ModelConfig.from_dict(ckpt["model_config"])
+        cfg = ModelConfig.from_dict(checkpoint["model_config"])
         model = Transformer(cfg)
-        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in ckpt["model"].items()})
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in checkpoint["model"].items()})
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: model weights do not fit its config: {first_line(e, 200)}") from None
     if cfg.vocab_size != tokenizer.vocab_size:
         raise CheckpointError(f"{path} has {cfg.vocab_size} embeddings but {tok_path} {tokenizer.vocab_size} tokens")
     model.to(device=device, dtype=dtype).eval()
-    if "shared_encoder" in ckpt:
-        model = SharedEncoder(model, load_shared_encoder(path, ckpt, tokenizer, task, device, dtype, loaded)).eval()
-    return model, tokenizer, ckpt
+    if "shared_encoder" in checkpoint:
+        model = SharedEncoder(model, load_shared_encoder(path, checkpoint, tokenizer, task, device, dtype, loaded)).eval()
+    return model, tokenizer, checkpoint
 
 
-def load_shared_encoder(path: str | Path, ckpt: dict, tokenizer: Tokenizer, task, device, dtype,
+def load_shared_encoder(path: str | Path, checkpoint: dict, tokenizer: Tokenizer, task, device, dtype,
                         loaded: dict[str, Transformer] | None = None) -> Transformer:
     """The model whose encoder the decoder of checkpoint `path` reads."""
-    spec = ckpt["shared_encoder"]
+    spec = checkpoint["shared_encoder"]
     enc_path = referenced_file(path, spec, "reads the encoder of")
     if loaded and spec["sha256"] in loaded:
         return loaded[spec["sha256"]]  # the same file (its sha256 was checked above), already in memory

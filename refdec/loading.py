@@ -1,12 +1,13 @@
 """The checkpoints one decode.py invocation needs, each file loaded once.
 
-A run decodes with a "model" (the one whose output it produces) and, for some algorithms, second
-models: GAD's block drafter, BiLD's and speculative sampling's small model, blockwise decoding's
-proposal heads. `RunLoader` loads the main checkpoint, the other checkpoints compared runs name
-(`--compare ALGO@CKPT`, same tokenizer), and the second models, and hands each run a `Models`
-record: the models its algorithm reads (`Algorithm.run(models, ...)`).
+A run decodes with a "model" (the one whose output it produces) and, for some algorithms, a
+companion model beside it: GAD's block drafter, or BiLD's and speculative sampling's small model
+(`Algorithm.companion_roles`); blockwise decoding reads proposal heads from the model's own file.
+`RunLoader` loads the main checkpoint, the other checkpoints compared runs name (`--compare
+ALGO@CKPT`, same tokenizer), and the companion models, and hands each run a `Models` record: the
+models its algorithm reads (`Algorithm.run(models, ...)`).
 
-A second model trained on a large model's encoder (train.py --encoder-from) reads the large model
+A companion model trained on a large model's encoder (train.py --encoder-from) reads the large model
 already in memory, so the encoder runs once for both; with another large model it loads the
 encoder it was trained on.
 """
@@ -69,18 +70,19 @@ class RunLoader:
                  languages: tuple[str | None, str | None] = (None, None)):
         self.task, self.device, self.dtype, self.languages = task, device, dtype, languages
         self.main_path = Path(main_path)
-        model, self.tokenizer, ckpt = load_any(main_path, task=task, device=device, dtype=dtype, languages=languages)
-        self.loaded = {self.main_path.resolve(): (model, ckpt)}  # large models by file
-        self.second_models: dict = {}  # (role, file, large model's file) -> {role: model}
+        model, self.tokenizer, checkpoint = load_any(main_path, task=task, device=device, dtype=dtype,
+                                                     languages=languages)
+        self.loaded = {self.main_path.resolve(): (model, checkpoint)}  # large models by file
+        self.loaded_companions: dict = {}  # (role, file, large model's file) -> {role: model}
         self.hashes: dict = {}
-        self.shared: dict = {}  # second models of every run that names none of its own
+        self.shared: dict = {}  # companion models of every run that names none of its own
 
     @property
     def model(self):
         return self.loaded[self.main_path.resolve()][0]
 
     @property
-    def ckpt(self) -> dict:
+    def checkpoint(self) -> dict:
         return self.loaded[self.main_path.resolve()][1]
 
     @property
@@ -93,61 +95,61 @@ class RunLoader:
         """Another large model for compared runs (`ALGO@CKPT`), on the main model's tokenizer."""
         if Path(path).resolve() in self.loaded:
             return
-        model, tok, ckpt = load_any(path, task=self.task, device=self.device, dtype=self.dtype,
-                                    languages=self.languages if Path(path).is_dir() else (None, None))
+        model, tok, checkpoint = load_any(path, task=self.task, device=self.device, dtype=self.dtype,
+                                          languages=self.languages if Path(path).is_dir() else (None, None))
         if tok.sha256 != self.tokenizer.sha256:
             raise LoadError(f"{path} has a different tokenizer from {self.main_path}; compared runs must share one")
-        self.loaded[Path(path).resolve()] = (model, ckpt)
+        self.loaded[Path(path).resolve()] = (model, checkpoint)
 
     def share(self, role: str, value: str) -> None:
-        """The second model (`role`: drafter or small) of every run that names none of its own."""
-        self.shared.update(self.second(role, value, self.main_path))
+        """The companion model (`role`: drafter or small) of every run that names none of its own."""
+        self.shared.update(self.load_companion(role, value, self.main_path))
 
-    def second(self, role: str, value: str, large_path: Path) -> dict:
+    def load_companion(self, role: str, value: str, large_path: Path) -> dict:
         """A small model or drafter (a file, or 'early-exit': the exit inside the large model of
         `large_path`), each file loaded once per large model."""
-        large, ck = self.loaded[large_path.resolve()]
+        large, large_checkpoint = self.loaded[large_path.resolve()]
         if value == "early-exit":  # BiLD section 4.4
-            if "early_exit" not in ck:
+            if "early_exit" not in large_checkpoint:
                 raise LoadError(f"{large_path} has no early exit; train one with train.py --early-exit N")
-            return {"small": EarlyExit(large, ck["early_exit"])}
+            return {"small": EarlyExit(large, large_checkpoint["early_exit"])}
         key = (role, Path(value).resolve(), large_path.resolve())
-        if key not in self.second_models:
-            model, tok, ck2 = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
-                                       loaded={self.sha256(large_path): large},
-                                       languages=self.languages if Path(value).is_dir() else (None, None))
+        if key not in self.loaded_companions:
+            model, tok, checkpoint = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
+                                              loaded={self.sha256(large_path): large},
+                                              languages=self.languages if Path(value).is_dir() else (None, None))
             if tok.sha256 != self.tokenizer.sha256:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
             if (model.cfg.encoder_prefix, model.cfg.decoder_prefix) != (large.cfg.encoder_prefix, large.cfg.decoder_prefix):
                 raise LoadError(f"{role} {value} does not force the tokens {large_path} forces (language codes, <s>)")
-            if role == "drafter" and "drafter" not in ck2:
+            if role == "drafter" and "drafter" not in checkpoint:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
             if role == "drafter":  # the model with the block size and layout it was trained for
-                model = Drafter(model, k=ck2["drafter"]["k"], layout=ck2["drafter"]["layout"])
-            self.second_models[key] = {role: model}
-        return self.second_models[key]
+                model = Drafter(model, k=checkpoint["drafter"]["k"], layout=checkpoint["drafter"]["layout"])
+            self.loaded_companions[key] = {role: model}
+        return self.loaded_companions[key]
 
     def sha256(self, path: Path) -> str:
         if path.resolve() not in self.hashes:
             self.hashes[path.resolve()] = file_sha256(path) if path.is_file() else f"folder {path.resolve()}"
         return self.hashes[path.resolve()]
 
-    def models_for(self, path: Path, second: tuple[str, ...] = (), own: dict | None = None) -> Models:
-        """The models of one run on the large model of `path`, with the second models `second`
-        names ("drafter", "small", "heads"); `own` names the run's own second models ({"small":
-        PATH, "drafter": PATH}), the others are the shared ones."""
-        large, ck = self.loaded[path.resolve()]
+    def models_for(self, path: Path, model_args: tuple[str, ...] = (), companions: dict | None = None) -> Models:
+        """The models of one run on the large model of `path`, with the Models fields `model_args`
+        names ("drafter", "small", "heads"); `companions` names the run's own companion models
+        ({"small": PATH, "drafter": PATH}), the others are the shared ones."""
+        large, checkpoint = self.loaded[path.resolve()]
         found = dict(self.shared)
-        for role, value in (own or {}).items():
-            found.update(self.second(role, value, path))
-        if "heads" in second:
-            heads = load_proposal(ck, device=self.device, dtype=self.dtype)
+        for role, value in (companions or {}).items():
+            found.update(self.load_companion(role, value, path))
+        if "heads" in model_args:
+            heads = load_proposal(checkpoint, device=self.device, dtype=self.dtype)
             if heads is None:
                 what = "is a transformers folder, with" if path.is_dir() else "has"
                 raise LoadError(f"{path} {what} no proposal heads; blockwise runs on a refdec checkpoint with heads "
                                 "trained by train.py --proposal-k (docs/usage.md, section Training)")
             found.update(heads=heads, number_values=number_values(self.tokenizer).to(self.device))
-        keep = set(second) | ({"number_values"} if "heads" in second else set())
+        keep = set(model_args) | ({"number_values"} if "heads" in model_args else set())
         return Models(large, path, **{k: v for k, v in found.items() if k in keep})
 
 
@@ -155,7 +157,7 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
                 fast: bool = False, graphed: bool = False,
                 languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
     """The models of each of refdec.plan's `specs`, every checkpoint loaded once: the first run's
-    model, the other checkpoints compared runs name, the `shared` second models (role -> path) and
+    model, the other checkpoints compared runs name, the `shared` companion models (role -> path) and
     each run's own. With `invariant`, every model in row-invariant mode; with `fast`, every model the fast
     route writes on it (refdec.fast); with `graphed`, on the graphed route (refdec.graphed). A spec with
     `int8` runs on the int8 route (refdec.int8): on copies of its models when other runs read them in
@@ -170,8 +172,8 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
         loader.add(s.path)
     for role, value in shared.items():
         loader.share(role, value)
-    models = [loader.models_for(s.path, s.algo.second, s.second_models) for s in specs]
-    if invariant:  # every model the runs use, second models and proposal heads included
+    models = [loader.models_for(s.path, s.algo.model_args, s.companions) for s in specs]
+    if invariant:  # every model the runs use, companion models and proposal heads included
         for m in models:
             for module in m.all():
                 set_row_invariant(module)

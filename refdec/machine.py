@@ -61,8 +61,8 @@ def proc_stat_sample() -> Sample | None:
     except (OSError, ValueError, IndexError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    own = os.times()
-    return time.monotonic(), (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), own.user + own.system
+    times = os.times()
+    return time.monotonic(), (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), times.user + times.system
 
 
 class BusyCores:

@@ -1,6 +1,6 @@
 """What one decode.py invocation runs: a RunSpec per run, every choice resolved before any model loads.
 
-A run is an algorithm on a checkpoint with its option values, its own second models (or the shared
+A run is an algorithm on a checkpoint with its option values, its own companion models (or the shared
 ones) and its batches: a batch size, or a token budget. The first run is --algo's; `--compare ALGO[@CKPT][:OPTION=VALUE...]` adds
 the others (`:int8` puts one on the int8 route, refdec.int8); `--batch-sizes` repeats all of them at each size. Every run finds its default checkpoint
 by the same rule (`default_checkpoint`), so `--compare blockwise` runs on the model
@@ -19,9 +19,9 @@ from .hints import check_checkpoint_path, shown, train_hint
 from .inputs import checkpoint_files
 
 CHECKPOINTS = REPO / "checkpoints"
-SECOND_MODEL_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
-SECOND_MODEL_WORDS = {"drafter": "block drafter on the same tokenizer (a checkpoint of train.py --drafter-k)",
-                      "small": "small model on the same tokenizer (a refdec checkpoint or a transformers folder)"}
+COMPANION_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
+COMPANION_WORDS = {"drafter": "block drafter on the same tokenizer (a checkpoint of train.py --drafter-k)",
+                   "small": "small model on the same tokenizer (a refdec checkpoint or a transformers folder)"}
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Compared:
     name: str
     path: str | None = None
     options: dict = field(default_factory=dict)  # option -> value
-    second_models: dict = field(default_factory=dict)  # "small" / "drafter" -> PATH or "early-exit"
+    companions: dict = field(default_factory=dict)  # "small" / "drafter" -> PATH or "early-exit"
     batch_size: int | None = None
     batch_tokens: int | None = None
     int8: bool = False  # :int8, the run on the int8 route (refdec.int8)
@@ -42,7 +42,7 @@ class RunSpec:
     algo: Algorithm
     path: Path  # the checkpoint whose output the run produces
     options: dict  # every option of the algorithm, with its value
-    second_models: dict  # the run's own second models (the others are the shared ones)
+    companions: dict  # the run's own companion models (the others are the shared ones)
     batch_size: int  # most sentences per batch (0: no limit, with a token budget)
     label: str
     batch_tokens: int = 0  # most source tokens per batch, padding included (0: batches by batch_size alone)
@@ -88,7 +88,7 @@ def parse_compare(spec: str) -> list[Compared]:
             raise UsageError(f"--compare: unknown algorithm {name!r}; choose from {', '.join(sorted(ALGORITHMS))}")
         if path:
             check_checkpoint_path(f"--compare {name}@", path)
-        algo, options, second_models, size, tokens, int8 = ALGORITHMS[name], {}, {}, None, None, False
+        algo, options, companions, size, tokens, int8 = ALGORITHMS[name], {}, {}, None, None, False
         for setting in settings:
             if setting == "int8":
                 int8 = True
@@ -103,11 +103,11 @@ def parse_compare(spec: str) -> list[Compared]:
                                      f"not {value!r}")
                 size, tokens = (int(value), tokens) if key == "batch_size" else (size, int(value))
             elif key in ("small", "drafter"):
-                if key not in algo.roles:
+                if key not in algo.companion_roles:
                     raise UsageError(f"--compare {item}: {name} uses no {key} model")
                 if not (key == "small" and value == "early-exit"):
                     check_checkpoint_path(f"--compare {head}:{setting.partition('=')[0]}=", value)
-                second_models[key] = value
+                companions[key] = value
             elif key in algo.options:
                 try:
                     options[key] = parse_value(key, value, algo.defaults()[key])
@@ -116,7 +116,7 @@ def parse_compare(spec: str) -> list[Compared]:
             else:
                 raise UsageError(f"--compare {item}: {key.replace('_', '-')} is not an option of {name} "
                                  f"(its options: {', '.join(k.replace('_', '-') for k in algo.options) or 'none'})")
-        out.append(Compared(name, path or None, options, second_models, size, tokens, int8))
+        out.append(Compared(name, path or None, options, companions, size, tokens, int8))
     return out
 
 
@@ -129,8 +129,8 @@ def default_checkpoint(algo: Algorithm, task: str) -> Path:
     return path
 
 
-def default_second(role: str, task: str, algo: Algorithm) -> str:
-    folder = SECOND_MODEL_DIRS[role].format(task=task)
+def default_companion(role: str, task: str, algo: Algorithm) -> str:
+    folder = COMPANION_DIRS[role].format(task=task)
     path = CHECKPOINTS / folder / "model.pt"
     if not path.exists():
         raise UsageError(f"--algo {algo.name} --task {task}: no {role} checkpoint at {shown(path)}; {shipped_for(algo)}; "
@@ -139,10 +139,10 @@ def default_second(role: str, task: str, algo: Algorithm) -> str:
 
 
 def shipped_for(algo: Algorithm) -> str:
-    """Which tasks have a shipped checkpoint for `algo` (and its second models): said when one is missing."""
+    """Which tasks have a shipped checkpoint for `algo` (and its companion models): said when one is missing."""
     from .data import TASKS
     tasks = [t for t in TASKS if all((CHECKPOINTS / d / "model.pt").exists() for d in
-                                     [algo.checkpoint_dir(t)] + [SECOND_MODEL_DIRS[r].format(task=t) for r in algo.roles])]
+                                     [algo.checkpoint_dir(t)] + [COMPANION_DIRS[r].format(task=t) for r in algo.companion_roles])]
     return (f"--algo {algo.name} has shipped models for --task {' and '.join(tasks)}" if tasks
             else f"no task has shipped models for --algo {algo.name}")
 
@@ -170,7 +170,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         if batch_tokens or any(c.batch_size or c.batch_tokens for c in compares):
             raise UsageError("--batch-sizes sets every run's batches: leave out --batch-tokens; a --compare run "
                              "cannot set its own batch-size or batch-tokens")
-        items = [Compared(c.name, c.path, c.options, c.second_models, n, int8=c.int8) for n in sizes for c in items]
+        items = [Compared(c.name, c.path, c.options, c.companions, n, int8=c.int8) for n in sizes for c in items]
     if model:
         check_checkpoint_path("--model ", model)
     main = Path(model) if model else default_checkpoint(first, task)
@@ -180,7 +180,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         # Without --model, ALGO runs on the checkpoint --algo ALGO would use, except that an algorithm
         # on the task's plain model (greedy, beam, iad, ...) beside --algo blockwise runs on the heads'
         # file, whose base model it is, so the lossless check compares the two on one model.
-        own = c.path or (None if model or algo.model_dir in (first.model_dir, "{task}") else default_checkpoint(algo, task))
+        run_path = c.path or (None if model or algo.model_dir in (first.model_dir, "{task}") else default_checkpoint(algo, task))
         options = {**algo.defaults(), **{k: v for k, v in given.items() if k in algo.options}, **c.options}
         try:
             check_options(algo, options, set(given) | set(c.options))
@@ -188,7 +188,7 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
             raise UsageError(f"--compare {c.name}: {e}" if specs else str(e)) from None
         tokens = c.batch_tokens or (0 if c.batch_size else batch_tokens or 0)
         rows = c.batch_size or (0 if c.batch_tokens else batch_size) or (0 if tokens else 1)
-        specs.append(RunSpec(algo, Path(own) if own else main, options, c.second_models, rows, "", tokens,
+        specs.append(RunSpec(algo, Path(run_path) if run_path else main, options, c.companions, rows, "", tokens,
                              int8 or c.int8))
     names = model_names([s.path for s in specs])
     return [replace(s, label=label(s, c, names if len(names) > 1 else None, bool(sizes))) for s, c in zip(specs, items)]
@@ -211,46 +211,46 @@ def model_names(paths: list[Path]) -> dict[Path, str]:
 
 def label(spec: RunSpec, item: Compared, names: dict[Path, str] | None, with_size: bool) -> str:
     """Row name: the algorithm, plus its checkpoint's name when the runs use several checkpoints
-    (`names`, model_names), plus what the run sets itself (a second model by its folder)."""
+    (`names`, model_names), plus what the run sets itself (a companion model by its folder)."""
     name = f"{spec.algo.name}@{names[spec.path.resolve()]}" if names else spec.algo.name
-    own = {**item.options, **item.second_models,
-           **({"batch_size": spec.batch_size} if with_size or item.batch_size else {}),
-           **({"batch_tokens": spec.batch_tokens} if item.batch_tokens else {})}
-    for k, v in own.items():
+    settings = {**item.options, **item.companions,
+                **({"batch_size": spec.batch_size} if with_size or item.batch_size else {}),
+                **({"batch_tokens": spec.batch_tokens} if item.batch_tokens else {})}
+    for k, v in settings.items():
         v = (model_name(v) if k in ("small", "drafter") and v != "early-exit"
              else f"{v:g}" if isinstance(v, float) else v)
         name += f":{k.replace('_', '-')}={v}"
     return name + (":int8" if item.int8 else "")
 
 
-def shared_second_models(specs: list[RunSpec], task: str, given: dict) -> dict:
-    """The second models of the runs that name none of their own: --small / --drafter, or the
+def shared_companions(specs: list[RunSpec], task: str, given: dict) -> dict:
+    """The companion models of the runs that name none of their own: --small / --drafter, or the
     shipped default. A --small or --drafter that no run reads is refused."""
-    need = {r for s in specs for r in s.algo.roles if r not in s.second_models}
+    need = {r for s in specs for r in s.algo.companion_roles if r not in s.companions}
     for role, value in given.items():
         if value and role not in need:
             raise UsageError(f"--{role} is not used by --algo {specs[0].algo.name}")
     first, out = specs[0].algo, {}
     for role in sorted(need):
         if task is None and not given.get(role):  # a transformers folder without --task: no shipped default
-            s = next(s for s in specs if role in s.algo.roles and role not in s.second_models)
+            s = next(s for s in specs if role in s.algo.companion_roles and role not in s.companions)
             flag = f"--algo {s.algo.name}" if s is specs[0] else f"--compare {s.algo.name}"
-            raise UsageError(f"{flag} needs a {SECOND_MODEL_WORDS[role]}, and a transformers folder as --model comes "
+            raise UsageError(f"{flag} needs a {COMPANION_WORDS[role]}, and a transformers folder as --model comes "
                              f"with none: pass --{role} PATH" + (f" (or --compare {s.algo.name}:{role}=PATH)"
                                                                 if s is not specs[0] else ""))
-        out[role] = given.get(role) or default_second(role, task, first)
+        out[role] = given.get(role) or default_companion(role, task, first)
         if out[role] != "early-exit" and given.get(role):
             check_checkpoint_path(f"--{role} ", out[role])
     return out
 
 
 def checkpoints_read(specs: list[RunSpec], shared: dict) -> dict:
-    """Every checkpoint the runs load, for refdec.inputs.check_outputs: each run's model and own second
+    """Every checkpoint the runs load, for refdec.inputs.check_outputs: each run's model and own companion
     models, and the shared ones (--small, --drafter)."""
     found = {}
     for s in specs:
         found |= checkpoint_files(f"the model of {s.label}", s.path)
-        for role, value in s.second_models.items():
+        for role, value in s.companions.items():
             found |= checkpoint_files(f"the {role} of {s.label}", value)
     for role, value in shared.items():
         found |= checkpoint_files(f"the {role} (--{role})", value)
@@ -300,4 +300,4 @@ def add_option_flags(group) -> None:
 
 __all__ = ["Compared", "OPTIONS", "RunSpec", "add_option_flags", "add_route_flags", "check_counts", "checkpoints_read", "default_checkpoint", "help_default", "parse_compare",
            "parse_sizes", "plan_runs",
-           "shared_second_models"]
+           "shared_companions"]

@@ -73,9 +73,9 @@ def proposal_state(heads: ProposalHeads, half: bool = False) -> dict:
     return {"config": heads.config(), "state": state}
 
 
-def load_proposal(ckpt: dict, device="cpu", dtype=torch.float32) -> ProposalHeads | None:
+def load_proposal(checkpoint: dict, device="cpu", dtype=torch.float32) -> ProposalHeads | None:
     """The heads stored in a checkpoint (eval mode), or None for a plain model."""
-    entry = ckpt.get("proposal")
+    entry = checkpoint.get("proposal")
     if entry is None:
         return None
     heads = ProposalHeads(**entry["config"])

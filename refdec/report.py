@@ -130,22 +130,22 @@ def edit_buckets(sources: list[str], hyps: list[str], fast: Run, base: Run) -> t
     return rows, "\n".join("  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells)
 
 
-def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, extra: dict) -> dict:
+def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, fields: dict) -> dict:
     """The JSON report: the first run's figures at the top level, the second run's under "compare"
-    (every run's are under "runs")."""
+    (every run's are under "runs"), and `fields`, the other top-level fields."""
     first = rows[0]
     keys = ("seconds", "tokens", "ms_per_token", "verifier_calls", "drafter_calls", "tokens_per_call", "hit_max_len")
     report = {"algo": runs[0].algo.name, "task": task, "n": n_lines, "decoded": first["n"],
               **{k: first[k] for k in keys}, "bleu": first.get("bleu"), "chrf": first.get("chrf"),
               **{k: first[k] for k in ("gec_f05", "gec_precision", "gec_recall") if k in first},
-              "options": runs[0].options, **extra}
+              "options": runs[0].options, **fields}
     if len(rows) > 1:
-        second = rows[1]
-        report["compare"] = {"algo": runs[1].algo.name, "seconds": second["seconds"],
-                             "speed_vs_first": second["speed_vs_first"],
-                             "identical": second["identical"], "bleu": second.get("bleu"), "chrf": second.get("chrf"),
-                             "tokens": second["tokens"], "verifier_calls": second["verifier_calls"],
-                             **{k: second[k] for k in ("gec_f05",) if k in second}, "options": runs[1].options}
+        compared = rows[1]
+        report["compare"] = {"algo": runs[1].algo.name, "seconds": compared["seconds"],
+                             "speed_vs_first": compared["speed_vs_first"],
+                             "identical": compared["identical"], "bleu": compared.get("bleu"), "chrf": compared.get("chrf"),
+                             "tokens": compared["tokens"], "verifier_calls": compared["verifier_calls"],
+                             **{k: compared[k] for k in ("gec_f05",) if k in compared}, "options": runs[1].options}
     return report
 
 
@@ -154,7 +154,7 @@ def run_report(task: str, summary: "Summary", runs: list[Run], *, n_lines: int, 
     """decode.py's JSON report of a run: its model, input and settings (batches, max_len, route), every
     run's row, the speedup matrix and the lossless checks, and the machine it ran on. `n_lines`: the
     lines every run finished (all of them unless the run was interrupted)."""
-    return build_report(task, summary.rows, runs, n_lines=n_lines, extra={
+    return build_report(task, summary.rows, runs, n_lines=n_lines, fields={
         "model": model, "model_step": model_step, "input": input, **settings, "runs": summary.rows,
         "speedup_matrix": summary.matrix, "lossless_checks": summary.checks, "interrupted": interrupted,
         "lines_decoded": n_lines, "environment": environment})

@@ -115,14 +115,14 @@ def copy_model(seed: int = 0, steps: int = 400) -> Transformer:
 
 @pytest.fixture(scope="session")
 def tiny_extras(trained_tiny, tmp_path_factory) -> dict:
-    """Second models for the CLI tests, trained for seconds from the tiny checkpoint: blockwise
-    proposal heads (k = 3) and a GAD block drafter (k = 4)."""
+    """The drafter and the heads for the CLI tests, trained for seconds from the tiny checkpoint:
+    blockwise proposal heads (k = 3) and a GAD block drafter (k = 4)."""
     out = tmp_path_factory.mktemp("extras")
     made = {}
-    for name, extra in (("heads", ["--proposal-k", "3", "--freeze-base", "true"]), ("drafter", ["--drafter-k", "4"])):
+    for name, flags in (("heads", ["--proposal-k", "3", "--freeze-base", "true"]), ("drafter", ["--drafter-k", "4"])):
         r = run_py("train.py", "--preset", "tiny", "--out-dir", str(out / name), "--train-limit", "800",
                    "--max-steps", "4", "--eval-every", "4", "--threads", "1", "--init-from",
-                   str(trained_tiny / "model.pt"), *extra)
+                   str(trained_tiny / "model.pt"), *flags)
         assert r.returncode == 0, r.stderr.decode()
         made[name] = out / name / "model.pt"
     return made

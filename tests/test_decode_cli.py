@@ -145,21 +145,21 @@ def test_edit_ratio_buckets_for_gec():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo,extra", [
+@pytest.mark.parametrize("algo,flags", [
     ("gad", ["--drafter", "{drafter}"]),
     ("blockwise", ["--model", "{heads}"]),
     ("bild", ["--small", "{tiny}", "--fallback-threshold", "2"]),
     ("speculative", ["--small", "{tiny}", "--gamma", "3"]),
 ])
-def test_second_model_algorithms_reproduce_greedy(trained_tiny, tiny_extras, tmp_path, algo, extra):
+def test_drafter_heads_and_small_model_algorithms_reproduce_greedy(trained_tiny, tiny_extras, tmp_path, algo, flags):
     """Guards decode.py's wiring of the drafter, the proposal heads and the small model: in their
     lossless settings (BiLD: falling back at every step) the outputs are greedy's, in float64."""
     paths = {"drafter": tiny_extras["drafter"], "heads": tiny_extras["heads"], "tiny": trained_tiny / "model.pt"}
-    extra = [e.format(**paths) for e in extra]
+    flags = [e.format(**paths) for e in flags]
     rep = tmp_path / "r.json"
     args = ["--algo", algo, "--compare", "greedy", "--limit", "4", "--max-len", "10", "--dtype", "float64",
             "--report", str(rep), "--trace"]
-    r = run_py(*DECODE, *(["--model", str(trained_tiny / "model.pt")] if "--model" not in extra else []), *args, *extra)
+    r = run_py(*DECODE, *(["--model", str(trained_tiny / "model.pt")] if "--model" not in flags else []), *args, *flags)
     assert r.returncode == 0, r.stderr.decode()
     report = json.loads(rep.read_text())
     assert report["compare"]["identical"] == 1.0
@@ -167,7 +167,7 @@ def test_second_model_algorithms_reproduce_greedy(trained_tiny, tiny_extras, tmp
 
 
 @pytest.mark.slow
-def test_second_models_are_checked(trained_tiny, tiny_extras):
+def test_drafters_heads_and_small_models_are_checked(trained_tiny, tiny_extras):
     r = decode(trained_tiny, "--algo", "blockwise", "--limit", "1")
     assert "no proposal heads" in one_line_error(r)
     r = decode(trained_tiny, "--algo", "gad", "--drafter", str(trained_tiny / "model.pt"), "--limit", "1")
@@ -183,7 +183,7 @@ def test_second_models_are_checked(trained_tiny, tiny_extras):
 
 @pytest.mark.slow
 def test_compared_runs_take_their_own_options_and_small_models(trained_tiny, tmp_path):
-    """A sweep in one process: each --compare entry may set its own algorithm options and second
+    """A sweep in one process: each --compare entry may set its own algorithm options and small
     model after colons; the rows are told apart by them, the report keeps each run's options, and
     a lossless setting (fallback at every step) still reproduces greedy exactly."""
     tiny = str(trained_tiny / "model.pt")
@@ -424,14 +424,14 @@ def test_fast_route_writes_the_reference_output(trained_tiny, tmp_path):
     """Guards decode.py --fast: in float64 greedy and IAD on the fast route write what greedy on the
     reference route writes, the report says which route ran, and --fast with --invariant is refused."""
     outs = {}
-    for name, extra in (("reference", ()), ("fast", ("--fast",)), ("fast-iad", ("--fast",))):
+    for name, flags in (("reference", ()), ("fast", ("--fast",)), ("fast-iad", ("--fast",))):
         rep = tmp_path / f"{name}.json"
         algo = "iad" if name == "fast-iad" else "greedy"
         r = decode(trained_tiny, "--algo", algo, "--limit", "8", "--dtype", "float64", "--max-len", "16",
-                   "--report", str(rep), *extra)
+                   "--report", str(rep), *flags)
         assert r.returncode == 0, r.stderr.decode()
         outs[name] = r.stdout.decode()
-        assert json.loads(rep.read_text())["fast_route"] is bool(extra)
+        assert json.loads(rep.read_text())["fast_route"] is bool(flags)
     assert outs["fast"] == outs["reference"] and outs["fast-iad"] == outs["reference"]
     r = decode(trained_tiny, "--algo", "greedy", "--limit", "1", "--fast", "--invariant")
     assert r.returncode == 2 and "not allowed with" in r.stderr.decode()
@@ -465,7 +465,7 @@ def test_the_reports_speed_is_the_tables(tmp_path):
     summary = report.summarise("mt-en-de", runs, lines, [lines], [tok.encode(s) for s in lines], tok, "cpu")
     assert [row.get("speed_vs_first") for row in summary.rows] == [None, pytest.approx(1.21), pytest.approx(0.5)]
     assert "1.21x faster" in summary.text and "2.00x slower" in summary.text
-    built = report.build_report("mt-en-de", summary.rows, runs, n_lines=2, extra={})
+    built = report.build_report("mt-en-de", summary.rows, runs, n_lines=2, fields={})
     assert built["compare"]["speed_vs_first"] == pytest.approx(1.21) and "speedup" not in built["compare"]
     assert "speed_vs_first" in (REPO / "docs" / "usage.md").read_text(encoding="utf-8")
 

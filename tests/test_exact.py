@@ -164,7 +164,7 @@ def test_fuzz_command_counts_and_reports(capsys):
 
 
 def test_the_switch_is_per_model_and_reversible():
-    """Guards the switch: it sets one model's layers (a second model stays in the default mode) and
+    """Guards the switch: it sets one model's layers (another model stays in the default mode) and
     switching it off gives the default mode's logits again."""
     a, b = tiny_model(1), tiny_model(1)
     src = random_src(1, 2, 40)

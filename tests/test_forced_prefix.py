@@ -1,5 +1,5 @@
 """Forced decoder tokens (ModelConfig.decoder_prefix, an imported model's language code) under the
-decoders that cut a cache back per row or run a second model near its last position: tiny float64
+decoders that cut a cache back per row or run a companion model near its last position: tiny float64
 random models, no downloads."""
 
 from __future__ import annotations

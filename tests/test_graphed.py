@@ -359,14 +359,14 @@ def test_decode_graphed_writes_the_reference_output(trained_tiny, tmp_path):
     base = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet", "--model", str(trained_tiny / "model.pt"),
             "--limit", "8", "--dtype", "float64", "--max-len", "16"]
     outs = {}
-    for name, extra in (("reference", ["--algo", "greedy"]), ("greedy", ["--algo", "greedy", "--graphed"]),
+    for name, flags in (("reference", ["--algo", "greedy"]), ("greedy", ["--algo", "greedy", "--graphed"]),
                         ("iad", ["--algo", "iad", "--graphed"]),
                         ("batched", ["--algo", "greedy", "--graphed", "--batch-size", "4"])):
         rep = tmp_path / f"{name}.json"
-        r = run_py(*base, *extra, "--report", str(rep))
+        r = run_py(*base, *flags, "--report", str(rep))
         assert r.returncode == 0, r.stderr.decode()
         outs[name] = r.stdout.decode()
-        assert json.loads(rep.read_text())["graphed_route"] is ("--graphed" in extra)
+        assert json.loads(rep.read_text())["graphed_route"] is ("--graphed" in flags)
     assert outs["greedy"] == outs["reference"] and outs["iad"] == outs["reference"] and outs["batched"] == outs["reference"]
     r = run_py(*base, "--algo", "greedy", "--graphed", "--fast")
     assert r.returncode == 2 and "not allowed with" in r.stderr.decode()

@@ -251,10 +251,10 @@ def test_audit_reports_every_method(tmp_path, capsys):
     (["--algo", "speculative"], "--algo speculative needs a small model"),
     (["--algo", "greedy", "--compare", "gad"], "--compare gad needs a block drafter"),
 ])
-def test_a_second_model_a_folder_does_not_bring_is_asked_for(folder, tmp_path, capsys, monkeypatch, argv, needle):
+def test_a_companion_model_a_folder_does_not_bring_is_asked_for(folder, tmp_path, capsys, monkeypatch, argv, needle):
     """Case: `decode.py --model FOLDER --input s.txt --algo gad` (bild, speculative, --compare gad) exited 1
     with `TypeError: replace() argument 1 must be str, not None`: without --task there is no shipped
-    second model to default to. One line now names the model the algorithm needs and its flag."""
+    companion model (drafter, small model) to default to. One line now names the model the algorithm needs and its flag."""
     (tmp_path / "s.txt").write_text("w1 w2 w3\n", encoding="utf-8")
     err = error_of(script("decode").main, ["--model", str(folder), "--input", str(tmp_path / "s.txt"), *argv],
                    capsys, monkeypatch)

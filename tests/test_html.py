@@ -132,7 +132,7 @@ def test_page_draws_each_iteration_of_the_trace(iad_page):
 
 
 @pytest.mark.slow
-def test_html_with_second_model_algorithms(trained_tiny, tiny_extras, tmp_path):
+def test_html_with_drafter_heads_and_small_model_algorithms(trained_tiny, tiny_extras, tmp_path):
     """GAD's draft/verify lines, BiLD's and speculative decoding's S/L marks, blockwise's heads and
     GAD's time per module."""
     page_path = tmp_path / "p.html"

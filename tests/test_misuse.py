@@ -107,9 +107,9 @@ def test_resume_refuses_another_configuration(tmp_path):
     a 26 KB traceback; --resume without last.pt started from scratch silently."""
     out = tmp_path / "run"
     assert run_py(*TINY, "--out-dir", str(out), "--max-steps", "2", "--eval-every", "2").returncode == 0
-    for extra, needle in ((["--task", "gec-en"], "task"), (["--lr", "0.01"], "lr"),
+    for flags, needle in ((["--task", "gec-en"], "task"), (["--lr", "0.01"], "lr"),
                           (["--batch-tokens", "900"], "batch_tokens"), (["--d-model", "64"], "d_model")):
-        err = one_line_error(run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--resume", *extra))
+        err = one_line_error(run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--resume", *flags))
         assert "another configuration" in err and needle in err, err
     err = one_line_error(run_py("train.py", "--preset", "gec-uk", "--out-dir", str(out), "--resume", "--threads", "1"))
     assert "another configuration" in err

@@ -32,10 +32,10 @@ def test_shipped_checkpoint_decodes_exactly(path: Path):
     13.1M parameters, is 25 MiB in float16), needs a pickle, or whose float64 greedy and beam(1)
     outputs differ on real sentences."""
     assert path.stat().st_size < 32 * 2 ** 20
-    ck = load_checkpoint(path)
-    assert path.parent.name == ck["task"] or path.parent.name.startswith(ck["task"] + "-")
-    model, tok, _ = load_model(path, task=ck["task"], dtype=torch.float64)
-    src = [tok.encode(s) for s in load_split(ck["task"], "test").src[:4]]
+    checkpoint = load_checkpoint(path)
+    assert path.parent.name == checkpoint["task"] or path.parent.name.startswith(checkpoint["task"] + "-")
+    model, tok, _ = load_model(path, task=checkpoint["task"], dtype=torch.float64)
+    src = [tok.encode(s) for s in load_split(checkpoint["task"], "test").src[:4]]
     for ids in src:
         x = source_tensor([ids])
         g = decode_greedy(model, x, max_len=2 * len(ids) + 10)
@@ -47,10 +47,10 @@ def test_shipped_checkpoint_decodes_exactly(path: Path):
 def test_shipped_gec_checkpoint_iad_is_greedy(path: Path):
     """Guards against input-guided aggressive decoding drifting from greedy on a real model and real
     UA-GEC sentences, where drafts are long and mostly accepted (float64)."""
-    ck = load_checkpoint(path)
-    model, tok, _ = load_model(path, task=ck["task"], dtype=torch.float64)
+    checkpoint = load_checkpoint(path)
+    model, tok, _ = load_model(path, task=checkpoint["task"], dtype=torch.float64)
     calls = tokens = 0
-    for line in load_split(ck["task"], "test").src[:12]:
+    for line in load_split(checkpoint["task"], "test").src[:12]:
         ids = tok.encode(line)
         x = source_tensor([ids])
         g = decode_greedy(model, x, max_len=2 * len(ids) + 10)

@@ -95,8 +95,8 @@ def test_resume_continues_exactly(tmp_path):
     # the run also wrote what decode.py needs, and the averaged snapshot
     for name in ("model.pt", "best.pt", "average.pt", "tokenizer.json", "log.jsonl"):
         assert (split / name).exists(), name
-    model, tok, ck = load_model(split / "model.pt", task="mt-en-de")
-    assert not model.training and ck["step"] == 8
+    model, tok, checkpoint = load_model(split / "model.pt", task="mt-en-de")
+    assert not model.training and checkpoint["step"] == 8
     records = [json.loads(line) for line in (split / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [4, 8] and all(r["tokens_per_s"] > 0 for r in records)
 
@@ -152,13 +152,13 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
                "--head-loss", "random" if freeze else "mean")
     assert r.returncode == 0, r.stderr.decode()
     assert "tokens per call" in r.stderr.decode()
-    base, ck = load_checkpoint(trained_tiny / "model.pt"), load_checkpoint(out / "model.pt")
-    same = all(torch.equal(base["model"][k], ck["model"][k]) for k in base["model"])
+    base, checkpoint = load_checkpoint(trained_tiny / "model.pt"), load_checkpoint(out / "model.pt")
+    same = all(torch.equal(base["model"][k], checkpoint["model"][k]) for k in base["model"])
     assert same == freeze
     raw = torch.load(out / "model.pt", weights_only=True)  # heads on a frozen base ship without its weights
     assert ("model" in raw) != freeze and ("frozen_base" in raw) == freeze
-    model, tok, ck = load_model(out / "model.pt", dtype=torch.float64)
-    heads = load_proposal(ck, dtype=torch.float64)
+    model, tok, checkpoint = load_model(out / "model.pt", dtype=torch.float64)
+    heads = load_proposal(checkpoint, dtype=torch.float64)
     assert heads is not None and heads.k == 3
     for line in load_split("mt-en-de", "dev").src[:3]:
         x = source_tensor([tok.encode(line)])
@@ -234,13 +234,13 @@ def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
     assert r.returncode == 0, r.stderr.decode()
     assert "block accuracy" in r.stderr.decode() and "(GAD with the verifier on 5 sentences)" in r.stderr.decode()
     assert 1 <= load_checkpoint(out / "best.pt")["meta"]["dev_tokens_per_call"] <= 5
-    ck = load_checkpoint(out / "model.pt")
-    assert ck["drafter"] == {"k": 4, "layout": layout}
-    assert ck["meta"]["train_config"]["init_from"].endswith("model.pt")
+    checkpoint = load_checkpoint(out / "model.pt")
+    assert checkpoint["drafter"] == {"k": 4, "layout": layout}
+    assert checkpoint["meta"]["train_config"]["init_from"].endswith("model.pt")
 
 
 @pytest.mark.slow
-def test_a_second_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny, tmp_path):
+def test_a_small_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny, tmp_path):
     """Guards BiLD's small-model path: --tokenizer-from trains a model of another shape on the same
     vocabulary (decode.py refuses pairs that differ), and --pick last makes model.pt the final
     weights rather than the best on the references' dev loss (alignment aims at a teacher's outputs)."""
@@ -250,9 +250,9 @@ def test_a_second_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny,
     assert r.returncode == 0, r.stderr.decode()
     assert (out / "tokenizer.json").read_bytes() == (trained_tiny / "tokenizer.json").read_bytes()
     assert "model.pt <- last.pt" in r.stderr.decode()
-    model, ck = load_checkpoint(out / "model.pt"), load_checkpoint(out / "last.pt")
-    assert model["meta"]["picked"] == "last" and model["step"] == ck["step"] == 4
-    assert all(torch.equal(model["model"][k], ck["model"][k].half()) for k in ck["model"])
+    model, last = load_checkpoint(out / "model.pt"), load_checkpoint(out / "last.pt")
+    assert model["meta"]["picked"] == "last" and model["step"] == last["step"] == 4
+    assert all(torch.equal(model["model"][k], last["model"][k].half()) for k in last["model"])
 
 
 def test_soft_cross_entropy_is_cross_entropy_against_the_teachers_distribution():
@@ -280,8 +280,8 @@ def test_word_level_distillation_trains_against_a_teacher(trained_tiny, tmp_path
                str(trained_tiny / "model.pt"), "--kd-from", str(trained_tiny / "model.pt"), "--kd-weight", "0.7")
     assert r.returncode == 0, r.stderr.decode()
     assert "distils" in r.stderr.decode() and "(weight 0.7)" in r.stderr.decode()
-    ck = load_checkpoint(out / "model.pt")
-    assert ck["meta"]["train_config"]["kd_from"].endswith("model.pt") and ck["step"] == 4
+    checkpoint = load_checkpoint(out / "model.pt")
+    assert checkpoint["meta"]["train_config"]["kd_from"].endswith("model.pt") and checkpoint["step"] == 4
     other = tmp_path / "other"
     r = run_py(*TINY, "--out-dir", str(other), "--max-steps", "2", "--eval-every", "2", "--vocab-size", "500")
     assert r.returncode == 0, r.stderr.decode()
@@ -357,8 +357,8 @@ def test_heads_load_on_a_base_stored_before_newer_config_fields(tmp_path):
              "step": 2, "meta": {}, "frozen_base": {"path": "../base/model.pt",
                                                      "sha256": file_sha256(tmp_path / "base" / "model.pt")}}
     save_atomic(heads, tmp_path / "heads" / "model.pt")
-    ck = load_checkpoint(tmp_path / "heads" / "model.pt")
-    assert all(torch.equal(ck["model"][k], v) for k, v in model.state_dict().items())
+    checkpoint = load_checkpoint(tmp_path / "heads" / "model.pt")
+    assert all(torch.equal(checkpoint["model"][k], v) for k, v in model.state_dict().items())
     save_atomic({**heads, "model_config": {**full, "activation": "gelu"}}, tmp_path / "heads" / "model.pt")
     with pytest.raises(CheckpointError, match="does not have the shape"):
         load_checkpoint(tmp_path / "heads" / "model.pt")

@@ -122,7 +122,7 @@ def decoder_runs(section: str, n: int, sizes: list[int], device: torch.device) -
     task, algo, compare, model, _, _ = DECODERS[section]
     specs = plan.plan_runs(algo, task, model=str(REPO / model) if model else None, given={},
                            compares=plan.parse_compare(compare), batch_size=None, sizes=sizes)
-    shared = plan.shared_second_models(specs, task, {})
+    shared = plan.shared_companions(specs, task, {})
     runs = []
     for route in ROUTES:
         labelled = [replace(s, label=f"{s.label} [{route}]") for s in specs]

@@ -219,7 +219,7 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
            for c in COMPUTE_TYPES}
     runs = make_runs(args, models, ct2, tokens, fast, int8)
     model = models.model
-    own = next((r for r in runs if int8 is not None and r.models is int8), None)  # int8 greedy at batch 1
+    int8_greedy = next((r for r in runs if int8 is not None and r.models is int8), None)  # int8 greedy at batch 1
     done = decode_lines(runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu",
                         warmup=args.warmup, progress=True)
     finished = done == len(ids)
@@ -234,9 +234,10 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
                      "identical": exactness.identical_rate(base, outs),
                      "differing": exactness.divergences(model, ids, base, outs, "cpu"),
                      **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {}),
-                     **({"int8_greedy": own.name, "identical_int8_greedy": exactness.identical_rate(own.outputs[:done], outs),
-                         "differing_int8_greedy": exactness.divergences(int8.model, ids, own.outputs[:done], outs, "cpu")}
-                        if own is not None and run.models is int8 and run is not own else {})})
+                     **({"int8_greedy": int8_greedy.name,
+                         "identical_int8_greedy": exactness.identical_rate(int8_greedy.outputs[:done], outs),
+                         "differing_int8_greedy": exactness.divergences(int8.model, ids, int8_greedy.outputs[:done], outs, "cpu")}
+                        if int8_greedy is not None and run.models is int8 and run is not int8_greedy else {})})
     steps = None
     if args.step_cost and finished:
         routes = ([("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])

@@ -161,7 +161,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     data_dir = Path(data_dir or data_mod.DATA_DIR)
     folder = out / task
     check_paths(task, model_path, folder, data_dir, sources and Path(sources), add and Path(add))
-    model, tok, ckpt = load_model(model_path, task=task, device=device)
+    model, tok, _ = load_model(model_path, task=task, device=device)
     if sources is None:
         train = data_mod.load_split(task, "train", data_dir)
         src, docs, refs = train.src, train.docs, train.tgt
@@ -173,7 +173,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
                "algo": algo, "beam_size": beam_size if algo == "beam" else None, "sentences": n}
     if sources is not None:
         options |= {"sources": shown_path(sources), "sources_sha256": file_sha256(Path(sources))}
-    extra = added_pairs(Path(add), task, options) if add is not None else None
+    added = added_pairs(Path(add), task, options) if add is not None else None
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / partial_name(rank, world)
     done = saved_work(partial, options, barrier)
@@ -221,11 +221,11 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     report = {**options, "seconds": round(clock(device) - t0, 1)}  # the device's work done
     if refs is not None:
         report["identical_to_reference"] = sum(a == b for a, b in zip(targets, refs)) / max(n, 1)
-    if extra is not None:
+    if added is not None:
         if docs is None:
             docs = [f"{Path(sources).name}/{i + 1}" for i in range(n)]  # line number in the sources
-        src, targets, docs = extra.src + src, extra.tgt + targets, extra.docs + docs
-        report |= {"added": str(add), "added_pairs": len(extra.src), "pairs": len(src)}
+        src, targets, docs = added.src + src, added.tgt + targets, added.docs + docs
+        report |= {"added": str(add), "added_pairs": len(added.src), "pairs": len(src)}
     write_folder(folder, data_dir / task, src, targets, docs, report)
     return report
 

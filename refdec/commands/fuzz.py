@@ -101,7 +101,7 @@ def random_sources(g: torch.Generator, batch: int, vocab: int, max_len: int = 8)
     return out
 
 
-def pick(g: torch.Generator, options):
+def random_choice(g: torch.Generator, options):
     return options[int(torch.randint(0, len(options), (1,), generator=g))]
 
 
@@ -112,13 +112,13 @@ def draw_case(seed: int, dtype: torch.dtype, family: str | None = None, invarian
     mode unless `invariant` is False."""
     from ..proposal import ProposalHeads
     g = torch.Generator().manual_seed(seed)
-    family = family or pick(g, FAMILIES)
+    family = family or random_choice(g, FAMILIES)
     vocab = int(torch.randint(8, 25, (1,), generator=g))
-    d_model, n_heads = pick(g, [(8, 2), (12, 3), (16, 4), (20, 2), (24, 4)])
+    d_model, n_heads = random_choice(g, [(8, 2), (12, 3), (16, 4), (20, 2), (24, 4)])
     norm_first = bool(torch.rand(1, generator=g) < 0.7)
     shape = dict(d_model=d_model, n_heads=n_heads, norm_first=norm_first)
-    large = random_model(g, vocab, layers=(pick(g, [1, 2]), pick(g, [1, 2])), tie=bool(torch.rand(1, generator=g) < 0.3),
-                         **shape)
+    large = random_model(g, vocab, layers=(random_choice(g, [1, 2]), random_choice(g, [1, 2])),
+                         tie=bool(torch.rand(1, generator=g) < 0.3), **shape)
     make_family(large, family, g)
     small = random_model(g, vocab, d_model=8, n_heads=2, layers=(1, 1), norm_first=True, tie=False)
     drafter = random_model(g, vocab, d_model=8, n_heads=2, layers=(1, 1), norm_first=True, tie=False)
@@ -146,9 +146,9 @@ def comparisons(case: dict):
     alone = [decode_greedy(large, src[b:b + 1, :int(src[b].ne(PAD_ID).sum())], max_len=max_len).tokens[0] for b in range(len(src))]
     yield "batched greedy", alone, ref
     yield "beam(1)", decode_beam(large, src, max_len=max_len, beam_size=1).tokens, ref
-    knobs = dict(match=pick(g, MATCH_POLICIES), max_draft=pick(g, [0, 1, 3]), max_suffix=pick(g, [0, 2]))
+    knobs = dict(match=random_choice(g, MATCH_POLICIES), max_draft=random_choice(g, [0, 1, 3]), max_suffix=random_choice(g, [0, 2]))
     yield "iad", decode_iad(large, src, max_len=max_len, **knobs).tokens, ref
-    drafter = Drafter(case["drafter"], k=int(torch.randint(1, 7, (1,), generator=g)), layout=pick(g, DRAFTER_LAYOUTS))
+    drafter = Drafter(case["drafter"], k=int(torch.randint(1, 7, (1,), generator=g)), layout=random_choice(g, DRAFTER_LAYOUTS))
     yield "gad", decode_gad(large, drafter, src, max_len=max_len).tokens, ref
     with gadpp_rule_at_exact():
         relaxed = decode_gad(large, drafter, src, max_len=max_len).tokens

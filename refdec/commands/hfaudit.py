@@ -59,8 +59,8 @@ def audit(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def hf_algorithm(name: str, hf_model, failures: dict, **extra) -> Algorithm:
-    """transformers' generate (greedy; `extra`: assistant_model, prompt_lookup_num_tokens) as an
+def hf_algorithm(name: str, hf_model, failures: dict, **generate_args) -> Algorithm:
+    """transformers' generate (greedy; `generate_args`: assistant_model, prompt_lookup_num_tokens) as an
     Algorithm of refdec.runner's timing loop, one generate call per source row. A row it fails on is
     recorded in `failures` (source ids -> message) and raised again, so the runner leaves that line empty."""
 
@@ -68,7 +68,7 @@ def hf_algorithm(name: str, hf_model, failures: dict, **extra) -> Algorithm:
         cfg, outs = model.cfg, []
         for s in source_rows(src, cfg.eos_id, cfg.pad_id):
             try:
-                out = hf_generate(hf_model, cfg, s, max_len, **extra).tolist()
+                out = hf_generate(hf_model, cfg, s, max_len, **generate_args).tolist()
             except Exception as e:
                 failures[tuple(s)] = f"{type(e).__name__}: {first_line(e, 200)}"
                 raise RuntimeError(failures[tuple(s)]) from None
@@ -131,8 +131,8 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     failures: dict = {}
     hf_methods = {"hf-greedy": {}, "hf-assisted": {"assistant_model": hf_small},
                   "hf-prompt-lookup": {"prompt_lookup_num_tokens": args.prompt_lookup}}
-    runs += [Run(hf_algorithm(name, hf, failures, **extra), {}, models, label=name)
-             for name, extra in hf_methods.items() if name != "hf-assisted" or hf_small is not None]
+    runs += [Run(hf_algorithm(name, hf, failures, **generate_args), {}, models, label=name)
+             for name, generate_args in hf_methods.items() if name != "hf-assisted" or hf_small is not None]
     decode_lines(runs, ids, max_len=None, max_positions=limit, device=device, warmup=args.warmup)
     greedy_out = runs[0].outputs
     if any(o is None for o in greedy_out):

@@ -174,12 +174,12 @@ def run(args: argparse.Namespace) -> int:
     samples, proj, encoder = measure(model, args, qs)
     med = {key: statistics.median(v) for key, v in samples.items()}
     B = args.rows
-    extra = [route for route in ("fast", "graphed") if getattr(args, route)]  # the routes beside the reference
+    other_routes = [route for route in ("fast", "graphed") if getattr(args, route)]  # the routes beside the reference
     rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
              "ms_per_position": 1000 * med["few-row", q] / (B * q),
              "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]],
-             **{key: value for route in extra for key, value in ((f"{route}_ms", 1000 * med[route, q]),
-                                                                (f"{route}_ratio", med[route, q] / med[route, qs[0]]))}}
+             **{key: value for route in other_routes for key, value in ((f"{route}_ms", 1000 * med[route, q]),
+                                                                       (f"{route}_ratio", med[route, q] / med[route, qs[0]]))}}
             for q in qs]
     enc = {name: 1000 * statistics.median(v) for name, v in encoder.items()}
     enc_ms = enc["reference"]
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
           f"rows (refdec's default); plain: x @ W.T throughout")
     columns = []  # (header, key, decimals) of each route beside the reference
-    for route in extra:
+    for route in other_routes:
         columns += [(f"   {route} ms/call", f"{route}_ms", 3), (f"   {route} cost(q)/cost(q={qs[0]})", f"{route}_ratio", 2)]
     print("    q   ms/call   cost(q)/cost(q=%d)   ms/position   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0])
           + "".join(head for head, _, _ in columns))
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
               + "".join(f"{r[key]:{len(head)}.{digits}f}" for head, key, digits in columns))
     print(f"encoder over {B} source(s) of {args.src} tokens: {enc_ms:.3f} ms ({enc_ms / (B * args.src):.4f} ms per "
           f"source token)" + "".join(f"; {route} route {enc[route]:.3f} ms ({enc[route] / (B * args.src):.4f})"
-                                     for route in extra))
+                                     for route in other_routes))
     if args.fast:
         whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
         print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")

@@ -1,6 +1,6 @@
 """Decoders, one per file.
 
-Every decoder has the shape `decode_x(model, [second model,] src, *, max_len, ...options, trace=False)
+Every decoder has the shape `decode_x(model, [companion model or heads,] src, *, max_len, ...options, trace=False)
 -> DecodeResult`, runs under torch.inference_mode() and refuses a model in training mode. Its
 keyword options with plain defaults are the command line's options (refdec/algorithms.py reads them
 from the signature).

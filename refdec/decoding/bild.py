@@ -73,9 +73,9 @@ def decode_bild(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
         raise ValueError("max_window must be at least 1")
     cfg = large.cfg
     gen = torch.Generator().manual_seed(seed)
-    pick = (lambda logits: draw(distribution(logits, top_p=top_p), gen)) if sample else (lambda logits: int(logits.argmax()))
+    next_token = (lambda logits: draw(distribution(logits, top_p=top_p), gen)) if sample else (lambda logits: int(logits.argmax()))
     accept = rollback_rule(rollback_threshold)
-    choose = (lambda row, n, rejected: pick(row)) if sample else None
+    choose = (lambda row, n, rejected: next_token(row)) if sample else None
     B = src.shape[0]
     stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(large, small))
     mem_l = large.encode(src)
@@ -83,7 +83,7 @@ def decode_bild(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
     rows = Rows(cfg, B, max_len, stats, trace, memories=[mem_l], caches=[large.new_cache(B, capacity=max_len + 1), follower])
     while rows:  # Algorithm 1, line 2: while y[-1] != eos
         # Lines 3-6: the small model writes while it is confident (each row until it falls back or ends).
-        runs = small_run(follower, rows, pick, fallback_threshold=fallback_threshold, max_window=max_window)
+        runs = small_run(follower, rows, next_token, fallback_threshold=fallback_threshold, max_window=max_window)
         runs = end_unchecked(rows, runs)  # rows the small model ended leave, as in the paper, unchecked
         if not rows:
             break
@@ -116,7 +116,7 @@ def end_unchecked(rows: Rows, runs: list[list[int]]) -> list[list[int]]:
     return [runs[r] for r in waiting]
 
 
-def small_run(follower: Follower, rows: Rows, pick, *, fallback_threshold: float, max_window: int) -> list[list[int]]:
+def small_run(follower: Follower, rows: Rows, next_token, *, fallback_threshold: float, max_window: int) -> list[list[int]]:
     """Algorithm 1, lines 3-6, for every batch row in the same small-model calls: the small model
     appends its token to a row's output while its max probability is at least fallback_threshold
     and it wrote fewer than max_window tokens in this run, and the row has not finished (eos or
@@ -132,7 +132,7 @@ def small_run(follower: Follower, rows: Rows, pick, *, fallback_threshold: float
         for r in writing:
             if not (confident[r] and len(runs[r]) < max_window):  # line 4 fails: falls back, waits for the large model
                 continue
-            tok = pick(logits_s[r])  # line 6: y <- y + [sample(p_S[-1])]
+            tok = next_token(logits_s[r])  # line 6: y <- y + [sample(p_S[-1])]
             outs[r].append(tok)
             runs[r].append(tok)
             if not rows.done(outs[r]):

@@ -1,15 +1,15 @@
-"""Pairing a second model with the verifier: BiLD's small model, speculative decoding's drafter and
+"""Pairing a companion model with the verifier: BiLD's small model, speculative decoding's drafter and
 GAD's block drafter all run beside the model whose output is produced, and share this module.
 
-- `check_pair`: the second model must speak the verifier's vocabulary and be in eval mode.
-- `shares_encoder`, `encoder_passes`, `small_memory`: a second model that reads the verifier's
+- `check_pair`: the companion model must speak the verifier's vocabulary and be in eval mode.
+- `shares_encoder`, `encoder_passes`, `small_memory`: a companion model that reads the verifier's
   encoder (an early exit, `refdec.adapters.EarlyExit`; a decoder on a frozen encoder,
   `refdec.adapters.SharedEncoder`) takes its memory from the verifier's encoder pass, so the encoder
   runs once per batch for both; any other model encodes the source itself.
-- `Follower`: the second model's KV cache kept in step with what the verifier committed, cut back
+- `Follower`: the companion model's KV cache kept in step with what the verifier committed, cut back
   to the first changed token after a rollback or a rejected draft.
 
-`SecondModel` names what a decoder asks of a second model; a Transformer, an EarlyExit and a
+`Companion` names what a decoder asks of a companion model; a Transformer, an EarlyExit and a
 SharedEncoder all provide it (refdec.adapters).
 """
 
@@ -25,7 +25,7 @@ from ..model import Memory, Transformer
 from .result import check_eval
 
 
-class SecondModel(Protocol):
+class Companion(Protocol):
     """What a decoder asks of a drafting or small model. An adapter that reads the verifier's encoder
     also has `base` (the verifier) and `memory_from(verifier_memory)`."""
 
@@ -42,7 +42,7 @@ class SecondModel(Protocol):
     def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor: ...
 
 
-def check_pair(large: Transformer, small: SecondModel) -> None:
+def check_pair(large: Transformer, small: Companion) -> None:
     if large.cfg.vocab_size != small.cfg.vocab_size:
         raise ValueError(f"the small model's vocabulary ({small.cfg.vocab_size}) is not the large model's "
                          f"({large.cfg.vocab_size})")
@@ -50,17 +50,17 @@ def check_pair(large: Transformer, small: SecondModel) -> None:
     check_eval(small)
 
 
-def shares_encoder(large: Transformer, small: SecondModel) -> bool:
+def shares_encoder(large: Transformer, small: Companion) -> bool:
     """Whether the small model reads the large model's encoder (so it runs once for both)."""
     return getattr(small, "base", None) is large
 
 
-def encoder_passes(large: Transformer, small: SecondModel) -> int:
+def encoder_passes(large: Transformer, small: Companion) -> int:
     """Encoder runs per batch for the pair: 1 when the small model reads the large model's encoder."""
     return 1 if shares_encoder(large, small) else 2
 
 
-def small_memory(large: Transformer, small: SecondModel, memory_l, src: torch.Tensor):
+def small_memory(large: Transformer, small: Companion, memory_l, src: torch.Tensor):
     """The small model's (or drafter's) memory: built from the large model's when it reads that
     encoder (an early exit, or a SharedEncoder), else from its own encoder pass over `src`."""
     return small.memory_from(memory_l) if shares_encoder(large, small) else small.encode(src)
@@ -76,7 +76,7 @@ class Follower:
     the whole prefix; when the cache already holds all of a sequence, its last position is fed
     again (a cache keeps states, not logits). `select(rows)` keeps batch rows, as rows finish."""
 
-    def __init__(self, model: SecondModel, memory: Memory, capacity: int):
+    def __init__(self, model: Companion, memory: Memory, capacity: int):
         self.model, self.memory = model, memory
         self.cache = model.new_cache(memory.batch, capacity=capacity)
         self.tokens: list[list[int]] = [[] for _ in range(memory.batch)]

@@ -23,9 +23,9 @@ import torch
 def rank(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """logits (N, V), tokens (N,) -> (N,) the place of each token in its row's order (0 = argmax):
     the tokens with a larger logit, plus those with an equal logit and a lower id."""
-    own = logits.gather(-1, tokens[:, None])  # (N, 1)
+    token_logit = logits.gather(-1, tokens[:, None])  # (N, 1)
     ids = torch.arange(logits.shape[-1], device=logits.device)
-    before = logits.gt(own) | (logits.eq(own) & ids.lt(tokens[:, None]))
+    before = logits.gt(token_logit) | (logits.eq(token_logit) & ids.lt(tokens[:, None]))
     return before.sum(dim=-1)
 
 

@@ -33,8 +33,8 @@ def hf_inputs(cfg: ModelConfig, src_ids: list[int], device="cpu") -> tuple[torch
 
 
 @torch.inference_mode()
-def hf_generate(hf_model, cfg: ModelConfig, src_ids: list[int], max_len: int, **extra) -> torch.Tensor:
-    """transformers' generate, greedy (plus `extra`: assistant_model, prompt_lookup_num_tokens), on one
+def hf_generate(hf_model, cfg: ModelConfig, src_ids: list[int], max_len: int, **generate_args) -> torch.Tensor:
+    """transformers' generate, greedy (plus `generate_args`: assistant_model, prompt_lookup_num_tokens), on one
     source -> the output tokens as refdec's decoders return them (no start, forced or eos token)."""
     transformers = require_transformers()
     enc, dec = hf_inputs(cfg, src_ids, hf_model.device)
@@ -42,7 +42,7 @@ def hf_generate(hf_model, cfg: ModelConfig, src_ids: list[int], max_len: int, **
         max_new_tokens=max_len, do_sample=False, num_beams=1, decoder_start_token_id=cfg.bos_id,
         eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id, bos_token_id=cfg.bos_id)
     out = hf_model.generate(input_ids=enc, attention_mask=torch.ones_like(enc), decoder_input_ids=dec,
-                            generation_config=gen, **extra)[0, dec.shape[1]:].tolist()
+                            generation_config=gen, **generate_args)[0, dec.shape[1]:].tolist()
     if cfg.eos_id in out:
         out = out[:out.index(cfg.eos_id)]
     return torch.tensor(out, dtype=torch.long)

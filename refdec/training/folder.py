@@ -133,23 +133,23 @@ class RunFolder:
         self.cfg, self.objective, self.tok, self.log = cfg, objective, tok, log
         self.out = Path(cfg.out_dir)
 
-    def checkpoint(self, progress: Progress, extra: dict | None = None, half: bool = False) -> dict:
-        meta = {"train_config": self.cfg.to_dict(), "minutes": round(progress.elapsed / 60, 2), **(extra or {})}
-        ck = make_checkpoint(self.objective.model, self.cfg.task, self.tok, progress.step, meta, half=half)
-        ck.update(self.objective.checkpoint_entries(half))
-        return ck
+    def checkpoint(self, progress: Progress, meta_entries: dict | None = None, half: bool = False) -> dict:
+        meta = {"train_config": self.cfg.to_dict(), "minutes": round(progress.elapsed / 60, 2), **(meta_entries or {})}
+        checkpoint = make_checkpoint(self.objective.model, self.cfg.task, self.tok, progress.step, meta, half=half)
+        checkpoint.update(self.objective.checkpoint_entries(half))
+        return checkpoint
 
     def save_last(self, progress: Progress, opt: torch.optim.Optimizer) -> None:
-        ck = self.checkpoint(progress)
-        ck["train_state"] = progress.state(opt)
-        save_atomic(ck, self.out / "last.pt")
+        checkpoint = self.checkpoint(progress)
+        checkpoint["train_state"] = progress.state(opt)
+        save_atomic(checkpoint, self.out / "last.pt")
 
-    def load_last(self, ck: dict, opt: torch.optim.Optimizer) -> Progress:
-        if ck.get("tokenizer_sha256") != self.tok.sha256:
+    def load_last(self, checkpoint: dict, opt: torch.optim.Optimizer) -> Progress:
+        if checkpoint.get("tokenizer_sha256") != self.tok.sha256:
             raise TrainingError(f"{self.out}/last.pt does not match {self.out}/tokenizer.json (another vocabulary)")
-        self.objective.model.load_state_dict(ck["model"])
-        self.objective.load_entries(ck)
-        progress = Progress.restore(ck["train_state"], opt)
+        self.objective.model.load_state_dict(checkpoint["model"])
+        self.objective.load_entries(checkpoint)
+        progress = Progress.restore(checkpoint["train_state"], opt)
         self.log(f"resumed from {self.out}/last.pt at step {progress.step} (epoch {progress.epoch}, "
                  f"{progress.elapsed / 60:.1f} min trained)")
         return progress
@@ -180,7 +180,7 @@ class RunFolder:
         results = {}
         snaps = [load_checkpoint(p) for p in progress.snapshots if Path(p).exists()]
         if snaps:
-            self.objective.model.load_state_dict(average_states([ck["model"] for ck in snaps]))
+            self.objective.model.load_state_dict(average_states([snap["model"] for snap in snaps]))
             self.objective.average_entries(snaps)
             avg = evaluate()
             save_atomic(self.checkpoint(progress, {**avg, "averaged": len(snaps)}), self.out / "average.pt")
@@ -191,17 +191,17 @@ class RunFolder:
             results["best"] = {**{k: best["meta"][k] for k in ("dev_loss", "dev_bleu", "dev_block_accuracy",
                                                                "dev_tokens_per_call") if k in best["meta"]},
                                "step": best["step"]}
-        pick = "average" if "average" in results and self.rank(results["average"]) <= progress.best_loss else "best"
+        chosen = "average" if "average" in results and self.rank(results["average"]) <= progress.best_loss else "best"
         if self.cfg.pick == "last":  # e.g. alignment to a teacher: the references' dev loss is not the aim
-            pick = "last"
-        if (self.out / f"{pick}.pt").exists():
-            ck = load_checkpoint(self.out / f"{pick}.pt")
-            self.objective.model.load_state_dict(ck["model"])
-            self.objective.load_entries(ck)
-            final = self.checkpoint(progress, {**ck["meta"], "picked": pick}, half=True)
+            chosen = "last"
+        if (self.out / f"{chosen}.pt").exists():
+            checkpoint = load_checkpoint(self.out / f"{chosen}.pt")
+            self.objective.model.load_state_dict(checkpoint["model"])
+            self.objective.load_entries(checkpoint)
+            final = self.checkpoint(progress, {**checkpoint["meta"], "picked": chosen}, half=True)
             note = self.objective.final_checkpoint(final)
             save_atomic(final, self.out / "model.pt")
-            self.log(f"model.pt <- {pick}.pt (float16{note})")
+            self.log(f"model.pt <- {chosen}.pt (float16{note})")
         return results
 
 

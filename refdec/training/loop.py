@@ -77,14 +77,14 @@ def build_run_objective(cfg: TrainConfig, tok: Tokenizer, base: dict | None, dev
     order: each new one draws its initial weights from torch's generator."""
     encoder = None
     if cfg.encoder_from:
-        own = load_checkpoint(cfg.encoder_from) if cfg.init_from else base  # `base` is init_from's when both are set
-        if own.get("tokenizer_sha256") != tok.sha256 or own.get("task") != cfg.task:
+        encoder_checkpoint = load_checkpoint(cfg.encoder_from) if cfg.init_from else base  # `base` is init_from's when both are set
+        if encoder_checkpoint.get("tokenizer_sha256") != tok.sha256 or encoder_checkpoint.get("task") != cfg.task:
             raise TrainingError(f"{cfg.encoder_from} is not on the task and vocabulary of {cfg.init_from}")
         spec = base.get("shared_encoder") if cfg.init_from else None
         if spec and spec["sha256"] != file_sha256(cfg.encoder_from):
             raise TrainingError(f"{cfg.init_from} was trained on another encoder than {cfg.encoder_from}'s: give "
                                 f"--encoder-from the model it reads ({spec['path']} from its folder)")
-        encoder = frozen_model(own, device)
+        encoder = frozen_model(encoder_checkpoint, device)
     model = build_model(cfg, tok.vocab_size, base if cfg.init_from else None, encoder, device)
     return objective_class(cfg).load(cfg, model, tok, device, encoder)
 

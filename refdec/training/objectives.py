@@ -106,14 +106,14 @@ class Objective(torch.nn.Module):
         only where its frozen encoder is)."""
         return {"shared_encoder": self.shared_encoder} if self.shared_encoder else {}
 
-    def load_entries(self, ck: dict) -> None:
-        """Take the weights beside the model back from checkpoint `ck` (none for a plain model)."""
+    def load_entries(self, checkpoint: dict) -> None:
+        """Take the weights beside the model back from `checkpoint` (none for a plain model)."""
 
     def average_entries(self, snaps: list[dict]) -> None:
         """Load the average of the snapshots' weights beside the model (none for a plain model)."""
 
-    def final_checkpoint(self, ck: dict) -> str:
-        """Turn checkpoint `ck` into model.pt's content in place; returns what the log says about it."""
+    def final_checkpoint(self, checkpoint: dict) -> str:
+        """Turn `checkpoint` into model.pt's content in place; returns what the log says about it."""
         return ""
 
     def smoothed(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -197,10 +197,10 @@ class DistillationLoss(Objective):
     def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
              encoder: Transformer | None = None) -> "DistillationLoss":
         """The teacher of kd_from, frozen; it must be on the run's task and vocabulary."""
-        ck = load_checkpoint(cfg.kd_from)
-        if ck.get("tokenizer_sha256") != tok.sha256 or ck.get("task") != cfg.task:
+        checkpoint = load_checkpoint(cfg.kd_from)
+        if checkpoint.get("tokenizer_sha256") != tok.sha256 or checkpoint.get("task") != cfg.task:
             raise ValueError(f"the teacher {cfg.kd_from} is not on this run's task and vocabulary")
-        return cls(model, cfg, frozen_model(ck, device), encoder)
+        return cls(model, cfg, frozen_model(checkpoint, device), encoder)
 
     @classmethod
     def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
@@ -263,14 +263,14 @@ class ProposalHeadsLoss(Objective):
         heads = ProposalHeads(model.cfg.d_model, cfg.proposal_d_ff or model.cfg.d_ff, cfg.proposal_k).to(device)
         base_file = ""
         if cfg.init_from:
-            ck = load_checkpoint(cfg.init_from)
-            if "proposal" in ck:
-                if ck["proposal"]["config"] != heads.config():
-                    raise TrainingError(f"{cfg.init_from} holds heads of shape {ck['proposal']['config']}, not "
+            checkpoint = load_checkpoint(cfg.init_from)
+            if "proposal" in checkpoint:
+                if checkpoint["proposal"]["config"] != heads.config():
+                    raise TrainingError(f"{cfg.init_from} holds heads of shape {checkpoint['proposal']['config']}, not "
                                         f"{heads.config()}: give --proposal-k and --proposal-d-ff as they were trained")
-                heads.load_state_dict({k: v.float() for k, v in ck["proposal"]["state"].items()})
-            if "frozen_base" in ck:  # heads alone: the weights are those of the base they name
-                base_file = str(referenced_file(cfg.init_from, ck["frozen_base"], "holds proposal heads on the frozen model"))
+                heads.load_state_dict({k: v.float() for k, v in checkpoint["proposal"]["state"].items()})
+            if "frozen_base" in checkpoint:  # heads alone: the weights are those of the base they name
+                base_file = str(referenced_file(cfg.init_from, checkpoint["frozen_base"], "holds proposal heads on the frozen model"))
         if cfg.freeze_base:
             model.requires_grad_(False)
         return cls(model, heads, cfg, base_file)
@@ -285,18 +285,18 @@ class ProposalHeadsLoss(Objective):
         return super().describe() + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
                                      f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss")
 
-    def load_entries(self, ck: dict) -> None:
-        self.heads.load_state_dict({k: v.float() for k, v in ck["proposal"]["state"].items()})
+    def load_entries(self, checkpoint: dict) -> None:
+        self.heads.load_state_dict({k: v.float() for k, v in checkpoint["proposal"]["state"].items()})
 
     def average_entries(self, snaps: list[dict]) -> None:
-        self.heads.load_state_dict(average_states([ck["proposal"]["state"] for ck in snaps]))
+        self.heads.load_state_dict(average_states([snap["proposal"]["state"] for snap in snaps]))
 
-    def final_checkpoint(self, ck: dict) -> str:
+    def final_checkpoint(self, checkpoint: dict) -> str:
         """On a frozen base: the heads alone, naming the base's file (refdec.checkpoint loads it from there)."""
         if self.frozen_base is None:
             return ""
-        del ck["model"]
-        ck["frozen_base"] = self.frozen_base
+        del checkpoint["model"]
+        checkpoint["frozen_base"] = self.frozen_base
         return f", the heads alone: the base is {self.base_file}"
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
@@ -334,8 +334,8 @@ class DrafterLoss(Objective):
              encoder: Transformer | None = None) -> "DrafterLoss":
         verifier = encoder
         if verifier is None and cfg.init_from:
-            ck = load_checkpoint(cfg.init_from)
-            verifier = None if "drafter" in ck else frozen_model(ck, device)
+            checkpoint = load_checkpoint(cfg.init_from)
+            verifier = None if "drafter" in checkpoint else frozen_model(checkpoint, device)
         if verifier is None and cfg.pick == "tokens-per-call":
             raise TrainingError("pick tokens-per-call needs the drafter's verifier: --encoder-from (or --init-from "
                                 "a model that is not a drafter)")
@@ -425,10 +425,10 @@ def build_objective(cfg: TrainConfig, model: Transformer, heads: ProposalHeads |
     return objective_class(cfg).of_parts(cfg, model, heads=heads, encoder=encoder, teacher=teacher)
 
 
-def frozen_model(ck: dict, device: torch.device) -> Transformer:
+def frozen_model(checkpoint: dict, device: torch.device) -> Transformer:
     """A checkpoint's model in float32 and eval mode, its weights frozen (an encoder or a teacher)."""
-    model = Transformer(ModelConfig.from_dict(ck["model_config"]))
-    model.load_state_dict({k: v.float() for k, v in ck["model"].items()})
+    model = Transformer(ModelConfig.from_dict(checkpoint["model_config"]))
+    model.load_state_dict({k: v.float() for k, v in checkpoint["model"].items()})
     return model.to(device).eval().requires_grad_(False)
 
 
