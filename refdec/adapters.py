@@ -39,11 +39,11 @@ class EarlyExit(nn.Module):
                       real: torch.Tensor | None = None) -> torch.Tensor:
         return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers, real=real)
 
-    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
-        return self.base.project(hidden, memory)
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.base.project(hidden)
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
-        return self.project(self.decode_hidden(tgt_new, memory, cache), memory)
+        return self.project(self.decode_hidden(tgt_new, memory, cache))
 
     def memory_from(self, memory: Memory) -> Memory:
         """The small model's memory from the large model's: the same (every weight is shared)."""
@@ -79,11 +79,11 @@ class SharedEncoder(nn.Module):
                       real: torch.Tensor | None = None) -> torch.Tensor:
         return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from, real=real)
 
-    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
-        return self.small.project(hidden, memory)
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.small.project(hidden)
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
-        return self.project(self.decode_hidden(tgt_new, memory, cache), memory)
+        return self.project(self.decode_hidden(tgt_new, memory, cache))
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """Teacher forcing, no cache: (B, T, V) logits."""

@@ -38,12 +38,10 @@ keys and values, computed once per source by `Transformer.encode`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-
-from .kernels import StepCopies
 
 
 class KVCache:
@@ -121,7 +119,7 @@ class KVCache:
         are stale and must be masked by the caller. The new positions count only after `advance(q)`.
         """
         q = k.shape[2]
-        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # a cache may keep another dtype (refdec.int8's float64)
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # a cache may keep another dtype (the int8 route's float64, refdec.routes.int8)
         start, end = self.prefix + self._end, self.prefix + self._end + q
         self._reserve(end)
         if self._lengths is None:
@@ -190,31 +188,29 @@ class KVCache:
         return f"KVCache(layers={L}, batch={B}, heads={H}, head_dim={Dh}, {length}, capacity={cap})"
 
 
-@dataclass
-class Memory(StepCopies):
-    """What the decoder needs from one encoder pass (and, as StepCopies, its decoding call's copy of
-    the vocabulary projection: refdec.kernels).
+@dataclass(eq=False)
+class Memory:
+    """What the decoder needs from one encoder pass, for one decoding call (two Memories are equal
+    only if they are the same object: a route keeps per-call state beside it, refdec.routes).
 
-    states:   (B, S, D) encoder output
-    src_pad:  (B, S) True where the source is padding
-    cross_kv: per decoder layer, the cross-attention keys and values, each (B, H, S, Dh)
+    states:    (B, S, D) encoder output
+    src_pad:   (B, S) True where the source is padding
+    cross_kv:  per decoder layer, the cross-attention keys and values, each (B, H, S, Dh)
+    src_block: (B, 1, 1, S) the cross-attention mask, True at padding; None when no row has padding
+               (batch 1): the masked_fill it saves is a no-op then, so the logits are the same either way
     """
 
     states: torch.Tensor
     src_pad: torch.Tensor
     cross_kv: list[tuple[torch.Tensor, torch.Tensor]]
+    src_block: torch.Tensor | None = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.src_block = self.src_pad[:, None, None, :] if bool(self.src_pad.any()) else None
 
     @property
     def batch(self) -> int:
         return self.states.shape[0]
-
-    @property
-    def src_block(self) -> torch.Tensor | None:
-        """(B, 1, 1, S) cross-attention mask, or None when no row has padding (batch 1): the
-        masked_fill it saves is a no-op then, so the logits are the same either way."""
-        if not hasattr(self, "_src_block"):
-            self._src_block = self.src_pad[:, None, None, :] if bool(self.src_pad.any()) else None
-        return self._src_block
 
     def select(self, rows: torch.Tensor) -> "Memory":
         """The memory of batch rows `rows` (repeats allowed: beam search expands each source)."""

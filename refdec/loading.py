@@ -24,10 +24,9 @@ from .adapters import EarlyExit
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .drafter import Drafter
 from .errors import UsageError
-from .fast import set_fast_route
-from .graphed import set_graphed_route
-from .int8 import set_int8_route
-from .kernels import set_row_invariant
+from .routes.fast import set_fast_route
+from .routes.graphed import set_graphed_route
+from .routes.kernels import set_int8_route, set_row_invariant
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
 
@@ -159,8 +158,8 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
     """The models of each of refdec.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` companion models (role -> path) and
     each run's own. With `invariant`, every model in row-invariant mode; with `fast`, every model the fast
-    route writes on it (refdec.fast); with `graphed`, on the graphed route (refdec.graphed). A spec with
-    `int8` runs on the int8 route (refdec.int8): on copies of its models when other runs read them in
+    route writes on it (refdec.routes.fast); with `graphed`, on the graphed route (refdec.routes.graphed). A spec with
+    `int8` runs on the int8 route (refdec.routes.int8): on copies of its models when other runs read them in
     floating point, the same copy for every such run (so each lossless int8 run is checked against
     greedy on int8). Returns the loader (the
     tokenizer, the main checkpoint) and one Models per spec."""

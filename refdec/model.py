@@ -11,13 +11,15 @@ Need", figure 1), in the paper's order: positions (section 3.5), attention (3.2)
 and the parts they are made of, for callers that need what lies between them:
 
     encode  = attach(encode_states(src))              the encoder alone; its states -> a decoder's Memory
-    decode  = project(decode_hidden(...), memory)     the decoder stack; the vocabulary projection
+    decode  = project(decode_hidden(...))             the decoder stack; the vocabulary projection
     forward = project(forward_hidden(src, tgt))       the same, teacher-forced
     early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
 
-Linear maps, attention, layer norm and the vocabulary projection have compute modes switched per
-model (row-invariant compute, the few-row route, the projection copy: refdec.kernels). A model's
-forced decoder tokens (ModelConfig.decoder_prefix) are its own business (refdec.forced).
+The layers are torch's own (nn.Linear, nn.LayerNorm) and the attention and projection are computed
+as written here. The speed routes beside this one (refdec.routes: other kernels for the same
+products, the fast and graphed routes, int8) give a model's layers subclasses that compute the
+same mathematics another way; this file knows nothing of them. A model's forced decoder tokens
+(ModelConfig.decoder_prefix) are its own business (refdec.forced).
 Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head dim, D d_model, V vocab.
 """
 
@@ -26,12 +28,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, Memory
 from .config import ModelConfig
 from .forced import after_start, before_source, with_forced_prefix
-from .kernels import Linear, RowInvariant, VocabularyProjection, rowwise_attention
 from .positions import FAMILY_TABLES
 from .variants import activation, embed_norms, learned_positions, make_norm, position_bias, relative_biases
 
@@ -94,20 +96,33 @@ def ragged_block(offset: torch.Tensor, q_len: int, keys: int, open_from: int | t
     return (torch.arange(keys, device=offset.device) > last_key[:, :, None])[:, None]
 
 
-class MultiHeadAttention(nn.Module, RowInvariant):
+def new_positions(cache: KVCache, q_len: int, device: torch.device, open_from: int | torch.Tensor | None = None,
+                  real: torch.Tensor | None = None) -> tuple[int | torch.Tensor, torch.Tensor | None]:
+    """Where q_len new tokens go in `cache` and what they may attend to: their first position (one int,
+    or (B,) one per row in a ragged cache or with one open_from per row) and the self-attention mask
+    over the cache's keys and theirs, True = blocked (causal_block, or ragged_block per row; None for
+    one new token in a uniform cache, which sees every cached key: the greedy step stays lean)."""
+    if cache.ragged or torch.is_tensor(open_from):
+        offset = cache.prefix + cache.lengths  # (B,) each row's first new position
+        return offset, ragged_block(offset, q_len, cache.prefix + cache.end + q_len, open_from, real)
+    offset = cache.prefix + cache.length
+    return offset, (causal_block(q_len, offset, device, open_from) if q_len > 1 else None)
+
+
+class MultiHeadAttention(nn.Module):
     """Section 3.2.2: H heads of `attention` over keys and values from project_kv (self-attention:
     of the same states as the queries, or cached; cross-attention: of the encoder's)."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, d_kv: int = 0, cfg: ModelConfig | None = None):
+    def __init__(self, cfg: ModelConfig, d_kv: int = 0):
         super().__init__()  # d_kv: the width of the states keys and values are made from (0 = d_model)
-        self.h, self.dh = n_heads, cfg.head_dim if cfg else d_model // n_heads  # cfg: an imported family's
-        inner, bias = self.h * self.dh, cfg is None or cfg.bias  # head width, biases and score scale
-        self.scale = None if cfg is None or cfg.scale_attention else 1.0
-        self.wq = Linear(d_model, inner, bias=bias)
-        self.wk = Linear(d_kv or d_model, inner, bias=bias)
-        self.wv = Linear(d_kv or d_model, inner, bias=bias)
-        self.wo = Linear(inner, d_model, bias=bias)
-        self.drop = nn.Dropout(dropout)
+        D = cfg.d_model  # Dh = D / H, biases, scores scaled by 1/sqrt(Dh): the paper's, unless an imported family's cfg differs
+        self.h, self.dh, self.scale = cfg.n_heads, cfg.head_dim, None if cfg.scale_attention else 1.0
+        inner = self.h * self.dh
+        self.wq = nn.Linear(D, inner, bias=cfg.bias)
+        self.wk = nn.Linear(d_kv or D, inner, bias=cfg.bias)
+        self.wv = nn.Linear(d_kv or D, inner, bias=cfg.bias)
+        self.wo = nn.Linear(inner, D, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -120,26 +135,27 @@ class MultiHeadAttention(nn.Module, RowInvariant):
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
         B, q_len, _ = x.shape
-        attend = rowwise_attention if self.row_invariant else attention
-        if self.wo.int8_active():  # the int8 route: attention in float64, rounded back (refdec.int8)
-            out = attend(self.split(self.wq(x)).double(), k.double(), v.double(), blocked, self.scale, bias).to(x.dtype)
-        else:
-            out = attend(self.split(self.wq(x)), k, v, blocked, self.scale, bias)  # (B, H, q, Dh)
+        out = self.attend_heads(self.split(self.wq(x)), k, v, blocked, bias)  # (B, H, q, Dh)
         if self.training:
             out = self.drop(out)
         return self.wo(out.transpose(1, 2).reshape(B, q_len, self.h * self.dh))
+
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`attention` over every head at once: q (B, H, q, Dh) -> (B, H, q, Dh)."""
+        return attention(q, k, v, blocked, self.scale, bias)
 
 
 class FeedForward(nn.Module):
     """Section 3.3: two linear maps with a ReLU between (an imported family's cfg: its activation and
     biases, or the gated form w2(act(w1 x) * w3 x); refdec.variants)."""
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float, cfg: ModelConfig | None = None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        bias = cfg is None or cfg.bias
-        self.w1, self.w2 = Linear(d_model, d_ff, bias=bias), Linear(d_ff, d_model, bias=bias)
-        self.w3 = Linear(d_model, d_ff, bias=bias) if cfg is not None and cfg.gated_ff else None
-        self.act, self.drop = activation(cfg.activation if cfg else "relu"), nn.Dropout(dropout)
+        D, d_ff, bias = cfg.d_model, cfg.d_ff, cfg.bias
+        self.w1, self.w2 = nn.Linear(D, d_ff, bias=bias), nn.Linear(d_ff, D, bias=bias)
+        self.w3 = nn.Linear(D, d_ff, bias=bias) if cfg.gated_ff else None
+        self.act, self.drop = activation(cfg.activation), nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.w1(x))
@@ -164,8 +180,8 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg=cfg)
-        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg)
+        self.attn = MultiHeadAttention(cfg)
+        self.ff = FeedForward(cfg)
         self.sub1, self.sub2 = Sublayer(cfg), Sublayer(cfg)
 
     def forward(self, x: torch.Tensor, pad_block: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,9 +196,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg=cfg)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.memory_dim, cfg)
-        self.ff = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg)
+        self.self_attn = MultiHeadAttention(cfg)
+        self.cross_attn = MultiHeadAttention(cfg, cfg.memory_dim)
+        self.ff = FeedForward(cfg)
         self.sub1, self.sub2, self.sub3 = Sublayer(cfg), Sublayer(cfg), Sublayer(cfg)
 
     def forward(self, x: torch.Tensor, cross_kv: tuple[torch.Tensor, torch.Tensor], src_block: torch.Tensor,
@@ -208,7 +224,7 @@ class DecoderLayer(nn.Module):
         return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff if is_real is None else packed_ff)
 
 
-class Transformer(nn.Module, VocabularyProjection):
+class Transformer(nn.Module):
     """Encoder-decoder Transformer; see the module docstring for the entry points."""
 
     def __init__(self, cfg: ModelConfig):
@@ -229,7 +245,7 @@ class Transformer(nn.Module, VocabularyProjection):
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
         self.enc_norm = make_norm(cfg) if cfg.norm_first and cfg.enc_layers else nn.Identity()
         self.dec_norm = make_norm(cfg) if cfg.norm_first else nn.Identity()
-        self.out_proj = None if cfg.tie_embeddings else Linear(D, V, bias=False)
+        self.out_proj = None if cfg.tie_embeddings else nn.Linear(D, V, bias=False)
         self.register_buffer("logits_bias", torch.zeros(V) if cfg.logits_bias else None)  # final_logits_bias
         self.drop = nn.Dropout(cfg.dropout)
         self.reset_parameters()
@@ -273,20 +289,23 @@ class Transformer(nn.Module, VocabularyProjection):
         return self.drop(x) if self.training else x
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
-        """An empty cache; on the int8 route in float64, the dtype its attention computes in (refdec.int8)."""
+        """An empty cache for `batch` rows, in the model's dtype and on its device."""
         p = self.tgt_embed.weight
         return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
-                       device=p.device, dtype=torch.float64 if self.int8_active() else p.dtype)
+                       device=p.device, dtype=p.dtype)
 
-    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied
-        (section 3.4). With the `memory` of a decoding call, a one-row step on CPU may use that call's
-        copy of the embedding (refdec.kernels, the projection copy)."""
+        (section 3.4)."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
         if self.cfg.rescale_head:  # T5 v1.0's tied head reads d_model^-0.5 x the decoder's output
             hidden = hidden * (self.cfg.d_model ** -0.5)
-        logits = self.project_vocabulary(hidden, W, memory)
+        logits = self.vocabulary(hidden, W)
         return logits if self.logits_bias is None else logits + self.logits_bias
+
+    def vocabulary(self, hidden: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """hidden (B, q, D) @ W (V, D).T: the product `project` makes."""
+        return F.linear(hidden, W)
 
     # -- entry points, and (secondary) the parts they are made of -------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:
@@ -325,13 +344,7 @@ class Transformer(nn.Module, VocabularyProjection):
         the cache's hidden prefix (`with_forced_prefix`)."""
         tgt_new, forced, open_from, real = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, open_from, real)
         q_len = tgt_new.shape[1]
-        if cache.ragged or torch.is_tensor(open_from):
-            offset = cache.prefix + cache.lengths  # (B,) each row's first new position
-            self_block = ragged_block(offset, q_len, cache.prefix + cache.end + q_len, open_from, real)
-        else:
-            offset = cache.prefix + cache.length
-            # One new query sees every cached key: no mask needed (the greedy step stays lean).
-            self_block = causal_block(q_len, offset, tgt_new.device, open_from) if q_len > 1 else None
+        offset, self_block = new_positions(cache, q_len, tgt_new.device, open_from, real)
         x = self._embed("tgt", tgt_new, offset, real)
         bias, src_block = position_bias(self.tgt_relative, offset, q_len, cache.prefix + cache.end + q_len), memory.src_block
         is_real = None if real is None else torch.arange(q_len, device=x.device)[None, :] < real.to(x.device)[:, None]
@@ -346,7 +359,7 @@ class Transformer(nn.Module, VocabularyProjection):
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
         """tgt_new (B, q) -> logits (B, q, V): row i predicts the token after tgt_new[:, i]."""
-        return self.project(self.decode_hidden(tgt_new, memory, cache), memory)
+        return self.project(self.decode_hidden(tgt_new, memory, cache))
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """Teacher forcing without a cache: src (B, S), tgt (B, T) starting with bos -> logits (B, T, V)."""

@@ -2,7 +2,7 @@
 
 A run is an algorithm on a checkpoint with its option values, its own companion models (or the shared
 ones) and its batches: a batch size, or a token budget. The first run is --algo's; `--compare ALGO[@CKPT][:OPTION=VALUE...]` adds
-the others (`:int8` puts one on the int8 route, refdec.int8); `--batch-sizes` repeats all of them at each size. Every run finds its default checkpoint
+the others (`:int8` puts one on the int8 route, refdec.routes.int8); `--batch-sizes` repeats all of them at each size. Every run finds its default checkpoint
 by the same rule (`default_checkpoint`), so `--compare blockwise` runs on the model
 `--algo blockwise` would use.
 """
@@ -34,7 +34,7 @@ class Compared:
     companions: dict = field(default_factory=dict)  # "small" / "drafter" -> PATH or "early-exit"
     batch_size: int | None = None
     batch_tokens: int | None = None
-    int8: bool = False  # :int8, the run on the int8 route (refdec.int8)
+    int8: bool = False  # :int8, the run on the int8 route (refdec.routes.int8)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class RunSpec:
     batch_size: int  # most sentences per batch (0: no limit, with a token budget)
     label: str
     batch_tokens: int = 0  # most source tokens per batch, padding included (0: batches by batch_size alone)
-    int8: bool = False  # its models on the int8 route (refdec.int8)
+    int8: bool = False  # its models on the int8 route (refdec.routes.int8)
 
 
 def check_counts(*, batch_size: int | None, max_len: int | None, limit: int | None, warmup: int, refs: list,

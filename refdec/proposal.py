@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PAD_ID
-from .kernels import Linear
+from .routes.kernels import use_kernels
 
 
 class ProposalHeads(nn.Module):
@@ -32,8 +32,8 @@ class ProposalHeads(nn.Module):
         if k < 2:
             raise ValueError(f"blockwise decoding needs k >= 2 (got k={k}): head 1 is the base model")
         self.k, self.d_model, self.d_ff = k, d_model, d_ff
-        self.w1 = Linear(d_model, (k - 1) * d_ff)
-        self.w2 = Linear((k - 1) * d_ff, (k - 1) * d_model)
+        self.w1 = nn.Linear(d_model, (k - 1) * d_ff)
+        self.w2 = nn.Linear((k - 1) * d_ff, (k - 1) * d_model)
         nn.init.zeros_(self.w2.weight)  # start every head as a copy of p_1; training moves them apart
         nn.init.zeros_(self.w2.bias)
 
@@ -80,4 +80,4 @@ def load_proposal(checkpoint: dict, device="cpu", dtype=torch.float32) -> Propos
         return None
     heads = ProposalHeads(**entry["config"])
     heads.load_state_dict({k: v.float() for k, v in entry["state"].items()})
-    return heads.to(device=device, dtype=dtype).eval()
+    return use_kernels(heads.to(device=device, dtype=dtype).eval())  # the CPU kernels (refdec.routes.kernels)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import data as data_mod
 from .exactness import divergences, identical_rate
-from .int8 import is_int8
+from .routes.kernels import is_int8
 from .metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
 from .runner import Run, texts
 from .tokenizer import Tokenizer

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kernels import LayerNorm
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +101,7 @@ def position_bias(bias: RelativePositionBias | None, offset: int | torch.Tensor,
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     """The layer normalisation cfg.norm names: LayerNorm (Ba et al. 2016) or T5's RMSNorm."""
-    return LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
 def learned_positions(cfg: ModelConfig) -> tuple[nn.Parameter | None, nn.Parameter | None]:

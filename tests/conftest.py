@@ -20,7 +20,7 @@ from refdec.decoding import decode_bild, decode_blockwise, decode_gad, decode_gr
 from refdec.decoding import gad as gad_module
 from refdec.drafter import Drafter
 from refdec.exactness import divergences
-from refdec.kernels import set_row_invariant
+from refdec.routes.kernels import set_row_invariant, use_kernels
 from refdec.model import Transformer
 from refdec.proposal import ProposalHeads
 from refdec.tokenizer import Tokenizer
@@ -30,10 +30,11 @@ torch.set_num_threads(1)
 
 
 def tiny_model(seed: int, vocab: int = 40, *, d_model: int = 32, n_heads: int = 4, layers: tuple[int, int] = (2, 2),
-               norm_first: bool = True, tie: bool = False, max_positions: int = 64) -> Transformer:
+               norm_first: bool = True, tie: bool = False, max_positions: int = 64, kernels: bool = True) -> Transformer:
     """A random float64 model in eval mode whose greedy outputs vary (untied, spread-out output
     weights; random tied models tend to repeat their input token). With a small vocabulary eos comes
-    early in many sentences; with a larger one most run to max_len."""
+    early in many sentences; with a larger one most run to max_len. On the CPU kernels, as every
+    loaded checkpoint is (refdec.routes.kernels.use_kernels), unless `kernels` is False."""
     torch.manual_seed(seed)
     m = Transformer(ModelConfig(vocab_size=vocab, d_model=d_model, n_heads=n_heads, d_ff=2 * d_model,
                                 enc_layers=layers[0], dec_layers=layers[1], dropout=0.1, norm_first=norm_first,
@@ -42,7 +43,8 @@ def tiny_model(seed: int, vocab: int = 40, *, d_model: int = 32, n_heads: int = 
         m.tgt_embed.weight.normal_(0, 1)
         proj = m.tgt_embed.weight if tie else m.out_proj.weight
         proj.normal_(0, 0.6)
-    return m.double().eval()
+    m = m.double().eval()
+    return use_kernels(m) if kernels else m
 
 
 def random_src(seed: int, batch: int, vocab: int, min_len: int = 1, max_len: int = 10) -> torch.Tensor:

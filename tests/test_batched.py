@@ -13,7 +13,7 @@ from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy
 from refdec.decoding.iad import decode_iad
 from refdec.decoding.verify import verify, verify_rows
-from refdec.kernels import set_row_invariant
+from refdec.routes.kernels import set_row_invariant
 
 
 # -- the cache --------------------------------------------------------------------------------------

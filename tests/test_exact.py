@@ -17,7 +17,7 @@ from refdec.decoding.gad import gadpp_rule
 from refdec.decoding.ties import best_candidates, rank
 from refdec.drafter import Drafter
 from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
-from refdec.kernels import is_row_invariant, set_row_invariant
+from refdec.routes.kernels import is_row_invariant, set_row_invariant
 from refdec.model import Transformer, sinusoidal_positions
 
 DTYPES = [torch.float32, torch.float64]
@@ -237,19 +237,25 @@ def test_the_one_row_projection_copy_follows_every_weight_change():
     weights' current values, so weights changed through `.data` (no version bump) between two calls
     are always seen, and the copy computes the same logits as the plain route (float64)."""
     from refdec.data import source_tensor
+    from refdec.routes.kernels import call_state
     m = tiny_model(3, tie=True)
-    src = source_tensor([[7, 8, 9]])
+    src, bos = source_tensor([[7, 8, 9]]), torch.tensor([[BOS_ID]])
     W = m.tgt_embed.weight
+
+    def two_steps():
+        memory, cache = m.encode(src), m.new_cache(1)
+        m.decode(bos, memory, cache)
+        assert call_state(memory)["projection"][W.data_ptr()] is False  # the first one-row step: no copy yet
+        m.decode(bos, memory, cache)
+        copy = call_state(memory)["projection"][W.data_ptr()]
+        assert torch.equal(copy, W.t())
+        return copy
+
     with torch.inference_mode():
-        memory = m.encode(src)
-        assert memory.projection(W, m._transposed) is None  # the first one-row step: no copy yet
-        copy = memory.projection(W, m._transposed)
-        assert copy is memory.projection(W, m._transposed) and torch.equal(copy, W.t())
+        copy = two_steps()
         hidden = torch.randn(1, 1, m.cfg.d_model, dtype=torch.float64)
-        assert torch.allclose(m.project(hidden, memory), m.project(hidden), rtol=0, atol=1e-12)
+        assert torch.allclose(hidden @ copy, torch.nn.functional.linear(hidden, W), rtol=0, atol=1e-12)
     with torch.no_grad():
         W.data.mul_(2)  # no version bump
     with torch.inference_mode():
-        fresh = m.encode(src)
-        fresh.projection(W, m._transposed)
-        assert torch.equal(fresh.projection(W, m._transposed), W.t())  # the new call sees the new weights
+        assert torch.equal(two_steps(), W.t())  # the new call sees the new weights

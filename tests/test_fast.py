@@ -1,4 +1,4 @@
-"""The fast route (refdec.fast): the same mathematics as the reference route within float64 rounding,
+"""The fast route (refdec.routes.fast): the same mathematics as the reference route within float64 rounding,
 every lossless decoder on it equal to greedy on it (float64, torch.equal, batch sizes 1-17, ragged
 sources, adversarial drafts), the switch per model and reversible, packed weights that follow every
 weight change, and the reference route wherever the fast route does not apply."""
@@ -14,8 +14,8 @@ import torch
 from conftest import assert_rows_equal, check_lossless_decoders, random_src, tiny_model
 from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy, decode_iad
-from refdec.fast import FastTransformer, applies_to, is_fast, set_fast_route
-from refdec.kernels import set_row_invariant
+from refdec.routes.fast import FastTransformer, applies_to, is_fast, set_fast_route
+from refdec.routes.kernels import RoutedTransformer, set_row_invariant
 from refdec.model import Transformer
 
 TOL = 1e-12  # float64: the two routes sum in different orders
@@ -64,7 +64,7 @@ def test_decoder_calls_match_the_reference_uniform_and_ragged(seed):
         real = torch.tensor([3, 1, 2, 3, 2])
         for c in caches:
             c.truncate(lengths)
-        a, b = (mm.project(mm.decode_hidden(tgt[:, 1:], mem, c, real=real), mem)
+        a, b = (mm.project(mm.decode_hidden(tgt[:, 1:], mem, c, real=real))
                 for mm, mem, c in zip((m, f), mems, caches))
         is_real = torch.arange(3)[None, :] < real[:, None]
         assert (a - b)[is_real].abs().max() < TOL
@@ -157,7 +157,7 @@ def test_the_switch_is_per_model_reversible_and_keeps_the_parameters():
     assert set_fast_route(m) == 1 and type(m) is FastTransformer and is_fast(m) and not is_fast(other)
     assert set_fast_route(m) == 0  # already switched
     assert m.state_dict().keys() == state.keys() and all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
-    assert set_fast_route(m, False) == 1 and type(m) is Transformer and not is_fast(m)
+    assert set_fast_route(m, False) == 1 and type(m) is RoutedTransformer and not is_fast(m)
     assert all(p.is_contiguous() for p in m.parameters())  # the output embedding included
     assert all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
     holder = torch.nn.ModuleDict({"a": tiny_model(4), "b": tiny_model(5)})

@@ -13,7 +13,7 @@ from conftest import alone, random_src, tiny_model
 from refdec.config import BOS_ID
 from refdec.decoding import decode_bild, decode_gad, decode_greedy
 from refdec.drafter import Drafter, draft_blocks
-from refdec.kernels import set_row_invariant
+from refdec.routes.kernels import set_row_invariant
 from refdec.model import Transformer
 
 

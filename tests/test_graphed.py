@@ -1,4 +1,4 @@
-"""The graphed route (refdec.graphed): the fast route's step on static shapes. Its logits within float64
+"""The graphed route (refdec.routes.graphed): the fast route's step on static shapes. Its logits within float64
 rounding of the reference route's, padded calls equal to unpadded ones on the real positions, greedy
 writing the reference route's tokens, every lossless decoder on it equal to greedy on it (float64,
 torch.equal), its static KV cache keeping KVCache's verbs in storage that does not move, and steps
@@ -17,12 +17,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import (REPO, assert_rows_equal, batch1_greedy, check_batched_iad, check_lossless_decoders,
                       copy_model, random_src, run_py, tiny_model)
-from refdec import graphed
+from refdec.routes import graphed
 from refdec.cache import KVCache
 from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy
-from refdec.fast import FastTransformer, set_fast_route
-from refdec.graphed import GraphedTransformer, Replay, StaticKVCache, is_graphed, set_graphed_route
+from refdec.routes.fast import FastTransformer, set_fast_route
+from refdec.routes.graphed import GraphedTransformer, Replay, StaticKVCache, is_graphed, set_graphed_route
+from refdec.routes.kernels import RoutedTransformer
 from refdec.model import Transformer
 
 TOL = 1e-12  # float64: the routes sum in different orders
@@ -45,7 +46,7 @@ def calls(model: Transformer, src: torch.Tensor, tgt: torch.Tensor):
         out = [model.decode(tgt, memory, cache), model.decode(tgt[:, :1], memory, cache)]
         before = torch.tensor([1, 2, 3, 4, 5][:B])
         cache.truncate(before)
-        ragged = model.project(model.decode_hidden(tgt[:, 1:], memory, cache, real=real), memory)
+        ragged = model.project(model.decode_hidden(tgt[:, 1:], memory, cache, real=real))
         cache.truncate(before + real)
     out.append(ragged[torch.arange(3)[None, :] < real[:, None]])
     return out, cache
@@ -321,11 +322,11 @@ def test_the_switch_and_where_the_route_defers():
     assert set_graphed_route(m) == 1 and type(m) is GraphedTransformer and is_graphed(m)
     assert set_graphed_route(m) == 0
     assert all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
-    assert set_graphed_route(m, False) == 1 and type(m) is Transformer and not is_graphed(m)
+    assert set_graphed_route(m, False) == 1 and type(m) is RoutedTransformer and not is_graphed(m)
     assert all(p.is_contiguous() for p in m.parameters())
     fast = tiny_model(6)
     set_fast_route(fast)
-    assert set_graphed_route(fast) == 1 and set_graphed_route(fast, False) == 1 and type(fast) is Transformer
+    assert set_graphed_route(fast) == 1 and set_graphed_route(fast, False) == 1 and type(fast) is RoutedTransformer
     t5 = Transformer(dataclasses.replace(tiny_model(8).cfg, norm="rms"))
     assert set_graphed_route(t5) == 0 and type(t5) is Transformer
 

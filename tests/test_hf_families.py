@@ -24,7 +24,7 @@ from hf_helpers import LANGS, WORDS, m2m_folder, sources, word_tokenizer_json  #
 
 from refdec import hf  # noqa: E402
 from refdec.decoding import decode_beam, decode_bild, decode_greedy, decode_iad, decode_speculative  # noqa: E402
-from refdec.kernels import set_row_invariant  # noqa: E402
+from refdec.routes.kernels import set_row_invariant  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 V = 4 + len(WORDS) + len(LANGS)  # <s> 0, <pad> 1, </s> 2, <unk> 3, words, language codes

@@ -1,4 +1,4 @@
-"""The int8 route (refdec.int8): exact int8 products whose rows do not depend on the other rows of a
+"""The int8 route (refdec.routes.int8): exact int8 products whose rows do not depend on the other rows of a
 call, a model's logits for a row alone equal to that row's within 8 rows (torch.equal, float32 and
 float64, on the reference and the fast route), every lossless decoder on the route equal to greedy
 on the route, the switch per model and reversible, the floating-point route for training, int8
@@ -14,7 +14,7 @@ import torch
 
 from conftest import (TEXTS, adversarial_drafter, assert_rows_equal, batch1_greedy, check_batched_iad, copy_model,
                       ragged_src, random_checkpoint, random_heads, random_src, tiny_model)
-from refdec import int8
+from refdec.routes import int8
 from refdec.config import BOS_ID, EOS_ID
 from refdec.decoding import decode_greedy, decode_iad
 from refdec.decoding import gad as gad_module
@@ -24,9 +24,9 @@ from refdec.decoding.gad import decode_gad
 from refdec.decoding.speculative import decode_speculative
 from refdec.drafter import Drafter
 from refdec.errors import UsageError
-from refdec.fast import set_fast_route
-from refdec.int8 import QuantizedWeight, is_int8, set_int8_route
-from refdec.kernels import set_row_invariant
+from refdec.routes.fast import set_fast_route
+from refdec.routes.int8 import QuantizedWeight
+from refdec.routes.kernels import is_int8, set_int8_route, set_row_invariant
 from refdec.plan import parse_compare
 
 ROUTES = ["reference", "fast"]

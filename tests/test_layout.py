@@ -85,12 +85,15 @@ def reached(graph: dict[str, set[str]], m: str) -> dict[str, list[str]]:
     return chains
 
 
-# The model's layer: the Transformer, its cache and kernels, checkpoints, tokenizer, data, the one-line
-# errors. None of them may import (directly, function-locally or through another module) the layers above.
+# The model's layer: the Transformer, its cache, the speed routes beside it, checkpoints, tokenizer, data,
+# the one-line errors. None of them may import (directly, function-locally or through another module) the
+# layers above.
 MODEL_LAYER = ["refdec." + m for m in (
-    "config", "errors", "model", "cache", "kernels", "forced", "positions", "variants", "adapters", "checkpoint",
+    "config", "errors", "model", "cache", "forced", "positions", "variants", "adapters", "checkpoint",
     "tokenizer", "data", "repo", "hints", "machine", "inputs", "interrupt", "progress", "metrics", "exactness",
-    "trace", "drafter", "proposal")]
+    "trace", "drafter", "proposal", "routes", "routes.kernels", "routes.int8", "routes.fast", "routes.graphed")]
+# The paper's model itself: what it is made of, below every route.
+THE_MODEL = ["refdec." + m for m in ("config", "errors", "model", "cache", "forced", "positions", "variants")]
 # The measuring commands, on top, in one package; `python -m refdec.X` finds each through a module of
 # that name that runs refdec.commands.X's main (ENTRIES), and `python -m refdec.hf` through refdec.hf's
 # __main__.
@@ -101,7 +104,7 @@ ENTRIES = ["refdec." + m.rpartition(".")[2] for m in COMMANDS
            if m.rpartition(".")[2] not in ("harness", "hfaudit", "hfcli")]
 ABOVE_THE_MODEL = ("refdec.decoding", "refdec.runner", "refdec.report", "refdec.htmlreport", "refdec.loading",
                    "refdec.algorithms", "refdec.plan", "refdec.hf", "refdec.training", "refdec.commands", *ENTRIES)
-SPEED_ROUTES = ("refdec.fast", "refdec.graphed", "refdec.int8")
+ROUTES = ("refdec.routes.kernels", "refdec.routes.fast", "refdec.routes.graphed", "refdec.routes.int8", "refdec.routes")
 
 
 def test_no_import_cycle_among_refdecs_modules():
@@ -172,14 +175,18 @@ def test_no_package_and_the_modules_around_it_import_each_other():
     assert not circles, circles
 
 
-def test_model_py_imports_no_speed_route_but_int8_through_kernels():
-    """model.py imports no route directly; kernels.py, whose Linear and vocabulary projection model.py
-    builds on, switches to the int8 products of refdec.int8 (the compute modes still live in kernels.py
-    and model.py's attend). fast and graphed are out of its reach; when the compute modes move beside
-    the routes, int8 leaves this set too."""
+def test_the_model_reaches_no_route():
+    """Case: model.py's attention and output projection switched on the compute modes that
+    kernels.py set, kernels.py switched to the int8 products, and Memory carried the projection copy:
+    the paper's model imported the speed routes. Now the routes import the model and subclass its
+    layers; the model, its cache and what they are made of reach no route, directly or through
+    another module, and no route reaches a checkpoint, an adapter or a decoder."""
     graph = import_graph()
-    assert not graph["refdec.model"] & set(SPEED_ROUTES)
-    assert set(reached(graph, "refdec.model")) & set(SPEED_ROUTES) == {"refdec.int8"}
+    assert set(ROUTES) <= set(graph)
+    for m in THE_MODEL:
+        assert not set(reached(graph, m)) & set(ROUTES), f"{m} reaches {set(reached(graph, m)) & set(ROUTES)}"
+    for route in ROUTES:
+        assert set(reached(graph, route)) <= set(THE_MODEL) | set(ROUTES), f"{route}: {reached(graph, route)}"
 
 
 def test_no_test_module_imports_another():

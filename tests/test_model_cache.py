@@ -140,9 +140,9 @@ def test_cuda_matches_cpu():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_few_row_route_computes_the_linear_map(bias):
-    """refdec.kernels.linear: the (W @ x.T).T route for 2-16 rows on CPU gives F.linear's values (the
+    """refdec.routes.kernels.linear: the (W @ x.T).T route for 2-16 rows on CPU gives F.linear's values (the
     same products, at most summed in another order) and keeps the shape for every row count."""
-    from refdec import kernels as M
+    from refdec.routes import kernels as M
     g = torch.Generator().manual_seed(0)
     W = torch.randn(24, 8, generator=g, dtype=torch.float64)
     b = torch.randn(24, generator=g, dtype=torch.float64) if bias else None
@@ -158,20 +158,35 @@ def test_few_row_route_computes_the_linear_map(bias):
     assert not M.few_row_route(x)  # training (grad enabled) always takes F.linear
 
 
-def test_model_linears_take_the_route():
-    """Every linear layer of the model and of the proposal heads is refdec.kernels.Linear."""
-    from refdec import kernels as M
+def test_a_built_model_is_torch_layers_and_use_kernels_routes_every_one():
+    """model.py builds torch's own layers (its compute modes live in refdec.routes); use_kernels gives
+    every linear layer, layer norm, attention and the model (proposal heads too) its class on the
+    kernels, with the same state dict, and computes the same logits (float64)."""
+    from refdec.routes import kernels as M
     from refdec.proposal import ProposalHeads
-    for module in (tiny_model(0), ProposalHeads(16, 8, 3)):
+    for module in (tiny_model(0, kernels=False), ProposalHeads(16, 8, 3)):
         linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all(isinstance(m, M.Linear) for m in linears)
+        assert linears and all(type(m) is torch.nn.Linear for m in linears)
+        keys = {k: v.clone() for k, v in module.state_dict().items()}
+        before = [type(m) for m in module.modules()]
+        M.use_kernels(module)
+        assert all(type(m) is M.ROUTED.get(t, t) for m, t in zip(module.modules(), before))
+        assert all(type(m) is M.RoutedLinear for m in linears)
+        assert keys.keys() == module.state_dict().keys()
+        assert all(torch.equal(keys[k], v) for k, v in module.state_dict().items())
+    plain, routed = tiny_model(5, vocab=40, kernels=False), tiny_model(5, vocab=40)
+    src, tgt = random_src(5, 2, 40), torch.tensor([[BOS_ID, 7, 8, 9]] * 2)
+    with torch.no_grad():
+        a = plain.decode(tgt, plain.encode(src), plain.new_cache(2))
+        b = routed.decode(tgt, routed.encode(src), routed.new_cache(2))
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_few_row_route_is_switched_per_model():
     """set_few_row_route: off, a model's inference takes F.linear everywhere, so a 4-token decoder
     call gives bitwise the logits of the plain route (the one taken with gradients on); on (the
     default), its linear layers and projection take (W @ x.T).T; another model is untouched."""
-    from refdec.kernels import Linear, set_few_row_route
+    from refdec.routes.kernels import RoutedLinear as Linear, set_few_row_route
     m, other = tiny_model(3, vocab=40), tiny_model(4, vocab=40)
     src, tgt = random_src(3, 1, 40), torch.tensor([[BOS_ID, 7, 8, 9]])
 

@@ -31,7 +31,7 @@ a drafter that reaches that many tokens per call. Each setting runs once per cos
                   the large model is called every k tokens (BiLD's window, speculative's gamma)
 
 --device cuda runs it on a GPU, each time read after a device synchronisation; --fast and --graphed
-run every model on the fast route (refdec.fast) or the graphed route (refdec.graphed) instead of the
+run every model on the fast route (refdec.routes.fast) or the graphed route (refdec.routes.graphed) instead of the
 reference route.
 
 Every run's output is checked against greedy's (the verification step is lossless, so they agree
@@ -55,8 +55,8 @@ from ..decoding.verify import verify
 from ..drafter import draft_block
 from ..errors import UsageError, first_line, run_command
 from ..repo import REPO, repo_file
-from ..fast import set_fast_route
-from ..graphed import set_graphed_route
+from ..routes.fast import set_fast_route
+from ..routes.graphed import set_graphed_route
 from ..inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
 from ..loading import Models, RunLoader
 from ..machine import clock, device_name
@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the scripted drafts' choices (default 0)")
     machine_options(p)
     route = p.add_mutually_exclusive_group()
-    route.add_argument("--fast", action="store_true", help="every model on the fast route (refdec.fast)")
-    route.add_argument("--graphed", action="store_true", help="every model on the graphed route (refdec.graphed; "
+    route.add_argument("--fast", action="store_true", help="every model on the fast route (refdec.routes.fast)")
+    route.add_argument("--graphed", action="store_true", help="every model on the graphed route (refdec.routes.graphed; "
                        "CUDA graphs on a GPU, its static-shape steps as they are on a CPU)")
     report_option(p)
     return p

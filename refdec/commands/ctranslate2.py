@@ -21,8 +21,8 @@ cached in a folder named by the checkpoint's sha256 and the CTranslate2 version,
 Each CTranslate2 compute type is a run of refdec.runner's timing loop like any refdec decoder: one
 translate_batch call (beam_size 1, no minimum length, the same output budget as refdec's, eos
 returned so that it is counted) per batch. For each thread count, refdec greedy, optionally refdec
-IAD, with --fast both again on refdec's fast route (refdec.fast), with --int8 both again on refdec's
-int8 route (refdec.int8; on the fast route with --fast), and CTranslate2 greedy in float32 and int8,
+IAD, with --fast both again on refdec's fast route (refdec.routes.fast), with --int8 both again on refdec's
+int8 route (refdec.routes.int8; on the fast route with --fast), and CTranslate2 greedy in float32 and int8,
 each at batch 1 and at every --batch-sizes value,
 decode the same lines interleaved after a warm-up; the table gives ms per output token (eos
 included), sentences per second and the identical rate against refdec greedy at batch 1 (token ids
@@ -52,10 +52,10 @@ from ..checkpoint import file_sha256, load_model
 from ..data import source_rows, source_tensor
 from ..decoding.result import DecodeResult, DecodeStats, result_of
 from ..errors import UsageError, run_command
-from ..fast import is_fast, set_fast_route
+from ..routes.fast import is_fast, set_fast_route
 from ..hf import PEGASUS, check_export, export_route, write_folder
 from ..repo import repo_file
-from ..int8 import is_int8, set_int8_route
+from ..routes.kernels import is_int8, set_int8_route
 from ..inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from ..loading import Models
 from ..machine import usable_cores
@@ -330,9 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft", type=lambda text: sorted(set(int_list(text, 0))), default=[0], metavar="N,N",
                    help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source); "
                         "several values, comma-separated: an IAD run for each (default 0)")
-    p.add_argument("--fast", action="store_true", help="time refdec's methods on its fast route too (refdec.fast), "
+    p.add_argument("--fast", action="store_true", help="time refdec's methods on its fast route too (refdec.routes.fast), "
                    "each against refdec greedy on the reference route")
-    p.add_argument("--int8", action="store_true", help="time refdec's methods on its int8 route too (refdec.int8; "
+    p.add_argument("--int8", action="store_true", help="time refdec's methods on its int8 route too (refdec.routes.int8; "
                    "on the fast route with --fast): its greedy against refdec greedy, its IAD against its greedy")
     p.add_argument("--step-cost", action="store_true", help="also time one decoder step on each refdec route and "
                    "each CTranslate2 compute type (1 row, a cache of 30 tokens, a source of 30)")

@@ -6,7 +6,7 @@ model families built to tie.
 
 Each drawn model (a family below, a random shape: vocabulary 8-24, width 8-24, 1-2 layers each
 side, pre- or post-norm, tied or not) decodes a batch of 1-3 random sources with a random max_len,
-all models in row-invariant mode (refdec.kernels.set_row_invariant; --default-mode: without it).
+all models in row-invariant mode (refdec.routes.kernels.set_row_invariant; --default-mode: without it).
 Greedy decoding of the batch is the reference; each comparison is one decoder with random
 options against it, on one source row, by torch.equal:
 
@@ -42,7 +42,7 @@ import torch
 
 from ..config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
 from ..errors import UsageError, run_command
-from ..kernels import set_row_invariant
+from ..routes.kernels import set_row_invariant
 from ..machine import clock, device_name
 from ..model import Transformer
 from ..progress import ProgressLine

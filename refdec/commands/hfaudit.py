@@ -80,11 +80,11 @@ def hf_algorithm(name: str, hf_model, failures: dict, **generate_args) -> Algori
 
 def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
     """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' on
-    copies (refdec.fast, refdec.graphed), so that each route's decoders are rows of the one audit."""
+    copies (refdec.routes.fast, refdec.routes.graphed), so that each route's decoders are rows of the one audit."""
     import copy
 
-    from ..fast import set_fast_route
-    from ..graphed import set_graphed_route
+    from ..routes.fast import set_fast_route
+    from ..routes.graphed import set_graphed_route
     from ..loading import Models
     out = []
     for route in routes:

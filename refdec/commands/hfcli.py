@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--src-lang", help="a transformers folder's source-language token (NLLB: eng_Latn)")
     a.add_argument("--tgt-lang", help="a transformers folder's target-language token (NLLB: deu_Latn)")
     a.add_argument("--routes", default="reference", help="refdec's decoders on each of these routes, separated "
-                   "by commas: reference, fast (refdec.fast), graphed (refdec.graphed); the reference route's always, "
+                   "by commas: reference, fast (refdec.routes.fast), graphed (refdec.routes.graphed); the reference route's always, "
                    "first (default reference)")
     machine_options(a, threads=1, timed="refdec's and transformers' models both run there, each batch's time "
                     "read after a device synchronisation")

@@ -1,4 +1,4 @@
-"""Why the int8 route (refdec.int8) is made the way it is: each candidate product timed on a model's
+"""Why the int8 route (refdec.routes.int8) is made the way it is: each candidate product timed on a model's
 own linear shapes, and whether row 0 of a call comes out bitwise the same alone and within more rows.
 
     python -m refdec.int8bench --task gec-uk --model checkpoints/gec-uk-6x6/model.pt --rows 1,8,32 \\
@@ -8,7 +8,7 @@ Candidates, each x (M, in) -> (M, out) with a bias, on random rows (|values| lik
   float32      torch.addmm on the (in, out) weight (the fast route's product)
   weight-only  torch.ops.aten._weight_int8pack_mm: int8 weights with one scale per output, float rows
   per-tensor   torch.ao's dynamically quantized Linear (quantize_dynamic): one activation scale per call
-  per-row      refdec.int8.linear: one activation scale per row, the int32 product exact (the route)
+  per-row      refdec.routes.int8.linear: one activation scale per row, the int32 product exact (the route)
 Microseconds per call (medians of interleaved rounds, one thread unless --threads), and "same": row 0
 of an M-row call torch.equal to row 0 computed alone.
 """
@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from .. import int8
+from ..routes import int8
 from ..checkpoint import load_model
 from ..errors import run_command
 from ..inputs import check_writable, shown_path

@@ -10,10 +10,10 @@ For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --
 --src source tokens, interleaving the q values round by round, and prints the median cost and
 cost(q) / cost(1): the price of verifying a draft of q tokens in one call, which decides what every
 speculative decoder can gain on this machine. Each call is
-timed twice, interleaved: with refdec.kernels' few-row route for the linear layers (the default:
+timed twice, interleaved: with refdec.routes.kernels' few-row route for the linear layers (the default:
 (W @ x.T).T for 2-16 rows) and with the plain x @ W.T of torch's F.linear. It also times the one-row
 vocabulary projection both ways: the strided view W.t() against the contiguous transposed copy that
-a decoding call takes from its second one-row step on (refdec.kernels, the projection copy).
+a decoding call takes from its second one-row step on (refdec.routes.kernels, the projection copy).
 
 With --rows B every call decodes B batch rows at once (a batched decoder's call: B rows x q tokens),
 and the table adds the cost per decoder position (ms / (B x q)): once a call holds a few hundred
@@ -23,7 +23,7 @@ The encoder's cost over B sources of --src tokens is timed in the same rounds: t
 sentence's cost that no decoding algorithm changes.
 
 With --device cuda every time is read after torch.cuda.synchronize(), so it covers the GPU's work
-and not only its launch. --graphed times the graphed route (refdec.graphed) beside: its first call
+and not only its launch. --graphed times the graphed route (refdec.routes.graphed) beside: its first call
 of each shape is captured in the warm-up round, the timed calls replay.
 
 The table goes to stdout; stderr says what is timed and, every few seconds, how many rounds are done
@@ -39,9 +39,9 @@ import sys
 
 import torch
 
-from ..fast import set_fast_route
-from ..graphed import set_graphed_route
-from ..kernels import FEW_ROWS, set_few_row_route
+from ..routes.fast import set_fast_route
+from ..routes.graphed import set_graphed_route
+from ..routes.kernels import FEW_ROWS, set_few_row_route
 from ..checkpoint import load_model
 from ..errors import UsageError, run_command
 from ..repo import repo_file
@@ -69,7 +69,7 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
 
 def time_products(model, reps: int, rows: int = 1) -> float:
     """Median seconds of the matrix products alone of one fast-route decoder step that appends one token
-    to each of `rows` rows (refdec.fast.DecoderWeights.products), on the model's own laid-out weights,
+    to each of `rows` rows (refdec.routes.fast.DecoderWeights.products), on the model's own laid-out weights,
     with nothing between them: the part of the step that attention, norms, the cache and dispatch
     come on top of. `model` is on the fast route."""
     weights = model.decoder_weights()
@@ -84,10 +84,10 @@ def time_products(model, reps: int, rows: int = 1) -> float:
 
 def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     """Seconds per call of each route at each q, of the one-row projection both ways, and of the
-    encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.kernels), and
-    with --fast the fast route (refdec.fast) on a copy of the model, whose encoder is timed too, and
+    encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.routes.kernels), and
+    with --fast the fast route (refdec.routes.fast) on a copy of the model, whose encoder is timed too, and
     the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures), and
-    with --graphed the graphed route (refdec.graphed) on another copy."""
+    with --graphed the graphed route (refdec.routes.graphed) on another copy."""
     routes = {"few-row": (model, True), "plain": (model, False)}
     for name, switch in (("fast", set_fast_route), ("graphed", set_graphed_route)):
         if getattr(args, name):
@@ -144,8 +144,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=1, help="batch rows per call (default 1)")
     p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
-    p.add_argument("--fast", action="store_true", help="time the fast route (refdec.fast) too, in the same rounds")
-    p.add_argument("--graphed", action="store_true", help="time the graphed route (refdec.graphed) too, in the same "
+    p.add_argument("--fast", action="store_true", help="time the fast route (refdec.routes.fast) too, in the same rounds")
+    p.add_argument("--graphed", action="store_true", help="time the graphed route (refdec.routes.graphed) too, in the same "
                    "rounds (CUDA graphs on a GPU; on the CPU its static-shape steps run as they are)")
     machine_options(p)
     report_option(p)

@@ -39,7 +39,7 @@ class Companion(Protocol):
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from=None,
                       real: torch.Tensor | None = None) -> torch.Tensor: ...
 
-    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor: ...
+    def project(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 def check_pair(large: Transformer, small: Companion) -> None:
@@ -103,7 +103,7 @@ class Follower:
         hidden = self.model.decode_hidden(inp, self.memory, self.cache, real=torch.tensor(real, device=device))
         self.cache.truncate([len(seq) for seq in sequences])
         last = hidden[torch.arange(len(todo), device=device), torch.tensor(real, device=device) - 1]  # (B, D)
-        return self.model.project(last[:, None], self.memory)[:, 0]
+        return self.model.project(last[:, None])[:, 0]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep batch rows `rows` (LongTensor), in that order, as KVCache.select does."""

@@ -132,7 +132,7 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     lengths = None if min(widths) == width else torch.tensor(widths, device=inp.device)  # (B,) fed positions per row
     hidden = model.decode_hidden(inp, memory, cache, real=lengths)  # (B, width, D)
     if lengths is None:
-        logits = model.project(hidden, memory)  # (B, width, V); one row and one token: the fast projection
+        logits = model.project(hidden)  # (B, width, V)
         argmax = logits.argmax(dim=-1).tolist()  # the lowest id among equal maxima, as greedy's
     else:  # only fed positions are projected (the projection is the widest product); rows split again
         flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < lengths[:, None]][None])[0]

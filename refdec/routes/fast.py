@@ -38,16 +38,19 @@ float32 fast greedy writes the reference route's output, and the logit margin at
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, Memory
-from .config import ModelConfig
-from .forced import before_source, with_forced_prefix
-from .int8 import Int8Layout, QuantizedWeight
+from ..cache import KVCache, Memory
+from ..config import ModelConfig
+from ..forced import before_source, with_forced_prefix
+from ..model import Transformer, new_positions
 from . import int8
-from .model import Transformer, causal_block, ragged_block
+from .int8 import Int8Layout, QuantizedWeight
+from .kernels import RoutedTransformer, call_state, use_kernels
 
 
 def applies_to(cfg: ModelConfig) -> bool:
@@ -58,10 +61,10 @@ def applies_to(cfg: ModelConfig) -> bool:
             and cfg.positions != "relative" and not cfg.rescale_head)
 
 
-def t(layer: nn.Linear) -> torch.Tensor | QuantizedWeight:
-    """The layer's weight as (in, out): a view, x @ t(layer) is the layer's product; on the int8
-    route (refdec.int8) its int8 form."""
-    return layer.quantized("_int8", layer.weight) if layer.int8_active() else layer.weight.t()
+def in_out(layer: nn.Linear) -> torch.Tensor | QuantizedWeight:
+    """The layer's weight as (in, out): a view, x @ in_out(layer) is the layer's product; on the int8
+    route (refdec.routes.int8) its int8 form."""
+    return layer.quantized("weight", layer.weight) if layer.int8_active() else layer.weight.t()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
@@ -72,8 +75,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) 
 
 
 def linears(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor]:
-    """[x @ t(m) + m.bias for m in layers] for x (N, in); on the int8 route x is quantized once."""
-    weights, biases = [t(m) for m in layers], [m.bias for m in layers]
+    """[x @ in_out(m) + m.bias for m in layers] for x (N, in); on the int8 route x is quantized once."""
+    weights, biases = [in_out(m) for m in layers], [m.bias for m in layers]
     if isinstance(weights[0], QuantizedWeight):
         return int8.linears(x, weights, biases)
     return [torch.addmm(b, x, w) for w, b in zip(weights, biases)]
@@ -106,7 +109,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
            x: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor) -> torch.Tensor:
     """Attention of queries q (B, H, q, Dh) over k, v (B, H, L, Dh), `allowed` True = may attend,
     through the output projection wo (in, out), bo, added to the residual stream x (B*q, D). On the
-    int8 route the attention is computed in float64 (refdec.int8, "Attention in float64")."""
+    int8 route the attention is computed in float64 (refdec.routes.int8, "Attention in float64")."""
     if isinstance(wo, QuantizedWeight):  # k, v: float64 already when they come from the cache or the Memory
         a = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed).to(x.dtype)
     else:
@@ -193,7 +196,7 @@ class DecoderWeights:
         order: per layer the self-attention's queries-keys-values and output, the cross-attention's
         queries and output, the two feed-forward products; then the vocabulary projection. Not a
         decoder step (no attention, norms or cache): what the step's products alone cost
-        (refdec.stepcost.time_products)."""
+        (refdec.commands.stepcost.time_products)."""
         for w in self.layers:
             torch.addmm(w["qkv_b"], x, w["qkv"])
             torch.addmm(x, x, w["o"])
@@ -203,7 +206,7 @@ class DecoderWeights:
         return x @ self.vocab
 
 
-class FastTransformer(Transformer):
+class FastTransformer(RoutedTransformer):
     """A Transformer whose encoder and decoder calls take the fast route where it applies (the module
     docstring); made by `set_fast_route`, never constructed directly."""
 
@@ -228,8 +231,8 @@ class FastTransformer(Transformer):
         for layer in self.encoder:  # once per source, many rows: the parameters as they are, no copy
             def self_attn(h, x, a=layer.attn):
                 q, k, v = (heads(y, B, S, H) for y in linears(h, [a.wq, a.wk, a.wv]))
-                return attend(q, k, v, allowed, x, t(a.wo), a.wo.bias)
-            ff = {"w1": t(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": t(layer.ff.w2), "b2": layer.ff.w2.bias,
+                return attend(q, k, v, allowed, x, in_out(a.wo), a.wo.bias)
+            ff = {"w1": in_out(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": in_out(layer.ff.w2), "b2": layer.ff.w2.bias,
                   "act": layer.ff.act}
             x = sublayer(x, layer.sub1, self_attn)
             x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x, None))
@@ -240,37 +243,42 @@ class FastTransformer(Transformer):
             return super().attach(states, src_pad)
         B, S, _ = states.shape
         rows, H = states.reshape(B * S, -1), self.cfg.n_heads
-        dtype = torch.float64 if self.int8_active() else states.dtype  # int8: its attention's dtype (refdec.int8)
+        dtype = torch.float64 if self.int8_active() else states.dtype  # int8: its attention's dtype (refdec.routes.int8)
         kv = [heads(y, B, S, H).to(dtype).contiguous()
               for y in linears(rows, [m for layer in self.decoder for m in (layer.cross_attn.wk, layer.cross_attn.wv)])]
         memory = Memory(states, src_pad, list(zip(kv[0::2], kv[1::2])))
-        memory.__dict__["_fast"] = (self, self.decoder_weights())  # checked once per decoding call
+        call_state(memory)["fast"] = (self, self.decoder_weights())  # checked once per decoding call
         return memory
 
     def decoder_weights(self) -> DecoderWeights | Int8Layout:
         """The decoder's weights in the fast layout, laid out again if a parameter has left it; on
-        the int8 route, their int8 forms in the same layout (refdec.int8.Int8Layout), made again if
+        the int8 route, their int8 forms in the same layout (refdec.routes.int8.Int8Layout), made again if
         a weight has been written since."""
-        kept = self.__dict__.get("_decoder_weights")
+        kept = self.laid_out
         if kept is None or not kept.current():
-            kept = self.__dict__["_decoder_weights"] = DecoderWeights(self)
+            kept = self.laid_out = DecoderWeights(self)
         if not self.int8_active():
             return kept
-        quantized = self.__dict__.get("_int8_layout")
+        quantized = self.int8_layout
         if quantized is None or not quantized.current(kept):
-            quantized = self.__dict__["_int8_layout"] = Int8Layout(kept)
+            quantized = self.int8_layout = Int8Layout(kept)
         return quantized
+
+    laid_out: DecoderWeights | None = None  # the decoder's weights in the fast layout (made at first use)
+    int8_layout: Int8Layout | None = None  # their int8 forms (the int8 route)
 
     def weights_for(self, memory: Memory) -> DecoderWeights:
         """The layout a decoding call (a Memory, or one made from it by select) uses: checked once per call."""
-        kept = memory.__dict__.get("_fast")
+        state = call_state(memory)
+        kept = state.get("fast")
         if kept is None or kept[0] is not self:
-            kept = memory.__dict__["_fast"] = (self, self.decoder_weights())
+            kept = state["fast"] = (self, self.decoder_weights())
         return kept[1]
 
-    def project(self, hidden: torch.Tensor, memory: Memory | None = None) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self._route() or self.cfg.rescale_head:
-            return super().project(hidden, memory)
+            return super().project(hidden)
+        memory = None if self.call is None else self.call()  # the call of the latest decode_hidden
         vocab = (self.decoder_weights() if memory is None else self.weights_for(memory)).vocab  # (D, V)
         logits = int8.linear(hidden, vocab, None) if isinstance(vocab, QuantizedWeight) else hidden @ vocab
         return logits if self.logits_bias is None else logits + self.logits_bias
@@ -280,20 +288,18 @@ class FastTransformer(Transformer):
                       real: torch.Tensor | None = None) -> torch.Tensor:
         if open_from is not None or layers is not None or not self._route():
             return super().decode_hidden(tgt_new, memory, cache, open_from, layers, real)
+        self.call = weakref.ref(memory)
         tgt_new, forced, _, real = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, None, real)
         B, q = tgt_new.shape
         H = self.cfg.n_heads
-        if cache.ragged:
-            offset = cache.prefix + cache.lengths  # (B,)
-            allowed = ~ragged_block(offset, q, cache.prefix + cache.end + q, None, real)  # (B, 1, q, keys)
-        else:
-            offset = cache.prefix + cache.length
-            allowed = ~causal_block(q, offset, tgt_new.device) if q > 1 else None  # (q, keys)
+        offset, blocked = new_positions(cache, q, tgt_new.device, real=real)
+        allowed = None if blocked is None else ~blocked  # (q, keys), or (B, 1, q, keys) in a ragged cache
         rows = None if real is None else (torch.arange(q, device=tgt_new.device)[None, :]
                                           < real.to(tgt_new.device)[:, None]).reshape(-1).nonzero().squeeze(1)
-        src_allowed = memory.__dict__.get("_src_allowed", False)
-        if src_allowed is False:  # once per Memory: (B, 1, 1, S) True at real source positions, or None
-            src_allowed = memory.__dict__["_src_allowed"] = None if memory.src_block is None else ~memory.src_block
+        state = call_state(memory)
+        if "src_allowed" not in state:  # once per Memory: (B, 1, 1, S) True at real source positions, or None
+            state["src_allowed"] = None if memory.src_block is None else ~memory.src_block
+        src_allowed = state["src_allowed"]
         x = self._embed("tgt", tgt_new, offset, real).reshape(B * q, -1)
         x = decoder_stack(self.weights_for(memory).layers, x, B, q, H, cache.append, allowed, memory.cross_kv,
                           src_allowed, rows, self.cfg.norm_first)
@@ -311,15 +317,14 @@ def set_fast_route(module: nn.Module, on: bool = True) -> int:
     (off). Returns how many models were switched. Parameter values and state-dict keys do not change;
     on the fast route the decoder's parameters live in its layout (DecoderWeights)."""
     switched = 0
-    for m in module.modules():
-        if on and type(m) is Transformer and applies_to(m.cfg):
-            m.__class__ = FastTransformer
+    for m in list(module.modules()):
+        if on and type(m) in (Transformer, RoutedTransformer) and applies_to(m.cfg):
+            use_kernels(m).__class__ = FastTransformer  # its layers on the kernels, itself on this route
             m.decoder_weights()
             switched += 1
         elif not on and type(m) is FastTransformer:
-            m.__class__ = Transformer
-            m.__dict__.pop("_int8_layout", None)
-            laid_out = m.__dict__.pop("_decoder_weights", None)
+            m.__class__ = RoutedTransformer
+            laid_out, m.laid_out, m.int8_layout = m.laid_out, None, None
             if laid_out is not None:
                 with torch.no_grad():  # every parameter the layout holds its own contiguous tensor again
                     for p, _, _ in laid_out.places:

@@ -6,7 +6,7 @@ A decoder call of a model this size is all launch and Python overhead on a GPU: 
 operations each cost microseconds to issue and nanoseconds to compute. A CUDA graph records the
 kernels of one call once and replays them with one launch, but only a call whose tensors keep their
 shapes and addresses from one replay to the next. So this route computes the fast route's
-mathematics (refdec.fast, the same weight layout and layer loop, `decoder_stack`) on static shapes:
+mathematics (refdec.routes.fast, the same weight layout and layer loop, `decoder_stack`) on static shapes:
 
   * the KV cache preallocated to its capacity (StaticKVCache, the same verbs as KVCache), in storage
     that never moves while the cache lives: a select that drops rows gathers them in place, and a
@@ -49,10 +49,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .cache import KVCache, Memory
+from ..cache import KVCache, Memory
+from ..forced import before_source, with_forced_prefix
 from .fast import FastTransformer, applies_to, decoder_stack, set_fast_route
-from .forced import before_source, with_forced_prefix
-from .model import Transformer
+from ..model import Transformer
+from .kernels import RoutedTransformer, call_state
 
 MAX_STEP = 64  # the widest decoder call captured: new tokens are padded to 1, 2, 4, ..., MAX_STEP
 
@@ -241,10 +242,12 @@ class GraphedTransformer(FastTransformer):
         self.decoder_weights()  # laid out again first if a parameter left the layout
         tensors = [*self.parameters(), *(b for b in self.buffers() if b is not None)]
         mark = tuple((p.data_ptr(), p.dtype, p.device) for p in tensors)
-        state = self.__dict__.get("_graphed")
+        state = self.graphed
         if state is None or state.mark != mark:
-            state = self.__dict__["_graphed"] = RouteState(mark, self.tgt_embed.weight.device)
+            state = self.graphed = RouteState(mark, self.tgt_embed.weight.device)
         return state
+
+    graphed: RouteState | None = None  # the captured steps and static storage (made at first use)
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         p = self.tgt_embed.weight
@@ -289,6 +292,7 @@ class GraphedTransformer(FastTransformer):
         offsets = [cache.prefix + m for m in (cache.lengths.tolist() if cache.ragged else [cache.end] * n)]
         if max(offsets) + q > self.cfg.max_positions:
             return super().decode_hidden(tgt_new, memory, cache, open_from, layers, real)  # its check and error
+        self.call = weakref.ref(memory)  # the projection's call (refdec.routes.kernels)
         width = bucket(q)
         cache._reserve(max(offsets) + width)  # the padded positions too
         tgt_new = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, None, real)[0]
@@ -314,9 +318,9 @@ class GraphedTransformer(FastTransformer):
     def _slot(self, memory: Memory) -> tuple[RouteState, Slot]:
         """The slot holding this memory's cross-attention keys and values for this model's steps:
         taken and filled once per Memory, the parameters checked then too."""
-        kept = memory.__dict__.setdefault("_graphed", {})
+        kept = call_state(memory).setdefault("graphed", {})
         got = kept.get(id(self))
-        if got is None or got[0] is not self.__dict__.get("_graphed"):
+        if got is None or got[0] is not self.graphed:
             state = self._state()
             n, S = memory.src_pad.shape
             k = memory.cross_kv[0][0]
@@ -362,15 +366,15 @@ def set_graphed_route(module: nn.Module, on: bool = True) -> int:
     """Switch every Transformer inside `module` whose layers the fast route writes to the graphed
     route (on), or back to the reference route (off); returns how many models were switched.
     Parameter values and state-dict keys do not change (the decoder's parameters live in the fast
-    route's layout, refdec.fast.DecoderWeights, while on)."""
+    route's layout, refdec.routes.fast.DecoderWeights, while on)."""
     switched = 0
-    for m in module.modules():
-        if on and type(m) in (Transformer, FastTransformer) and applies_to(m.cfg):
+    for m in list(module.modules()):
+        if on and type(m) in (Transformer, RoutedTransformer, FastTransformer) and applies_to(m.cfg):
             set_fast_route(m)
             m.__class__ = GraphedTransformer
             switched += 1
         elif not on and type(m) is GraphedTransformer:
-            m.__dict__.pop("_graphed", None)
+            m.graphed = None
             m.__class__ = FastTransformer
             set_fast_route(m, False)
             switched += 1

@@ -35,10 +35,10 @@ at 32 rows on the model's shapes (docs/int8.md). The per-row quantization above 
 elementwise operations per product, a few microseconds each; from a few rows up (a verification
 call, an encoder pass, a batch) the integer product saves more than they cost.
 
-Switching: `set_int8_route(model)` gives every linear layer of each Transformer in `model` its int8
+Switching: `set_int8_route(model)` (refdec.routes.kernels) gives every linear layer of each Transformer in `model` its int8
 weight and the output projection its int8 embedding; `set_int8_route(model, False)` takes them
-away. The route combines with the reference route (refdec.model, refdec.kernels) and with the fast
-route (refdec.fast), whichever the model is on, and with row-invariant mode (whose attention and
+away. The route combines with the reference route (refdec.model, refdec.routes.kernels) and with the fast
+route (refdec.routes.fast), whichever the model is on, and with row-invariant mode (whose attention and
 norms then make every position's logits independent of the call shape). Training and any call with
 gradients on take the floating-point products. The int8 weights are made from the weights as they
 are when first used and made again when a weight has been written in place through the parameter
@@ -49,7 +49,6 @@ seen (switch the route off and on again after one).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 LEVELS = 127  # symmetric int8: values -127 .. 127
 
@@ -137,10 +136,11 @@ def exact_products(levels: int) -> bool:
 
 # -- the switch -------------------------------------------------------------------------------------------
 class Int8Route:
-    """Marks a layer (refdec.kernels.Linear, the model's vocabulary projection) that takes the int8
-    product when `int8` is on; `set_int8_route` switches them per model."""
+    """Marks a layer (refdec.routes.kernels' RoutedLinear, the model's vocabulary projection) that takes
+    the int8 product when `int8` is on; `set_int8_route` switches them per model."""
 
     int8 = False
+    int8_weights: dict | None = None  # name -> QuantizedWeight, made at first use
 
     def int8_active(self) -> bool:
         return self.int8 and not (self.training or torch.is_grad_enabled())
@@ -148,42 +148,20 @@ class Int8Route:
     def quantized(self, name: str, source: torch.Tensor, in_out: bool = False) -> QuantizedWeight:
         """The int8 form of `source` ((out, in), or (in, out) with `in_out`), kept as `name` and made
         again when `source` has changed since."""
-        kept = self.__dict__.get(name)
+        if self.int8_weights is None:
+            self.int8_weights = {}
+        kept = self.int8_weights.get(name)
         if kept is None or not kept.current(source):
-            kept = self.__dict__[name] = QuantizedWeight(source if in_out else source.t(), source)
+            kept = self.int8_weights[name] = QuantizedWeight(source if in_out else source.t(), source)
         return kept
 
 
-def set_int8_route(module: nn.Module, on: bool = True) -> nn.Module:
-    """Switch the int8 route on (or off) for every linear layer and vocabulary projection inside
-    `module` (a Transformer, or anything holding some) and return it. Off, their int8 weights are
-    dropped."""
-    if on:
-        weight_levels()  # refuse at once on a machine whose int8 product is not exact
-    for m in module.modules():
-        if isinstance(m, Int8Route):
-            m.int8 = on
-            if not on:
-                for name in [k for k, v in m.__dict__.items() if isinstance(v, QuantizedWeight)]:
-                    del m.__dict__[name]
-    return module
-
-
-def is_int8(module) -> bool:
-    """Whether `module`'s layers take the int8 route (the switch sets them together); False for
-    anything that is not a torch module (an external decoder's model)."""
-    if not isinstance(module, nn.Module):
-        return False
-    layers = [m for m in module.modules() if isinstance(m, Int8Route)]
-    return bool(layers) and all(m.int8 for m in layers)
-
-
 # -- the fast route's layout ------------------------------------------------------------------------------
-PRODUCTS = ("qkv", "o", "cq", "co", "w1", "w2")  # refdec.fast.DecoderWeights' matrices, each (in, out)
+PRODUCTS = ("qkv", "o", "cq", "co", "w1", "w2")  # refdec.routes.fast.DecoderWeights' matrices, each (in, out)
 
 
 class Int8Layout:
-    """refdec.fast.DecoderWeights with each of its matrices, the vocabulary's included, in int8 form;
+    """refdec.routes.fast.DecoderWeights with each of its matrices, the vocabulary's included, in int8 form;
     norms, biases and activations are the layout's own. Made again when the layout is made again, or
     when one of its matrices has been written in place (its version counter, which a write through
     parameter laid out in it advances: each parameter keeps a counter of its own)."""
@@ -200,5 +178,5 @@ class Int8Layout:
 
 
 def versions(weights) -> list[int]:
-    """The version counters of the parameters a refdec.fast.DecoderWeights holds."""
+    """The version counters of the parameters a refdec.routes.fast.DecoderWeights holds."""
     return [p._version for p, _, _ in weights.places]
