@@ -253,7 +253,7 @@ def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object]
     vocabulary projection included) and each CTranslate2 compute type: translate_batch forced to
     write prefix + `more` tokens against prefix tokens (min_decoding_length), the difference over
     `more` (its steps include its search bookkeeping, refdec's do not include the argmax). With the
-    fast route, also its step's matrix products alone (refdec.stepcost.time_products): the floor
+    fast route, also its step's matrix products alone (refdec.commands.stepcost.time_products): the floor
     of that step in PyTorch's products. Medians over interleaved rounds after one warm-up round."""
     src = torch.full((1, src_len - 1), 11)
     src = torch.cat([src, torch.full((1, 1), models[0][1].cfg.eos_id)], 1)
