@@ -668,10 +668,11 @@ needs_cpp = pytest.mark.skipif(cpp_compiler() is None, reason="torch.compile's C
 @pytest.mark.slow
 @needs_cpp
 def test_compiled_run_matches_eager_and_resumes(tmp_path):
-    """Guards --compile on end to end (inductor's generated kernels): 8 updates of a compiled run
-    (without dropout, whose masks inductor draws its own way) come within float rounding of the
-    eager run's, and 4 compiled updates, an interruption and 4 more after --resume give the
-    straight compiled run's weights."""
+    """Guards --compile on end to end (inductor's generated kernels): the dev losses after 4 and 8
+    updates of a compiled run (without dropout, whose masks inductor draws its own way) are the
+    eager run's within float rounding (not the weights: Adam scales the rounding of gradients that
+    are zero in exact arithmetic, such as the attention keys' bias, up to whole steps), and 4
+    compiled updates, an interruption and 4 more after --resume give the straight compiled run's."""
     runs = {"eager": ("off", [8]), "compiled": ("on", [8]), "resumed": ("on", [4, 8])}
     for name, (compile_, stops) in runs.items():
         for i, stop in enumerate(stops):
@@ -679,7 +680,10 @@ def test_compiled_run_matches_eager_and_resumes(tmp_path):
                        "--max-steps", str(stop), "--eval-every", "4", *(["--resume"] if i else []), timeout=900)
             assert r.returncode == 0, r.stderr.decode()[-3000:]
             assert ("passes compiled (torch.compile, inductor" in r.stderr.decode()) == (compile_ == "on")
-    we, wc, wr = (_weights(tmp_path / name / "last.pt") for name in runs)
-    for k in we:
-        assert torch.allclose(wc[k], we[k], rtol=0, atol=1e-5), (k, (wc[k] - we[k]).abs().max())
+    losses = {name: [json.loads(line)["dev_loss"] for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+              for name in runs}
+    assert len(losses["eager"]) == 2 and losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5), losses
+    assert losses["resumed"] == pytest.approx(losses["compiled"], rel=1e-6), losses
+    wc, wr = _weights(tmp_path / "compiled" / "last.pt"), _weights(tmp_path / "resumed" / "last.pt")
+    for k in wc:
         assert torch.allclose(wr[k], wc[k], rtol=0, atol=1e-6), (k, (wr[k] - wc[k]).abs().max())
