@@ -41,6 +41,8 @@ HELP = {
     "batch_tokens": "padded source+target tokens per batch and process",
     "pass_tokens": "padded tokens per forward/backward pass, gradients accumulated over the batch's passes "
                    "(0 = by the device: the whole batch on a CPU, what fits on a GPU)",
+    "compile": "torch.compile each forward/backward pass's loss: on, off, or auto (on a GPU, off on a CPU, where it "
+               "did not pay); the first passes compile first (minutes), on a CPU with a C++ compiler (g++)",
     "lr": "peak learning rate",
     "warmup_steps": "linear warmup steps before inverse-sqrt decay", "label_smoothing": "label smoothing epsilon",
     "clip_norm": "gradient norm clip", "max_steps": "stop after this many updates",
@@ -85,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="starting configuration")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its last.pt (same options; "
-                   "only max-steps, time-limit-min, threads, log-every, eval-every, eval-sentences, speed-sentences and dev-limit "
-                   "may change)")
+                   "only max-steps, time-limit-min, threads, log-every, eval-every, eval-sentences, speed-sentences, dev-limit, "
+                   "pass-tokens and compile may change)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out-dir (its checkpoints, "
                    "tokenizer and log are deleted first)")
     for f in dataclasses.fields(TrainConfig):

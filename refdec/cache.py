@@ -188,6 +188,14 @@ class KVCache:
         return f"KVCache(layers={L}, batch={B}, heads={H}, head_dim={Dh}, {length}, capacity={cap})"
 
 
+def padding_block(src_pad: torch.Tensor) -> torch.Tensor | None:
+    """(B, 1, 1, S) the keys that are source padding, True = blocked, from src_pad (B, S); None when
+    no row has padding: the masked_fill it saves would change nothing. Under torch.compile (the
+    trainer's compiled passes) the mask is kept either way, the same no-op where there is no padding:
+    a branch on the tensor's values would cut the compiled graph in two."""
+    return src_pad[:, None, None, :] if torch.compiler.is_compiling() or bool(src_pad.any()) else None
+
+
 @dataclass(eq=False)
 class Memory:
     """What the decoder needs from one encoder pass, for one decoding call (two Memories are equal
@@ -206,7 +214,7 @@ class Memory:
     src_block: torch.Tensor | None = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.src_block = self.src_pad[:, None, None, :] if bool(self.src_pad.any()) else None
+        self.src_block = padding_block(self.src_pad)
 
     @property
     def batch(self) -> int:

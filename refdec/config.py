@@ -14,6 +14,7 @@ ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")  # refdec.variants.activation
 NORMS = ("layer", "rms")
 DRAFTER_LAYOUTS = ("causal", "bidirectional")  # the block drafter's self-attention (refdec.drafter)
 PICKS = ("dev-loss", "tokens-per-call", "last")  # what a run's model.pt holds (TrainConfig.pick)
+COMPILE_MODES = ("auto", "on", "off")  # torch.compile of the training passes (TrainConfig.compile)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ class TrainConfig:
     # Padded tokens per forward/backward pass, the batch's gradients accumulated over its passes (0 =
     # by the device: the whole batch on a CPU, what fits on a GPU); the update is the batch's either way.
     pass_tokens: int = 0
+    # torch.compile of each pass's tensor work (Objective.compile): "on", "off", or "auto" = on a GPU,
+    # off on a CPU (where it was measured not to pay: docs/usage.md); the update is the same either way.
+    compile: str = "auto"
     lr: float = 7e-4
     warmup_steps: int = 1000
     label_smoothing: float = 0.1
@@ -189,6 +193,8 @@ class TrainConfig:
         self._check_ranges()
         if self.tokenizer_from and self.init_from:
             raise ValueError("tokenizer_from and init_from exclude each other: the starting model brings its vocabulary")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be {', '.join(COMPILE_MODES[:-1])} or {COMPILE_MODES[-1]}, not {self.compile!r}")
         if self.pick not in PICKS:
             raise ValueError(f"pick must be {', '.join(PICKS[:-1])} or {PICKS[-1]}, not {self.pick!r}")
         if (self.pick == "tokens-per-call" or self._changed("speed_sentences")) and not (

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, Memory
+from .cache import KVCache, Memory, padding_block
 from .config import ModelConfig
 from .forced import after_start, before_source, with_forced_prefix
 from .positions import FAMILY_TABLES
@@ -318,7 +318,7 @@ class Transformer(nn.Module):
             raise ValueError("this model has no encoder of its own: it reads another model's (refdec.adapters.SharedEncoder)")
         src = before_source(src, self.cfg.encoder_prefix)  # forced tokens (an NLLB model's language code)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
-        pad_block = src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S) keys that are padding
+        pad_block = padding_block(src_pad)  # (B, 1, 1, S) keys that are padding
         x, bias = self._embed("src", src, 0), position_bias(self.src_relative, 0, src.shape[1], src.shape[1])
         for layer in self.encoder:
             x = layer(x, pad_block, bias)

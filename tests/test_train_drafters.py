@@ -43,3 +43,13 @@ def test_a_copy_of_the_listed_files_trains_both_drafters(tmp_path):
     assert drafter["drafter"]["k"] == 8 and heads["proposal"]["config"]["k"] == 10
     assert heads["frozen_base"]["path"] == os.path.join("..", "..", "..", "checkpoints", "mt-en-de", "model.pt")
     assert "dev_tokens_per_call" in drafter["meta"] and "dev_tokens_per_call" in heads["meta"]
+
+
+def test_every_job_runs_with_the_compile_option_given():
+    """Guards --compile reaching train.py: auto (compiled on a GPU) unless told otherwise."""
+    from refdec.commands.train_drafters import JOBS, build_parser, job_command
+    for argv, value in (([], "auto"), (["--compile", "off"], "off")):
+        args = build_parser().parse_args(argv)
+        for job in JOBS:
+            cmd = job_command(args, *job)
+            assert cmd[cmd.index("--compile") + 1] == value

@@ -13,7 +13,7 @@ import torch
 
 from conftest import REPO, run_py, tiny_model
 from refdec.checkpoint import CheckpointError, average_states, load_checkpoint, load_model, save_atomic
-from refdec.training import inverse_sqrt
+from refdec.training import cpp_compiler, inverse_sqrt
 
 TINY = ["train.py", "--preset", "tiny", "--train-limit", "800", "--threads", "1"]
 
@@ -215,6 +215,7 @@ def test_base_plus_random_head_loss_always_trains_the_base():
     (["--kd-weight", "0.3"], "needs kd_from"),
     (["--kd-from", "m.pt", "--kd-weight", "1.5"], "kd_weight"),
     (["--kd-from", "m.pt", "--drafter-k", "4"], "kd_from distils a plain model"),
+    (["--compile", "yes"], "compile must be auto, on or off, not 'yes'"),
 ])
 def test_bad_proposal_options_are_one_line_errors(args, needle):
     r = run_py(*TINY, "--out-dir", "/nonexistent", *args)
@@ -594,3 +595,95 @@ def test_tokens_per_call_pick_needs_a_drafters_verifier():
     cfg = PRESETS["tiny"].replace(drafter_k=3, pick="tokens-per-call")
     with pytest.raises(TrainingError, match="needs the drafter's verifier"):
         DrafterLoss.load(cfg, build_model(cfg, 40), None, torch.device("cpu"))
+
+
+def _steps(cfg, mode: str, backend: str | None, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
+    """`steps` AdamW updates of a tiny float32 objective of `mode` (its passes compiled with `backend`,
+    or eager) on batches of varying shapes: the losses and the final weights."""
+    import torch._dynamo
+    from refdec.data import training_tensors
+    from refdec.proposal import ProposalHeads
+    from refdec.training import build_model, build_objective
+    torch._dynamo.reset()  # each test's objective is new: no code compiled for another one's guards
+    torch.manual_seed(0)
+    model = build_model(cfg, 40)
+    heads = ProposalHeads(model.cfg.d_model, 16, cfg.proposal_k) if cfg.proposal_k else None
+    teacher = tiny_model(1, vocab=40).float() if cfg.kd_from else None
+    obj = build_objective(cfg, model, heads, teacher=teacher).train()
+    if backend:
+        obj.compile(backend)
+        assert "passes compiled (torch.compile, " + backend in obj.describe()
+    opt = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-3)
+    g, losses = torch.Generator().manual_seed(0), []
+    for step in range(steps):
+        rows = 2 + step  # another batch shape at every step: compiled once, for all of them
+        src = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (rows,), generator=g)]
+        tgt = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (rows,), generator=g)]
+        obj.step = step
+        opt.zero_grad()
+        loss = obj(*training_tensors(src, tgt))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in obj.parameters()]
+
+
+COMPILE_MODES = {"plain": {}, "distillation": {"kd_from": "teacher.pt", "kd_weight": 0.3}, "early-exit": {"early_exit": 1},
+                 "heads": {"proposal_k": 4, "head_loss": "random"}, "drafter": {"drafter_k": 3}}
+
+
+@pytest.mark.parametrize("mode", list(COMPILE_MODES))
+def test_compiled_passes_trace_every_mode_to_its_eager_updates(mode):
+    """Guards what torch.compile traces of each mode's pass (Objective.compile: the tensor work
+    only, the random heads, the drafter's blocks and glancing outside): traced by dynamo and run
+    as traced (backend "eager", no compiler needed), the losses and weights of a few updates on
+    batches of changing shapes, with dropout, are those of the eager objective, bit for bit."""
+    from refdec.config import PRESETS
+    cfg = PRESETS["tiny"].replace(dec_layers=2, **COMPILE_MODES[mode])
+    eager, traced = _steps(cfg, mode, None), _steps(cfg, mode, "eager")
+    assert eager[0] == traced[0]
+    assert all(torch.equal(a, b) for a, b in zip(eager[1], traced[1]))
+
+
+def test_compile_option_is_on_where_asked_and_needs_a_compiler_on_a_cpu(monkeypatch):
+    """Guards the compile option: auto compiles on a GPU only, off never, on always; a bad value,
+    or compile on on a CPU without a C++ compiler, is one clear error."""
+    from refdec.config import PRESETS
+    from refdec.training import TrainingError, loop
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    tiny = PRESETS["tiny"]
+    assert tiny.compile == "auto"
+    assert not loop.compiles(tiny, cpu) and loop.compiles(tiny, gpu)
+    assert not loop.compiles(tiny.replace(compile="off"), gpu) and loop.compiles(tiny.replace(compile="on"), gpu)
+    with pytest.raises(ValueError, match="compile must be auto, on or off, not 'yes'"):
+        tiny.replace(compile="yes")
+    monkeypatch.setattr(loop, "cpp_compiler", lambda: None)
+    with pytest.raises(TrainingError, match="needs a C\\+\\+ compiler"):
+        loop.compiles(tiny.replace(compile="on"), cpu)
+
+
+needs_cpp = pytest.mark.skipif(cpp_compiler() is None, reason="torch.compile's CPU kernels need a C++ compiler")
+
+
+@pytest.mark.slow
+@needs_cpp
+def test_compiled_run_matches_eager_and_resumes(tmp_path):
+    """Guards --compile on end to end (inductor's generated kernels): the dev losses after 4 and 8
+    updates of a compiled run (without dropout, whose masks inductor draws its own way) are the
+    eager run's within float rounding (not the weights: Adam scales the rounding of gradients that
+    are zero in exact arithmetic, such as the attention keys' bias, up to whole steps), and 4
+    compiled updates, an interruption and 4 more after --resume give the straight compiled run's."""
+    runs = {"eager": ("off", [8]), "compiled": ("on", [8]), "resumed": ("on", [4, 8])}
+    for name, (compile_, stops) in runs.items():
+        for i, stop in enumerate(stops):
+            r = run_py(*TINY, "--out-dir", str(tmp_path / name), "--dropout", "0", "--compile", compile_,
+                       "--max-steps", str(stop), "--eval-every", "4", *(["--resume"] if i else []), timeout=900)
+            assert r.returncode == 0, r.stderr.decode()[-3000:]
+            assert ("passes compiled (torch.compile, inductor" in r.stderr.decode()) == (compile_ == "on")
+    losses = {name: [json.loads(line)["dev_loss"] for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+              for name in runs}
+    assert len(losses["eager"]) == 2 and losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5), losses
+    assert losses["resumed"] == pytest.approx(losses["compiled"], rel=1e-6), losses
+    wc, wr = _weights(tmp_path / "compiled" / "last.pt"), _weights(tmp_path / "resumed" / "last.pt")
+    for k in wc:
+        assert torch.allclose(wr[k], wc[k], rtol=0, atol=1e-6), (k, (wr[k] - wc[k]).abs().max())

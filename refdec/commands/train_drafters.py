@@ -14,6 +14,11 @@ embeddings, first 2 decoder layers, final norm and output projection, on its fro
 checkpoint whose decoder (GAD with the verifier; blockwise) accepts the most tokens per call on dev
 sentences. The first job tokenizes the corpus once and caches the ids beside it for the second.
 
+On a GPU each run compiles its forward/backward passes with torch.compile (train.py --compile auto,
+the default: launches and Python bound the eager passes there); the compiling, a minute or more per
+job, counts against its time limit. This is unmeasured on a GPU: if a run's tokens/s (its log, and
+summary.json) come out lower than with --compile off, train with --compile off.
+
 The files --files lists are all a run needs: copy them (e.g. `tar -cf drafters.tar $(python -m
 refdec.train_drafters --files)`), unpack the copy on the GPU machine, run the command there, and
 bring back the folders under --out-dir (their model.pt files name the verifier as
@@ -29,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..config import COMPILE_MODES
 from ..repo import REPO
 
 # (name, preset, the options a GPU run changes, minutes of training). The minutes leave room in 8 for
@@ -62,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", choices=[name for name, *_ in JOBS], action="append",
                    help="run only this job (repeatable; default: all)")
     p.add_argument("--overwrite", action="store_true", help="replace runs already in --out-dir")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                   help="train.py --compile for every job: auto (on a GPU, off on a CPU), on or off (default: %(default)s)")
     p.add_argument("--max-steps", type=int, help="smoke runs: stop each job after this many updates")
     p.add_argument("--train-limit", type=int, help="smoke runs: train on the first N pairs only")
     p.add_argument("--dev-limit", type=int, help="smoke runs: validate on the first N dev pairs only")
@@ -70,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def job_command(args, name: str, preset: str, options: list[str], minutes: float) -> list[str]:
     cmd = [sys.executable, str(REPO / "train.py"), "--preset", preset, "--out-dir", str(Path(args.out_dir) / name),
-           "--time-limit-min", str(minutes), *options]
+           "--time-limit-min", str(minutes), "--compile", args.compile, *options]
     for flag in ("max_steps", "train_limit", "dev_limit"):
         value = getattr(args, flag)
         if value is not None:  # (a run evaluates at its end whatever its eval-every)

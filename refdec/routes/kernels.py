@@ -66,7 +66,9 @@ INVARIANT_BLOCK = 1 << 16  # bytes per temporary in row-invariant mode
 # -- the few-row route --------------------------------------------------------------------------------
 def few_row_route(x: torch.Tensor) -> bool:
     """Whether `linear` takes the (W @ x.T).T route for x (..., D): inference on CPU, 2-16 rows."""
-    return x.device.type == "cpu" and not torch.is_grad_enabled() and x.numel() // x.shape[-1] in FEW_ROWS
+    # (a comparison, not `in FEW_ROWS`: torch.compile traces it for a row count of any size)
+    return (x.device.type == "cpu" and not torch.is_grad_enabled()
+            and FEW_ROWS.start <= x.numel() // x.shape[-1] < FEW_ROWS.stop)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = True) -> torch.Tensor:

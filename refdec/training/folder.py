@@ -32,7 +32,7 @@ RUN_FILES = ("tokenizer.json", "last.pt", "best.pt", "average.pt", "model.pt", "
 
 # Fields a resumed run may change: how long and how verbosely it runs, not what it trains.
 RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eval_every", "eval_sentences",
-                     "speed_sentences", "pass_tokens", "dev_limit", "out_dir")
+                     "speed_sentences", "pass_tokens", "compile", "dev_limit", "out_dir")
 
 
 PATH_FIELDS = ("init_from", "tokenizer_from", "encoder_from", "kd_from", "data_dir")

@@ -1,6 +1,6 @@
 """The training loop (Trainer): the processes of a run, the learning-rate schedule, updates in
-passes of a device's size with their gradients accumulated (bfloat16 autocast and fused AdamW on a
-GPU), evaluations and checkpoints, and the run's end.
+passes of a device's size with their gradients accumulated (bfloat16 autocast, fused AdamW and
+compiled passes on a GPU), evaluations and checkpoints, and the run's end.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import contextlib
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -127,6 +128,8 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0,
                                      fused=True if self.device.type == "cuda" else None)
         self.pass_tokens = cfg.pass_tokens or device_pass_tokens(cfg, self.model.cfg, self.device)
+        if compiles(cfg, self.device):
+            self.objective.compile()
         self.folder = RunFolder(cfg, self.objective, self.tok, self.log)
         self.progress = Progress() if last is None else self.folder.load_last(last, self.opt)
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective,
@@ -249,6 +252,27 @@ def accumulate(objective: torch.nn.Module, pieces: list[tuple[torch.Tensor, ...]
         loss_sum += loss.item() * w / total
         n_tok += int(src.ne(pad_id).sum() + tgt_out.ne(pad_id).sum())
     return (loss.item() if len(pieces) == 1 else loss_sum), n_tok
+
+
+def compiles(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether the run compiles its passes (Objective.compile): compile "on", or "auto" on a GPU.
+    On a CPU, torch.compile's inductor builds its kernels with a C++ compiler, which must be there."""
+    if cfg.compile == "off" or (cfg.compile == "auto" and device.type != "cuda"):
+        return False
+    if device.type == "cpu" and cpp_compiler() is None:
+        raise TrainingError("--compile on needs a C++ compiler on a CPU (torch.compile builds its kernels with "
+                            "one): install g++, or train with --compile off")
+    return True
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile would build CPU kernels with (g++, clang++, $CXX), or None."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        compiler = get_cpp_compiler()
+    except Exception:  # none found (torch raises its own error), or a torch without this helper
+        return None
+    return compiler if shutil.which(compiler) else None
 
 
 def device_pass_tokens(cfg: TrainConfig, shape: ModelConfig, device: torch.device) -> int:

@@ -52,6 +52,9 @@ class Objective(torch.nn.Module):
     averaged (`average_entries`), what model.pt keeps (`final_checkpoint`) and how it is logged."""
 
     unused_parameters = False  # DistributedDataParallel must look for weights without a gradient
+    # The methods holding the tensor work of a training pass, free of Python-side choices (random
+    # heads, drafter blocks, glancing): what `compile` hands to torch.compile.
+    compiled_parts: tuple[str, ...] = ("forward",)
 
     def __init__(self, model: Transformer, cfg: TrainConfig, encoder: Transformer | None = None):
         super().__init__()
@@ -66,6 +69,20 @@ class Objective(torch.nn.Module):
                                 "sha256": file_sha256(cfg.encoder_from)} if encoder is not None and cfg.encoder_from
                                else None)
         self.step = 0  # set by the trainer: the drafter's glancing ratio decays with it
+        self.compiled_with = ""  # the torch.compile backend of the passes' tensor work ("" = eager)
+
+    def compile(self, backend: str = "inductor") -> None:
+        """Run the tensor work of each training pass (`compiled_parts`) through torch.compile: fewer
+        kernel launches and less Python per pass. Shapes are dynamic (token batches vary in rows
+        and length), so a new batch shape reuses the compiled code instead of compiling anew; the
+        Python-side choices of a pass stay outside and run eagerly. Evaluation and decoding stay
+        eager. backend "inductor" generates kernels (with a C++ compiler on a CPU); "eager" only traces
+        (for checking that the parts compile, where no compiler is at hand)."""
+        if self.compiled_with:
+            raise RuntimeError(f"the objective is already compiled ({self.compiled_with})")
+        for name in self.compiled_parts:  # an instance attribute: it shadows the method of the class
+            setattr(self, name, torch.compile(getattr(self, name), backend=backend, dynamic=True))
+        self.compiled_with = backend
 
     @classmethod
     def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
@@ -82,7 +99,9 @@ class Objective(torch.nn.Module):
 
     def describe(self) -> str:
         """What the run's log line about the model adds for this mode."""
-        return f"; reads the frozen encoder of {self.cfg.encoder_from}" if self.frozen_encoder else ""
+        return ((f"; reads the frozen encoder of {self.cfg.encoder_from}" if self.frozen_encoder else "")
+                + (f"; passes compiled (torch.compile, {self.compiled_with}: each new kind of pass compiles first)"
+                   if self.compiled_with else ""))
 
     def eval_note(self, dev_size: int) -> str:
         """What the log line of an evaluation adds after the scores."""
@@ -243,6 +262,7 @@ class ProposalHeadsLoss(Objective):
     of the base and one random far head (base+random), or the mean over heads (mean)."""
 
     unused_parameters = True  # head 1 (the base) is skipped in some batches when heads are drawn at random
+    compiled_parts = ("heads_loss",)  # the heads are drawn outside, in Python: one graph per head drawn
 
     def __init__(self, model: Transformer, heads: ProposalHeads, cfg: TrainConfig, base_file: str = ""):
         super().__init__(model, cfg)
@@ -280,6 +300,13 @@ class ProposalHeadsLoss(Objective):
                  encoder: Transformer | None = None, teacher: Transformer | None = None) -> "ProposalHeadsLoss":
         return cls(model, heads, cfg)
 
+    def compile(self, backend: str = "inductor") -> None:
+        """Objective.compile; each head drawn is a graph of its own (its index picks a slice of the
+        heads' weights and of the targets), so torch.compile may keep one per head, not its default 8."""
+        import torch._dynamo
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.heads.k + 8)
+        super().compile(backend)
+
     def describe(self) -> str:
         cfg = self.cfg
         return super().describe() + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
@@ -300,10 +327,14 @@ class ProposalHeadsLoss(Objective):
         return f", the heads alone: the base is {self.base_file}"
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        return self.heads_loss(src, tgt_in, tgt_out, self.chosen_heads())
+
+    def heads_loss(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+        """The mean of the heads `chosen`'s losses."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
             hidden = self.model.forward_hidden(src, tgt_in)
         losses = [self.smoothed(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i))
-                  for i in self.chosen_heads()]
+                  for i in chosen]
         return sum(losses) / len(losses)
 
     def checkpoint_entries(self, half: bool) -> dict:
@@ -323,6 +354,10 @@ class DrafterLoss(Objective):
     """GAD's block drafter: L_NAR with glancing (GLAT). Predict the block, reveal gold tokens where it
     was wrong, learn the rest. Its verifier (the model of encoder_from, or else of init_from when
     that is not itself a drafter) runs GAD with it at each evaluation for the tokens per call."""
+
+    # The block inputs, the glancing ratio (which changes every update) and the tokens revealed are
+    # chosen in Python between the two passes of the model, outside what is compiled.
+    compiled_parts = ("block_prediction", "block_loss")
 
     def __init__(self, model: Transformer, cfg: TrainConfig, encoder: Transformer | None = None,
                  verifier: Transformer | None = None):
@@ -348,11 +383,17 @@ class DrafterLoss(Objective):
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         inp, gold, block = self.drafter_batch(tgt_out)
-        with torch.no_grad():
-            pred = self.model.project(self.hidden(src, inp, block))
         cfg = self.cfg
         ratio = glancing_ratio(self.step, cfg.glancing_start, cfg.glancing_end, cfg.glancing_decay_steps)
-        inp, target = glance(inp, gold, pred.argmax(dim=-1), ratio)
+        inp, target = glance(inp, gold, self.block_prediction(src, inp, block), ratio)
+        return self.block_loss(src, inp, block, target)
+
+    def block_prediction(self, src: torch.Tensor, inp: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """The drafter's argmax at every position of `inp` (no gradient): what glancing compares to the gold."""
+        with torch.no_grad():
+            return self.model.project(self.hidden(src, inp, block)).argmax(dim=-1)
+
+    def block_loss(self, src: torch.Tensor, inp: torch.Tensor, block: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.smoothed(self.model.project(self.hidden(src, inp, block)), target)
 
     @torch.no_grad()
