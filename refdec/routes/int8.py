@@ -48,9 +48,12 @@ seen (switch the route off and on again after one).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 LEVELS = 127  # symmetric int8: values -127 .. 127
+JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds at most this many values
 
 
 class QuantizedWeight:
@@ -82,7 +85,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).to(torch.int8), scale
 
 
-def product(x: torch.Tensor, w: QuantizedWeight, add: torch.Tensor | None = None,
+def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Tensor | None = None,
             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`add` + x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact,
     times each row's scale, times each output's scale, plus `add` ((N,) a bias, or (M, N) the
@@ -100,9 +103,39 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> to
 
 
 def linears(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[linear(x, w, b) for each weight] for x (M, K), x quantized once for all of them."""
-    rows = quantize_rows(x)
-    return [product(x, w, b, rows) for w, b in zip(weights, biases)]
+    """[linear(x, w, b) for each weight] for x (M, K), as one product of the weights side by side
+    (`joined`): bitwise the same outputs, since the int32 sums are exact and every output channel
+    keeps its own scale and bias, in one integer product and one rescaling instead of one per weight.
+    Each result is a column block of that product (a view). Many rows (a batch's encoder pass) take
+    one product per weight, x quantized once: their outputs stay small enough for the cache."""
+    outs = sum(w.scale.shape[0] for w in weights)
+    if len(weights) == 1 or any(b is None for b in biases) or x.shape[0] * outs > JOIN_ELEMENTS:
+        rows = quantize_rows(x)
+        return [product(x, w, b, rows) for w, b in zip(weights, biases)]
+    y = product(x, joined(weights), torch.cat(biases))
+    return list(y.split([w.scale.shape[0] for w in weights], 1))
+
+
+class JoinedWeight:
+    """Quantized weights of one input side by side: an (in, sum of outs) int8 matrix (laid out as
+    QuantizedWeight's) and their channel scales, and which weights it was made from (weakly)."""
+
+    def __init__(self, weights: list[QuantizedWeight]):
+        self.parts = [weakref.ref(w) for w in weights]
+        self.scale = torch.cat([w.scale for w in weights])
+        self.q = torch.cat([w.q.t() for w in weights]).t()  # each part (out, in) contiguous: so is their stack
+
+
+_JOINED: "weakref.WeakKeyDictionary[QuantizedWeight, JoinedWeight]" = weakref.WeakKeyDictionary()
+
+
+def joined(weights: list[QuantizedWeight]) -> JoinedWeight:
+    """The weights side by side, made once for these very QuantizedWeights (a weight written since
+    gets a new QuantizedWeight, so a new joined one); kept while the first of them lives."""
+    kept = _JOINED.get(weights[0])
+    if kept is None or len(kept.parts) != len(weights) or any(a() is not b for a, b in zip(kept.parts, weights)):
+        kept = _JOINED[weights[0]] = JoinedWeight(weights)
+    return kept
 
 
 # -- the int8 product's exactness on this CPU -----------------------------------------------------------
