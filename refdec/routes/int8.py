@@ -54,6 +54,10 @@ import torch
 
 LEVELS = 127  # symmetric int8: values -127 .. 127
 JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds at most this many values
+# From this many output values on, `product` converts the int32 product to float and scales that in
+# place (the same values): `int32 * float` makes a float copy of the whole product beside its result,
+# and a batch's vocabulary projection (16 MB each) pays for every fresh buffer in page faults.
+IN_PLACE_ELEMENTS = 1 << 16
 
 
 class QuantizedWeight:
@@ -82,7 +86,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) float -> (M, K) int8 and (M, 1) scales, each row scaled by its own largest magnitude
     (a row of zeros gets the smallest normal scale and stays zeros)."""
     scale = x.abs().amax(1, keepdim=True).div_(LEVELS).clamp_min_(torch.finfo(x.dtype).tiny)
-    return torch.round(x / scale).to(torch.int8), scale
+    return torch.div(x, scale).round_().to(torch.int8), scale
 
 
 def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Tensor | None = None,
@@ -92,7 +96,10 @@ def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Ten
     residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
     Each output element goes through the same elementwise operations whatever the other rows."""
     xq, sx = quantize_rows(x) if rows is None else rows
-    scaled = torch._int_mm(xq, w.q) * sx
+    if xq.shape[0] * w.scale.shape[0] < IN_PLACE_ELEMENTS:
+        scaled = torch._int_mm(xq, w.q) * sx
+    else:  # the same values, without a float copy of the int32 product beside the result (IN_PLACE_ELEMENTS)
+        scaled = torch._int_mm(xq, w.q).to(sx.dtype).mul_(sx)
     return scaled.mul_(w.scale) if add is None else torch.addcmul(add, scaled, w.scale)
 
 
