@@ -35,6 +35,10 @@ at 32 rows on the model's shapes (docs/int8.md). The per-row quantization above 
 elementwise operations per product, a few microseconds each; from a few rows up (a verification
 call, an encoder pass, a batch) the integer product saves more than they cost.
 
+Products that read the same input (the encoder's queries, keys and values; the cross-attention's
+keys and values of every layer) are one product of their weights side by side (`linears`): the same
+values, since each output channel keeps its scale and the sums are exact, in fewer operations.
+
 Switching: `set_int8_route(model)` (refdec.routes.kernels) gives every linear layer of each Transformer in `model` its int8
 weight and the output projection its int8 embedding; `set_int8_route(model, False)` takes them
 away. The route combines with the reference route (refdec.model, refdec.routes.kernels) and with the fast
