@@ -119,13 +119,13 @@ class KVCache:
         are stale and must be masked by the caller. The new positions count only after `advance(q)`.
         """
         q = k.shape[2]
-        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # a cache may keep another dtype (the int8 route's float64, refdec.routes.int8)
         start, end = self.prefix + self._end, self.prefix + self._end + q
         self._reserve(end)
-        if self._lengths is None:
-            self.k[layer, :, :, start:end] = k
+        if self._lengths is None:  # a cache may keep another dtype (the int8 route's float64, refdec.routes.int8):
+            self.k[layer, :, :, start:end] = k  # the copy converts
             self.v[layer, :, :, start:end] = v
         else:
+            k, v = k.to(self.k.dtype), v.to(self.v.dtype)
             B, H, _, Dh = k.shape
             pos = self.prefix + self._lengths[:, None] + torch.arange(q, device=k.device)  # (B, q) each row's own offsets
             index = pos[:, None, :, None].expand(B, H, q, Dh)

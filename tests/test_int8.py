@@ -73,6 +73,27 @@ def test_a_row_of_a_product_does_not_depend_on_the_other_rows(dtype, k, n):
     assert ((whole - ref).abs().amax(1) / ref.abs().amax(1)).max() < 0.05
 
 
+@pytest.mark.parametrize("rows", [1, 5, 40, 1200])
+def test_products_of_one_input_side_by_side_equal_the_products_one_by_one(rows):
+    """int8.linears (one product of the weights side by side, or for many rows one per weight)
+    equals int8.linear weight by weight bitwise, and each of its rows equals that row alone; the
+    side-by-side weights are made again when a weight is."""
+    g = torch.Generator().manual_seed(rows)
+    ws = [torch.randn(n, 48, generator=g) for n in (48, 16, 48)]
+    bs = [torch.randn(n, generator=g) for n in (48, 16, 48)]
+    qs = [QuantizedWeight(w.t(), w) for w in ws]
+    x = torch.randn(rows, 48, generator=g) * 3
+    together = int8.linears(x, qs, bs)
+    for y, q, b in zip(together, qs, bs):
+        assert torch.equal(y, int8.linear(x, q, b))
+    for i in {0, rows // 2, rows - 1}:
+        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(int8.linears(x[i:i + 1], qs, bs), together))
+    first = int8.joined(qs)
+    assert int8.joined(qs) is first
+    qs[1] = QuantizedWeight(ws[1].t() * 2, ws[1])
+    assert int8.joined(qs) is not first and torch.equal(int8.linears(x, qs, bs)[1], int8.linear(x, qs[1], bs[1]))
+
+
 # -- the model -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ["fast", "invariant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -111,10 +111,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     through the output projection wo (in, out), bo, added to the residual stream x (B*q, D). On the
     int8 route the attention is computed in float64 (refdec.routes.int8, "Attention in float64")."""
     if isinstance(wo, QuantizedWeight):  # k, v: float64 already when they come from the cache or the Memory
-        a = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed).to(x.dtype)
+        a = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed)
+        a = a.transpose(1, 2).to(x.dtype, memory_format=torch.contiguous_format)  # (B, q, H, Dh): one copy
     else:
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, q, Dh)
-    return residual_linear(x, a.transpose(1, 2).reshape(x.shape[0], -1), wo, bo)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)  # (B, q, H, Dh)
+    return residual_linear(x, a.reshape(x.shape[0], -1), wo, bo)
 
 
 def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

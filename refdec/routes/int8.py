@@ -35,6 +35,10 @@ at 32 rows on the model's shapes (docs/int8.md). The per-row quantization above 
 elementwise operations per product, a few microseconds each; from a few rows up (a verification
 call, an encoder pass, a batch) the integer product saves more than they cost.
 
+Products that read the same input (the encoder's queries, keys and values; the cross-attention's
+keys and values of every layer) are one product of their weights side by side (`linears`): the same
+values, since each output channel keeps its scale and the sums are exact, in fewer operations.
+
 Switching: `set_int8_route(model)` (refdec.routes.kernels) gives every linear layer of each Transformer in `model` its int8
 weight and the output projection its int8 embedding; `set_int8_route(model, False)` takes them
 away. The route combines with the reference route (refdec.model, refdec.routes.kernels) and with the fast
@@ -48,9 +52,16 @@ seen (switch the route off and on again after one).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 LEVELS = 127  # symmetric int8: values -127 .. 127
+JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds at most this many values
+# From this many output values on, `product` converts the int32 product to float and scales that in
+# place (the same values): `int32 * float` makes a float copy of the whole product beside its result,
+# and a batch's vocabulary projection (16 MB each) pays for every fresh buffer in page faults.
+IN_PLACE_ELEMENTS = 1 << 16
 
 
 class QuantizedWeight:
@@ -79,17 +90,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) float -> (M, K) int8 and (M, 1) scales, each row scaled by its own largest magnitude
     (a row of zeros gets the smallest normal scale and stays zeros)."""
     scale = x.abs().amax(1, keepdim=True).div_(LEVELS).clamp_min_(torch.finfo(x.dtype).tiny)
-    return torch.round(x / scale).to(torch.int8), scale
+    return torch.div(x, scale).round_().to(torch.int8), scale
 
 
-def product(x: torch.Tensor, w: QuantizedWeight, add: torch.Tensor | None = None,
+def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Tensor | None = None,
             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`add` + x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact,
     times each row's scale, times each output's scale, plus `add` ((N,) a bias, or (M, N) the
     residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
     Each output element goes through the same elementwise operations whatever the other rows."""
     xq, sx = quantize_rows(x) if rows is None else rows
-    scaled = torch._int_mm(xq, w.q) * sx
+    if xq.shape[0] * w.scale.shape[0] < IN_PLACE_ELEMENTS:
+        scaled = torch._int_mm(xq, w.q) * sx
+    else:  # the same values, without a float copy of the int32 product beside the result (IN_PLACE_ELEMENTS)
+        scaled = torch._int_mm(xq, w.q).to(sx.dtype).mul_(sx)
     return scaled.mul_(w.scale) if add is None else torch.addcmul(add, scaled, w.scale)
 
 
@@ -100,9 +114,39 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> to
 
 
 def linears(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[linear(x, w, b) for each weight] for x (M, K), x quantized once for all of them."""
-    rows = quantize_rows(x)
-    return [product(x, w, b, rows) for w, b in zip(weights, biases)]
+    """[linear(x, w, b) for each weight] for x (M, K), as one product of the weights side by side
+    (`joined`): bitwise the same outputs, since the int32 sums are exact and every output channel
+    keeps its own scale and bias, in one integer product and one rescaling instead of one per weight.
+    Each result is a column block of that product (a view). Many rows (a batch's encoder pass) take
+    one product per weight, x quantized once: their outputs stay small enough for the cache."""
+    outs = sum(w.scale.shape[0] for w in weights)
+    if len(weights) == 1 or any(b is None for b in biases) or x.shape[0] * outs > JOIN_ELEMENTS:
+        rows = quantize_rows(x)
+        return [product(x, w, b, rows) for w, b in zip(weights, biases)]
+    y = product(x, joined(weights), torch.cat(biases))
+    return list(y.split([w.scale.shape[0] for w in weights], 1))
+
+
+class JoinedWeight:
+    """Quantized weights of one input side by side: an (in, sum of outs) int8 matrix (laid out as
+    QuantizedWeight's) and their channel scales, and which weights it was made from (weakly)."""
+
+    def __init__(self, weights: list[QuantizedWeight]):
+        self.parts = [weakref.ref(w) for w in weights]
+        self.scale = torch.cat([w.scale for w in weights])
+        self.q = torch.cat([w.q.t() for w in weights]).t()  # each part (out, in) contiguous: so is their stack
+
+
+_JOINED: "weakref.WeakKeyDictionary[QuantizedWeight, JoinedWeight]" = weakref.WeakKeyDictionary()
+
+
+def joined(weights: list[QuantizedWeight]) -> JoinedWeight:
+    """The weights side by side, made once for these very QuantizedWeights (a weight written since
+    gets a new QuantizedWeight, so a new joined one); kept while the first of them lives."""
+    kept = _JOINED.get(weights[0])
+    if kept is None or len(kept.parts) != len(weights) or any(a() is not b for a, b in zip(kept.parts, weights)):
+        kept = _JOINED[weights[0]] = JoinedWeight(weights)
+    return kept
 
 
 # -- the int8 product's exactness on this CPU -----------------------------------------------------------

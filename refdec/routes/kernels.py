@@ -190,11 +190,10 @@ class RoutedTransformer(Transformer, Int8Route):
     call: "weakref.ref[Memory] | None" = None  # the Memory of the latest decode_hidden (the projection's call)
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
-        cache = super().new_cache(batch, capacity)
-        if self.int8_active():
-            cache = KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
-                            device=cache.k.device, dtype=torch.float64)
-        return cache
+        if self.int8_active():  # made in float64 alone: not the model's dtype first
+            return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
+                           device=self.tgt_embed.weight.device, dtype=torch.float64)
+        return super().new_cache(batch, capacity)
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, *args, **kwargs) -> torch.Tensor:
         self.call = weakref.ref(memory)
