@@ -41,6 +41,7 @@ def readme_training_commands() -> list[str]:
     checkpoints/README.md), in the order it gives them."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "checkpoints" / "README.md"]
     text = "\n".join(p.read_text(encoding="utf-8") for p in pages if p.exists())
+    text = re.sub(r"\\\n\s+", " ", text)  # a command continued on the next line with a backslash
     found = re.findall(r"`(python train\.py [^`]*)`|^    (python train\.py [^#\n]*)", text, flags=re.M)
     commands = (" ".join((inline or block).split()) for inline, block in found)
     return list(dict.fromkeys(c for c in commands if "--preset" in c))
