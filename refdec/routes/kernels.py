@@ -188,6 +188,7 @@ class RoutedTransformer(Transformer, Int8Route):
 
     row_invariant, few_rows = False, True
     call: "weakref.ref[Memory] | None" = None  # the Memory of the latest decode_hidden (the projection's call)
+    projection_copy: tuple | None = None  # (the values W had, their contiguous transpose)
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         if self.int8_active():  # made in float64 alone: not the model's dtype first
@@ -206,10 +207,9 @@ class RoutedTransformer(Transformer, Int8Route):
             return int8.linear(hidden, self.quantized("vocabulary", W), None)
         if self.row_invariant:
             return rowwise_linear(hidden, W, None)
-        memory = None if self.call is None else self.call()
-        if (memory is not None and hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu"
-                and not torch.is_grad_enabled()):
-            W_t = self._projection(call_state(memory), W)
+        if hidden.shape[0] * hidden.shape[1] == 1 and hidden.device.type == "cpu" and not torch.is_grad_enabled():
+            memory = None if self.call is None else self.call()  # the call this one-row step belongs to
+            W_t = None if memory is None else self._projection(call_state(memory), W)
             if W_t is not None:
                 return hidden @ W_t
         return linear(hidden, W, None, self.few_rows)
@@ -232,8 +232,6 @@ class RoutedTransformer(Transformer, Int8Route):
                 or not torch.equal(kept[0], W)):
             kept = self.projection_copy = (W.detach().clone(), W.detach().t().contiguous())
         return kept[1]
-
-    projection_copy: tuple | None = None  # (the values W had, their contiguous transpose)
 
 
 # -- the switches -----------------------------------------------------------------------------------
