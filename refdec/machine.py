@@ -9,6 +9,7 @@ cores the others leave idle.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import time
@@ -165,4 +166,49 @@ def device_name(device: torch.device | str) -> str:
 
 def environment(threads: int, device, dtype) -> dict:
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "threads": threads, "device": str(device), "dtype": str(dtype).replace("torch.", "")}
+            "threads": threads, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "allocator": ALLOCATOR[0]}
+
+
+# -- the C allocator's handling of freed memory ----------------------------------------------------------
+# PyTorch's CPU tensors come from the C library's malloc. glibc's malloc serves a large request (from
+# 128 KB, a threshold it raises as it sees larger blocks freed, up to 32 MB) with fresh pages from the
+# system and hands them back on free, and gives back the free top of its heap past a trimming threshold:
+# every buffer of a decoding call (a batch's logits, a verification call's attention, a KV cache the
+# finished rows leave) is then faulted in, page by page, again at every call. `keep` sets the threshold
+# to its largest value and stops the trimming, so freed memory is reused from the heap: the same values,
+# fewer page faults. Batched IAD on the int8 route (its float64 cache and attention make the largest
+# buffers) ran 1.23x faster with it, float32 no faster (docs/int8.md, "The allocator"). What the
+# process keeps is at most its peak, which it had already reached.
+ALLOCATORS = ("keep", "system")
+ALLOCATOR_HELP = ("what the C allocator does with memory the run frees: keep = keep it for the next buffers "
+                  "(glibc; fewer page faults, the same values; docs/int8.md), system = the C library's defaults "
+                  "(default keep)")
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters (malloc.h)
+KEEP = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
+ALLOCATOR = ["system"]  # what this process's malloc does: "system" (the C library's defaults) or "keep"
+
+
+def set_allocator(mode: str) -> str:
+    """`keep`: glibc's malloc keeps the memory a process frees for its next allocations (mallopt: the
+    largest mmap threshold, no trimming); `system`: the C library's own behaviour, left as it is. For
+    the whole process, from now on, and not undone by a later "system" (glibc's adaptive threshold
+    cannot be restored). Returns what is in effect: "keep" needs glibc; elsewhere it is "system"."""
+    if mode not in ALLOCATORS:
+        raise UsageError(f"unknown allocator {mode!r}; choose one of {', '.join(ALLOCATORS)}")
+    if mode == "keep" and ALLOCATOR[0] != "keep":
+        mallopt = glibc_mallopt()
+        if mallopt is not None and all(mallopt(param, value) == 1 for param, value in KEEP):
+            ALLOCATOR[0] = "keep"
+    return ALLOCATOR[0]
+
+
+def glibc_mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt, or None in a process whose C library is not glibc (musl, macOS, Windows)."""
+    try:
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return None
+        return libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return None

@@ -61,6 +61,7 @@ def test_command_writes_report(tmp_path):
     rep = json.loads(report.read_text())
     assert rep["model"] == str(ckpt) and rep["batch_sizes"] == [1, 2] and rep["threads"] == [1]
     assert rep["conversion"]["cached"] is False and rep["interrupted"] is False
+    assert rep["allocator"] in ("keep", "system")  # keep (the default) where glibc allows it
     rows = rep["results"][0]["rows"]
     names = [row["algo"] for row in rows]
     assert names == [f"{m} b{b}" for b in (1, 2) for m in ("refdec-greedy", "refdec-iad", "ct2-greedy-float32",
@@ -79,11 +80,12 @@ def test_command_writes_report(tmp_path):
     # cost per route, a token budget and IAD at two draft limits
     r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
                str(tmp_path / "in.txt"), "--threads", "1", "--warmup", "1", "--iad", "--fast", "--int8", "--step-cost",
-               "--batch-tokens", "40", "--max-draft", "0,3",
+               "--batch-tokens", "40", "--max-draft", "0,3", "--allocator", "system",
                "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
     assert r.returncode == 0, r.stderr.decode()
     rep = json.loads(report.read_text())
     assert rep["conversion"]["cached"] is True and rep["fast"] is True and rep["int8"] is True
+    assert rep["allocator"] == "system"
     rows = {row["algo"]: row for row in rep["results"][0]["rows"]}
     assert {"refdec-greedy-fast b1", "refdec-iad-fast b1", "refdec-iad-draft3-fast b1", "ct2-greedy-int8 t40"} <= set(rows)
     assert rows["refdec-greedy-fast b1"]["tokens"] == rows["refdec-greedy b1"]["tokens"]

@@ -79,6 +79,19 @@ def test_the_busy_warning_names_the_threads_that_fit():
     assert busy_warning(1.8, 1, 2, "kept").endswith("run alone")
 
 
+def test_the_allocator_keeps_freed_memory_where_glibc_allows_it():
+    """--allocator keep asks glibc's malloc to keep freed memory (mallopt); a report records what is in
+    effect, "system" where the C library is not glibc; an unknown allocator is a usage error."""
+    from refdec import machine
+    from refdec.errors import UsageError
+    with pytest.raises(UsageError, match="keep, system"):
+        machine.set_allocator("jemalloc")
+    assert machine.set_allocator("system") in machine.ALLOCATORS  # leaves what is in effect as it is
+    expected = "system" if machine.glibc_mallopt() is None else "keep"
+    assert machine.set_allocator("keep") == expected == machine.environment(1, "cpu", torch.float32)["allocator"]
+    assert machine.set_allocator("system") == expected  # glibc's adaptive threshold cannot come back
+
+
 def fake_run(name: str = "greedy", outputs: list | None = None):
     from refdec.algorithms import ALGORITHMS
     from refdec.runner import Run

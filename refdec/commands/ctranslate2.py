@@ -58,7 +58,7 @@ from ..repo import repo_file
 from ..routes.kernels import is_int8, set_int8_route
 from ..inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from ..loading import Models
-from ..machine import usable_cores
+from ..machine import ALLOCATOR, ALLOCATOR_HELP, ALLOCATORS, set_allocator, usable_cores
 from ..progress import ProgressLine
 from ..report import format_table, summary_row, write_report
 from ..runner import Run, decode_lines
@@ -326,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int_list, default=[1], metavar="T,T",
                    help="thread counts, comma-separated: each one a round of every run (default 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches per run (default 2)")
+    p.add_argument("--allocator", default="keep", choices=ALLOCATORS, help=ALLOCATOR_HELP + "; for both libraries")
     p.add_argument("--iad", action="store_true", help="time refdec IAD too (GEC: drafts a copy of the input)")
     p.add_argument("--max-draft", type=lambda text: sorted(set(int_list(text, 0))), default=[0], metavar="N,N",
                    help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source); "
@@ -359,6 +360,7 @@ def check_args(args) -> None:
 
 def run(args) -> int:
     check_args(args)
+    set_allocator(args.allocator)
     ctranslate2 = _ctranslate2()
     model, tokenizer, _ = load_model(args.model, task=args.task)
     if not args.input:
@@ -398,7 +400,7 @@ def run(args) -> int:
         write_report(args.report, {
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
             "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "batch_tokens": args.batch_tokens,
-            "threads": args.threads,
+            "threads": args.threads, "allocator": ALLOCATOR[0],
             "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "int8": args.int8, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
             "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
             "ctranslate2": ctranslate2.__version__, "results": results})
