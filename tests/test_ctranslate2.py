@@ -80,12 +80,13 @@ def test_command_writes_report(tmp_path):
     # cost per route, a token budget and IAD at two draft limits
     r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
                str(tmp_path / "in.txt"), "--threads", "1", "--warmup", "1", "--iad", "--fast", "--int8", "--step-cost",
-               "--batch-tokens", "40", "--max-draft", "0,3", "--allocator", "system",
+               "--batch-tokens", "40", "--max-draft", "0,3", "--allocator", "system", "--ct2-threads", "1",
                "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
     assert r.returncode == 0, r.stderr.decode()
     rep = json.loads(report.read_text())
     assert rep["conversion"]["cached"] is True and rep["fast"] is True and rep["int8"] is True
-    assert rep["allocator"] == "system"
+    assert rep["allocator"] == "system" and rep["ct2_threads"] == 1
+    assert "1 thread(s) (CTranslate2 1)" in r.stdout.decode()
     rows = {row["algo"]: row for row in rep["results"][0]["rows"]}
     assert {"refdec-greedy-fast b1", "refdec-iad-fast b1", "refdec-iad-draft3-fast b1", "ct2-greedy-int8 t40"} <= set(rows)
     assert rows["refdec-greedy-fast b1"]["tokens"] == rows["refdec-greedy b1"]["tokens"]
@@ -124,6 +125,8 @@ def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
     (["--max-draft", "4"], "error: --max-draft has no effect without --iad"),
     (["--threads", "1,100000"], "error: --threads must be at most the"),
     (["--limit", "0"], "error: --limit must be at least 1"),
+    (["--ct2-threads", "0"], "error: --ct2-threads must be at least 1"),
+    (["--ct2-threads", "100000"], "error: --ct2-threads must be at most the"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
     from refdec.commands import ctranslate2 as ct2

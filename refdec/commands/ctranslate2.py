@@ -215,8 +215,9 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
     identical rate against int8 greedy at batch 1 and the lines where it differs from it."""
     ctranslate2 = _ctranslate2()
     torch.set_num_threads(threads)
-    ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=threads, inter_threads=1)
-           for c in COMPUTE_TYPES}
+    ct2_threads = threads if args.ct2_threads is None else args.ct2_threads
+    ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=ct2_threads,
+                                     inter_threads=1) for c in COMPUTE_TYPES}
     runs = make_runs(args, models, ct2, tokens, fast, int8)
     model = models.model
     int8_greedy = next((r for r in runs if int8 is not None and r.models is int8), None)  # int8 greedy at batch 1
@@ -230,7 +231,7 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
         row = summary_row(run, {})
         outs = run.outputs[:done]
         scored = getattr(run.algo.decoder, "scored", None)
-        rows.append({**{k: row.get(k) for k in ROW_KEYS}, "threads": threads,
+        rows.append({**{k: row.get(k) for k in ROW_KEYS}, "threads": threads if scored is None else ct2_threads,
                      "identical": exactness.identical_rate(base, outs),
                      "differing": exactness.divergences(model, ids, base, outs, "cpu"),
                      **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {}),
@@ -325,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "holding at most N source tokens with their padding (decode.py --batch-tokens)")
     p.add_argument("--threads", type=int_list, default=[1], metavar="T,T",
                    help="thread counts, comma-separated: each one a round of every run (default 1)")
+    p.add_argument("--ct2-threads", type=int, metavar="T",
+                   help="CTranslate2's threads in every round, refdec's being each --threads count (default: the "
+                        "round's count). Where CTranslate2 is slower with more threads, its waiting workers also "
+                        "slow the refdec runs interleaved with them: T=1 keeps them out of refdec's rounds")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches per run (default 2)")
     p.add_argument("--allocator", default="keep", choices=ALLOCATORS, help=ALLOCATOR_HELP + "; for both libraries")
     p.add_argument("--iad", action="store_true", help="time refdec IAD too (GEC: drafts a copy of the input)")
@@ -350,8 +355,11 @@ def check_args(args) -> None:
         raise UsageError("--warmup must be at least 0")
     if args.max_draft != [0] and not args.iad:
         raise UsageError("--max-draft has no effect without --iad")
-    if max(args.threads) > usable_cores():
-        raise UsageError(f"--threads must be at most the {usable_cores()} cores this machine gives the run")
+    for flag, counts in (("--threads", args.threads), ("--ct2-threads", [1 if args.ct2_threads is None else args.ct2_threads])):
+        if min(counts) < 1:
+            raise UsageError(f"{flag} must be at least 1")
+        if max(counts) > usable_cores():
+            raise UsageError(f"{flag} must be at most the {usable_cores()} cores this machine gives the run")
     args.batch_sizes = sorted({1, *args.batch_sizes})
     args.threads = sorted(set(args.threads))
     check_outputs({"--report": args.report}, input_files(args.task, args.input) | checkpoint_files("--model", args.model)
@@ -388,7 +396,7 @@ def run(args) -> int:
         rows, done, steps = compare(args, models, folder, tokens, ids, threads, fast, int8)
         interrupted = done < len(ids)
         print(f"{args.task}: {sum(s is not None for s in ids[:done])} lines{' (interrupted)' if interrupted else ''}, "
-              f"{threads} thread(s), warm-up {args.warmup}")
+              f"{threads} thread(s){f' (CTranslate2 {args.ct2_threads})' if args.ct2_threads is not None else ''}, warm-up {args.warmup}")
         print(table(rows), flush=True)
         if steps:
             print("one decoder step (1 row, a cache of 30, a source of 30): "
@@ -400,7 +408,7 @@ def run(args) -> int:
         write_report(args.report, {
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
             "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "batch_tokens": args.batch_tokens,
-            "threads": args.threads, "allocator": ALLOCATOR[0],
+            "threads": args.threads, "ct2_threads": args.ct2_threads, "allocator": ALLOCATOR[0],
             "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "int8": args.int8, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
             "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
             "ctranslate2": ctranslate2.__version__, "results": results})
