@@ -18,6 +18,7 @@ from conftest import TEXTS, random_checkpoint, run_py
 
 from refdec.checkpoint import load_model
 from refdec.data import source_tensor
+from refdec.machine import usable_cores
 from refdec.decoding import decode_greedy
 
 pytestmark = pytest.mark.slow  # transformers, CTranslate2 and a command in a subprocess
@@ -77,16 +78,20 @@ def test_command_writes_report(tmp_path):
         assert gap["lines"] == 5 and gap["max"] < 1e-5, gap
     assert "logprob_gap" not in by_name["refdec-greedy b1"] and "largest difference" in out
     # again from the cache, with the fast route's runs and the int8 route's on it, one decoder step's
-    # cost per route, a token budget and IAD at two draft limits
+    # cost per route, a token budget, IAD at two draft limits, and CTranslate2 on one thread while
+    # refdec has two (making a translator sets the calling thread's OpenMP count, which torch reads)
+    threads = min(2, usable_cores())
     r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
-               str(tmp_path / "in.txt"), "--threads", "1", "--warmup", "1", "--iad", "--fast", "--int8", "--step-cost",
+               str(tmp_path / "in.txt"), "--threads", str(threads), "--warmup", "1", "--iad", "--fast", "--int8", "--step-cost",
                "--batch-tokens", "40", "--max-draft", "0,3", "--allocator", "system", "--ct2-threads", "1",
                "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
     assert r.returncode == 0, r.stderr.decode()
     rep = json.loads(report.read_text())
     assert rep["conversion"]["cached"] is True and rep["fast"] is True and rep["int8"] is True
     assert rep["allocator"] == "system" and rep["ct2_threads"] == 1
-    assert "1 thread(s) (CTranslate2 1)" in r.stdout.decode()
+    assert f"{threads} thread(s) (CTranslate2 1)" in r.stdout.decode()
+    for row in rep["results"][0]["rows"]:
+        assert row["threads"] == (1 if row["algo"].startswith("ct2") else threads), row["algo"]
     rows = {row["algo"]: row for row in rep["results"][0]["rows"]}
     assert {"refdec-greedy-fast b1", "refdec-iad-fast b1", "refdec-iad-draft3-fast b1", "ct2-greedy-int8 t40"} <= set(rows)
     assert rows["refdec-greedy-fast b1"]["tokens"] == rows["refdec-greedy b1"]["tokens"]

@@ -214,16 +214,19 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
     --step-cost one decoder step's cost per route and compute type. An int8 run's row also holds its
     identical rate against int8 greedy at batch 1 and the lines where it differs from it."""
     ctranslate2 = _ctranslate2()
-    torch.set_num_threads(threads)
     ct2_threads = threads if args.ct2_threads is None else args.ct2_threads
     ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=ct2_threads,
                                      inter_threads=1) for c in COMPUTE_TYPES}
+    # After the translators: making one sets the OpenMP thread count of the calling thread, which
+    # torch's own operations read too (CTranslate2 keeps its count in its own worker thread).
+    torch.set_num_threads(threads)
     runs = make_runs(args, models, ct2, tokens, fast, int8)
     model = models.model
     int8_greedy = next((r for r in runs if int8 is not None and r.models is int8), None)  # int8 greedy at batch 1
     done = decode_lines(runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu",
                         warmup=args.warmup, progress=True)
     finished = done == len(ids)
+    ran_threads = torch.get_num_threads()  # what refdec's runs had (threads, unless something set it since)
     ids = ids[:done]
     base = runs[0].outputs[:done]
     rows = []
@@ -231,7 +234,7 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
         row = summary_row(run, {})
         outs = run.outputs[:done]
         scored = getattr(run.algo.decoder, "scored", None)
-        rows.append({**{k: row.get(k) for k in ROW_KEYS}, "threads": threads if scored is None else ct2_threads,
+        rows.append({**{k: row.get(k) for k in ROW_KEYS}, "threads": ran_threads if scored is None else ct2_threads,
                      "identical": exactness.identical_rate(base, outs),
                      "differing": exactness.divergences(model, ids, base, outs, "cpu"),
                      **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {}),
