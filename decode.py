@@ -39,7 +39,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from refdec.algorithms import ALGORITHMS
     from refdec.data import TASKS
-    from refdec.machine import ALLOCATOR_HELP, ALLOCATORS
+    from refdec.inputs import add_machine_flags
     from refdec.plan import add_option_flags, add_route_flags
     algos = "\n".join(f"  {a.name:12s}{a.summary}" for a in ALGORITHMS.values())
     p = argparse.ArgumentParser(description=__doc__ + "\nalgorithms:\n" + algos,
@@ -86,12 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-sizes", metavar="N,N,...", help="run every algorithm (--algo and each --compare) at each "
                    "of these batch sizes, interleaved in one process: a throughput table (sent/s) with every row's "
                    "identical rate against the first (docs/benchmarks.md, 'Batched decoding')")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
-    g.add_argument("--threads", type=int, metavar="N",
-                   help="torch threads (default: torch's count, from OMP_NUM_THREADS or the cores, cut to the "
-                        "cores other processes leave idle while the models load, at least one; a note says so)")
-    g.add_argument("--allocator", default="keep", choices=ALLOCATORS, help=ALLOCATOR_HELP)
+    add_machine_flags(g)
     g.add_argument("--compare", metavar="ALGO[@CKPT][:OPTION=VALUE...],...",
                    help="also run these algorithms on the same inputs, interleaved, and report speedups and identical "
                    "rates; ALGO runs on the model --algo ALGO would use, ALGO@CKPT on another checkpoint with the same "
@@ -128,13 +123,12 @@ def run(args) -> int:
     from refdec.errors import UsageError
     from refdec.interrupt import release_sigint, stopped_by
     from refdec.loading import load_models
-    from refdec.machine import BusyCores, busy_warning, environment, fit_threads, set_allocator, usable_cores
+    from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load
     if args.task is None and not (args.model and os.path.isdir(args.model) and args.input):
         raise UsageError("--task is needed unless --model is a Hugging Face folder and --input names the text")
-    inputs.check_machine(args.device, args.threads)
-    set_allocator(args.allocator)
+    inputs.check_machine(args.device, args.threads, args.allocator)
     input_path = inputs.shown_path(args.input or DATA_DIR / (args.task or "") / "test.src.gz")
     plan.check_counts(batch_size=args.batch_size, max_len=args.max_len, limit=args.limit, warmup=args.warmup,
                       refs=args.ref, input=args.input, batch_tokens=args.batch_tokens)

@@ -14,7 +14,7 @@ import torch
 
 from . import data as data_mod
 from .errors import UsageError
-from .machine import check_device, usable_cores
+from .machine import ALLOCATOR_HELP, ALLOCATORS, check_device, set_allocator, usable_cores
 from .tokenizer import Tokenizer
 
 
@@ -93,14 +93,26 @@ def checkpoint_files(what: str, path: str | Path | None) -> dict[str, str | Path
     return {what: p, f"the tokenizer beside {what}": p.parent / "tokenizer.json"}
 
 
-def check_machine(device: str, threads: int | None) -> None:
-    """The device and the thread count this machine has, checked before any model loads."""
+def add_machine_flags(g) -> None:
+    """decode.py's --device, --dtype, --threads and --allocator (checked and set by check_machine)."""
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
+    g.add_argument("--threads", type=int, metavar="N",
+                   help="torch threads (default: torch's count, from OMP_NUM_THREADS or the cores, cut to the "
+                        "cores other processes leave idle while the models load, at least one; a note says so)")
+    g.add_argument("--allocator", default="keep", choices=ALLOCATORS, help=ALLOCATOR_HELP)
+
+
+def check_machine(device: str, threads: int | None, allocator: str = "system") -> None:
+    """The device and the thread count this machine has, checked before any model loads; the C
+    allocator set (refdec.machine.set_allocator)."""
     check_device(device)
     if threads is not None:
         if not 1 <= threads <= usable_cores():
             raise UsageError(f"--threads must be between 1 and the {usable_cores()} cores this machine gives "
                              f"the run (more threads than cores only slows decoding down)")
         torch.set_num_threads(threads)
+    set_allocator(allocator)
 
 
 def read_input(task: str, path: str | None, ref_paths: list[str], limit: int | None) -> tuple[list[str], list[list[str]]]:
