@@ -14,7 +14,7 @@ import torch
 
 from . import data as data_mod
 from .errors import UsageError
-from .machine import ALLOCATOR_HELP, ALLOCATORS, check_device, set_allocator, usable_cores
+from .machine import allocator_option, check_device, set_allocator, usable_cores
 from .tokenizer import Tokenizer
 
 
@@ -100,7 +100,7 @@ def add_machine_flags(g) -> None:
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch threads (default: torch's count, from OMP_NUM_THREADS or the cores, cut to the "
                         "cores other processes leave idle while the models load, at least one; a note says so)")
-    g.add_argument("--allocator", default="keep", choices=ALLOCATORS, help=ALLOCATOR_HELP)
+    allocator_option(g)
 
 
 def check_machine(device: str, threads: int | None, allocator: str = "system") -> None:

@@ -167,7 +167,7 @@ def device_name(device: torch.device | str) -> str:
 def environment(threads: int, device, dtype) -> dict:
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "threads": threads, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-            "allocator": ALLOCATOR[0]}
+            "allocator": allocator()}
 
 
 # -- the C allocator's handling of freed memory ----------------------------------------------------------
@@ -181,12 +181,22 @@ def environment(threads: int, device, dtype) -> dict:
 # buffers) ran 1.23x faster with it, float32 no faster (docs/int8.md, "The allocator"). What the
 # process keeps is at most its peak, which it had already reached.
 ALLOCATORS = ("keep", "system")
-ALLOCATOR_HELP = ("what the C allocator does with memory the run frees: keep = keep it for the next buffers "
-                  "(glibc; fewer page faults, the same values; docs/int8.md), system = the C library's defaults "
-                  "(default keep)")
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters (malloc.h)
 KEEP = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
-ALLOCATOR = ["system"]  # what this process's malloc does: "system" (the C library's defaults) or "keep"
+_allocator = "system"  # what this process's malloc does: "system" (the C library's defaults) or "keep"
+
+
+def allocator_option(p, applies_to: str = "") -> None:
+    """The --allocator flag of a command that times decoding (set by `set_allocator`)."""
+    p.add_argument("--allocator", default="keep", choices=ALLOCATORS,
+                   help="what the C allocator does with memory the run frees: keep = keep it for the next buffers "
+                        "(glibc; fewer page faults, the same values; docs/int8.md), system = the C library's "
+                        f"defaults (default keep){applies_to}")
+
+
+def allocator() -> str:
+    """What this process's malloc does now: "keep" or "system"."""
+    return _allocator
 
 
 def set_allocator(mode: str) -> str:
@@ -194,13 +204,14 @@ def set_allocator(mode: str) -> str:
     largest mmap threshold, no trimming); `system`: the C library's own behaviour, left as it is. For
     the whole process, from now on, and not undone by a later "system" (glibc's adaptive threshold
     cannot be restored). Returns what is in effect: "keep" needs glibc; elsewhere it is "system"."""
+    global _allocator
     if mode not in ALLOCATORS:
         raise UsageError(f"unknown allocator {mode!r}; choose one of {', '.join(ALLOCATORS)}")
-    if mode == "keep" and ALLOCATOR[0] != "keep":
+    if mode == "keep" and _allocator != "keep":
         mallopt = glibc_mallopt()
         if mallopt is not None and all(mallopt(param, value) == 1 for param, value in KEEP):
-            ALLOCATOR[0] = "keep"
-    return ALLOCATOR[0]
+            _allocator = "keep"
+    return _allocator
 
 
 def glibc_mallopt() -> Callable[[int, int], int] | None:

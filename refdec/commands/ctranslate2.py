@@ -58,7 +58,7 @@ from ..repo import repo_file
 from ..routes.kernels import is_int8, set_int8_route
 from ..inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from ..loading import Models
-from ..machine import ALLOCATOR, ALLOCATOR_HELP, ALLOCATORS, set_allocator, usable_cores
+from ..machine import allocator, allocator_option, set_allocator, usable_cores
 from ..progress import ProgressLine
 from ..report import format_table, summary_row, write_report
 from ..runner import Run, decode_lines
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "round's count). Where CTranslate2 is slower with more threads, its waiting workers also "
                         "slow the refdec runs interleaved with them: T=1 keeps them out of refdec's rounds")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches per run (default 2)")
-    p.add_argument("--allocator", default="keep", choices=ALLOCATORS, help=ALLOCATOR_HELP + "; for both libraries")
+    allocator_option(p, "; for both libraries")
     p.add_argument("--iad", action="store_true", help="time refdec IAD too (GEC: drafts a copy of the input)")
     p.add_argument("--max-draft", type=lambda text: sorted(set(int_list(text, 0))), default=[0], metavar="N,N",
                    help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source); "
@@ -358,10 +358,10 @@ def check_args(args) -> None:
         raise UsageError("--warmup must be at least 0")
     if args.max_draft != [0] and not args.iad:
         raise UsageError("--max-draft has no effect without --iad")
-    for flag, counts in (("--threads", args.threads), ("--ct2-threads", [1 if args.ct2_threads is None else args.ct2_threads])):
-        if min(counts) < 1:
-            raise UsageError(f"{flag} must be at least 1")
-        if max(counts) > usable_cores():
+    if args.ct2_threads is not None and args.ct2_threads < 1:
+        raise UsageError("--ct2-threads must be at least 1")
+    for flag, count in (("--threads", max(args.threads)), ("--ct2-threads", args.ct2_threads or 1)):
+        if count > usable_cores():
             raise UsageError(f"{flag} must be at most the {usable_cores()} cores this machine gives the run")
     args.batch_sizes = sorted({1, *args.batch_sizes})
     args.threads = sorted(set(args.threads))
@@ -411,7 +411,7 @@ def run(args) -> int:
         write_report(args.report, {
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
             "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "batch_tokens": args.batch_tokens,
-            "threads": args.threads, "ct2_threads": args.ct2_threads, "allocator": ALLOCATOR[0],
+            "threads": args.threads, "ct2_threads": args.ct2_threads, "allocator": allocator(),
             "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "int8": args.int8, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
             "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
             "ctranslate2": ctranslate2.__version__, "results": results})

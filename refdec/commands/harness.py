@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import UsageError
-from ..machine import ALLOCATOR_HELP, ALLOCATORS, check_device, set_allocator
+from ..machine import allocator_option, check_device, set_allocator
 from ..report import columns, write_report
 
 __all__ = ["columns", "command_parser", "invocation", "machine_options", "report_option", "set_up_machine",
@@ -35,7 +35,7 @@ def machine_options(p: argparse.ArgumentParser, *, device: str = "cpu", threads:
     other = "cpu" if device == "cuda" else "cuda"
     p.add_argument("--device", default=device, help=f"{device} or {other} (default {device}); {timed}")
     p.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
-    p.add_argument("--allocator", default="keep", choices=ALLOCATORS, help=ALLOCATOR_HELP)
+    allocator_option(p)
 
 
 def report_option(p: argparse.ArgumentParser) -> None:
