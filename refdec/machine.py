@@ -176,8 +176,8 @@ def environment(threads: int, device, dtype) -> dict:
 # system and hands them back on free, and gives back the free top of its heap past a trimming threshold:
 # every buffer of a decoding call (a batch's logits, a verification call's attention, a KV cache the
 # finished rows leave) is then faulted in, page by page, again at every call. `keep` sets the threshold
-# to its largest value and stops the trimming, so freed memory is reused from the heap: the same values,
-# fewer page faults. Batched IAD on the int8 route (its float64 cache and attention make the largest
+# to its largest value and stops the trimming, so freed memory stays in the heap for later buffers: the
+# same values, fewer page faults (buffers over 32 MB are still mapped fresh). Batched IAD on the int8 route (its float64 cache and attention make the largest
 # buffers) ran 1.23x faster with it, float32 no faster (docs/int8.md, "The allocator"). What the
 # process keeps is at most its peak, which it had already reached.
 ALLOCATORS = ("keep", "system")
