@@ -29,6 +29,16 @@ REPO = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test starts on one torch thread. A command run in-process sets torch's count for the whole
+    process (its --threads, or its default); left at two, every later test's OpenMP threads wait for each
+    other whenever another process holds a core, which made the suite several times slower on a shared
+    machine."""
+    torch.set_num_threads(1)
+    yield
+
+
 def tiny_model(seed: int, vocab: int = 40, *, d_model: int = 32, n_heads: int = 4, layers: tuple[int, int] = (2, 2),
                norm_first: bool = True, tie: bool = False, max_positions: int = 64, kernels: bool = True) -> Transformer:
     """A random float64 model in eval mode whose greedy outputs vary (untied, spread-out output
