@@ -7,12 +7,12 @@
 
 Any field of a preset can be overridden (see --help). Output: refdec/training's docstring.
 A run writes into runs/<preset>/ (under the current folder) unless --out-dir says otherwise; the
-shipped models in checkpoints/ are only ever read: a run goes into checkpoints/<name> only when told
-with --out-dir checkpoints/<name> --overwrite (and --resume continues such a run), never into
-checkpoints/ itself. A folder that already holds a run is refused unless --resume continues it or
---overwrite replaces it. Ctrl-C saves last.pt and exits; the same command with --resume continues
-exactly where it stopped. The paths a preset names (its starting checkpoint, vocabulary, data) are the
-repository's, whatever the current folder.
+shipped models in checkpoints/ (and the data sets in data/) are only ever read: a run goes into
+checkpoints/<name> only when told with --out-dir checkpoints/<name> --overwrite (and --resume
+continues such a run), never into checkpoints/ or data/ themselves. A folder that already holds a
+run is refused unless --resume continues it or --overwrite replaces it. Ctrl-C saves last.pt and
+exits; the same command with --resume continues exactly where it stopped. The paths a preset names
+(its starting checkpoint, vocabulary, data) are the repository's, whatever the current folder.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from pathlib import Path
 from refdec.config import PRESETS, TrainConfig
 from refdec.errors import UsageError, run_command
 from refdec.interrupt import hold_sigint, release_sigint
+from refdec.repo import check_not_shipped
 
 REPO = Path(__file__).resolve().parent
 
 HELP = {
     "task": "task to train on (data/<task>/)",
     "out_dir": "folder for tokenizer.json and checkpoints (the preset's: runs/<preset>; a folder inside the shipped "
-               "checkpoints/ only with --overwrite, checkpoints/ itself never)",
+               "checkpoints/ or data/ only with --overwrite, those folders themselves never)",
     "vocab_size": "BPE vocabulary size (joint source/target)", "d_model": "model width",
     "n_heads": "attention heads", "d_ff": "feed-forward width", "enc_layers": "encoder layers",
     "dec_layers": "decoder layers", "dropout": "dropout rate", "norm_first": "pre-norm (true) or post-norm (false)",
@@ -132,16 +133,13 @@ def check_paths(changes: dict, path_fields) -> None:
 
 
 def check_out_dir_place(out_dir: str, *, overwrite: bool, resume: bool) -> None:
-    """Where a run may write, checked before any work: not into the shipped models' checkpoints/ folder
-    itself, into a folder inside it only when told (--overwrite, or --resume of a run started so; a
-    shipped model's folder holds no last.pt to resume), and only where this user can write."""
-    out, shipped = Path(out_dir).resolve(), (REPO / "checkpoints").resolve()
-    if out == shipped:
-        raise UsageError(f"--out-dir {out_dir} is the folder of the shipped models itself: give a folder of the run's "
-                         f"own, runs/<name> (or checkpoints/<name> with --overwrite to replace a shipped model)")
-    if shipped in out.parents and not (overwrite or resume):
-        raise UsageError(f"--out-dir {out_dir} is inside checkpoints/, the shipped models' folder: train into "
-                         f"runs/<name>, or add --overwrite to write there (it replaces a model already in that folder)")
+    """Where a run may write, checked before any work: not into the shipped checkpoints/ or data/
+    folders themselves, into a folder inside one only when told (--overwrite, or --resume of a run
+    started so; a shipped model's folder holds no last.pt to resume; refdec.repo.check_not_shipped),
+    and only where this user can write."""
+    check_not_shipped("--out-dir", out_dir, ("--overwrite", overwrite or resume),
+                      instead="a folder of the run's own, runs/<name>")
+    out = Path(out_dir).resolve()
     there = next(p for p in (out, *out.parents) if p.exists())  # the folder the run would create its own in
     if not there.is_dir():
         raise UsageError(f"--out-dir {out_dir}: {there} is a file, not a folder; give a folder path")

@@ -1,5 +1,6 @@
 """What a run reads and where it writes, checked before any model loads: input files (UTF-8, gzip),
-reference files, output paths (never a file the run reads: check_outputs, which every command calls),
+reference files, output paths (never a file the run reads, nor one in the shipped checkpoints/ or
+data/: check_outputs, which every command calls),
 the device and thread count; the source ids and output budget of each
 line; and how a path is recorded in a report (as given, or relative to the repository).
 """
@@ -15,6 +16,7 @@ import torch
 from . import data as data_mod
 from .errors import UsageError
 from .machine import allocator_option, check_device, set_allocator, usable_cores
+from .repo import check_not_shipped
 from .tokenizer import Tokenizer
 
 
@@ -50,28 +52,30 @@ def same_file(a: Path, b: Path) -> bool:
 
 
 def check_outputs(outputs: dict[str, str | Path | list | None], reads: dict[str, str | Path | None], *,
-                  folders_made: bool = False) -> None:
+                  folders_made: bool = False, opt_in: tuple[str, bool] | None = None) -> None:
     """Every path a command writes, checked before any work by every command alike: none may be a
-    file the run reads, nor another output, and each must be writable (unless `folders_made`: the
-    command makes their folders).
+    file the run reads, nor another output, nor lie in the shipped checkpoints/ or data/
+    (refdec.repo.check_not_shipped; `opt_in`: the command's flag that allows it, and whether given),
+    and each must be writable (unless `folders_made`: the command makes their folders).
 
     outputs: flag -> path (or a list of paths), None when not given. reads: what -> path of everything
     the run reads, defaults included (input_files, checkpoint_files); a folder there stands for every
     file in it."""
-    written: list[tuple[str, Path]] = []
-    for flag, paths in outputs.items():
-        for path in [paths] if isinstance(paths, (str, Path)) else paths or []:
-            p = Path(path)
-            for what, read in ((w, Path(r)) for w, r in reads.items() if r and str(r) != "-"):
-                if same_file(p, read) or (read.is_dir() and p.exists() and p.resolve().is_relative_to(read.resolve())):
-                    raise UsageError(f"{flag} {path} {'lies in' if read.is_dir() else 'is also'} {what}, which this "
-                                     f"run reads: it would be overwritten; give another path")
-            for other_flag, other in written:
-                if same_file(p, other):
-                    raise UsageError(f"{flag} {path} is also the {other_flag} path: give each output its own")
-            if not folders_made:
-                check_writable(p, flag)
-            written.append((flag, p))
+    written = [(flag, path) for flag, paths in outputs.items()
+               for path in ([paths] if isinstance(paths, (str, Path)) else paths or [])]
+    for i, (flag, path) in enumerate(written):
+        p = Path(path)
+        for what, read in ((w, Path(r)) for w, r in reads.items() if r and str(r) != "-"):
+            if same_file(p, read) or (read.is_dir() and p.exists() and p.resolve().is_relative_to(read.resolve())):
+                raise UsageError(f"{flag} {path} {'lies in' if read.is_dir() else 'is also'} {what}, which this "
+                                 f"run reads: it would be overwritten; give another path")
+        for other_flag, other in written[:i]:
+            if same_file(p, Path(other)):
+                raise UsageError(f"{flag} {path} is also the {other_flag} path: give each output its own")
+    for flag, path in written:  # then where they go (a file the run reads, named above, is the worse mistake)
+        check_not_shipped(flag, path, opt_in)
+        if not folders_made:
+            check_writable(path, flag)
 
 
 def input_files(task: str | None, path: str | None, ref_paths: list[str] | None = None) -> dict[str, str | Path]:

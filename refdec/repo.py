@@ -1,5 +1,6 @@
-"""Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/, and
-repo_file, a default that a command reads from it."""
+"""Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/;
+repo_file, a default that a command reads from it; and check_not_shipped, the rule that keeps every
+command's output out of the shipped checkpoints/ and data/."""
 
 from __future__ import annotations
 
@@ -21,3 +22,25 @@ def repo_file(*parts: str, flag: str | None = None) -> Path:
                          f"({Path(__file__).parent}) is installed without it: {instead}run the command from a clone "
                          f"of the repository installed with pip install -e .")
     return REPO.joinpath(*parts)
+
+
+# The folders the repository ships, which commands read and never write unless told to (data/build.py,
+# which rebuilds data/, is the one script that writes there by design).
+SHIPPED = {"checkpoints": "the shipped models", "data": "the shipped data sets"}
+
+
+def check_not_shipped(flag: str, path: str | Path, opt_in: tuple[str, bool] | None = None,
+                      instead: str = "another path") -> None:
+    """Refuse an output path that is, or lies in, the repository's checkpoints/ or data/, however it is
+    spelled (relative to the current folder, with `..`, through a symbolic link). A path inside one
+    passes only where the command has an opt-in flag and it was given (`opt_in`: its name, and whether
+    given: --overwrite of train.py, refdec.distill and refdec.train_drafters); the folder itself never.
+    `instead`: what the message suggests in its place."""
+    p = Path(path).resolve()
+    for name, what in SHIPPED.items():
+        folder = (REPO / name).resolve()
+        if p == folder:
+            raise UsageError(f"{flag} {path} is the folder of {what} itself ({name}/): give {instead}")
+        if folder in p.parents and not (opt_in and opt_in[1]):
+            told = f", or add {opt_in[0]} to write there (replacing what is there)" if opt_in else ""
+            raise UsageError(f"{flag} {path} is inside {name}/, the folder of {what}: give {instead}{told}")

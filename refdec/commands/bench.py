@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"sections to run, by name, separated by commas "
                    f"(default all: {', '.join(SECTIONS)})")
     p.add_argument("--out", metavar="DIR", default=str(REPO / "reports"), help="folder of the JSON reports "
-                   "(default: the repository's reports/; created if its parent exists)")
+                   "(default: the repository's reports/; created if its parent exists; not in checkpoints/ or data/)")
     p.add_argument("--files", action="store_true", help="print the repository files the chosen sections read, one "
                    "per line, and their total size on stderr (checked against 62 MiB); run nothing")
     return p
@@ -318,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
         return list_files(sections)
     if (args.limit is not None and args.limit < 1) or args.threads < 1:
         raise UsageError("--limit and --threads must be at least 1")
+    inputs.check_outputs({"--out": args.out}, {}, folders_made=True)
     device = set_up_machine(args)
     missing = [p.as_posix() for p in files(sections) if not (REPO / p).is_file()]
     if missing:

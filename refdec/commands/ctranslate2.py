@@ -54,7 +54,7 @@ from ..decoding.result import DecodeResult, DecodeStats, result_of
 from ..errors import UsageError, run_command
 from ..routes.fast import is_fast, set_fast_route
 from ..hf import PEGASUS, check_export, export_route, write_folder
-from ..repo import repo_file
+from ..repo import check_not_shipped, repo_file
 from ..routes.kernels import is_int8, set_int8_route
 from ..inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from ..loading import Models
@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-cost", action="store_true", help="also time one decoder step on each refdec route and "
                    "each CTranslate2 compute type (1 row, a cache of 30 tokens, a source of 30)")
     p.add_argument("--cache-dir", default=str(default_cache_dir()),
-                   help="where converted models are kept, one folder per checkpoint (default %(default)s)")
+                   help="where converted models are kept, one folder per checkpoint, outside the repository's "
+                        "checkpoints/ and data/ (default %(default)s)")
     report_option(p)
     return p
 
@@ -367,6 +368,7 @@ def check_args(args) -> None:
     args.threads = sorted(set(args.threads))
     check_outputs({"--report": args.report}, input_files(args.task, args.input) | checkpoint_files("--model", args.model)
                   | {"the converted models' folder (--cache-dir)": args.cache_dir})
+    check_not_shipped("--cache-dir", args.cache_dir)
 
 
 def run(args) -> int:

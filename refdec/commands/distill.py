@@ -1,11 +1,11 @@
 """Sequence-level knowledge distillation (Kim and Rush 2016): a teacher decodes the training sources
 and its outputs become the training targets.
 
-    python -m refdec.distill --task mt-en-de --out data/distilled/mt-en-de-beam5       # beam 5
-    python -m refdec.distill --task mt-en-de --algo greedy --out data/distilled/mt-en-de-greedy
+    python -m refdec.distill --task mt-en-de --out data/distilled/mt-en-de-beam5 --overwrite   # beam 5
+    python -m refdec.distill --task mt-en-de --algo greedy --out data/distilled/mt-en-de-greedy --overwrite
     python train.py --preset mt-en-de --data-dir data/distilled/mt-en-de-beam5 ...    # train on it
     python -m refdec.distill --task mt-en-de --algo greedy --sources data/mono-en/train.src.gz \
-        --add data/distilled/mt-en-de-greedy --out data/distilled/mt-en-de-mono    # monolingual text
+        --add data/distilled/mt-en-de-greedy --out data/distilled/mt-en-de-mono --overwrite   # monolingual text
 
 The output is a data folder in the layout of data/ (<out>/<task>/train.{src,tgt,doc}.gz, the teacher's
 outputs as train.tgt.gz; dev and test copied unchanged, so validation stays on real references)
@@ -19,6 +19,11 @@ document ids are read from the FILE's .doc.gz sibling when there is one) instead
 training sources, and --add DIR puts the training pairs of a folder distilled by the same teacher
 with the same decoding first (checked against its distill.json), so that monolingual sources add
 to the distilled translation pairs without decoding those again.
+
+The repository's data/ and checkpoints/ are shipped and only read unless told: an --out inside one
+(data/distilled/<name>, where the presets look for distilled folders) needs --overwrite, which lets
+the run write there and replace a folder of that name; data/ and checkpoints/ themselves are always
+refused (refdec.repo.check_not_shipped). Elsewhere (runs/distilled/<name>) no flag is needed.
 
 Sources are decoded in batches of similar length (batched beam search or greedy) and written back
 in corpus order. The batches are fixed by the sources alone, so a run that is stopped and rerun
@@ -92,15 +97,17 @@ def doc_sibling(path: Path) -> Path | None:
 
 
 def check_paths(task: str, model_path: Path, folder: Path, data_dir: Path, sources: Path | None,
-                add: Path | None) -> None:
-    """None of the files distill writes into `folder` is one it reads (refdec.inputs.check_outputs)."""
+                add: Path | None, overwrite: bool = False) -> None:
+    """None of the files distill writes into `folder` is one it reads, and `folder` is in the shipped
+    data/ or checkpoints/ only with --overwrite (refdec.inputs.check_outputs)."""
     copied = sorted(f.name for split in ("dev", "test") for f in (data_dir / task).glob(f"{split}.*.gz"))
     reads = checkpoint_files("the teacher (--model)", model_path) | {
         f"the data folder of {task} ({shown_path(data_dir / task)})": data_dir / task,
         "--sources": sources, "the document ids beside --sources": sources and doc_sibling(sources),
         f"the training data of --add ({add and add / task})": add and add / task}
     written = ["train.src.gz", "train.tgt.gz", "train.doc.gz", "distill.json", *copied]
-    check_outputs({"--out": [folder / name for name in written]}, reads, folders_made=True)
+    check_outputs({"--out": [folder.parent, *(folder / name for name in written)]}, reads, folders_made=True,
+                  opt_in=("--overwrite", overwrite))
 
 
 def partial_name(rank: int, world: int) -> str:
@@ -152,15 +159,16 @@ def added_pairs(add: Path, task: str, options: dict) -> data_mod.Split:
 
 def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_size: int = 5,
             batch_size: int = 64, limit: int = 0, save_every: int = 20, data_dir: Path | None = None,
-            sources: Path | None = None, add: Path | None = None, device: str = "cpu", log=print,
-            rank: int = 0, world: int = 1, barrier=lambda: None) -> dict:
+            sources: Path | None = None, add: Path | None = None, overwrite: bool = False, device: str = "cpu",
+            log=print, rank: int = 0, world: int = 1, barrier=lambda: None) -> dict:
     """Decode the task's training sources (or the sentences of `sources`) with the teacher and write
     the training folder <out>/<task>/ (see the module docstring); returns what distill.json holds.
     Process `rank` of `world` (torchrun) decodes every world-th batch; `barrier` waits for all of
-    them; rank 0 writes the folder (the others return their options and the batches they decoded)."""
+    them; rank 0 writes the folder (the others return their options and the batches they decoded).
+    `overwrite`: `out` may lie in the repository's data/ or checkpoints/ (refdec.repo.check_not_shipped)."""
     data_dir = Path(data_dir or data_mod.DATA_DIR)
     folder = out / task
-    check_paths(task, model_path, folder, data_dir, sources and Path(sources), add and Path(add))
+    check_paths(task, model_path, folder, data_dir, sources and Path(sources), add and Path(add), overwrite)
     model, tok, _ = load_model(model_path, task=task, device=device)
     if sources is None:
         train = data_mod.load_split(task, "train", data_dir)
@@ -252,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     p = command_parser(__doc__, "distill")
     p.add_argument("--task", required=True, choices=sorted(data_mod.TASKS))
     p.add_argument("--model", help="teacher checkpoint (default: checkpoints/<task>/model.pt)")
-    p.add_argument("--out", required=True, help="output data folder (the task's files go to <out>/<task>/)")
+    p.add_argument("--out", required=True, help="output data folder (the task's files go to <out>/<task>/); one "
+                                             "inside the repository's data/ or checkpoints/ only with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="let --out lie inside the repository's data/ or "
+                                                            "checkpoints/ (data/distilled/<name>), replacing its files")
     p.add_argument("--algo", default="beam", choices=["beam", "greedy"], help="teacher decoding (default beam)")
     p.add_argument("--beam-size", type=int, default=5, help="beams (default 5)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch (default 64)")
@@ -294,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
                      batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,
                      data_dir=Path(args.data_dir) if args.data_dir else None,
                      sources=Path(args.sources) if args.sources else None,
-                     add=Path(args.add) if args.add else None, device=device,
+                     add=Path(args.add) if args.add else None, overwrite=args.overwrite, device=device,
                      log=lambda m: print(m, file=sys.stderr, flush=True), rank=rank, world=world, barrier=barrier)
     if rank == 0:
         print(json.dumps(report, indent=2))

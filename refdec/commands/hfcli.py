@@ -17,8 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m refdec.hf", description="Hugging Face transformers folders: export a refdec checkpoint, audit transformers' decoders")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a transformers folder for a refdec checkpoint (and check it)")
-    e.add_argument("ckpt", help="a refdec model.pt")
-    e.add_argument("out_dir", help="the folder to write (created)")
+    e.add_argument("ckpt", metavar="CKPT", help="a refdec model.pt")
+    e.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (created; outside the repository's "
+                   "checkpoints/ and data/)")
     e.add_argument("--without-heads", action="store_true", help="a checkpoint with blockwise proposal heads: export "
                    "the model alone (transformers has no place for the heads; without this flag such a checkpoint "
                    "is refused)")
@@ -55,6 +56,7 @@ def _run(args: argparse.Namespace) -> int:
             raise HFError(f"{args.out_dir} is a file: give the folder to write (a new or empty one)")
         if Path(args.out_dir).exists() and any(Path(args.out_dir).iterdir()):
             raise HFError(f"{args.out_dir} exists and is not empty")
+        check_outputs({"OUT_DIR": args.out_dir}, checkpoint_files("CKPT", args.ckpt), folders_made=True)
         result = export(args.ckpt, args.out_dir, without_heads=args.without_heads)
         print(f"wrote {result['folder']} ({result['architecture']}); transformers' float64 logits within "
               f"{result['max_logit_difference']:.2g} of refdec's, the same greedy output"

@@ -26,7 +26,7 @@ import torch
 from ..routes import int8
 from ..checkpoint import load_model
 from ..errors import run_command
-from ..inputs import check_writable, shown_path
+from ..inputs import check_outputs, checkpoint_files, shown_path
 from .harness import columns, report_option, write_report
 
 
@@ -115,8 +115,7 @@ def run(args) -> int:
         raise UsageError(f"--rows takes whole numbers separated by commas, not {args.rows!r}") from None
     if rows[0] < 1 or args.rounds < 1 or args.reps < 1 or args.threads < 1:
         raise UsageError("--rows, --rounds, --reps and --threads must be at least 1")
-    if args.report:
-        check_writable(args.report, "--report", not_paths={})
+    check_outputs({"--report": args.report}, checkpoint_files("--model", args.model))
     torch.set_num_threads(args.threads)
     model, _, _ = load_model(args.model, task=args.task)
     results = measure(model, rows, args.rounds, args.reps)

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 from ..config import COMPILE_MODES
+from ..errors import run_command
+from ..inputs import check_outputs
 from ..repo import REPO
 
 # (name, preset, the options a GPU run changes, minutes of training). The minutes leave room in 8 for
@@ -64,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m refdec.train_drafters", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", action="store_true", help="print the files a run needs, one a line, and exit")
-    p.add_argument("--out-dir", default="runs/drafters", help="one folder per job under it (default: %(default)s)")
+    p.add_argument("--out-dir", default="runs/drafters", help="one folder per job under it (default: %(default)s; "
+                   "inside the repository's checkpoints/ or data/ only with --overwrite, as train.py)")
     p.add_argument("--only", choices=[name for name, *_ in JOBS], action="append",
                    help="run only this job (repeatable; default: all)")
-    p.add_argument("--overwrite", action="store_true", help="replace runs already in --out-dir")
+    p.add_argument("--overwrite", action="store_true", help="replace runs already in --out-dir (and let it lie in "
+                   "checkpoints/ or data/)")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                    help="train.py --compile for every job: auto (on a GPU, off on a CPU), on or off (default: %(default)s)")
     p.add_argument("--max-steps", type=int, help="smoke runs: stop each job after this many updates")
@@ -87,7 +91,10 @@ def job_command(args, name: str, preset: str, options: list[str], minutes: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(lambda: run(build_parser().parse_args(argv)))
+
+
+def run(args: argparse.Namespace) -> int:
     if args.files:
         missing = [f for f in needed_files() if not (REPO / f).is_file()]
         if missing:
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("\n".join(needed_files()))
         return 0
+    check_outputs({"--out-dir": args.out_dir}, {}, folders_made=True, opt_in=("--overwrite", args.overwrite))
     summary, t0 = {}, time.time()
     for name, preset, options, minutes in JOBS:
         if args.only and name not in args.only:
