@@ -123,7 +123,7 @@ def run(args) -> int:
     from refdec.errors import UsageError
     from refdec.interrupt import release_sigint, stopped_by
     from refdec.loading import load_models
-    from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores
+    from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores, warn_if_int8_slow
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load
     if args.task is None and not (args.model and os.path.isdir(args.model) and args.input):
@@ -148,6 +148,8 @@ def run(args) -> int:
     loader, models = load_models(specs, shared, task=args.task, device=args.device, dtype=dtype,
                                  invariant=args.invariant, fast=args.fast,
                                  graphed=args.graphed, languages=(args.src_lang, args.tgt_lang))
+    if any(s.int8 for s in specs):  # once, however many runs are on the int8 route
+        warn_if_int8_slow(args.device, "decode with --fast, without --int8 and :int8")
     if args.graphed and not str(args.device).startswith("cuda") and not args.quiet:
         print("note: --graphed captures CUDA graphs on a GPU alone; on this device its static-shape steps run as they "
               "are (docs/graphed.md)", file=sys.stderr, flush=True)

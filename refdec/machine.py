@@ -1,10 +1,11 @@
-"""What this machine gives a run: cores, free memory, and how busy other processes keep it.
+"""What this machine gives a run: cores, free memory, how busy other processes keep it, and which CPU it is.
 
 A timing taken while other processes hold the cores a run's threads need is not a measurement of the
 algorithm: a thread that waits for a busy core can make decoding many times slower. BusyCores measures
 the other processes' share from /proc/stat over a window long enough to see it, so that decode.py can
 say so before decoding and again in its table, and so that a run given no thread count uses only the
-cores the others leave idle.
+cores the others leave idle. Every timing report records the CPU (`environment`), and a run on the int8
+route is warned where the CPU has no fast int8 products (`warn_if_int8_slow`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -164,10 +166,97 @@ def device_name(device: torch.device | str) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def environment(threads: int, device, dtype) -> dict:
-    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "threads": threads, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-            "allocator": allocator()}
+def environment(threads, device, dtype) -> dict:
+    """What every timing report records of the machine it ran on: the CPU by name, the vector instructions
+    torch's kernels use there (its CPU capability) and the CPU's flags that decide which kernels run,
+    whether int8 products are fast on it, torch's version, the thread count (a list where a command
+    times several), the device and dtype, and the allocator."""
+    return {"cpu": cpu_model(), "cpu_capability": cpu_capability(), "cpu_flags": reported_flags(),
+            "cpu_int8_products": "fast" if int8_products_fast() else "slow", "torch": torch.__version__,
+            "python": platform.python_version(), "machine": platform.machine(), "threads": threads,
+            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "allocator": allocator()}
+
+
+def machine_line(threads) -> str:
+    """The machine in one line, for a command's printed header: "AMD EPYC, torch 2.13.0+cpu, CPU capability
+    AVX512 (avx512_vnni), 1 thread(s)"."""
+    dot = ", ".join(f for f in reported_flags() or () if f in INT8_DOT_FLAGS)
+    return (f"{cpu_model()}, torch {torch.__version__}, CPU capability {cpu_capability()}"
+            + (f" ({dot})" if dot else "") + f", {threads} thread(s)")
+
+
+# -- the CPU, and where int8 products pay ----------------------------------------------------------------
+# torch._int_mm on a CPU is oneDNN's gemm_s8s8s32. oneDNN runs it with its own int8 kernel straight away
+# only where the CPU has AVX-512 (avx512f, avx512bw, avx512vl, avx512dq: oneDNN's "avx512_core", the set
+# torch reports as the AVX512 capability); VNNI (one instruction per 4 products) and AMX make that kernel
+# faster still. On an AMD EPYC reporting AVX2 a (17, 256) x (256, 1024) int8 product took about 14.5 ms
+# against 32 us in float32, and IAD on the int8 route ran 7-8x slower than in float32 (docs/int8.md,
+# "Which CPUs it pays on"). torch's capability alone is not enough where ATEN_CPU_CAPABILITY holds torch's
+# own kernels below what the CPU has: oneDNN still uses AVX-512 then, so the CPU's flags decide.
+AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+REPORTED_FLAGS = ("avx2", "fma", *AVX512_CORE, *INT8_DOT_FLAGS, "avx512_bf16", "amx_bf16")
+
+
+def cpu_capability() -> str:
+    """The vector instructions torch's CPU kernels use here, as torch names them: "AVX2", "AVX512", "DEFAULT"
+    (no AVX2, or not x86), "SVE256", ..."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "flags", ...); empty where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    first = text.split("\n\n")[0]  # processors are separated by blank lines
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+
+
+def cpu_model() -> str:
+    """The CPU's name: /proc/cpuinfo's model name (a virtual machine may show less than the part's full name),
+    else what the platform says, else the architecture."""
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags (/proc/cpuinfo), or None where the system does not list them."""
+    flags = cpuinfo().get("flags")
+    return frozenset(flags.split()) if flags is not None else None
+
+
+def reported_flags() -> list[str] | None:
+    """Which of the flags that choose torch's and oneDNN's kernels (REPORTED_FLAGS) the CPU has; None where
+    it does not say."""
+    flags = cpu_flags()
+    return None if flags is None else [f for f in REPORTED_FLAGS if f in flags]
+
+
+def int8_products_fast() -> bool:
+    """Whether torch._int_mm has its fast kernel on this CPU: torch reports AVX512, or the CPU's flags show
+    AVX-512 where torch's own kernels are held below it."""
+    flags = cpu_flags()
+    return cpu_capability() == "AVX512" or (flags is not None and set(AVX512_CORE) <= flags)
+
+
+def int8_warning(device, instead: str) -> str | None:
+    """The warning for a run on the int8 route on `device` where int8 products are slow (a CPU without
+    AVX-512), ending with `instead`, what to run instead; None on a GPU or where they are fast."""
+    if torch.device(device).type != "cpu" or int8_products_fast():
+        return None
+    return (f"torch's int8 products are slow on this CPU ({cpu_model()}, CPU capability {cpu_capability()}; their "
+            f"fast kernel needs AVX-512): the int8 route will be several times slower than float32 here "
+            f"(docs/int8.md); {instead}")
+
+
+def warn_if_int8_slow(device, instead: str) -> str | None:
+    """Prints int8_warning on stderr where there is one (a command calls this once, where it chooses the
+    int8 route), and returns it."""
+    warning = int8_warning(device, instead)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return warning
 
 
 # -- the C allocator's handling of freed memory ----------------------------------------------------------

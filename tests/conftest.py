@@ -311,6 +311,18 @@ def random_checkpoint(path: Path, seed: int = 0, eos_bias: float = 0.0) -> Path:
     return path / "model.pt"
 
 
+def fake_cpu(monkeypatch, capability: str, flags: set[str] | None) -> None:
+    """Makes refdec.machine see a CPU that torch reports as `capability`, with `flags` in /proc/cpuinfo
+    (None: a system that lists none)."""
+    from refdec import machine
+    monkeypatch.setattr(machine, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: None if flags is None else frozenset(flags))
+
+
+ZEN3_FLAGS = {"sse4_2", "avx", "avx2", "fma"}  # an AMD EPYC that torch reports as AVX2: no AVX-512, no VNNI
+AVX512_FLAGS = ZEN3_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+
+
 def one_line_error(r) -> str:
     err = r.stderr.decode().strip()
     assert r.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err

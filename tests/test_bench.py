@@ -168,6 +168,7 @@ def test_bench_runs_on_the_cpu_from_a_copy_of_its_files(tmp_path):
         assert str(copy) not in text and str(REPO) not in text, path.name
     batch1 = json.loads((reports / "cpu-gec-uk.json").read_text())
     assert batch1["sentences"] == 3 and set(batch1["routes"]) == {"reference", "fast", "graphed"}
+    assert batch1["environment"]["cpu"] and batch1["environment"]["cpu_capability"]  # the machine it ran on
     iad = next(row for row in batch1["routes"]["graphed"] if row["run"] == "iad")
     assert iad["identical_to_greedy"] == 1.0 and iad["speed_vs_beam"] > 0
     assert set(batch1["greedy_against_reference"]) == {"fast", "graphed"}

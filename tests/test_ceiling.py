@@ -55,6 +55,7 @@ def test_ceiling_command_reports_every_run(trained_tiny, tmp_path, capsys):
     assert [row["run"] for row in r["rows"]] == ["greedy", "k=2 accept=1 free drafts", "k=2 accept=0 free drafts",
                                                  "k=4 accept=1 free drafts", "k=4 accept=0 free drafts"]
     assert r["sentences"] == 3 and r["drafter"] is None
+    assert r["environment"]["threads"] == 1 and r["environment"]["cpu"] and r["environment"]["cpu_capability"]
     rows = {row["run"]: row for row in r["rows"]}
     assert rows["greedy"]["tokens_per_call"] == 1.0 and rows["k=2 accept=0 free drafts"]["tokens_per_call"] == 1.0
     assert all(row["seconds"] > 0 and 0.0 <= row["identical"] <= 1.0 for row in r["rows"])

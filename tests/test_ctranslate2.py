@@ -13,12 +13,13 @@ import builtins
 import json
 
 import pytest
+import torch
 
 from conftest import TEXTS, random_checkpoint, run_py
 
 from refdec.checkpoint import load_model
 from refdec.data import source_tensor
-from refdec.machine import usable_cores
+from refdec.machine import int8_products_fast, usable_cores
 from refdec.decoding import decode_greedy
 
 pytestmark = pytest.mark.slow  # transformers, CTranslate2 and a command in a subprocess
@@ -62,7 +63,9 @@ def test_command_writes_report(tmp_path):
     rep = json.loads(report.read_text())
     assert rep["model"] == str(ckpt) and rep["batch_sizes"] == [1, 2] and rep["threads"] == [1]
     assert rep["conversion"]["cached"] is False and rep["interrupted"] is False
-    assert rep["allocator"] in ("keep", "system")  # keep (the default) where glibc allows it
+    assert rep["environment"]["allocator"] in ("keep", "system")  # keep (the default) where glibc allows it
+    assert rep["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert rep["environment"]["threads"] == [1] and "CPU capability" in out
     rows = rep["results"][0]["rows"]
     names = [row["algo"] for row in rows]
     assert names == [f"{m} b{b}" for b in (1, 2) for m in ("refdec-greedy", "refdec-iad", "ct2-greedy-float32",
@@ -88,7 +91,8 @@ def test_command_writes_report(tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     rep = json.loads(report.read_text())
     assert rep["conversion"]["cached"] is True and rep["fast"] is True and rep["int8"] is True
-    assert rep["allocator"] == "system" and rep["ct2_threads"] == 1
+    assert rep["environment"]["allocator"] == "system" and rep["ct2_threads"] == 1
+    assert ("int8 products are slow on this CPU" in r.stderr.decode()) == (not int8_products_fast())  # --int8
     assert f"{threads} thread(s) (CTranslate2 1)" in r.stdout.decode()
     for row in rep["results"][0]["rows"]:
         assert row["threads"] == (1 if row["algo"].startswith("ct2") else threads), row["algo"]

@@ -238,6 +238,7 @@ def test_audit_reports_every_method(tmp_path, capsys):
     rows = {r["method"]: r for r in report["methods"]}
     assert list(rows) == ["refdec-greedy", "refdec-speculative", "hf-greedy", "hf-assisted", "hf-prompt-lookup"]
     assert report["lines"] == 2 and rows["refdec-greedy"]["identical"] == rows["refdec-speculative"]["identical"] == 1
+    assert report["environment"]["threads"] == 1 and report["environment"]["cpu_capability"]  # the machine timed
     for r in rows.values():
         assert r["seconds"] > 0 and r["tokens"] >= 2 and not r["errors"]
         assert len(r["differing"]) == round(2 * (1 - r["identical"]))

@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
-from conftest import (TEXTS, adversarial_drafter, assert_rows_equal, batch1_greedy, check_batched_iad, copy_model,
-                      ragged_src, random_checkpoint, random_heads, random_src, tiny_model)
+from conftest import (AVX512_FLAGS, TEXTS, ZEN3_FLAGS, adversarial_drafter, assert_rows_equal, batch1_greedy,
+                      check_batched_iad, copy_model, error_of, fake_cpu, ragged_src, random_checkpoint, random_heads,
+                      random_src, tiny_model)
 from refdec.routes import int8
 from refdec.config import BOS_ID, EOS_ID
 from refdec.decoding import decode_greedy, decode_iad
@@ -259,6 +260,53 @@ def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, caps
     assert decode.main(["--algo", "iad", "--compare", "greedy", "--int8", *common]) == 0
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["int8"] is True and rep["lossless_checks"][0]["identical"] == 1.0
+
+
+SLOW_INT8 = "warning: torch's int8 products are slow on this CPU"
+
+
+@pytest.mark.parametrize("cpu, warned", [(("AVX2", ZEN3_FLAGS), True), (("AVX512", AVX512_FLAGS), False)])
+def test_decode_warns_once_where_int8_is_slower_than_float32(cpu, warned, tmp_path, capsys, monkeypatch):
+    """Guards against the int8 route running several times slower than float32 without a word: on a CPU
+    without fast int8 products (torch reports AVX2, no AVX-512), --int8 and --compare ...:int8 print one
+    warning line on stderr naming the capability and what to run instead, however many runs are on the
+    route; a run without int8 is not warned, nor a CPU with AVX-512; the report records the CPU; a
+    refused command still prints one line."""
+    import decode
+    fake_cpu(monkeypatch, *cpu)
+    ckpt = random_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS[:2]) + "\n", encoding="utf-8")
+    common = ["--task", "mt-en-de", "--model", str(ckpt), "--input", str(tmp_path / "in.txt"), "--max-len", "6",
+              "--warmup", "0", "--quiet", "--output", str(tmp_path / "out.txt"), "--report", str(tmp_path / "r.json")]
+    for route in (["--int8"], ["--compare", "greedy:int8,iad:int8"], ["--fast"]):
+        capsys.readouterr()
+        assert decode.main(["--algo", "iad", *route, *common]) == 0
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith(SLOW_INT8)]
+        assert len(lines) == (1 if warned and route != ["--fast"] else 0), (route, err)
+        if lines:
+            assert f"CPU capability {cpu[0]}" in lines[0] and "slower than float32" in lines[0]
+            assert lines[0].endswith("decode with --fast, without --int8 and :int8")
+        env = json.loads((tmp_path / "r.json").read_text())["environment"]
+        assert env["cpu_capability"] == cpu[0] and env["cpu_int8_products"] == ("slow" if warned else "fast")
+    # a usage error is still one line: the warning comes once every check has passed
+    assert "graphed route has no int8 form" in error_of(decode.main, ["--algo", "iad", "--int8", "--graphed", *common],
+                                                        capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("cpu, warned", [(("AVX2", ZEN3_FLAGS), True), (("AVX512", AVX512_FLAGS), False)])
+def test_int8bench_warns_where_int8_is_slow_and_reports_the_machine(cpu, warned, tmp_path, capsys, monkeypatch):
+    """python -m refdec.int8bench: the warning where int8 products are slow, the machine in its printed
+    header and in its report."""
+    from refdec.commands.int8bench import main
+    fake_cpu(monkeypatch, *cpu)
+    ckpt = random_checkpoint(tmp_path / "ckpt")
+    assert main(["--task", "mt-en-de", "--model", str(ckpt), "--rows", "1,2", "--rounds", "1", "--reps", "1",
+                 "--report", str(tmp_path / "r.json")]) == 0
+    out, err = capsys.readouterr()
+    assert err.count(SLOW_INT8) == warned and f"CPU capability {cpu[0]}" in out and "1 thread(s)" in out
+    env = json.loads((tmp_path / "r.json").read_text())["environment"]
+    assert (env["cpu_capability"], env["threads"], env["torch"]) == (cpu[0], 1, torch.__version__)
 
 
 def test_int8bench_finds_the_routes_product_row_invariant():

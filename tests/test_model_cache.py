@@ -225,6 +225,7 @@ def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
     assert r["calls"][0]["ratio"] == 1.0 and r["calls"][0]["plain_ratio"] == 1.0
     assert set(r["projection_ms"]) == {"strided W.t()", "contiguous copy"}
     assert r["rows"] == 1 and r["encoder_ms"] > 0
+    assert r["environment"]["threads"] == 1 and r["environment"]["cpu"] and r["environment"]["cpu_capability"]
     assert all(c["ms_per_position"] == pytest.approx(c["ms"] / c["q"]) for c in r["calls"])
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, fake_models, run_py
+from conftest import AVX512_FLAGS, REPO, ZEN3_FLAGS, fake_cpu, fake_models, run_py
 
 
 class BusyMachine:
@@ -90,6 +90,55 @@ def test_the_allocator_keeps_freed_memory_where_glibc_allows_it():
     expected = "system" if machine.glibc_mallopt() is None else "keep"
     assert machine.set_allocator("keep") == expected == machine.environment(1, "cpu", torch.float32)["allocator"]
     assert machine.set_allocator("system") == expected  # glibc's adaptive threshold cannot come back
+
+
+@pytest.mark.parametrize("capability, flags, fast", [
+    ("AVX512", AVX512_FLAGS, True), ("AVX512", None, True),  # torch's capability alone says it
+    ("AVX2", ZEN3_FLAGS, False), ("DEFAULT", None, False), ("DEFAULT", {"asimd"}, False),  # no AVX-512: slow
+    ("AVX2", AVX512_FLAGS, True),  # torch held to AVX2 (ATEN_CPU_CAPABILITY); oneDNN still uses AVX-512
+])
+def test_int8_products_are_fast_where_the_cpu_has_avx512(capability, flags, fast, monkeypatch):
+    """Guards against the int8 route being offered as the fast one on a CPU where torch._int_mm is many
+    times slower than a float32 product: the rule reads torch's capability, and the CPU's flags where
+    torch's own kernels are held below what the CPU has; only a run on the CPU is warned."""
+    from refdec import machine
+    fake_cpu(monkeypatch, capability, flags)
+    assert machine.int8_products_fast() is fast
+    warning = machine.int8_warning("cpu", "decode with --fast")
+    if fast:
+        assert warning is None
+    else:
+        assert f"CPU capability {capability}" in warning and "slower than float32" in warning
+        assert warning.endswith("; decode with --fast") and "\n" not in warning
+    assert machine.int8_warning("cuda", "decode with --fast") is None
+    env = machine.environment(1, "cpu", torch.float32)
+    assert env["cpu_capability"] == capability and env["cpu_int8_products"] == ("fast" if fast else "slow")
+    assert env["cpu_flags"] == (None if flags is None else [f for f in machine.REPORTED_FLAGS if f in flags])
+
+
+def test_the_machine_fields_name_the_cpu_torch_and_threads():
+    """Guards against a timing report that cannot say which machine it came from: the CPU by name, torch's
+    CPU capability and version, the thread count, in the JSON fields and the printed line."""
+    from refdec import machine
+    env = machine.environment(3, "cpu", torch.float32)
+    assert env["cpu"] == machine.cpu_model() and env["cpu"]
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert (env["torch"], env["threads"]) == (torch.__version__, 3)
+    line = machine.machine_line(3)
+    assert line.startswith(f"{env['cpu']}, torch {torch.__version__}, CPU capability {env['cpu_capability']}")
+    assert line.endswith(", 3 thread(s)")
+
+
+def test_cpuinfo_reads_the_first_processor(tmp_path, monkeypatch):
+    from refdec import machine
+    text = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma\n\nprocessor\t: 1\nmodel name\t: other\n"
+    real_path = machine.Path
+    monkeypatch.setattr(machine, "Path", lambda p: tmp_path / "cpuinfo" if p == "/proc/cpuinfo" else real_path(p))
+    (tmp_path / "cpuinfo").write_text(text)
+    assert machine.cpu_model() == "AMD EPYC 7B13" and machine.cpu_flags() == {"fpu", "avx2", "fma"}
+    assert machine.reported_flags() == ["avx2", "fma"]
+    (tmp_path / "cpuinfo").unlink()  # no /proc/cpuinfo: the platform's name, no flags
+    assert machine.cpu_flags() is None and machine.cpu_model()
 
 
 def fake_run(name: str = "greedy", outputs: list | None = None):

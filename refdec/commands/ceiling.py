@@ -59,7 +59,7 @@ from ..routes.fast import set_fast_route
 from ..routes.graphed import set_graphed_route
 from ..inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
 from ..loading import Models, RunLoader
-from ..machine import clock, device_name
+from ..machine import clock, device_name, environment, machine_line
 from ..model import Transformer
 from ..progress import ProgressLine
 from ..tokenizer import Tokenizer
@@ -258,6 +258,7 @@ def report(args, path: Path, models: Models, runs: list[tuple], totals: dict, n:
           f"{route_name(args)} route, model {shown_path(path)}"
           + (f", drafter {shown_path(drafter_path)}" if drafter is not None else "")
           + (f", small {shown_path(args.small)}" if small else ""))
+    print(machine_line(args.threads))
     print(f"{'run':>32}  {'seconds':>8}  {'calls/sent':>10}  {'tokens/call':>11}  {'speed':>6}  {'identical':>9}")
     for r in rows:
         print(f"{r['run']:>32}  {r['seconds']:8.2f}  {r['calls_per_sentence']:10.2f}  {r['tokens_per_call']:11.2f}"
@@ -269,7 +270,7 @@ def report(args, path: Path, models: Models, runs: list[tuple], totals: dict, n:
             **({"small": shown_path(args.small)} if small is not None else {}),
             "sentences": n, "threads": args.threads, "seed": args.seed, "rows": rows,
             "device": device_name(args.device), "route": route_name(args),
-            "torch": torch.__version__})
+            "environment": environment(args.threads, args.device, torch.float32)})
 
 
 if __name__ == "__main__":

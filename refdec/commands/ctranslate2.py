@@ -58,7 +58,7 @@ from ..repo import check_not_shipped, repo_file
 from ..routes.kernels import is_int8, set_int8_route
 from ..inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from ..loading import Models
-from ..machine import allocator, allocator_option, set_allocator, usable_cores
+from ..machine import allocator_option, environment, machine_line, set_allocator, usable_cores, warn_if_int8_slow
 from ..progress import ProgressLine
 from ..report import format_table, summary_row, write_report
 from ..runner import Run, decode_lines
@@ -392,11 +392,13 @@ def run(args) -> int:
         fast = Models(fast_model, Path(args.model))
     int8 = None
     if args.int8:  # another copy: the int8 route, on the fast route with --fast
+        warn_if_int8_slow("cpu", "refdec's faster route here is --fast without --int8")
         int8_model = copy.deepcopy(model)
         if args.fast:
             set_fast_route(int8_model)
         int8 = Models(set_int8_route(int8_model), Path(args.model))
     results, interrupted = [], False
+    print(machine_line(",".join(map(str, args.threads))), flush=True)
     for threads in args.threads:
         rows, done, steps = compare(args, models, folder, tokens, ids, threads, fast, int8)
         interrupted = done < len(ids)
@@ -413,10 +415,10 @@ def run(args) -> int:
         write_report(args.report, {
             "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
             "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "batch_tokens": args.batch_tokens,
-            "threads": args.threads, "ct2_threads": args.ct2_threads, "allocator": allocator(),
+            "threads": args.threads, "ct2_threads": args.ct2_threads,
             "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "int8": args.int8, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
-            "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "torch": torch.__version__,
-            "ctranslate2": ctranslate2.__version__, "results": results})
+            "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "ctranslate2": ctranslate2.__version__,
+            "environment": environment(args.threads, "cpu", torch.float32), "results": results})
     return 0
 
 

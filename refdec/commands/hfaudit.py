@@ -105,7 +105,7 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     from ..data import TASKS
     from ..exactness import divergences
     from ..inputs import shown_path
-    from ..machine import device_name
+    from ..machine import device_name, environment
     from ..loading import Models
     from ..runner import Run, decode_lines
 
@@ -151,8 +151,9 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     transformers = require_transformers()
     return {"task": args.task, "model": shown_path(args.model), "small": args.small and shown_path(args.small),
             "lines": len(ids), "warmup": args.warmup, "threads": args.threads, "device": device_name(device),
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "transformers": transformers.__version__,
             "gamma": args.gamma, "prompt_lookup_num_tokens": args.prompt_lookup,
+            "environment": environment(args.threads, device, model.tgt_embed.weight.dtype),
             "routes": getattr(args, "routes", ["reference"]), "methods": rows}
 
 

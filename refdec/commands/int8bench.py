@@ -27,6 +27,7 @@ from ..routes import int8
 from ..checkpoint import load_model
 from ..errors import run_command
 from ..inputs import check_outputs, checkpoint_files, shown_path
+from ..machine import environment, machine_line, warn_if_int8_slow
 from .harness import columns, report_option, write_report
 
 
@@ -118,15 +119,14 @@ def run(args) -> int:
     check_outputs({"--report": args.report}, checkpoint_files("--model", args.model))
     torch.set_num_threads(args.threads)
     model, _, _ = load_model(args.model, task=args.task)
+    warn_if_int8_slow("cpu", "its per-row figures show what the route costs here; decode with --fast, without --int8")
     results = measure(model, rows, args.rounds, args.reps)
     print(f"{shown_path(args.model)}: d_model {model.cfg.d_model}, d_ff {model.cfg.d_ff}, vocabulary "
-          f"{model.cfg.vocab_size}; {args.threads} thread(s), torch {torch.__version__}, "
-          f"{torch.backends.cpu.get_cpu_capability()}")
+          f"{model.cfg.vocab_size}; {machine_line(args.threads)}")
     print(table(results, rows))
     if args.report:
         write_report(args.report, {"model": shown_path(args.model), "task": args.task, "rows": rows,
-                                   "threads": args.threads, "torch": torch.__version__,
-                                   "cpu_capability": torch.backends.cpu.get_cpu_capability(), "results": results})
+                                   "environment": environment(args.threads, "cpu", torch.float32), "results": results})
     return 0
 
 

@@ -46,7 +46,7 @@ from ..checkpoint import load_model
 from ..errors import UsageError, run_command
 from ..repo import repo_file
 from ..inputs import check_outputs, checkpoint_files, shown_path
-from ..machine import clock
+from ..machine import clock, environment, machine_line
 from ..progress import ProgressLine
 from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
 
@@ -185,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     enc_ms = enc["reference"]
     print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
           f"{args.threads} threads, {device}, {shown_path(path)}")
+    print(machine_line(args.threads))
     print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
           f"rows (refdec's default); plain: x @ W.T throughout")
     columns = []  # (header, key, decimals) of each route beside the reference
@@ -210,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
                                    **({"fast_encoder_ms": enc["fast"],
                                        "fast_products_ms": enc["fast products, q = 1"]} if args.fast else {}),
                                    **({"graphed_encoder_ms": enc["graphed"]} if args.graphed else {}),
-                                   "projection_ms": pm, "torch": torch.__version__})
+                                   "projection_ms": pm,
+                                   "environment": environment(args.threads, device, model.tgt_embed.weight.dtype)})
     return 0
 
 
