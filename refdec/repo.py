@@ -1,8 +1,10 @@
-"""Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/, and
-repo_file, a default that a command reads from it."""
+"""Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/;
+repo_file, a default that a command reads from it; check_files and list_files, the files a command
+needs in a copy of the repository (its --files)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .errors import UsageError
@@ -21,3 +23,27 @@ def repo_file(*parts: str, flag: str | None = None) -> Path:
                          f"({Path(__file__).parent}) is installed without it: {instead}run the command from a clone "
                          f"of the repository installed with pip install -e .")
     return REPO.joinpath(*parts)
+
+
+def check_files(paths: list[str], command: str) -> None:
+    """Refuse, in one line, a run from a copy that lacks some of the repository files `paths` (relative,
+    what `command --files` lists): without the repository at all (`pip install .`), repo_file's line."""
+    missing = [p for p in paths if not (REPO / p).is_file()]
+    if missing:
+        repo_file(missing[0])
+        raise UsageError(f"{missing[0]} is not in this copy of the repository ({len(missing)} file(s) missing): "
+                         f"copy every file `{command} --files` lists")
+
+
+def list_files(paths: list[str], command: str, max_bytes: int) -> int:
+    """A command's --files: `paths` on stdout, one a line, and their count and total size on stderr;
+    a missing file or a total over `max_bytes` (what a copy for a GPU machine may hold) is a UsageError."""
+    check_files(paths, command)
+    total = sum((REPO / p).stat().st_size for p in paths)
+    print("\n".join(paths))
+    print(f"{len(paths)} files, {total / 2**20:.1f} MiB ({total:,} bytes; at most {max_bytes / 2**20:.0f} MiB)",
+          file=sys.stderr)
+    if total > max_bytes:
+        raise UsageError(f"the files come to {total / 2**20:.1f} MiB, more than the {max_bytes / 2**20:.0f} MiB a copy "
+                         f"may hold")
+    return 0
