@@ -94,7 +94,7 @@ READS = {  # section -> (checkpoint folders, test sets) it reads
 
 def files(sections: list[str]) -> list[Path]:
     """The repository files (relative paths) a run of these sections reads: refdec's code, data/build.py
-    (which marks a clone of the repository: refdec.hints.repo_file), the checkpoints (model and
+    (which marks a clone of the repository: refdec.repo.repo_file), the checkpoints (model and
     tokenizer) and the test sets."""
     code = sorted(p.relative_to(REPO) for p in (REPO / "refdec").rglob("*.py") if "__pycache__" not in p.parts)
     folders = sorted({f for s in sections for f in READS[s][0]})

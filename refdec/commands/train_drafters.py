@@ -21,16 +21,16 @@ job, counts against its time limit. This is unmeasured on a GPU: if a run's toke
 summary.json) come out lower than with --compile off, train with --compile off.
 
 Without a CUDA GPU the command refuses to start, in one line: the jobs' batches and time limits are
-set for a GPU's speed, and on a CPU the same minutes make few updates (the drafter's job made 6 in
-its 3 minutes on 2 cores). A smoke run (any of --max-steps, --train-limit, --dev-limit) runs on the CPU; --device cpu
-trains there whatever the run (and hides a GPU from the jobs).
+set for a GPU's speed, and on a CPU the same minutes make few updates (the drafter's job made 6 to 9
+in its 3 minutes on 2 cores). A smoke run (any of --max-steps, --train-limit, --dev-limit) runs on
+the CPU; --device cpu trains there whatever the run (and hides a GPU from the jobs).
 
 A folder under --out-dir that already holds a job's run is refused before any job starts, unless
---resume or --overwrite says what to do with it. Ctrl-C stops the running job (once it trains:
-after its current update, with its last.pt saved) and the command; --resume then skips the jobs that finished
-(model.pt written), continues those with a last.pt (train.py --resume: the rest of their time
-limit), and starts again those stopped before their first checkpoint. --overwrite starts every job
-again.
+--resume or --overwrite says what to do with it. Ctrl-C stops the running job (once it trains: after
+its current update, with its last.pt saved) and the command; --resume then skips the jobs that
+finished (model.pt written), continues those with a last.pt (train.py --resume: the rest of their
+time limit), and starts again those stopped before their first checkpoint. --overwrite starts every
+job again.
 
 The files --files lists are all a run needs: copy them (e.g. `tar -cf drafters.tar $(python -m
 refdec.train_drafters --files)`), unpack the copy on the GPU machine, run the command there, and
