@@ -1,9 +1,11 @@
 """Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/;
-repo_file, a default that a command reads from it; and check_not_shipped, the rule that keeps every
-command's output out of the shipped checkpoints/ and data/."""
+repo_file, a default that a command reads from it; check_not_shipped, the rule that keeps every
+command's output out of the shipped checkpoints/ and data/; check_files and list_files, the files a
+command needs in a copy of the repository (its --files)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .errors import UsageError
@@ -44,3 +46,27 @@ def check_not_shipped(flag: str, path: str | Path, opt_in: tuple[str, bool] | No
         if folder in p.parents and not (opt_in and opt_in[1]):
             told = f", or add {opt_in[0]} to write there (replacing what is there)" if opt_in else ""
             raise UsageError(f"{flag} {path} is inside {name}/, the folder of {what}: give {instead}{told}")
+
+
+def check_files(paths: list[str], command: str) -> None:
+    """Refuse, in one line, a run from a copy that lacks some of the repository files `paths` (relative,
+    what `command --files` lists): without the repository at all (`pip install .`), repo_file's line."""
+    missing = [p for p in paths if not (REPO / p).is_file()]
+    if missing:
+        repo_file(missing[0])
+        raise UsageError(f"{missing[0]} is not in this copy of the repository ({len(missing)} file(s) missing): "
+                         f"copy every file `{command} --files` lists")
+
+
+def list_files(paths: list[str], command: str, max_bytes: int) -> int:
+    """A command's --files: `paths` on stdout, one a line, and their count and total size on stderr;
+    a missing file or a total over `max_bytes` (what a copy for a GPU machine may hold) is a UsageError."""
+    check_files(paths, command)
+    total = sum((REPO / p).stat().st_size for p in paths)
+    print("\n".join(paths))
+    print(f"{len(paths)} files, {total / 2**20:.1f} MiB ({total:,} bytes; at most {max_bytes / 2**20:.0f} MiB)",
+          file=sys.stderr)
+    if total > max_bytes:
+        raise UsageError(f"the files come to {total / 2**20:.1f} MiB, more than the {max_bytes / 2**20:.0f} MiB a copy "
+                         f"may hold")
+    return 0

@@ -54,6 +54,24 @@ def test_files_over_the_limit_is_one_line(capsys, monkeypatch):
     assert err[-1].startswith("error: the files come to") and "MiB" in err[-1]
 
 
+def test_missing_files_say_what_to_copy_or_to_use_a_clone(capsys, monkeypatch, tmp_path):
+    """Case: installed with `pip install .` (refdec/ alone), the bench said to "copy every file
+    --files lists", where the other commands say to use a clone installed with -e. Now a copy lacking
+    files is told to copy them and an install without the repository to use a clone, in one line."""
+    from refdec import repo
+    monkeypatch.setattr(repo, "REPO", tmp_path)
+    for argv in (["--files"], ["--device", "cpu"]):
+        assert bench.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is in refdec's repository" in err[0] and "pip install -e ." in err[0], err
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data/build.py").write_text("")
+    assert bench.main(["--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not in this copy of the repository" in err[0], err
+    assert err[0].endswith("copy every file `python -m refdec.bench --files` lists")
+
+
 @pytest.mark.parametrize("args, needle", [(["--sections", "stepcost,nope"], "--sections: nope"),
                                           (["--device", "cpu", "--limit", "0"], "--limit"),
                                           (["--device", "gpu0"], "--device gpu0: refdec runs on cpu or cuda")])

@@ -75,11 +75,15 @@ def test_ceiling_command_times_a_small_model(trained_tiny, tmp_path):
     assert r["small"] == path
 
 
-@pytest.mark.parametrize("args", [["--k", "0"], ["--accept", "1.5"], ["--limit", "0"], ["--k", "x"]])
-def test_ceiling_refuses_bad_options_with_one_line(args, capsys):
+@pytest.mark.parametrize("args, said", [
+    (["--k", "0"], "--k 0: give whole numbers of at least 1"), (["--k", "x"], "--k x: give whole numbers"),
+    (["--accept", "1.5"], "--accept 1.5: give numbers in [0, 1]"), (["--limit", "0"], "--limit 0: must be at least 1"),
+    (["--limit", "-3"], "--limit -3: must be at least 1"), (["--warmup", "-1"], "--warmup -1: must be at least 0")])
+def test_ceiling_refuses_bad_options_with_one_line(args, said, capsys):
+    """Case: `--limit -3` was answered with every option's rule at once; the line now names the value."""
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:")
+    assert len(err) == 1 and err[0].startswith(f"error: {said}"), err
 
 
 @pytest.mark.slow

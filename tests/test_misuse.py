@@ -346,8 +346,9 @@ def test_output_paths_are_checked_before_decoding(trained_tiny, tmp_path, many_l
 
 def _interrupt_decode(ckpt, many_lines, out, report, sig):
     proc = subprocess.Popen([sys.executable, *DECODE, "--model", str(ckpt / "model.pt"), "--algo", "greedy",
-                             "--input", str(many_lines), "--max-len", "30", "--output", str(out), "--report",
-                             str(report)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--input", str(many_lines), "--ref", str(many_lines), "--max-len", "30", "--output",
+                             str(out), "--report", str(report)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     t0 = time.time()
     while not (out.exists() and out.read_text(encoding="utf-8").count("\n") >= 10):
@@ -365,7 +366,8 @@ def test_an_interrupted_decode_keeps_every_finished_line(trained_tiny, tmp_path,
     Now outputs are written as they are decoded, in input order, whole lines only: after Ctrl-C
     (exit 130, a report marked interrupted) or kill -9, the file holds the first lines of a full
     run's output, each complete. Case: SIGTERM (kill, timeout, batch schedulers) exited 143 with no
-    table, no report and no message; it now ends as Ctrl-C does, with exit status 143."""
+    table, no report and no message; it now ends as Ctrl-C does, with exit status 143. The table's
+    BLEU and chrF are the report's: those of the lines written."""
     out, report = tmp_path / "out.txt", tmp_path / "r.json"
     code, table, err = _interrupt_decode(trained_tiny, many_lines, out, report, sig)
     text = out.read_text(encoding="utf-8")
@@ -382,6 +384,7 @@ def test_an_interrupted_decode_keeps_every_finished_line(trained_tiny, tmp_path,
         rep = json.loads(report.read_text())
         assert rep["interrupted"] is True and rep["lines_decoded"] == len(kept) == rep["decoded"]
         assert re.search(rf"^greedy +{len(kept)} ", table, re.M), table  # the table of the lines written
+        assert re.search(rf"BLEU +chrF\n.*\ngreedy .* {rep['bleu']:.2f} +{rep['chrf']:.2f}$", table, re.M), table
     else:
         assert code == -signal.SIGKILL
 

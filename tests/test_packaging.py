@@ -75,7 +75,7 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path):
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "OMP_NUM_THREADS": "1"}
     for module in ("refdec.hf", "refdec.ctranslate2", "refdec.stepcost", "refdec.ceiling", "refdec.fuzz",
-                   "refdec.distill", "refdec.bench"):
+                   "refdec.distill", "refdec.bench", "refdec.train_drafters"):
         r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=elsewhere, env=env, **run)
         assert r.returncode == 0 and "usage:" in r.stdout, (module, r.stderr)
     r = subprocess.run([sys.executable, "-c", "import refdec; print(refdec.__file__)"], cwd=elsewhere, env=env, **run)
@@ -85,3 +85,7 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path):
     assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "checkpoints/gec-uk/model.pt is in refdec's repository" in err and "--model" in err
     assert "pip install -e ." in err
+    for module in ("refdec.bench", "refdec.train_drafters"):  # the files a copy needs: a clone's
+        r = subprocess.run([sys.executable, "-m", module, "--files"], cwd=elsewhere, env=env, **run)
+        err = r.stderr.strip()
+        assert r.returncode == 2 and len(err.splitlines()) == 1 and "pip install -e ." in err, (module, err)

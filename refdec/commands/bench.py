@@ -63,13 +63,14 @@ from pathlib import Path
 import torch
 
 from .. import inputs, loading, plan, report, runner
-from ..repo import REPO
+from ..repo import REPO, check_files, list_files
 from ..errors import CheckpointError, UsageError, first_line, run_command
 from ..exactness import divergences, identical_rate
 from ..machine import device_name, environment
 from ..progress import duration
 from .harness import columns, command_parser, invocation, machine_options, set_up_machine, write_report
 
+COMMAND = "python -m refdec.bench"
 ROUTES = ("reference", "fast", "graphed")
 MAX_BYTES = 62 * 2**20  # what a copy of the repository for a GPU machine may hold: 62 MiB (du -h's M)
 GEC_MODEL = "checkpoints/gec-uk-6x6/model.pt"
@@ -93,7 +94,7 @@ READS = {  # section -> (checkpoint folders, test sets) it reads
 
 def files(sections: list[str]) -> list[Path]:
     """The repository files (relative paths) a run of these sections reads: refdec's code, data/build.py
-    (which marks a clone of the repository: refdec.hints.repo_file), the checkpoints (model and
+    (which marks a clone of the repository: refdec.repo.repo_file), the checkpoints (model and
     tokenizer) and the test sets."""
     code = sorted(p.relative_to(REPO) for p in (REPO / "refdec").rglob("*.py") if "__pycache__" not in p.parts)
     folders = sorted({f for s in sections for f in READS[s][0]})
@@ -295,34 +296,15 @@ def chosen_sections(text: str) -> list[str]:
     return [s for s in SECTIONS if s in names]
 
 
-def list_files(sections: list[str]) -> int:
-    """--files: the list on stdout, the total on stderr; exit 2 when a file is missing or the total is over."""
-    listed = files(sections)
-    missing = [p.as_posix() for p in listed if not (REPO / p).is_file()]
-    if missing:
-        raise UsageError(f"{missing[0]} is not in this repository ({len(missing)} file(s) missing)")
-    total = sum((REPO / p).stat().st_size for p in listed)
-    for p in listed:
-        print(p.as_posix())
-    print(f"{len(listed)} files, {total / 2**20:.1f} MiB ({total:,} bytes; at most {MAX_BYTES / 2**20:.0f} MiB)",
-          file=sys.stderr)
-    if total > MAX_BYTES:
-        raise UsageError(f"the files come to {total / 2**20:.1f} MiB, more than the {MAX_BYTES / 2**20:.0f} MiB a copy "
-                         f"may hold")
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     sections = chosen_sections(args.sections)
     if args.files:
-        return list_files(sections)
+        return list_files([p.as_posix() for p in files(sections)], COMMAND, MAX_BYTES)
     if (args.limit is not None and args.limit < 1) or args.threads < 1:
         raise UsageError("--limit and --threads must be at least 1")
     inputs.check_outputs({"--out": args.out}, {}, folders_made=True)
     device = set_up_machine(args)
-    missing = [p.as_posix() for p in files(sections) if not (REPO / p).is_file()]
-    if missing:
-        raise UsageError(f"{missing[0]} is missing: copy every file python -m refdec.bench --files lists")
+    check_files([p.as_posix() for p in files(sections)], COMMAND)
     out = Path(args.out)
     if not out.is_dir():
         if not out.parent.is_dir():

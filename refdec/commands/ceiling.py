@@ -215,12 +215,20 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         ks = [int(x) for x in args.k.split(",")]
-        rates = [float(x) for x in args.accept.split(",")]
-        if min(ks) < 1 or not all(0 <= r <= 1 for r in rates) or args.limit < 1 or args.threads < 1 or args.warmup < 0:
+        if min(ks) < 1:
             raise ValueError
     except ValueError:
-        raise UsageError("--k takes positive integers and --accept numbers in [0, 1], separated by commas; "
-                         "--limit and --threads at least 1, --warmup at least 0") from None
+        raise UsageError(f"--k {args.k}: give whole numbers of at least 1, separated by commas") from None
+    try:
+        rates = [float(x) for x in args.accept.split(",")]
+        if not all(0 <= r <= 1 for r in rates):
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--accept {args.accept}: give numbers in [0, 1], separated by commas") from None
+    bounds = (("--limit", args.limit, 1), ("--threads", args.threads, 1), ("--warmup", args.warmup, 0))
+    for flag, value, least in bounds:
+        if value < least:
+            raise UsageError(f"{flag} {value}: must be at least {least}")
     args.device = str(set_up_machine(args))
     path = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
     repo_file("data", args.task)  # its test set: the repository's
