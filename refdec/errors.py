@@ -19,6 +19,10 @@ class UsageError(Exception):
     """Bad input or options: the command prints the message on one line and exits 2."""
 
 
+class TrainingError(UsageError):
+    """A run that cannot start or go on as asked: train.py prints the message on one line and exits 2."""
+
+
 class CheckpointError(Exception):
     """A checkpoint that is missing, corrupt, or does not fit the task or tokenizer."""
 

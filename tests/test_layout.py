@@ -19,16 +19,13 @@ def module_name(path) -> str:
 
 
 def imports_of(path, modules: set[str]) -> set[str]:
-    """The refdec modules `path` imports anywhere in its body (TYPE_CHECKING blocks aside)."""
+    """The refdec modules `path` imports anywhere in its body, TYPE_CHECKING blocks included: an import
+    made only for a type annotation is still an arrow a reader follows."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
-            for n in ast.walk(node)}
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom):
             base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
             target = ".".join(base + ([node.module] if node.module else []))

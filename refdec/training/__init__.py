@@ -37,17 +37,18 @@ model.pt holds the heads alone and names the init_from file as its base (`frozen
 sha256; refdec.checkpoint loads the weights from there).
 
 The package, by concern: objectives (the losses of the modes), folder (the run folder), corpus
-(the data and its token ids) and loop (the Trainer). Every name is importable from refdec.training.
+(the data and its token ids), processes (a run's processes under torchrun) and loop (the Trainer). Every name is importable from refdec.training.
 """
 
 from .corpus import TokenCache, encode_pairs, load_data, prepare_tokenizer
 from .folder import (PATH_FIELDS, RESUMABLE_CHANGES, RUN_FILES, Interrupted, Progress, RunFolder, TrainingError,
                      check_out_dir, claim_out_dir, config_changes, format_scores, remove_run)
-from .loop import (Processes, Trainer, accumulate, build_run_objective, compiles, cpp_compiler, device_pass_tokens,
+from .loop import (Trainer, accumulate, build_run_objective, compiles, cpp_compiler, device_pass_tokens,
                    inverse_sqrt, log_to_stderr, stop_on_sigint)
 from .objectives import (CrossEntropyLoss, DistillationLoss, DrafterLoss, EarlyExitLoss, Objective, ProposalHeadsLoss,
                          build_model, build_objective, decode_batches, decoder_from, dev_batches, frozen_model,
                          objective_class, smoothed_loss, soft_cross_entropy)
+from .processes import Processes
 
 __all__ = [
     "CrossEntropyLoss", "DistillationLoss", "DrafterLoss", "EarlyExitLoss", "Interrupted", "Objective",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,9 +14,7 @@ from .. import data as data_mod
 from ..checkpoint import file_sha256, save_atomic
 from ..config import TrainConfig
 from ..tokenizer import Tokenizer, iter_training_text
-
-if TYPE_CHECKING:
-    from .loop import Processes
+from .processes import Processes
 
 
 def load_data(cfg: TrainConfig) -> tuple[list[tuple[str, str]], data_mod.Split]:
@@ -61,7 +58,7 @@ def prepare_tokenizer(cfg: TrainConfig, procs: Processes, pairs: list[tuple[str,
 
 
 def encode_pairs(cfg: TrainConfig, tok: Tokenizer, pairs: list[tuple[str, str]], dev_size: int,
-                 log, procs: "Processes | None" = None) -> tuple[list[list[int]], list[list[int]]]:
+                 log, procs: Processes | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of the pairs that fit: both sides non-empty and within max_train_len tokens. The ids
     of a whole training set come from its cache (TokenCache) when it has one for this vocabulary."""
     cache = TokenCache(cfg, tok)

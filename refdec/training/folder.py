@@ -12,18 +12,15 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..checkpoint import average_states, load_checkpoint, make_checkpoint, save_atomic
 from ..config import TrainConfig
-from ..errors import UsageError
+from ..errors import TrainingError
 from ..tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from .loop import Processes
-    from .objectives import Objective
+from .objectives import Objective
+from .processes import Processes
 
 
 # What a training run writes into its out_dir (and what --overwrite removes).
@@ -36,10 +33,6 @@ RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eva
 
 
 PATH_FIELDS = ("init_from", "tokenizer_from", "encoder_from", "kd_from", "data_dir")
-
-
-class TrainingError(UsageError):
-    """A run that cannot start or go on as asked: train.py prints the message on one line and exits 2."""
 
 
 class Interrupted(Exception):

@@ -21,11 +21,11 @@ from ..decoding.gad import decode_gad
 from ..decoding.greedy import decode_greedy
 from ..decoding.result import DecodeStats
 from ..drafter import Drafter, block_batch, glance, glancing_ratio
+from ..errors import TrainingError
 from ..metrics import corpus_bleu
 from ..model import Transformer
 from ..proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from ..tokenizer import Tokenizer
-from .folder import TrainingError
 
 
 def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id: int) -> torch.Tensor:
