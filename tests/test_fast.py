@@ -173,6 +173,7 @@ def test_the_route_wraps_the_model_and_leaves_it_as_it_is():
     memo: dict = {}
     large, early = on_route(m, "fast", memo=memo), on_route(EarlyExit(m, 1), "fast", memo=memo)
     assert isinstance(large, FastRoute) and early.base is large
+    assert large.reference.kernels == Kernels(few_rows=True) and FastRoute(m, few_rows=False).reference.kernels == Kernels()
     t5 = Transformer(dataclasses.replace(m.cfg, positions="relative", scale_attention=False))
     with pytest.raises(ValueError, match="does not write"):
         FastRoute(t5)

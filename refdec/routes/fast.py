@@ -231,17 +231,18 @@ class LaidOutMemory(Memory):
 class FastRoute:
     """Wraps a Transformer so that its encoder and decoder calls take the fast route where it applies
     (the module docstring). `model`: the Transformer itself, unchanged; `reference`: its layers on the few-row
-    kernels (refdec.routes.kernels), where calls go where the route does not apply; `int8`: the
-    layout's products, and the reference's, in int8 (refdec.routes.int8)."""
+    kernels (refdec.routes.kernels), where calls go where the route does not apply (`few_rows` False:
+    on F.linear, for a machine where the few-row product loses; `python -m refdec.stepcost` times
+    both); `int8`: the layout's products, and the reference's, in int8 (refdec.routes.int8)."""
 
-    def __init__(self, model: Transformer, int8: bool = False, memo: dict | None = None):
+    def __init__(self, model: Transformer, int8: bool = False, memo: dict | None = None, few_rows: bool = True):
         if not applies_to(model.cfg):
             raise ValueError("the fast route does not write this model's layers (refdec.routes.fast.applies_to)")
         if int8:
             from .int8 import weight_levels
             weight_levels()  # refuse at once on a machine whose int8 product is not exact
         self.model, self.int8 = model, int8
-        self.kernels = Kernels(few_rows=True, int8=int8)
+        self.kernels = Kernels(few_rows=few_rows, int8=int8)
         self.reference = on_kernels(model, self.kernels, memo)
         self.laid_out: DecoderWeights | None = None  # the decoder's weights in the layout (made at first use)
         self.int8_layout: Int8Layout | None = None  # their int8 forms
@@ -265,7 +266,7 @@ class FastRoute:
 
     def __deepcopy__(self, memo: dict) -> "FastRoute":
         """A route of a copy of the model; layouts and steps are made again at first use."""
-        return type(self)(copy.deepcopy(self.model, memo), self.int8)
+        return FastRoute(copy.deepcopy(self.model, memo), self.int8, few_rows=self.kernels.few_rows)
 
     def refresh(self) -> None:
         """Drop the kept layout, so that the next call copies the weights again (after a write through

@@ -238,12 +238,12 @@ class GraphedRoute(FastRoute):
     """Wraps a Transformer so that its encoder and decoder calls take the graphed route where it applies
     (the module docstring), and the fast route's calls (FastRoute) where it does not."""
 
-    def __init__(self, model: Transformer, memo: dict | None = None):
-        super().__init__(model, memo=memo)
+    def __init__(self, model: Transformer, memo: dict | None = None, few_rows: bool = True):
+        super().__init__(model, memo=memo, few_rows=few_rows)
         self.state: RouteState | None = None  # the captured steps and static storage (made at first use)
 
     def __deepcopy__(self, memo: dict) -> "GraphedRoute":
-        return type(self)(copy.deepcopy(self.model, memo))
+        return GraphedRoute(copy.deepcopy(self.model, memo), few_rows=self.kernels.few_rows)
 
     def _state(self) -> RouteState:
         """The route's steps, checked against its layout and where the parameters live (once per decoding call)."""
