@@ -180,7 +180,7 @@ def time_runs(runs: list[tuple], ids: list[list[int]], models: Models, warmup: i
     n = 0
     progress = ProgressLine(len(ids), "sentences")
     for i, s in enumerate(ids):
-        src = data_mod.source_tensor([s]).to(model.tgt_embed.weight.device)
+        src = data_mod.source_tensor([s]).to(next(model.parameters()).device)
         max_len = max_len_for([s], None, model.cfg.max_positions)
         y, _ = greedy_output(model, src, max_len)
         timed = i >= warmup
