@@ -32,7 +32,7 @@ class EarlyExit(nn.Module):
         return self.base.encode(src)
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
-        p = self.base.tgt_embed.weight
+        p = next(self.base.parameters())  # the target embedding's: the model's device and dtype (a route's too)
         return KVCache(self.layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype)
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,

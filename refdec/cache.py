@@ -199,7 +199,8 @@ def padding_block(src_pad: torch.Tensor) -> torch.Tensor | None:
 @dataclass(eq=False)
 class Memory:
     """What the decoder needs from one encoder pass, for one decoding call (two Memories are equal
-    only if they are the same object: a route keeps per-call state beside it, refdec.routes).
+    only if they are the same object; a route's Memory may carry what the route keeps for the call,
+    refdec.routes.fast.LaidOutMemory).
 
     states:    (B, S, D) encoder output
     src_pad:   (B, S) True where the source is padding

@@ -24,7 +24,6 @@ from .adapters import SharedEncoder
 from .config import ModelConfig
 from .errors import CheckpointError, first_line
 from .model import Transformer
-from .routes.kernels import use_kernels
 from .tokenizer import Tokenizer
 
 FORMAT = "refdec-checkpoint-1"
@@ -177,7 +176,7 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
         raise CheckpointError(f"{path}: model weights do not fit its config: {first_line(e, 200)}") from None
     if cfg.vocab_size != tokenizer.vocab_size:
         raise CheckpointError(f"{path} has {cfg.vocab_size} embeddings but {tok_path} {tokenizer.vocab_size} tokens")
-    use_kernels(model.to(device=device, dtype=dtype).eval())  # the CPU kernels (refdec.routes.kernels)
+    model.to(device=device, dtype=dtype).eval()
     if "shared_encoder" in checkpoint:
         model = SharedEncoder(model, load_shared_encoder(path, checkpoint, tokenizer, task, device, dtype, loaded)).eval()
     return model, tokenizer, checkpoint

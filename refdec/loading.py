@@ -14,19 +14,19 @@ encoder it was trained on.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from .adapters import EarlyExit
+from .adapters import EarlyExit, SharedEncoder
 from .checkpoint import CheckpointError, file_sha256, load_model
 from .drafter import Drafter
 from .errors import UsageError
-from .routes.fast import set_fast_route
-from .routes.graphed import set_graphed_route
-from .routes.kernels import set_int8_route, set_row_invariant
+from .model import Transformer
+from .routes.fast import FastRoute, applies_to
+from .routes.graphed import GraphedRoute
+from .routes.kernels import Kernels, on_kernels
 from .proposal import load_proposal
 from .tokenizer import Tokenizer
 
@@ -157,12 +157,11 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
                 languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
     """The models of each of refdec.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` companion models (role -> path) and
-    each run's own. With `invariant`, every model in row-invariant mode; with `fast`, every model the fast
-    route writes on it (refdec.routes.fast); with `graphed`, on the graphed route (refdec.routes.graphed). A spec with
-    `int8` runs on the int8 route (refdec.routes.int8): on copies of its models when other runs read them in
-    floating point, the same copy for every such run (so each lossless int8 run is checked against
-    greedy on int8). Returns the loader (the
-    tokenizer, the main checkpoint) and one Models per spec."""
+    each run's own, each wrapped for its route (refdec.routes.on_route): with `invariant`, row-invariant
+    mode; with `fast`, the fast route (refdec.routes.fast); with `graphed`, the graphed route
+    (refdec.routes.graphed); a spec with `int8` in int8 (refdec.routes.int8), on a route object of its
+    own around the same model, the same one for every int8 run (so each lossless int8 run is checked
+    against greedy on int8). Returns the loader (the tokenizer, the main checkpoint) and one Models per spec."""
     if graphed and any(s.int8 for s in specs):
         raise UsageError("the graphed route has no int8 form: run --int8 (or :int8) without --graphed, on the fast "
                          "or the reference route")
@@ -172,22 +171,49 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
     for role, value in shared.items():
         loader.share(role, value)
     models = [loader.models_for(s.path, s.algo.model_args, s.companions) for s in specs]
-    if invariant:  # every model the runs use, companion models and proposal heads included
-        for m in models:
-            for module in m.all():
-                set_row_invariant(module)
-    if fast or graphed:
-        for m in models:
-            for module in m.all():
-                (set_graphed_route if graphed else set_fast_route)(module)
-    if any(s.int8 for s in specs):
-        memo: dict = {}  # one copy of each model, whichever int8 runs read it
-        if not all(s.int8 for s in specs):
-            models = [copy.deepcopy(m, memo) if s.int8 else m for s, m in zip(specs, models)]
-        for s, m in zip(specs, models):
-            for module in m.all() if s.int8 else ():
-                set_int8_route(module)
-    return loader, models
+    route = "invariant" if invariant else "graphed" if graphed else "fast" if fast else "reference"
+    memos: dict = {}  # one per (route, int8): a model several runs read is one model on that route
+    return loader, [routed(m, route, s.int8, memos.setdefault(s.int8, {})) for s, m in zip(specs, models)]
+
+
+def routed(models: Models, route: str, int8: bool, memo: dict) -> Models:
+    """`models` on `route` (refdec.routes.on_route), with `int8` in int8: new wrappers around the same
+    models, which stay as they are (float runs and int8 runs read one model each)."""
+    def on(m):
+        return on_route(m, route, int8, memo) if isinstance(m, torch.nn.Module) else m
+    drafter = None if models.drafter is None else replace(models.drafter, model=on(models.drafter.model))
+    return replace(models, model=on(models.model), drafter=drafter, small=on(models.small), heads=on(models.heads))
+
+
+ROUTES = ("reference", "invariant", "fast", "graphed")
+
+
+def on_route(module, route: str, int8: bool = False, memo: dict | None = None):
+    """`module` (a Transformer, an EarlyExit or SharedEncoder, proposal heads) on `route` (ROUTES),
+    with `int8` its products in int8 (refdec.routes.int8; not on the graphed route). `memo` (id ->
+    routed), shared by the models of one run, puts a model that several hold (an early exit's base,
+    the verifier) on the route once, so that companions still share its encoder. The module itself is
+    not changed; the reference route without int8 returns it as it is."""
+    memo = {} if memo is None else memo
+    if route in ("reference", "invariant") or not isinstance(module, (Transformer, EarlyExit, SharedEncoder)):
+        kernels = Kernels(few_rows=route in ("fast", "graphed"), row_invariant=route == "invariant", int8=int8)
+        return module if kernels == Kernels() else on_kernels(module, kernels, memo)
+    if id(module) in memo:
+        return memo[id(module)]
+    if isinstance(module, EarlyExit):
+        routed = EarlyExit(on_route(module.base, route, int8, memo), module.layers)
+    elif isinstance(module, SharedEncoder):
+        routed = SharedEncoder(on_route(module.small, route, int8, memo), on_route(module.base, route, int8, memo))
+    elif not applies_to(module.cfg):  # a family the fast route does not write: its layers on the few-row kernels
+        routed = on_kernels(module, Kernels(few_rows=True, int8=int8), memo)
+    elif route == "graphed":
+        if int8:
+            raise ValueError("the graphed route has no int8 form")
+        routed = GraphedRoute(module, memo)
+    else:
+        routed = FastRoute(module, int8, memo)
+    memo[id(module)] = routed
+    return routed
 
 
 def number_values(tokenizer: Tokenizer) -> torch.Tensor:

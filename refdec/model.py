@@ -16,9 +16,10 @@ and the parts they are made of, for callers that need what lies between them:
     early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
 
 The layers are torch's own (nn.Linear, nn.LayerNorm) and the attention and projection are computed
-as written here. The speed routes beside this one (refdec.routes: other kernels for the same
-products, the fast and graphed routes, int8) give a model's layers subclasses that compute the
-same mathematics another way; this file knows nothing of them. A model's forced decoder tokens
+as written here: this is the reference route, what a loaded checkpoint is and decode.py runs by
+default. The speed routes beside it (refdec.routes: other kernels for the same products, the fast
+and graphed routes, int8) wrap a model and compute the same mathematics another way, the model
+unchanged; this file knows nothing of them. A model's forced decoder tokens
 (ModelConfig.decoder_prefix) are its own business (refdec.forced).
 Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head dim, D d_model, V vocab.
 """

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PAD_ID
-from .routes.kernels import use_kernels
 
 
 class ProposalHeads(nn.Module):
@@ -80,4 +79,4 @@ def load_proposal(checkpoint: dict, device="cpu", dtype=torch.float32) -> Propos
         return None
     heads = ProposalHeads(**entry["config"])
     heads.load_state_dict({k: v.float() for k, v in entry["state"].items()})
-    return use_kernels(heads.to(device=device, dtype=dtype).eval())  # the CPU kernels (refdec.routes.kernels)
+    return heads.to(device=device, dtype=dtype).eval()

@@ -20,7 +20,7 @@ from refdec.decoding import decode_bild, decode_blockwise, decode_gad, decode_gr
 from refdec.decoding import gad as gad_module
 from refdec.drafter import Drafter
 from refdec.exactness import divergences
-from refdec.routes.kernels import set_row_invariant, use_kernels
+from refdec.routes.kernels import row_invariant
 from refdec.model import Transformer
 from refdec.proposal import ProposalHeads
 from refdec.tokenizer import Tokenizer
@@ -40,11 +40,11 @@ def one_thread():
 
 
 def tiny_model(seed: int, vocab: int = 40, *, d_model: int = 32, n_heads: int = 4, layers: tuple[int, int] = (2, 2),
-               norm_first: bool = True, tie: bool = False, max_positions: int = 64, kernels: bool = True) -> Transformer:
+               norm_first: bool = True, tie: bool = False, max_positions: int = 64) -> Transformer:
     """A random float64 model in eval mode whose greedy outputs vary (untied, spread-out output
     weights; random tied models tend to repeat their input token). With a small vocabulary eos comes
-    early in many sentences; with a larger one most run to max_len. On the CPU kernels, as every
-    loaded checkpoint is (refdec.routes.kernels.use_kernels), unless `kernels` is False."""
+    early in many sentences; with a larger one most run to max_len. A plain Transformer, as every
+    loaded checkpoint is (the reference route)."""
     torch.manual_seed(seed)
     m = Transformer(ModelConfig(vocab_size=vocab, d_model=d_model, n_heads=n_heads, d_ff=2 * d_model,
                                 enc_layers=layers[0], dec_layers=layers[1], dropout=0.1, norm_first=norm_first,
@@ -53,8 +53,7 @@ def tiny_model(seed: int, vocab: int = 40, *, d_model: int = 32, n_heads: int = 
         m.tgt_embed.weight.normal_(0, 1)
         proj = m.tgt_embed.weight if tie else m.out_proj.weight
         proj.normal_(0, 0.6)
-    m = m.double().eval()
-    return use_kernels(m) if kernels else m
+    return m.double().eval()
 
 
 def random_src(seed: int, batch: int, vocab: int, min_len: int = 1, max_len: int = 10) -> torch.Tensor:
@@ -170,7 +169,7 @@ def assert_rows_equal(got, ref, what: str):
 
 
 def invariant_copy(model, dtype):
-    return set_row_invariant(copy.deepcopy(model).to(dtype))
+    return row_invariant(copy.deepcopy(model).to(dtype))
 
 
 def check_batched_iad(model, src, max_len, **knobs):
@@ -241,7 +240,7 @@ def shared_small(large, seed: int = 7, d_model: int = 16):
 
 
 def check_lossless_decoders(route_copy, batch: int, monkeypatch) -> Transformer:
-    """Every lossless decoder on a route (`route_copy(model)`: a copy of the model on it): batched IAD
+    """Every lossless decoder on a route (`route_copy(model)`: the model on it): batched IAD
     (a copying model: long drafts accepted and rejected), GAD (a real drafter and an adversarial one),
     blockwise (random heads), speculative (self-drafted and a random small model) and BiLD at its
     greedy limit, each equal row by row to batch-1 greedy on the same route (float64, torch.equal).

@@ -17,7 +17,10 @@ from refdec.decoding.gad import gadpp_rule
 from refdec.decoding.ties import best_candidates, rank
 from refdec.drafter import Drafter
 from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
-from refdec.routes.kernels import is_row_invariant, set_row_invariant
+from refdec.loading import on_route
+from refdec.routes.fast import FastRoute
+from refdec.routes.graphed import GraphedRoute
+from refdec.routes.kernels import is_row_invariant, row_invariant
 from refdec.model import Transformer, sinusoidal_positions
 
 DTYPES = [torch.float32, torch.float64]
@@ -78,7 +81,7 @@ def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
     """Guards GAD++'s top-beta rule (and blockwise's top-k) on ties: a drafted token equal in logit
     to the argmax but with a higher id is not greedy's token, so top_beta 1 refuses it (topk put
     id 7 before id 5 here); GAD++(1, 0) with a drafter that always proposes the twin is GAD; and
-    on models that tie at every position."""
+    on models that tie at every position (row-invariant mode)."""
     logits = torch.zeros(2, 40, dtype=torch.float64)
     logits[:, 5] = logits[:, 7] = 1.0
     draft = torch.tensor([7, 5])
@@ -93,9 +96,11 @@ def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
         b = decode_gad(m, Drafter(m, k=3), src, max_len=8)
     assert_tokens_equal(b.tokens, decode_greedy(m, src, max_len=8).tokens, "gad++(1, 0), twin drafts")
     monkeypatch.undo()
-    for seed in range(3):
-        verifier = family_model(seed, "constant")
-        drafter = Drafter(family_model(seed + 7, "exact"), k=4)
+    for seed in range(3):  # exact ties at every position: in row-invariant mode, where a verification call
+        # computes bitwise what a step computes (on the reference route a q-row product and a one-row
+        # product may round the two tied logits apart in different directions)
+        verifier = row_invariant(family_model(seed, "constant"))
+        drafter = Drafter(row_invariant(family_model(seed + 7, "exact")), k=4)
         src = random_src(seed, 3, 16)
         a = decode_gad(verifier, drafter, src, max_len=12)
         with gadpp_rule_at_exact():
@@ -112,7 +117,7 @@ def test_a_positions_logits_are_bitwise_equal_across_call_shapes(dtype, family):
     each source alone against the padded batch, and the uncached forward all give a position the
     same logits bit for bit (x[:n] @ W.T rounds row 0 differently for most n; a masked longer
     attention row sums more terms)."""
-    m = set_row_invariant(family_model(3, family, dtype, vocab=40))
+    m = row_invariant(family_model(3, family, dtype, vocab=40))
     src = random_src(3, 3, 40)
     tgt = torch.cat([torch.full((3, 1), BOS_ID), torch.randint(5, 40, (3, 20), generator=torch.Generator().manual_seed(3))], 1)
     with torch.inference_mode():
@@ -136,7 +141,7 @@ def test_iad_equals_greedy_on_twin_rows_in_invariant_mode(dtype):
     """Guards the case where a verification call over many tokens and a one-token step rounded a
     position differently and IAD took the other twin: in row-invariant mode never, float32 and float64."""
     for seed in range(4):
-        m = set_row_invariant(family_model(seed, "exact", dtype, vocab=12))
+        m = row_invariant(family_model(seed, "exact", dtype, vocab=12))
         src = random_src(seed, 4, 12)
         ref = decode_greedy(m, src, max_len=20).tokens
         for match in ("unique", "longest"):
@@ -163,19 +168,24 @@ def test_fuzz_command_counts_and_reports(capsys):
     assert "2 models" in out and "row-invariant mode" in out and "0 mismatches" in out
 
 
-def test_the_switch_is_per_model_and_reversible():
-    """Guards the switch: it sets one model's layers (another model stays in the default mode) and
-    switching it off gives the default mode's logits again."""
-    a, b = tiny_model(1), tiny_model(1)
+def test_the_mode_wraps_one_model_and_leaves_it_as_it_is():
+    """Guards the mode's wrapper: its layers are objects of their own holding the model's parameters
+    (the same weights, now and after a change), the model itself keeps computing as model.py reads."""
+    a = tiny_model(1)
     src = random_src(1, 2, 40)
     tgt = torch.tensor([[BOS_ID, 7, 8, 9, 10]] * 2)
     with torch.inference_mode():
         before = a(src, tgt)
-        set_row_invariant(a)
-        assert is_row_invariant(a) and not is_row_invariant(b)
-        torch.testing.assert_close(a(src, tgt), b(src, tgt), rtol=1e-12, atol=1e-12)
-        set_row_invariant(a, False)
-        assert not is_row_invariant(a) and torch.equal(a(src, tgt), before)
+        inv = row_invariant(a)
+        assert is_row_invariant(inv) and not is_row_invariant(a) and inv is not a
+        assert type(a.decoder[0].ff.w1) is torch.nn.Linear and inv.decoder[0].ff.w1.weight is a.decoder[0].ff.w1.weight
+        torch.testing.assert_close(inv(src, tgt), before, rtol=1e-12, atol=1e-12)
+        assert torch.equal(a(src, tgt), before)
+    with torch.no_grad():
+        a.out_proj.weight.mul_(2)
+        a.decoder[0].ff.w1.weight.data = a.decoder[0].ff.w1.weight.data * 3
+    with torch.inference_mode():
+        torch.testing.assert_close(inv(src, tgt), a(src, tgt), rtol=1e-12, atol=1e-12)
 
 
 # -- weights, position table, construction mode --------------------------------------------------------
@@ -186,8 +196,9 @@ def step_logits(m: Transformer, src: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_decoding_follows_data_writes_and_fused_optimizer_steps(tie):
-    """Guards against a cached copy of the output projection outliving its weights: `.data` writes
-    and a fused Adam step bump no version counter, yet the one-row step must use the new weights."""
+    """Guards the reference route against any kept copy of the weights: `.data` writes and a fused
+    Adam step bump no version counter, yet the next step must use the new weights (the fast and int8
+    routes' copies: tests/test_fast.py, tests/test_int8.py)."""
     m = tiny_model(0, vocab=12, tie=tie)
     src = random_src(0, 1, 12)
     decode_greedy(m, src, max_len=5)  # decode once with the old weights
@@ -214,48 +225,22 @@ def test_float64_position_table_is_exact():
     assert torch.equal(m.to(torch.float32).to(torch.float64).positions, exact)
 
 
-@pytest.mark.parametrize("invariant", [False, True])
-def test_a_model_built_under_inference_mode_decodes(invariant):
-    """Guards construction under torch.inference_mode() (its tensors have no version counter): the
-    model decodes, and gives the logits of the same weights built normally."""
+ROUTE_OF = {"reference": lambda m: m, "invariant": row_invariant, "fast": FastRoute, "graphed": GraphedRoute,
+            "int8": lambda m: on_route(m, "reference", int8=True), "fast-int8": lambda m: FastRoute(m, int8=True)}
+
+
+@pytest.mark.parametrize("route", list(ROUTE_OF))
+def test_a_model_built_under_inference_mode_decodes(route):
+    """Guards construction under torch.inference_mode() (its tensors have no version counter, and
+    may not be given new data): the model decodes on every route, and gives the logits and tokens of
+    the same weights built normally."""
     cfg = ModelConfig(vocab_size=12, d_model=16, n_heads=2, d_ff=32, enc_layers=1, dec_layers=1, tie_embeddings=False)
     normal = Transformer(cfg).eval()
     with torch.inference_mode():
         built = Transformer(cfg).eval()
         built.load_state_dict(normal.state_dict())
-    for m in (normal, built):
-        set_row_invariant(m, invariant)
+    built, normal = ROUTE_OF[route](built), ROUTE_OF[route](normal)
     src = random_src(1, 2, 12)
     assert torch.equal(step_logits(built, src[:1]), step_logits(normal, src[:1]))
     assert_tokens_equal(decode_greedy(built, src, max_len=6).tokens, decode_greedy(normal, src, max_len=6).tokens, "greedy")
     assert_tokens_equal(decode_iad(built, src, max_len=6).tokens, decode_greedy(normal, src, max_len=6).tokens, "iad")
-
-
-def test_the_one_row_projection_copy_follows_every_weight_change():
-    """Guards the fast one-row vocabulary projection against going stale: its contiguous copy of
-    the output embedding is taken on a decoding call's second one-row step and checked against the
-    weights' current values, so weights changed through `.data` (no version bump) between two calls
-    are always seen, and the copy computes the same logits as the plain route (float64)."""
-    from refdec.data import source_tensor
-    from refdec.routes.kernels import call_state
-    m = tiny_model(3, tie=True)
-    src, bos = source_tensor([[7, 8, 9]]), torch.tensor([[BOS_ID]])
-    W = m.tgt_embed.weight
-
-    def two_steps():
-        memory, cache = m.encode(src), m.new_cache(1)
-        m.decode(bos, memory, cache)
-        assert call_state(memory)["projection"][W.data_ptr()] is False  # the first one-row step: no copy yet
-        m.decode(bos, memory, cache)
-        copy = call_state(memory)["projection"][W.data_ptr()]
-        assert torch.equal(copy, W.t())
-        return copy
-
-    with torch.inference_mode():
-        copy = two_steps()
-        hidden = torch.randn(1, 1, m.cfg.d_model, dtype=torch.float64)
-        assert torch.allclose(hidden @ copy, torch.nn.functional.linear(hidden, W), rtol=0, atol=1e-12)
-    with torch.no_grad():
-        W.data.mul_(2)  # no version bump
-    with torch.inference_mode():
-        assert torch.equal(two_steps(), W.t())  # the new call sees the new weights

@@ -21,18 +21,16 @@ from refdec.routes import graphed
 from refdec.cache import KVCache
 from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy
-from refdec.routes.fast import FastTransformer, set_fast_route
-from refdec.routes.graphed import GraphedTransformer, Replay, StaticKVCache, is_graphed, set_graphed_route
-from refdec.routes.kernels import RoutedTransformer
+from refdec.routes.fast import FastRoute
+from refdec.routes.graphed import GraphedRoute, Replay, StaticKVCache
 from refdec.model import Transformer
 
 TOL = 1e-12  # float64: the routes sum in different orders
 
 
-def graphed_copy(model: Transformer) -> Transformer:
-    m = copy.deepcopy(model)
-    assert set_graphed_route(m) == 1
-    return m
+def graphed_copy(model: Transformer) -> GraphedRoute:
+    """The graphed route around a copy of the model (so that tests may change one and not the other)."""
+    return GraphedRoute(copy.deepcopy(model))
 
 
 def calls(model: Transformer, src: torch.Tensor, tgt: torch.Tensor):
@@ -96,8 +94,7 @@ def test_a_padded_call_equals_the_unpadded_one(seed, monkeypatch):
     which pad nothing, agree at every real position; so do their greedy outputs."""
     m = tiny_model(seed, norm_first=seed != 1)
     src, tgt = random_src(seed, 3, 40), decode_tokens(seed, 3)
-    fast = copy.deepcopy(m)
-    set_fast_route(fast)
+    fast = FastRoute(copy.deepcopy(m))
     g = graphed_copy(m)
     padded = graphed_copy(m)
     unpadded, normal = calls(fast, src, tgt), calls(g, src, tgt)
@@ -312,23 +309,20 @@ def test_a_step_is_captured_once_then_replayed():
     assert runs[2:] == ["eager", "eager"] and cuda.log[-1] == "replay"
 
 
-# -- the switch ---------------------------------------------------------------------------------------
-def test_the_switch_and_where_the_route_defers():
-    """The switch keeps every parameter's value and goes back; a model the fast route does not write
-    stays; with gradients on, calls take the reference route; a weight written in place or given a
-    new tensor reaches the next decoding call."""
+# -- the wrapper ---------------------------------------------------------------------------------------
+def test_the_route_leaves_the_model_and_hands_on_where_it_does_not_apply():
+    """Wrapping keeps every parameter's value and the model's classes; a model the fast route does
+    not write is refused; with gradients on, calls take the model's own layers and make no step; a
+    weight written in place or given a new tensor reaches the next decoding call (`.data` in place
+    after `refresh`)."""
     m = tiny_model(6)
     state = {k: v.clone() for k, v in m.state_dict().items()}
-    assert set_graphed_route(m) == 1 and type(m) is GraphedTransformer and is_graphed(m)
-    assert set_graphed_route(m) == 0
+    g = GraphedRoute(m)
+    decode_greedy(g, random_src(6, 2, 40), max_len=6)
     assert all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
-    assert set_graphed_route(m, False) == 1 and type(m) is RoutedTransformer and not is_graphed(m)
-    assert all(p.is_contiguous() for p in m.parameters())
-    fast = tiny_model(6)
-    set_fast_route(fast)
-    assert set_graphed_route(fast) == 1 and set_graphed_route(fast, False) == 1 and type(fast) is RoutedTransformer
-    t5 = Transformer(dataclasses.replace(tiny_model(8).cfg, norm="rms"))
-    assert set_graphed_route(t5) == 0 and type(t5) is Transformer
+    assert type(m) is Transformer and type(m.decoder[0].ff.w1) is torch.nn.Linear
+    with pytest.raises(ValueError, match="does not write"):
+        GraphedRoute(Transformer(dataclasses.replace(tiny_model(8).cfg, norm="rms")))
 
     ref = tiny_model(6)
     g = graphed_copy(ref)
@@ -341,15 +335,31 @@ def test_the_switch_and_where_the_route_defers():
     assert (logits(ref, True) - logits(g, True)).abs().max() < TOL
     assert not g._state().steps  # with gradients on, no step was made
     assert (logits(ref) - logits(g)).abs().max() < TOL and g._state().steps
-    for change in (lambda mm: mm.decoder[0].ff.w1.weight.data.mul_(1.5),
-                   lambda mm: setattr(mm.out_proj.weight, "data", mm.out_proj.weight.data * 0.7),
-                   lambda mm: setattr(mm.decoder[1].sub2.norm.weight, "data", mm.decoder[1].sub2.norm.weight.data + 0.2),
-                   lambda mm: setattr(mm.encoder[0].attn.wv.weight, "data", mm.encoder[0].attn.wv.weight.data + 0.1)):
-        for mm in (ref, g):
+    for change, seen in ((lambda mm: mm.decoder[0].ff.w1.weight.data.mul_(1.5), False),
+                         (lambda mm: mm.decoder[0].ff.w1.weight.mul_(1.5), True),
+                         (lambda mm: setattr(mm.out_proj.weight, "data", mm.out_proj.weight.data * 0.7), True),
+                         (lambda mm: setattr(mm.decoder[1].sub2.norm.weight, "data", mm.decoder[1].sub2.norm.weight.data + 0.2), True),
+                         (lambda mm: setattr(mm.encoder[0].attn.wv.weight, "data", mm.encoder[0].attn.wv.weight.data + 0.1), True)):
+        for mm in (ref, g.model):
             with torch.no_grad():
                 change(mm)
+        if not seen:
+            g.refresh()
         assert (logits(ref) - logits(g)).abs().max() < TOL
-    assert isinstance(g, FastTransformer)
+    assert isinstance(g, FastRoute)
+
+
+def test_a_decoded_graphed_route_and_its_model_deep_copy():
+    """Guards copy.deepcopy after decoding (its kept steps once held torch.cuda, which cannot be
+    copied): the model copies, and a copy of the route is a route of a copy of the model, whose
+    steps are made again and which writes the same tokens."""
+    g = graphed_copy(tiny_model(9))
+    src = random_src(9, 3, 40)
+    first = decode_greedy(g, src, max_len=12).tokens
+    assert g._state().steps
+    twin = copy.deepcopy(g)
+    assert twin.model is not g.model and twin.state is None and isinstance(copy.deepcopy(g.model), Transformer)
+    assert_rows_equal(decode_greedy(twin, src, max_len=12).tokens, first, "the copy's greedy")
 
 
 # -- decode.py ----------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The int8 route (refdec.routes.int8): exact int8 products whose rows do not depend on the other rows of a
 call, a model's logits for a row alone equal to that row's within 8 rows (torch.equal, float32 and
 float64, on the reference and the fast route), every lossless decoder on the route equal to greedy
-on the route, the switch per model and reversible, the floating-point route for training, int8
-weights that follow weight writes, and the :int8 run option."""
+on the route, a wrapper that leaves the model in floating point, the floating-point products with
+gradients on, int8 weights that follow weight writes and optimizer steps (fused ones included), and
+the :int8 run option."""
 
 from __future__ import annotations
 
@@ -25,21 +26,20 @@ from refdec.decoding.gad import decode_gad
 from refdec.decoding.speculative import decode_speculative
 from refdec.drafter import Drafter
 from refdec.errors import UsageError
-from refdec.routes.fast import set_fast_route
+from refdec.loading import on_route
 from refdec.routes.int8 import QuantizedWeight
-from refdec.routes.kernels import is_int8, set_int8_route, set_row_invariant
+from refdec.routes.kernels import is_int8, row_invariant
 from refdec.plan import parse_compare
 
 ROUTES = ["reference", "fast"]
 
 
 def int8_copy(model, route: str = "reference", dtype: torch.dtype | None = None):
+    """The int8 route (on the model's own layers, or the fast route's layout) around a copy of the model."""
     m = copy.deepcopy(model)
     if dtype is not None:
         m = m.to(dtype)
-    if route == "fast":
-        set_fast_route(m)
-    return set_int8_route(m)
+    return on_route(m, route, int8=True)
 
 
 # -- the product ---------------------------------------------------------------------------------------
@@ -84,15 +84,21 @@ def test_products_of_one_input_side_by_side_equal_the_products_one_by_one(rows):
     bs = [torch.randn(n, generator=g) for n in (48, 16, 48)]
     qs = [QuantizedWeight(w.t(), w) for w in ws]
     x = torch.randn(rows, 48, generator=g) * 3
-    together = int8.linears(x, qs, bs)
+    kept: dict = {}  # a route's
+
+    def side_by_side():
+        return int8.joined(kept, "qkv", qs)
+
+    together = int8.linears(x, qs, bs, side_by_side)
     for y, q, b in zip(together, qs, bs):
         assert torch.equal(y, int8.linear(x, q, b))
     for i in {0, rows // 2, rows - 1}:
-        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(int8.linears(x[i:i + 1], qs, bs), together))
-    first = int8.joined(qs)
-    assert int8.joined(qs) is first
+        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(int8.linears(x[i:i + 1], qs, bs, side_by_side), together))
+    first = side_by_side()
+    assert side_by_side() is first
     qs[1] = QuantizedWeight(ws[1].t() * 2, ws[1])
-    assert int8.joined(qs) is not first and torch.equal(int8.linears(x, qs, bs)[1], int8.linear(x, qs[1], bs[1]))
+    assert side_by_side() is not first
+    assert torch.equal(int8.linears(x, qs, bs, side_by_side)[1], int8.linear(x, qs[1], bs[1]))
 
 
 # -- the model -----------------------------------------------------------------------------------------
@@ -104,9 +110,8 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_a_call(route, dtype):
     next step over the cache each call wrote; the encoder's states too. On the fast route (its
     fused attention works batch row by batch row) and in row-invariant mode; the reference
     route's attention products (torch.matmul over the batch) may round by the batch's size."""
-    m = int8_copy(tiny_model(21, norm_first=route == "fast"), "fast" if route == "fast" else "reference", dtype)
-    if route == "invariant":
-        set_row_invariant(m)
+    model = tiny_model(21, norm_first=route == "fast").to(dtype)
+    m = row_invariant(model, int8=True) if route == "invariant" else on_route(model, "fast", int8=True)
     src = random_src(21, 8, 40, min_len=7, max_len=7)
     tgt = torch.randint(5, 40, (8, 5), generator=torch.Generator().manual_seed(21))
     tgt[:, 0] = BOS_ID
@@ -126,7 +131,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_a_call(route, dtype):
 def test_int8_and_row_invariant_mode_make_every_position_independent_of_the_call(dtype):
     """With row-invariant mode's attention and norms, a verification call of 6 tokens computes
     bitwise what 6 one-token steps compute, in float32 too."""
-    m = set_row_invariant(int8_copy(tiny_model(22), "reference", dtype))
+    m = row_invariant(tiny_model(22).to(dtype), int8=True)
     src = random_src(22, 3, 40)
     tgt = torch.randint(5, 40, (3, 6), generator=torch.Generator().manual_seed(22))
     tgt[:, 0] = BOS_ID
@@ -199,37 +204,42 @@ def test_lossless_decoders_on_int8_equal_int8_greedy_in_float32():
     assert_rows_equal(decode_speculative(m, m, src, max_len=30, gamma=4).tokens, ref, "speculative float32")
 
 
-# -- the switch -----------------------------------------------------------------------------------------
+# -- the wrapper -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ROUTES)
-def test_the_switch_is_reversible_training_stays_float_and_weight_writes_are_followed(route):
+def test_the_model_stays_float_training_stays_float_and_weight_writes_are_followed(route):
+    """The route leaves the model in floating point (its float logits as before); with gradients on
+    the route computes the floating-point products; after an SGD step, a fused Adam step (which
+    advances no version counter) and load_state_dict, int8 greedy equals a fresh int8 route's on the
+    same weights."""
     m = tiny_model(24)
-    q = int8_copy(m, route)
-    state = {k: v.clone() for k, v in q.state_dict().items()}
-    assert is_int8(q) and not is_int8(m)
+    model = copy.deepcopy(m)
+    q = on_route(model, route, int8=True)
+    assert is_int8(q) and not is_int8(model) and type(model.decoder[0].ff.w1) is torch.nn.Linear
     src = random_src(24, 3, 40)
     tgt = torch.randint(5, 40, (3, 6))
-    assert (q(src, tgt) - m(src, tgt)).abs().max() < 1e-9  # gradients on: the floating-point products
 
-    def logits(model):
-        with torch.no_grad():
-            return model.decode(tgt[:, :1], model.encode(src), model.new_cache(3))
+    def logits(route_, grad=False):
+        with torch.set_grad_enabled(grad):
+            return route_.decode(tgt[:, :1], route_.encode(src), route_.new_cache(3)).detach()
 
+    assert (logits(q, True) - logits(m, True)).abs().max() < 1e-9  # gradients on: the floating-point products
     before = logits(q)
-    assert not torch.equal(before, logits(m))
-    q.train()  # an optimizer step, then load_state_dict: the int8 weights are made again from the new values
-    opt = torch.optim.SGD(q.parameters(), lr=0.1)
-    q(src, tgt).logsumexp(-1).mean().backward()
-    opt.step()
-    q.eval()
-    fresh = tiny_model(24)
-    fresh.load_state_dict(q.state_dict())
-    after = logits(q)
-    assert not torch.equal(after, before) and torch.equal(after, logits(int8_copy(fresh, route)))
-    q.load_state_dict(state)
+    assert not torch.equal(before, logits(m)) and torch.equal(logits(model), logits(m))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for opt in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters(), lr=0.1, fused=True)):
+        decode_greedy(q, src, max_len=8)  # int8 weights made before the step
+        model.train()
+        opt.zero_grad()
+        model(src, tgt).logsumexp(-1).mean().backward()
+        opt.step()
+        model.eval()
+        fresh = int8_copy(model, route)
+        after = logits(q)
+        assert not torch.equal(after, before) and torch.equal(after, logits(fresh))
+        assert_rows_equal(decode_greedy(q, src, max_len=8).tokens, decode_greedy(fresh, src, max_len=8).tokens,
+                          f"int8 greedy after {type(opt).__name__}")
+    model.load_state_dict(state)
     assert torch.equal(logits(q), before)
-    set_int8_route(q, False)
-    assert not is_int8(q) and (logits(q) - logits(m)).abs().max() < 1e-9
-    assert not any(isinstance(v, QuantizedWeight) for mod in q.modules() for v in mod.__dict__.values())
 
 
 def test_int8_is_a_run_option_of_compare():

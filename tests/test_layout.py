@@ -101,7 +101,8 @@ ENTRIES = ["refdec." + m.rpartition(".")[2] for m in COMMANDS
            if m.rpartition(".")[2] not in ("harness", "hfaudit", "hfcli")]
 ABOVE_THE_MODEL = ("refdec.decoding", "refdec.runner", "refdec.report", "refdec.htmlreport", "refdec.loading",
                    "refdec.algorithms", "refdec.plan", "refdec.hf", "refdec.training", "refdec.commands", *ENTRIES)
-ROUTES = ("refdec.routes.kernels", "refdec.routes.fast", "refdec.routes.graphed", "refdec.routes.int8", "refdec.routes")
+ROUTES = ("refdec.routes.kernels", "refdec.routes.fast", "refdec.routes.graphed", "refdec.routes.int8", "refdec.routes.stamps",
+          "refdec.routes")
 
 
 def test_no_import_cycle_among_refdecs_modules():

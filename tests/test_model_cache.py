@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_src, tiny_model
+from conftest import REPO, random_src, tiny_model
 from refdec.cache import KVCache
 from refdec.config import BOS_ID, EOS_ID
 
@@ -158,55 +158,58 @@ def test_few_row_route_computes_the_linear_map(bias):
     assert not M.few_row_route(x)  # training (grad enabled) always takes F.linear
 
 
-def test_a_built_model_is_torch_layers_and_use_kernels_routes_every_one():
-    """model.py builds torch's own layers (its compute modes live in refdec.routes); use_kernels gives
-    every linear layer, layer norm, attention and the model (proposal heads too) its class on the
-    kernels, with the same state dict, and computes the same logits (float64)."""
-    from refdec.routes import kernels as M
+def test_a_loaded_model_is_torch_layers_and_on_kernels_wraps_every_one():
+    """model.py builds torch's own layers, and a loaded checkpoint is one (the reference route: its
+    linear layers exactly nn.Linear); on_kernels gives a model (proposal heads too) layers of its own,
+    each linear layer, layer norm, attention and the model its routed class, holding the model's very
+    parameters (the same state dict), and leaves the model's classes as they were (float64: the same
+    logits within rounding)."""
+    from refdec.checkpoint import load_model
     from refdec.proposal import ProposalHeads
-    for module in (tiny_model(0, kernels=False), ProposalHeads(16, 8, 3)):
+    from refdec.routes import kernels as M
+    for module in (tiny_model(0), ProposalHeads(16, 8, 3)):
         linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all(type(m) is torch.nn.Linear for m in linears)
-        keys = {k: v.clone() for k, v in module.state_dict().items()}
         before = [type(m) for m in module.modules()]
-        M.use_kernels(module)
-        assert all(type(m) is M.ROUTED.get(t, t) for m, t in zip(module.modules(), before))
-        assert all(type(m) is M.RoutedLinear for m in linears)
-        assert keys.keys() == module.state_dict().keys()
-        assert all(torch.equal(keys[k], v) for k, v in module.state_dict().items())
-    plain, routed = tiny_model(5, vocab=40, kernels=False), tiny_model(5, vocab=40)
+        routed = M.on_kernels(module, M.Kernels(few_rows=True))
+        assert [type(m) for m in module.modules()] == before
+        assert all(type(m) is M.ROUTED.get(t, t) for m, t in zip(routed.modules(), before))
+        assert routed.state_dict().keys() == module.state_dict().keys()
+        assert all(a is b for a, b in zip(routed.parameters(), module.parameters()))
+    plain = tiny_model(5, vocab=40)
+    routed = M.on_kernels(plain, M.Kernels(few_rows=True))
     src, tgt = random_src(5, 2, 40), torch.tensor([[BOS_ID, 7, 8, 9]] * 2)
     with torch.no_grad():
         a = plain.decode(tgt, plain.encode(src), plain.new_cache(2))
         b = routed.decode(tgt, routed.encode(src), routed.new_cache(2))
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    loaded = load_model(REPO / "checkpoints" / "gec-uk" / "model.pt", task="gec-uk", device="cpu", dtype=torch.float32)[0]
+    linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is torch.nn.Linear for m in linears)
+    assert all(type(m) in (torch.nn.LayerNorm, torch.nn.Linear) for m in loaded.modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
 
 
-def test_few_row_route_is_switched_per_model():
-    """set_few_row_route: off, a model's inference takes F.linear everywhere, so a 4-token decoder
-    call gives bitwise the logits of the plain route (the one taken with gradients on); on (the
-    default), its linear layers and projection take (W @ x.T).T; another model is untouched."""
-    from refdec.routes.kernels import RoutedLinear as Linear, set_few_row_route
-    m, other = tiny_model(3, vocab=40), tiny_model(4, vocab=40)
+def test_the_few_row_product_is_the_kernels_choice_per_wrapper():
+    """Kernels(few_rows=False) computes F.linear everywhere, bitwise the model's own logits (the
+    reference route, as taken with gradients on too); Kernels(few_rows=True) makes the linear
+    layers take (W @ x.T).T, on the same weights, and the model itself stays plain."""
+    from refdec.routes.kernels import Kernels, on_kernels
+    m = tiny_model(3, vocab=40)
     src, tgt = random_src(3, 1, 40), torch.tensor([[BOS_ID, 7, 8, 9]])
 
-    def logits(grad: bool) -> torch.Tensor:
+    def logits(model, grad: bool = False) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return m.decode(tgt, m.encode(src), m.new_cache(1)).detach()
+            return model.decode(tgt, model.encode(src), model.new_cache(1)).detach()
 
-    assert m.few_rows and all(layer.few_rows for layer in m.modules() if isinstance(layer, Linear))
-    assert set_few_row_route(m, False) is m
-    assert not m.few_rows and not any(layer.few_rows for layer in m.modules() if isinstance(layer, Linear))
-    assert other.few_rows and all(layer.few_rows for layer in other.modules() if isinstance(layer, Linear))
-    assert torch.equal(logits(False), logits(True))
+    plain, few = on_kernels(m, Kernels()), on_kernels(m, Kernels(few_rows=True))
+    assert torch.equal(logits(plain), logits(m)) and torch.equal(logits(m), logits(m, True))
     x = torch.randn(1, 4, m.cfg.d_model, dtype=torch.float64)
-    w1 = m.decoder[0].ff.w1
+    w1, few_w1 = m.decoder[0].ff.w1, few.decoder[0].ff.w1
     with torch.no_grad():
         assert torch.equal(w1(x), torch.nn.functional.linear(x, w1.weight, w1.bias))
-        set_few_row_route(m)
-        assert m.few_rows
-        assert torch.equal(w1(x), torch.addmm(w1.bias[:, None], w1.weight, x[0].t()).t()[None])
-    torch.testing.assert_close(logits(False), logits(True), rtol=1e-12, atol=1e-12)
+        assert torch.equal(few_w1(x), torch.addmm(w1.bias[:, None], w1.weight, x[0].t()).t()[None])
+    torch.testing.assert_close(logits(few), logits(m), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow

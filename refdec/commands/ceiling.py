@@ -55,10 +55,8 @@ from ..decoding.verify import verify
 from ..drafter import draft_block
 from ..errors import UsageError, first_line, run_command
 from ..repo import REPO, repo_file
-from ..routes.fast import set_fast_route
-from ..routes.graphed import set_graphed_route
 from ..inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
-from ..loading import Models, RunLoader
+from ..loading import Models, RunLoader, routed
 from ..machine import clock, device_name, environment, machine_line
 from ..model import Transformer
 from ..progress import ProgressLine
@@ -161,8 +159,7 @@ def load_models(args, path: Path) -> tuple[Models, Tokenizer]:
     own = {role: str(p) for role, p in (("drafter", drafter_file(args)), ("small", args.small)) if p is not None}
     models = loader.models_for(path, tuple(own), own)
     if args.fast or args.graphed:
-        for m in models.all():
-            (set_graphed_route if args.graphed else set_fast_route)(m)
+        models = routed(models, "graphed" if args.graphed else "fast", False, {})
     return models, loader.tokenizer
 
 
@@ -183,7 +180,7 @@ def time_runs(runs: list[tuple], ids: list[list[int]], models: Models, warmup: i
     n = 0
     progress = ProgressLine(len(ids), "sentences")
     for i, s in enumerate(ids):
-        src = data_mod.source_tensor([s]).to(model.tgt_embed.weight.device)
+        src = data_mod.source_tensor([s]).to(next(model.parameters()).device)
         max_len = max_len_for([s], None, model.cfg.max_positions)
         y, _ = greedy_output(model, src, max_len)
         timed = i >= warmup

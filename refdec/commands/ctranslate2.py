@@ -35,7 +35,6 @@ own output) lie from refdec's log-probabilities of the same tokens.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import shutil
 import statistics
@@ -52,12 +51,12 @@ from ..checkpoint import file_sha256, load_model
 from ..data import source_rows, source_tensor
 from ..decoding.result import DecodeResult, DecodeStats, result_of
 from ..errors import UsageError, run_command
-from ..routes.fast import is_fast, set_fast_route
+from ..routes.fast import FastRoute
 from ..hf import PEGASUS, check_export, export_route, write_folder
 from ..repo import check_not_shipped, repo_file
-from ..routes.kernels import is_int8, set_int8_route
+from ..routes.kernels import is_int8
 from ..inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
-from ..loading import Models
+from ..loading import Models, on_route
 from ..machine import allocator_option, environment, machine_line, set_allocator, usable_cores, warn_if_int8_slow
 from ..progress import ProgressLine
 from ..report import format_table, summary_row, write_report
@@ -195,7 +194,7 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
     if fast is not None:
         methods += [(algo, options, f"{label}-fast", fast) for algo, options, label in refdec]
     if int8 is not None:
-        route = "-fast-int8" if is_fast(int8.model) else "-int8"
+        route = "-fast-int8" if isinstance(int8.model, FastRoute) else "-int8"
         methods += [(algo, options, f"{label}{route}", int8) for algo, options, label in refdec]
     runs = []
     batchings = [(size, 0, f"b{size}") for size in args.batch_sizes] + [(0, n, f"t{n}") for n in args.batch_tokens]
@@ -245,7 +244,7 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
     steps = None
     if args.step_cost and finished:
         routes = ([("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])
-                  + ([("refdec" + ("-fast" if is_fast(int8.model) else "") + "-int8", int8.model)] if int8 is not None else []))
+                  + ([("refdec" + ("-fast" if isinstance(int8.model, FastRoute) else "") + "-int8", int8.model)] if int8 is not None else []))
         steps = step_costs(routes, ct2, tokens)
     return rows, done, steps
 
@@ -261,7 +260,7 @@ def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object]
     of that step in PyTorch's products. Medians over interleaved rounds after one warm-up round."""
     src = torch.full((1, src_len - 1), 11)
     src = torch.cat([src, torch.full((1, 1), models[0][1].cfg.eos_id)], 1)
-    fast = [m for _, m in models if is_fast(m) and not is_int8(m)]
+    fast = [m for _, m in models if isinstance(m, FastRoute) and not is_int8(m)]
     names = [n for n, _ in models] + (["refdec-fast-products"] if fast else []) + [f"ct2-{c}" for c in ct2]
     times: dict[str, list[float]] = {name: [] for name in names}
     progress = ProgressLine(rounds + 1, "rounds of one decoder step")
@@ -386,17 +385,12 @@ def run(args) -> int:
     tokens = vocabulary(folder, model.cfg.vocab_size)
     models = Models(model, Path(args.model))
     fast = None
-    if args.fast:  # a second copy of the same weights: the reference runs keep the reference route
-        fast_model = copy.deepcopy(model)
-        set_fast_route(fast_model)
-        fast = Models(fast_model, Path(args.model))
+    if args.fast:  # the same model wrapped: the reference runs read it as it is
+        fast = Models(on_route(model, "fast"), Path(args.model))
     int8 = None
-    if args.int8:  # another copy: the int8 route, on the fast route with --fast
+    if args.int8:  # the int8 route, on the fast route with --fast
         warn_if_int8_slow("cpu", "refdec's faster route here is --fast without --int8")
-        int8_model = copy.deepcopy(model)
-        if args.fast:
-            set_fast_route(int8_model)
-        int8 = Models(set_int8_route(int8_model), Path(args.model))
+        int8 = Models(on_route(model, "fast" if args.fast else "reference", int8=True), Path(args.model))
     results, interrupted = [], False
     print(machine_line(",".join(map(str, args.threads))), flush=True)
     for threads in args.threads:

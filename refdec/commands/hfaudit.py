@@ -79,24 +79,10 @@ def hf_algorithm(name: str, hf_model, failures: dict, **generate_args) -> Algori
 
 
 def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
-    """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' on
-    copies (refdec.routes.fast, refdec.routes.graphed), so that each route's decoders are rows of the one audit."""
-    import copy
-
-    from ..routes.fast import set_fast_route
-    from ..routes.graphed import set_graphed_route
-    from ..loading import Models
-    out = []
-    for route in routes:
-        if route == "reference":
-            out.append((route, models))
-            continue
-        model, small = copy.deepcopy(models.model), copy.deepcopy(models.small)
-        for m in (model, small):
-            if m is not None:
-                (set_graphed_route if route == "graphed" else set_fast_route)(m)
-        out.append((route, Models(model, models.path, small=small)))
-    return out
+    """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' wrapping
+    them (refdec.routes.fast, refdec.routes.graphed), so that each route's decoders are rows of the one audit."""
+    from ..loading import routed
+    return [(route, routed(models, route, False, {})) for route in routes]
 
 
 def _audit(args, lines: list[str], tmp: Path) -> dict:

@@ -10,10 +10,11 @@ For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --
 --src source tokens, interleaving the q values round by round, and prints the median cost and
 cost(q) / cost(1): the price of verifying a draft of q tokens in one call, which decides what every
 speculative decoder can gain on this machine. Each call is
-timed twice, interleaved: with refdec.routes.kernels' few-row route for the linear layers (the default:
-(W @ x.T).T for 2-16 rows) and with the plain x @ W.T of torch's F.linear. It also times the one-row
-vocabulary projection both ways: the strided view W.t() against the contiguous transposed copy that
-a decoding call takes from its second one-row step on (refdec.routes.kernels, the projection copy).
+timed twice, interleaved: the model as model.py reads it (plain: torch's F.linear, x @ W.T; the
+reference route, what decode.py runs by default) and with refdec.routes.kernels' few-row product for
+the linear layers ((W @ x.T).T for 2-16 rows, which the fast route takes where it hands a call to the
+model's layers). It also times the one-row vocabulary projection both ways: the strided view W.t()
+(the reference route's) against a contiguous transposed copy (the fast route's layout).
 
 With --rows B every call decodes B batch rows at once (a batched decoder's call: B rows x q tokens),
 and the table adds the cost per decoder position (ms / (B x q)): once a call holds a few hundred
@@ -33,15 +34,14 @@ and how long the rest should take (64 rows x 30 rounds take minutes).
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 
 import torch
 
-from ..routes.fast import set_fast_route
-from ..routes.graphed import set_graphed_route
-from ..routes.kernels import FEW_ROWS, set_few_row_route
+from ..routes.fast import FastRoute
+from ..routes.graphed import GraphedRoute
+from ..routes.kernels import FEW_ROWS, Kernels, on_kernels
 from ..checkpoint import load_model
 from ..errors import UsageError, run_command
 from ..repo import repo_file
@@ -69,7 +69,7 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
 
 def time_products(model, reps: int, rows: int = 1) -> float:
     """Median seconds of the matrix products alone of one fast-route decoder step that appends one token
-    to each of `rows` rows (refdec.routes.fast.DecoderWeights.products), on the model's own laid-out weights,
+    to each of `rows` rows (refdec.routes.fast.DecoderWeights.products), on the route's laid-out weights,
     with nothing between them: the part of the step that attention, norms, the cache and dispatch
     come on top of. `model` is on the fast route."""
     weights = model.decoder_weights()
@@ -85,15 +85,14 @@ def time_products(model, reps: int, rows: int = 1) -> float:
 def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     """Seconds per call of each route at each q, of the one-row projection both ways, and of the
     encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.routes.kernels), and
-    with --fast the fast route (refdec.routes.fast) on a copy of the model, whose encoder is timed too, and
+    with --fast the fast route (refdec.routes.fast) wrapping the model, whose encoder is timed too, and
     the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures), and
-    with --graphed the graphed route (refdec.routes.graphed) on another copy."""
-    routes = {"few-row": (model, True), "plain": (model, False)}
-    for name, switch in (("fast", set_fast_route), ("graphed", set_graphed_route)):
+    with --graphed the graphed route (refdec.routes.graphed) wrapping it too."""
+    routes = {"few-row": on_kernels(model, Kernels(few_rows=True)), "plain": model}
+    for name, route in (("fast", FastRoute), ("graphed", GraphedRoute)):
         if getattr(args, name):
-            routes[name] = (copy.deepcopy(model), True)
-            switch(routes[name][0])
-    fast = routes["fast"][0] if args.fast else None
+            routes[name] = route(model)  # the same model, wrapped
+    fast = routes.get("fast")
     device = model.tgt_embed.weight.device
     samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}
     W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
@@ -106,15 +105,14 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
           f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}", file=sys.stderr, flush=True)
     progress = ProgressLine(args.rounds + 1, "rounds")
     with torch.inference_mode():
-        memories = {m: m.encode(src) for m, _ in routes.values()}  # one per model (the reference routes share one)
+        memories = {route: m.encode(src) for route, m in routes.items()}
         h = torch.randn(1, 1, model.cfg.d_model, device=device)
         schedule = [(3, False)] + [(5, True)] * args.rounds  # a warm-up round, then the timed ones
         for done, (reps, timed) in enumerate(schedule):
             progress.update(done)  # the rounds finished so far
-            for route, (m, on) in routes.items():
-                set_few_row_route(m, on)
+            for route, m in routes.items():
                 for q in qs:
-                    cost = time_decode(m, memories[m], args.prefix, q, reps)
+                    cost = time_decode(m, memories[route], args.prefix, q, reps)
                     if timed:
                         samples[route, q].append(cost)
                 if timed and route == "fast":  # right after its calls, as warm as they were
@@ -126,11 +124,10 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                 for _ in range(10):
                     h @ w
                 proj[name].append((clock(device) - t0) / 10)
-            set_few_row_route(model, True)  # the encoder as decode.py runs it
-            for name in ("reference", "fast", "graphed"):
+            for name in ("reference", "fast", "graphed"):  # the reference: the encoder as decode.py runs it
                 if name in encoder:
                     t0 = clock(device)
-                    routes.get(name, (model,))[0].encode(src)
+                    routes.get(name, model).encode(src)
                     encoder[name].append(clock(device) - t0)
     return samples, proj, encoder
 

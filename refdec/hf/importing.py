@@ -21,7 +21,6 @@ import torch
 
 from ..config import ModelConfig
 from ..model import Transformer, sinusoidal_positions
-from ..routes.kernels import use_kernels
 from ..tokenizer import MarianPieces, Tokenizer
 from .common import HFError, first_line, is_hf_folder, read_json, read_weights
 from .families import FAMILIES, Family, family_of
@@ -156,7 +155,7 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype
         model.load_state_dict(state)
     except RuntimeError as e:
         raise HFError(f"{folder}: weights do not fit config.json: {first_line(e, 200)}") from None
-    use_kernels(model.to(device=device, dtype=dtype).eval())  # the CPU kernels (refdec.routes.kernels)
+    model.to(device=device, dtype=dtype).eval()
     return model, tokenizer, {"format": "transformers", "task": None, "step": None, "architecture": family.architecture,
                               "model_config": cfg.to_dict(), "meta": {"folder": str(folder)}}
 

@@ -1,17 +1,23 @@
 """The speed routes beside the reference route.
 
-refdec.model is the paper's Transformer computed as written: the route a learner reads and every
-exactness test is written against. A route computes the same model another way, on the same
-parameters (nothing copied, state-dict keys unchanged), by giving the model's layers subclasses of
-their own classes; a switch puts a model on a route and takes it off again, and each route is tested
-equal to the reference route:
+refdec.model is the paper's Transformer computed as written: the reference route, what a loaded
+checkpoint is (nn.Linear, nn.LayerNorm), the code a learner reads and every exactness test is
+written against. A route is an object that wraps a model and computes the same model another way: it
+holds the model (unchanged: its classes, parameters and state-dict keys stay as they are), the weight
+layout it computes with, and hands each decoding call what the call keeps (its Memory, its cache);
+it offers the verbs a decoder calls (encode, new_cache, decode_hidden, project, decode, cfg: the
+Companion protocol of refdec.decoding.pairing), so every decoder runs on it unchanged, and each route
+is tested equal to the reference route:
 
-    kernels.py   other kernels for the same products, per model: the few-row route and the projection
-                 copy (on for every loaded checkpoint), row-invariant compute (set_row_invariant),
-                 the int8 products' switch (set_int8_route); what a route keeps per decoding call
-    fast.py      fewer, larger operations: laid-out weights, fused attention (set_fast_route; --fast)
-    graphed.py   the fast route's calls on static shapes, CUDA graphs on a GPU (set_graphed_route; --graphed)
+    kernels.py   the model's own layers again, computing by other kernels (on_kernels): the few-row
+                 product, row-invariant compute (row_invariant), the int8 products
+    fast.py      FastRoute(model): fewer, larger operations, laid-out weights, fused attention (--fast);
+                 FastRoute(model, int8=True) its products in int8
+    graphed.py   GraphedRoute(model): the fast route's calls on static shapes, CUDA graphs on a GPU (--graphed)
     int8.py      int8 products with one activation scale per row, exact in int32 (--int8)
+    stamps.py    when a route's copy of a weight is out of date
 
-The routes import the model; the model imports no route (tests/test_layout.py).
+`refdec.loading.on_route(module, route)` puts a run's model, or an adapter, drafter model or proposal
+heads holding one, on a route by name. The routes import the model; the model imports no route, and
+no route imports an adapter, a checkpoint or a decoder (tests/test_layout.py).
 """

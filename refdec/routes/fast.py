@@ -20,13 +20,17 @@ the model's own parameters (nothing is copied, so a weight written in any way is
 
 It writes into the same KVCache with the same verbs (append, advance; the decoders truncate, select
 and clone it as before), takes the same arguments, and returns the same shapes, so every decoder
-runs on it unchanged. It is a route, not a model: `set_fast_route(model)` switches a Transformer's
-class to FastTransformer (the parameters' values, state-dict keys and module tree stay as they are) and
-`set_fast_route(model, False)` switches it back. Where the route does not apply it defers to the
-reference route: while training or with gradients on, in row-invariant mode, for an early exit
-(`layers`) or a drafter's block of masks (`open_from`), and for model families whose layers it does
-not write (RMS norm, gated feed-forward, T5's relative positions and unscaled attention: see
-`applies_to`).
+runs on it unchanged. It is a route, not a model: `FastRoute(model)` wraps a Transformer and offers
+the verbs a decoder calls (encode, new_cache, decode_hidden, project, decode, cfg), leaving the model
+as it is. The route holds its own copy of the decoder's weights in the layout above, made from the
+parameters when first used and made again when one of them has changed (refdec.routes.stamps), and
+hands each decoding call the layout it checked in the Memory it returns (LaidOutMemory). Where the
+route does not apply it hands the call to the model's own layers on the few-row kernels
+(refdec.routes.kernels, its `reference`), explicitly: while training or with gradients on, for an
+early exit (`layers`) or a drafter's block of masks (`open_from`); it is not made for model families
+whose layers it does not write (RMS norm, gated feed-forward, T5's relative positions and unscaled
+attention: see `applies_to`). `FastRoute(model, int8=True)` computes the same layout's products in
+int8 (refdec.routes.int8).
 
 The route computes the same sums in another order (a fused attention kernel, the bias added after
 the residual), so its float32 logits differ from the reference route's in the last bits, as the
@@ -38,7 +42,8 @@ float32 fast greedy writes the reference route's output, and the logit margin at
 
 from __future__ import annotations
 
-import weakref
+import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +55,8 @@ from ..forced import before_source, with_forced_prefix
 from ..model import Transformer, new_positions
 from . import int8
 from .int8 import Int8Layout, QuantizedWeight
-from .kernels import RoutedTransformer, call_state, use_kernels
+from .kernels import Kernels, on_kernels
+from .stamps import stamp
 
 
 def applies_to(cfg: ModelConfig) -> bool:
@@ -62,9 +68,9 @@ def applies_to(cfg: ModelConfig) -> bool:
 
 
 def in_out(layer: nn.Linear) -> torch.Tensor | QuantizedWeight:
-    """The layer's weight as (in, out): a view, x @ in_out(layer) is the layer's product; on the int8
-    route (refdec.routes.int8) its int8 form."""
-    return layer.quantized("weight", layer.weight) if layer.int8_active() else layer.weight.t()
+    """The layer's weight as (in, out): a view, x @ in_out(layer) is the layer's product; for a layer
+    on the int8 kernels (refdec.routes.kernels) its int8 form."""
+    return layer.int8_weight() if layer.kernels.int8_now() else layer.weight.t()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
@@ -74,11 +80,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) 
     return torch.addmm(b, x, w)
 
 
-def linears(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor]:
-    """[x @ in_out(m) + m.bias for m in layers] for x (N, in); on the int8 route x is quantized once."""
+def linears(x: torch.Tensor, layers: list[nn.Linear], joined: dict) -> list[torch.Tensor]:
+    """[x @ in_out(m) + m.bias for m in layers] for x (N, in); in int8, x is quantized once and the
+    weights side by side are kept in `joined` (the route's)."""
     weights, biases = [in_out(m) for m in layers], [m.bias for m in layers]
     if isinstance(weights[0], QuantizedWeight):
-        return int8.linears(x, weights, biases)
+        key = tuple(id(m) for m in layers)
+        return int8.linears(x, weights, biases, lambda: int8.joined(joined, key, weights))
     return [torch.addmm(b, x, w) for w, b in zip(weights, biases)]
 
 
@@ -153,14 +161,13 @@ def decoder_stack(layers: list[dict], x: torch.Tensor, B: int, q: int, H: int, s
 class DecoderWeights:
     """The decoder layers' weights laid out as one step reads them fastest: each a contiguous
     (in, out) matrix, a self-attention layer's queries, keys and values side by side in one (D, 3
-    inner) matrix, their biases in one vector. The parameters are not copied but moved: each
-    parameter's tensor becomes a view of its place in these matrices (same values, same shape,
-    transposed strides), so a weight written in place in any way (an optimizer step, `.data.mul_`,
-    load_state_dict) is written here too. A parameter given a new tensor (`.data = ...`, `.to()`,
-    `.double()`) no longer points here, which `current` sees, and the layout is made again."""
+    inner) matrix, their biases in one vector, the output embedding as (D, V). A copy, the route's own:
+    the parameters stay as they are, and `current` tells whether each still holds the values the copy
+    was made from (refdec.routes.stamps). Norms, the other biases and the activations are the
+    parameters themselves."""
 
     def __init__(self, model: Transformer):
-        self.layers, self.places = [], []  # places: (parameter, data_ptr, stride) each must keep
+        self.layers, self.sources = [], []  # sources: (parameter, its stamp when copied)
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, even when made mid-decoding
             for layer in model.decoder:
                 sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
@@ -176,21 +183,15 @@ class DecoderWeights:
             self.vocab = self.place([model.tgt_embed if model.out_proj is None else model.out_proj], "weight")
 
     def place(self, modules: list[nn.Linear], name: str) -> torch.Tensor:
-        """One (in, sum of outs) matrix (weights) or (sum of outs,) vector (biases) holding the
-        modules' parameters side by side; each parameter becomes a view of its part."""
+        """One (in, sum of outs) matrix (weights) or (sum of outs,) vector (biases): the modules'
+        parameters side by side, copied."""
         params = [getattr(m, name) for m in modules]
-        whole = torch.cat([p.t() if name == "weight" else p for p in params], -1).contiguous()
-        start = 0
-        for p in params:
-            part = whole[..., start:start + p.shape[0]]
-            p.data = part.t() if name == "weight" else part
-            self.places.append((p, p.data_ptr(), p.stride()))
-            start += p.shape[0]
-        return whole
+        self.sources += [(p, stamp(p)) for p in params]
+        return torch.cat([p.t() if name == "weight" else p for p in params], -1).contiguous()
 
     def current(self) -> bool:
-        """Whether every parameter still lives where this layout put it."""
-        return all(p.data_ptr() == ptr and p.stride() == stride for p, ptr, stride in self.places)
+        """Whether every parameter still holds the values this layout was copied from."""
+        return all(stamp(p) == s for p, s in self.sources)
 
     def products(self, x: torch.Tensor) -> torch.Tensor:
         """The matrix products of a decoder step over rows x (N, D) and nothing else, in the step's
@@ -207,17 +208,81 @@ class DecoderWeights:
         return x @ self.vocab
 
 
-class FastTransformer(RoutedTransformer):
-    """A Transformer whose encoder and decoder calls take the fast route where it applies (the module
-    docstring); made by `set_fast_route`, never constructed directly."""
+@dataclass(eq=False)
+class LaidOutMemory(Memory):
+    """The Memory of one decoding call on the fast route: the encoder's states and cross-attention keys
+    and values, and what the route keeps for the call: the route that made it, the weight layout it
+    checked at the call's start, `src_allowed` (B, 1, 1, S) True at real source positions (None: no
+    padding), and the graphed route's slot (refdec.routes.graphed)."""
 
-    def _route(self) -> bool:
-        # row_invariant: the model's own switch (set_row_invariant sets every layer's together)
-        return not (self.training or torch.is_grad_enabled() or self.row_invariant)
+    route: object = None
+    weights: "DecoderWeights | Int8Layout | None" = None
+    slot: object = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.src_allowed = None if self.src_block is None else ~self.src_block
+
+    def select(self, rows: torch.Tensor) -> "LaidOutMemory":
+        chosen = super().select(rows)
+        return LaidOutMemory(chosen.states, chosen.src_pad, chosen.cross_kv, self.route, self.weights)
+
+
+class FastRoute:
+    """Wraps a Transformer so that its encoder and decoder calls take the fast route where it applies
+    (the module docstring). `model`: the Transformer itself, unchanged; `reference`: its layers on the few-row
+    kernels (refdec.routes.kernels), where calls go where the route does not apply (`few_rows` False:
+    on F.linear, for a machine where the few-row product loses; `python -m refdec.stepcost` times
+    both); `int8`: the layout's products, and the reference's, in int8 (refdec.routes.int8)."""
+
+    def __init__(self, model: Transformer, int8: bool = False, memo: dict | None = None, few_rows: bool = True):
+        if not applies_to(model.cfg):
+            raise ValueError("the fast route does not write this model's layers (refdec.routes.fast.applies_to)")
+        if int8:
+            from .int8 import weight_levels
+            weight_levels()  # refuse at once on a machine whose int8 product is not exact
+        self.model, self.int8 = model, int8
+        self.kernels = Kernels(few_rows=few_rows, int8=int8)
+        self.reference = on_kernels(model, self.kernels, memo)
+        self.laid_out: DecoderWeights | None = None  # the decoder's weights in the layout (made at first use)
+        self.int8_layout: Int8Layout | None = None  # their int8 forms
+        self.joined: dict = {}  # int8: weights of one input side by side (refdec.routes.int8.joined)
+
+    # -- what the route hands to the model --------------------------------------------------------------
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def eval(self) -> "FastRoute":
+        self.model.eval()
+        return self
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __deepcopy__(self, memo: dict) -> "FastRoute":
+        """A route of a copy of the model; layouts and steps are made again at first use."""
+        return FastRoute(copy.deepcopy(self.model, memo), self.int8, few_rows=self.kernels.few_rows)
+
+    def refresh(self) -> None:
+        """Drop the kept layout, so that the next call copies the weights again (after a write through
+        `.data` in place, which no stamp sees: refdec.routes.stamps)."""
+        self.laid_out = self.int8_layout = None
+
+    def applies(self) -> bool:
+        return not (self.model.training or torch.is_grad_enabled())
+
+    # -- the encoder ---------------------------------------------------------------------------------
+    def encode(self, src: torch.Tensor) -> Memory:
+        return self.attach(*self.encode_states(src))
 
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self._route() and self.cfg.enc_layers):
-            return super().encode_states(src)
+        if not (self.applies() and self.cfg.enc_layers):
+            return self.reference.encode_states(src)
         src = before_source(src, self.cfg.encoder_prefix)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         allowed = ~src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S)
@@ -227,69 +292,70 @@ class FastTransformer(RoutedTransformer):
         """The encoder over src (B, S), its forced tokens in, with `allowed` (B, 1, 1, S) True at the
         keys that are not padding (None: every key) -> states (B, S, D)."""
         B, S = src.shape
-        H = self.cfg.n_heads
-        x = self._embed("src", src, 0).reshape(B * S, -1)
-        for layer in self.encoder:  # once per source, many rows: the parameters as they are, no copy
+        H, ref = self.cfg.n_heads, self.reference
+        x = ref._embed("src", src, 0).reshape(B * S, -1)
+        for layer in ref.encoder:  # once per source, many rows: the parameters as they are, no copy
             def self_attn(h, x, a=layer.attn):
-                q, k, v = (heads(y, B, S, H) for y in linears(h, [a.wq, a.wk, a.wv]))
+                q, k, v = (heads(y, B, S, H) for y in linears(h, [a.wq, a.wk, a.wv], self.joined))
                 return attend(q, k, v, allowed, x, in_out(a.wo), a.wo.bias)
             ff = {"w1": in_out(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": in_out(layer.ff.w2), "b2": layer.ff.w2.bias,
                   "act": layer.ff.act}
             x = sublayer(x, layer.sub1, self_attn)
             x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x, None))
-        return self.enc_norm(x).view(B, S, -1)
+        return ref.enc_norm(x).view(B, S, -1)
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
-        if not self._route():
-            return super().attach(states, src_pad)
+        """Encoder states -> this call's LaidOutMemory, the weights checked once for the call."""
+        if not self.applies():
+            return self.reference.attach(states, src_pad)
         B, S, _ = states.shape
         rows, H = states.reshape(B * S, -1), self.cfg.n_heads
-        dtype = torch.float64 if self.int8_active() else states.dtype  # int8: its attention's dtype (refdec.routes.int8)
+        dtype = torch.float64 if self.int8 else states.dtype  # int8: its attention's dtype (refdec.routes.int8)
         kv = [heads(y, B, S, H).to(dtype).contiguous()
-              for y in linears(rows, [m for layer in self.decoder for m in (layer.cross_attn.wk, layer.cross_attn.wv)])]
-        memory = Memory(states, src_pad, list(zip(kv[0::2], kv[1::2])))
-        call_state(memory)["fast"] = (self, self.decoder_weights())  # checked once per decoding call
-        return memory
+              for y in linears(rows, [m for layer in self.reference.decoder
+                                      for m in (layer.cross_attn.wk, layer.cross_attn.wv)], self.joined)]
+        return LaidOutMemory(states, src_pad, list(zip(kv[0::2], kv[1::2])), self, self.decoder_weights())
 
     def decoder_weights(self) -> DecoderWeights | Int8Layout:
-        """The decoder's weights in the fast layout, laid out again if a parameter has left it; on
-        the int8 route, their int8 forms in the same layout (refdec.routes.int8.Int8Layout), made again if
-        a weight has been written since."""
+        """The decoder's weights in the fast layout, copied again if a parameter has changed since; in
+        int8, their int8 forms in the same layout (refdec.routes.int8.Int8Layout)."""
         kept = self.laid_out
         if kept is None or not kept.current():
-            kept = self.laid_out = DecoderWeights(self)
-        if not self.int8_active():
+            kept = self.laid_out = DecoderWeights(self.model)
+        if not self.int8:
             return kept
         quantized = self.int8_layout
         if quantized is None or not quantized.current(kept):
             quantized = self.int8_layout = Int8Layout(kept)
         return quantized
 
-    laid_out: DecoderWeights | None = None  # the decoder's weights in the fast layout (made at first use)
-    int8_layout: Int8Layout | None = None  # their int8 forms (the int8 route)
+    def weights_for(self, memory: Memory) -> DecoderWeights | Int8Layout:
+        """The layout a decoding call uses: the one its memory holds when this route made it."""
+        if isinstance(memory, LaidOutMemory) and memory.route is self:
+            return memory.weights
+        return self.decoder_weights()
 
-    def weights_for(self, memory: Memory) -> DecoderWeights:
-        """The layout a decoding call (a Memory, or one made from it by select) uses: checked once per call."""
-        state = call_state(memory)
-        kept = state.get("fast")
-        if kept is None or kept[0] is not self:
-            kept = state["fast"] = (self, self.decoder_weights())
-        return kept[1]
+    # -- the decoder -----------------------------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
+        return self.reference.new_cache(batch, capacity)  # int8: in float64, its attention's dtype
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self._route() or self.cfg.rescale_head:
-            return super().project(hidden)
-        memory = None if self.call is None else self.call()  # the call of the latest decode_hidden
-        vocab = (self.decoder_weights() if memory is None else self.weights_for(memory)).vocab  # (D, V)
+        """hidden (B, q, D) @ the layout's (D, V) output embedding (+ the logits bias)."""
+        if not self.applies():
+            return self.reference.project(hidden)
+        vocab = (self.int8_layout if self.int8 else self.laid_out) or self.decoder_weights()  # checked at each attach
+        vocab = vocab.vocab
         logits = int8.linear(hidden, vocab, None) if isinstance(vocab, QuantizedWeight) else hidden @ vocab
-        return logits if self.logits_bias is None else logits + self.logits_bias
+        return logits if self.model.logits_bias is None else logits + self.model.logits_bias
+
+    def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
+        return self.project(self.decode_hidden(tgt_new, memory, cache))
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
                       open_from: int | torch.Tensor | None = None, layers: int | None = None,
                       real: torch.Tensor | None = None) -> torch.Tensor:
-        if open_from is not None or layers is not None or not self._route():
-            return super().decode_hidden(tgt_new, memory, cache, open_from, layers, real)
-        self.call = weakref.ref(memory)
+        if open_from is not None or layers is not None or not self.applies():
+            return self.reference.decode_hidden(tgt_new, memory, cache, open_from, layers, real)
         tgt_new, forced, _, real = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, None, real)
         B, q = tgt_new.shape
         H = self.cfg.n_heads
@@ -297,11 +363,9 @@ class FastTransformer(RoutedTransformer):
         allowed = None if blocked is None else ~blocked  # (q, keys), or (B, 1, q, keys) in a ragged cache
         rows = None if real is None else (torch.arange(q, device=tgt_new.device)[None, :]
                                           < real.to(tgt_new.device)[:, None]).reshape(-1).nonzero().squeeze(1)
-        state = call_state(memory)
-        if "src_allowed" not in state:  # once per Memory: (B, 1, 1, S) True at real source positions, or None
-            state["src_allowed"] = None if memory.src_block is None else ~memory.src_block
-        src_allowed = state["src_allowed"]
-        x = self._embed("tgt", tgt_new, offset, real).reshape(B * q, -1)
+        src_allowed = (memory.src_allowed if isinstance(memory, LaidOutMemory)
+                       else None if memory.src_block is None else ~memory.src_block)
+        x = self.reference._embed("tgt", tgt_new, offset, real).reshape(B * q, -1)
         x = decoder_stack(self.weights_for(memory).layers, x, B, q, H, cache.append, allowed, memory.cross_kv,
                           src_allowed, rows, self.cfg.norm_first)
         cache.advance(q)
@@ -309,31 +373,4 @@ class FastTransformer(RoutedTransformer):
         if forced:
             cache.hide(forced)
             x = x[:, forced:]
-        return self.dec_norm(x)
-
-
-def set_fast_route(module: nn.Module, on: bool = True) -> int:
-    """Switch every Transformer inside `module` (a Transformer itself, or an adapter, a drafter or a
-    pair holding one) whose layers the fast route writes to it (on) or back to the reference route
-    (off). Returns how many models were switched. Parameter values and state-dict keys do not change;
-    on the fast route the decoder's parameters live in its layout (DecoderWeights)."""
-    switched = 0
-    for m in list(module.modules()):
-        if on and type(m) in (Transformer, RoutedTransformer) and applies_to(m.cfg):
-            use_kernels(m).__class__ = FastTransformer  # its layers on the kernels, itself on this route
-            m.decoder_weights()
-            switched += 1
-        elif not on and type(m) is FastTransformer:
-            m.__class__ = RoutedTransformer
-            laid_out, m.laid_out, m.int8_layout = m.laid_out, None, None
-            if laid_out is not None:
-                with torch.no_grad():  # every parameter the layout holds its own contiguous tensor again
-                    for p, _, _ in laid_out.places:
-                        p.data = p.data.contiguous()
-            switched += 1
-    return switched
-
-
-def is_fast(module: nn.Module) -> bool:
-    """Whether any model inside `module` takes the fast route."""
-    return any(type(m) is FastTransformer for m in module.modules())
+        return self.reference.dec_norm(x)

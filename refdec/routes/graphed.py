@@ -36,12 +36,14 @@ a forced decoder prefix's first call, and the families the fast route does not w
 The route sums in another order again (masked keys over the capacity, padded calls), so its
 logits differ from the reference route's in the last bits, within 1e-12 in float64 (tested), and
 every lossless decoder on it equals greedy on it (torch.equal; tests/test_graphed.py).
-`set_graphed_route(model)` switches a Transformer's class to GraphedTransformer, as set_fast_route
-does, and back.
+`GraphedRoute(model)` wraps a Transformer as FastRoute does (refdec.routes.fast), the model unchanged;
+its steps and static storage are the route's, and a copy of the route (copy.deepcopy) is a route of
+a copy of the model, whose steps are made again at first use.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -51,9 +53,8 @@ from torch import nn
 
 from ..cache import KVCache, Memory
 from ..forced import before_source, with_forced_prefix
-from .fast import FastTransformer, applies_to, decoder_stack, set_fast_route
 from ..model import Transformer
-from .kernels import RoutedTransformer, call_state
+from .fast import FastRoute, LaidOutMemory, decoder_stack
 
 MAX_STEP = 64  # the widest decoder call captured: new tokens are padded to 1, 2, 4, ..., MAX_STEP
 
@@ -85,8 +86,8 @@ class Replay:
     call and writes its results into other static tensors). On CUDA it is captured at the first call
     and replayed at every later one; elsewhere it is called as it is."""
 
-    def __init__(self, fn: Callable[[], None], device: torch.device, pool=None, cuda=torch.cuda):
-        self.fn, self.graphed, self.pool, self.cuda = fn, device.type == "cuda", pool, cuda
+    def __init__(self, fn: Callable[[], None], device: torch.device, pool=None, cuda=None):
+        self.fn, self.graphed, self.pool, self.cuda = fn, device.type == "cuda", pool, cuda  # cuda: torch.cuda unless given
         self.graph = None
 
     def __call__(self) -> None:
@@ -94,7 +95,7 @@ class Replay:
             self.fn()
             return
         if self.graph is None:
-            self.graph = capture(self.fn, self.pool, self.cuda)
+            self.graph = capture(self.fn, self.pool, self.cuda or torch.cuda)
         self.graph.replay()
 
 
@@ -222,35 +223,40 @@ class Step:
 
 
 class RouteState:
-    """A model's steps and static storage, made again whenever a parameter or buffer has moved (a
-    captured step reads them where they were)."""
+    """A route's steps and static storage, for one weight layout and one placement of the model's
+    parameters and buffers (a captured step reads them where they were): made again when either changes."""
 
-    def __init__(self, mark: tuple, device: torch.device):
-        self.mark = mark
+    def __init__(self, layout, mark: tuple, device: torch.device):
+        self.layout, self.mark = layout, mark
         self.slabs = Pool(Slab)
         self.slots = Pool(Slot)
         self.steps: dict = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
 
-class GraphedTransformer(FastTransformer):
-    """A Transformer whose encoder and decoder calls take the graphed route where it applies (the
-    module docstring); made by `set_graphed_route`, never constructed directly."""
+class GraphedRoute(FastRoute):
+    """Wraps a Transformer so that its encoder and decoder calls take the graphed route where it applies
+    (the module docstring), and the fast route's calls (FastRoute) where it does not."""
+
+    def __init__(self, model: Transformer, memo: dict | None = None, few_rows: bool = True):
+        super().__init__(model, memo=memo, few_rows=few_rows)
+        self.state: RouteState | None = None  # the captured steps and static storage (made at first use)
+
+    def __deepcopy__(self, memo: dict) -> "GraphedRoute":
+        return GraphedRoute(copy.deepcopy(self.model, memo), few_rows=self.kernels.few_rows)
 
     def _state(self) -> RouteState:
-        """The model's steps, checked against where its parameters live (once per decoding call)."""
-        self.decoder_weights()  # laid out again first if a parameter left the layout
-        tensors = [*self.parameters(), *(b for b in self.buffers() if b is not None)]
+        """The route's steps, checked against its layout and where the parameters live (once per decoding call)."""
+        layout = self.decoder_weights()  # copied again first if a parameter has changed
+        tensors = [*self.model.parameters(), *(b for b in self.model.buffers() if b is not None)]
         mark = tuple((p.data_ptr(), p.dtype, p.device) for p in tensors)
-        state = self.graphed
-        if state is None or state.mark != mark:
-            state = self.graphed = RouteState(mark, self.tgt_embed.weight.device)
+        state = self.state
+        if state is None or state.layout is not layout or state.mark != mark:
+            state = self.state = RouteState(layout, mark, self.model.tgt_embed.weight.device)
         return state
 
-    graphed: RouteState | None = None  # the captured steps and static storage (made at first use)
-
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
-        p = self.tgt_embed.weight
+        p = self.model.tgt_embed.weight
         return StaticKVCache(self._state().slabs, self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim,
                              capacity, device=p.device, dtype=p.dtype)
 
@@ -258,8 +264,8 @@ class GraphedTransformer(FastTransformer):
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         full = before_source(src, self.cfg.encoder_prefix)
         n, S = full.shape
-        if not (self._route() and self.cfg.enc_layers) or S > self.cfg.max_positions:
-            return super().encode_states(src)  # its route, or its error
+        if not (self.applies() and self.cfg.enc_layers) or S > self.cfg.max_positions:
+            return FastRoute.encode_states(self, src)  # its route, or its error
         rows, width = bucket(n), min(bucket(S), self.cfg.max_positions)
         state = self._state()
         step = state.steps.get(("encoder", rows, width))
@@ -272,7 +278,7 @@ class GraphedTransformer(FastTransformer):
         return step.out[:n].clone(), step.tokens[:n].eq(self.cfg.pad_id)
 
     def _encoder_step(self, rows: int, width: int, pool) -> Step:
-        p = self.tgt_embed.weight
+        p = self.model.tgt_embed.weight
         tokens = static_zeros(rows, width, device=p.device, dtype=torch.long)
         out = static_zeros(rows, width, self.cfg.d_model, device=p.device, dtype=p.dtype)
 
@@ -286,13 +292,12 @@ class GraphedTransformer(FastTransformer):
                       real: torch.Tensor | None = None) -> torch.Tensor:
         n, q = tgt_new.shape
         first_forced = bool(self.cfg.decoder_prefix) and not cache.ragged and cache.end == 0
-        if (open_from is not None or layers is not None or not self._route() or not isinstance(cache, StaticKVCache)
+        if (open_from is not None or layers is not None or not self.applies() or not isinstance(cache, StaticKVCache)
                 or q > MAX_STEP or memory.batch != n or cache.batch != n or first_forced):
-            return super().decode_hidden(tgt_new, memory, cache, open_from, layers, real)
+            return FastRoute.decode_hidden(self, tgt_new, memory, cache, open_from, layers, real)
         offsets = [cache.prefix + m for m in (cache.lengths.tolist() if cache.ragged else [cache.end] * n)]
         if max(offsets) + q > self.cfg.max_positions:
-            return super().decode_hidden(tgt_new, memory, cache, open_from, layers, real)  # its check and error
-        self.call = weakref.ref(memory)  # the projection's call (refdec.routes.kernels)
+            return FastRoute.decode_hidden(self, tgt_new, memory, cache, open_from, layers, real)  # its check and error
         width = bucket(q)
         cache._reserve(max(offsets) + width)  # the padded positions too
         tgt_new = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, None, real)[0]
@@ -316,18 +321,21 @@ class GraphedTransformer(FastTransformer):
         return step
 
     def _slot(self, memory: Memory) -> tuple[RouteState, Slot]:
-        """The slot holding this memory's cross-attention keys and values for this model's steps:
-        taken and filled once per Memory, the parameters checked then too."""
-        kept = call_state(memory).setdefault("graphed", {})
-        got = kept.get(id(self))
-        if got is None or got[0] is not self.graphed:
+        """The slot holding this memory's cross-attention keys and values for this route's steps:
+        taken and filled once per decoding call, kept in the call's LaidOutMemory (the route's state
+        checked then too)."""
+        own = isinstance(memory, LaidOutMemory) and memory.route is self
+        got = memory.slot if own else None
+        if got is None or got[0] is not self.state:
             state = self._state()
             n, S = memory.src_pad.shape
             k = memory.cross_kv[0][0]
-            slot = state.slots.take(memory, len(self.decoder), bucket(n), self.cfg.n_heads, bucket(S),
+            slot = state.slots.take(memory, len(self.model.decoder), bucket(n), self.cfg.n_heads, bucket(S),
                                     self.cfg.head_dim, k.device, k.dtype)
             slot.hold(memory)
-            got = kept[id(self)] = (state, slot)
+            got = (state, slot)
+            if own:
+                memory.slot = got
         return got
 
     def _make_decoder_step(self, slab: Slab, slot: Slot, rows: int, width: int, pool) -> Step:
@@ -342,13 +350,14 @@ class GraphedTransformer(FastTransformer):
         out = static_zeros(rows, width, D, device=device, dtype=slab.k.dtype)
         steps, keys = torch.arange(width, device=device), torch.arange(C, device=device)
         K, V = slab.k[:, :rows], slab.v[:, :rows]
-        table = self.positions if self.tgt_positions is None else self.tgt_positions
+        model = self.model
+        table = model.positions if model.tgt_positions is None else model.tgt_positions
         scale = cfg.d_model ** 0.5 if cfg.scale_embeddings else 1.0
         layers = self.decoder_weights().layers
 
         def run():
             at = offset[:, None] + steps  # (rows, width): each new token's position
-            x = self.tgt_embed_norm(self.tgt_embed(tokens) * scale + table[at.clamp(max=cfg.max_positions - 1)])
+            x = model.tgt_embed_norm(model.tgt_embed(tokens) * scale + table[at.clamp(max=cfg.max_positions - 1)])
             allowed = (keys <= at[:, :, None])[:, None]  # (rows, 1, width, C)
             where = at.clamp(max=C - 1)[:, None, :, None].expand(rows, H, width, cfg.head_dim)
 
@@ -358,29 +367,5 @@ class GraphedTransformer(FastTransformer):
                 return K[i], V[i]
             x = decoder_stack(layers, x.reshape(rows * width, D), rows, width, H, store, allowed, slot.cross,
                               slot.allowed, None, cfg.norm_first)
-            out.copy_(self.dec_norm(x.view(rows, width, D)))
+            out.copy_(model.dec_norm(x.view(rows, width, D)))
         return Step(tokens, offset, out, Replay(run, device, pool), (slab, slot))
-
-
-def set_graphed_route(module: nn.Module, on: bool = True) -> int:
-    """Switch every Transformer inside `module` whose layers the fast route writes to the graphed
-    route (on), or back to the reference route (off); returns how many models were switched.
-    Parameter values and state-dict keys do not change (the decoder's parameters live in the fast
-    route's layout, refdec.routes.fast.DecoderWeights, while on)."""
-    switched = 0
-    for m in list(module.modules()):
-        if on and type(m) in (Transformer, RoutedTransformer, FastTransformer) and applies_to(m.cfg):
-            set_fast_route(m)
-            m.__class__ = GraphedTransformer
-            switched += 1
-        elif not on and type(m) is GraphedTransformer:
-            m.graphed = None
-            m.__class__ = FastTransformer
-            set_fast_route(m, False)
-            switched += 1
-    return switched
-
-
-def is_graphed(module: nn.Module) -> bool:
-    """Whether any model inside `module` takes the graphed route."""
-    return any(type(m) is GraphedTransformer for m in module.modules())

@@ -39,22 +39,26 @@ Products that read the same input (the encoder's queries, keys and values; the c
 keys and values of every layer) are one product of their weights side by side (`linears`): the same
 values, since each output channel keeps its scale and the sums are exact, in fewer operations.
 
-Switching: `set_int8_route(model)` (refdec.routes.kernels) gives every linear layer of each Transformer in `model` its int8
-weight and the output projection its int8 embedding; `set_int8_route(model, False)` takes them
-away. The route combines with the reference route (refdec.model, refdec.routes.kernels) and with the fast
-route (refdec.routes.fast), whichever the model is on, and with row-invariant mode (whose attention and
-norms then make every position's logits independent of the call shape). Training and any call with
-gradients on take the floating-point products. The int8 weights are made from the weights as they
-are when first used and made again when a weight has been written in place through the parameter
-(an optimizer step, load_state_dict) or given a new tensor; a write through `.data` in place is not
-seen (switch the route off and on again after one).
+Taking the route: `int8_route(model)` (refdec.routes) wraps a model so that its linear layers and
+output projection compute by these products: on the model's own layers (refdec.routes.kernels,
+Kernels(int8=True), with row-invariant mode too: `row_invariant(model, int8=True)`, whose attention
+and norms then make every position's logits independent of the call shape), or on the fast route's
+layout (`FastRoute(model, int8=True)`, refdec.routes.fast). The model itself is not changed, so float
+runs and int8 runs read one model. Any call with gradients on takes the floating-point products. The
+int8 weights belong to the route: made from the weights as they are when first used, and made again
+when a weight has changed (refdec.routes.stamps: a write through the parameter, a new tensor, any
+optimizer step, fused ones included); a write through `.data` in place is not seen (wrap the model
+again, or call the fast route's `refresh`, after one).
 """
 
 from __future__ import annotations
 
-import weakref
+import functools
+from typing import Callable
 
 import torch
+
+from .stamps import stamp
 
 LEVELS = 127  # symmetric int8: values -127 .. 127
 JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds at most this many values
@@ -65,8 +69,9 @@ IN_PLACE_ELEMENTS = 1 << 16
 
 
 class QuantizedWeight:
-    """A weight as an int8 (in, out) matrix with one scale per output channel, and the tensor it was
-    made from, so that `current` can tell whether it still holds that tensor's values."""
+    """A weight as an int8 (in, out) matrix with one scale per output channel, and the stamp of the
+    tensor it was made from (refdec.routes.stamps), so that `current` can tell whether it still holds
+    that tensor's values."""
 
     def __init__(self, w_in_out: torch.Tensor, source: torch.Tensor):
         w = w_in_out.detach()
@@ -80,10 +85,13 @@ class QuantizedWeight:
         return self.key == stamp(source)
 
 
-def stamp(t: torch.Tensor) -> tuple:
-    """What identifies a tensor's values without reading them: its memory, shape, dtype and the
-    version counter that every in-place write through it (or through a view of it) advances."""
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version
+def kept(holder: dict, name: str, weight: torch.Tensor) -> QuantizedWeight:
+    """The int8 form of `weight` (out, in) that `holder` keeps as `name`, made again when the weight
+    has changed since."""
+    got = holder.get(name)
+    if got is None or not got.current(weight):
+        got = holder[name] = QuantizedWeight(weight.t(), weight)
+    return got
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,9 +121,10 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> to
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def linears(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor]) -> list[torch.Tensor]:
+def linears(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor],
+            side_by_side: Callable[[], JoinedWeight]) -> list[torch.Tensor]:
     """[linear(x, w, b) for each weight] for x (M, K), as one product of the weights side by side
-    (`joined`): bitwise the same outputs, since the int32 sums are exact and every output channel
+    (`side_by_side()`, the caller's JoinedWeight of them): bitwise the same outputs, since the int32 sums are exact and every output channel
     keeps its own scale and bias, in one integer product and one rescaling instead of one per weight.
     Each result is a column block of that product (a view). Many rows (a batch's encoder pass) take
     one product per weight, x quantized once: their outputs stay small enough for the cache."""
@@ -123,45 +132,44 @@ def linears(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.
     if len(weights) == 1 or any(b is None for b in biases) or x.shape[0] * outs > JOIN_ELEMENTS:
         rows = quantize_rows(x)
         return [product(x, w, b, rows) for w, b in zip(weights, biases)]
-    y = product(x, joined(weights), torch.cat(biases))
+    y = product(x, side_by_side(), torch.cat(biases))
     return list(y.split([w.scale.shape[0] for w in weights], 1))
 
 
 class JoinedWeight:
     """Quantized weights of one input side by side: an (in, sum of outs) int8 matrix (laid out as
-    QuantizedWeight's) and their channel scales, and which weights it was made from (weakly)."""
+    QuantizedWeight's) and their channel scales, and the weights it was made from."""
 
     def __init__(self, weights: list[QuantizedWeight]):
-        self.parts = [weakref.ref(w) for w in weights]
+        self.parts = list(weights)
         self.scale = torch.cat([w.scale for w in weights])
         self.q = torch.cat([w.q.t() for w in weights]).t()  # each part (out, in) contiguous: so is their stack
 
+    def of(self, weights: list[QuantizedWeight]) -> bool:
+        """Whether it was made from these very QuantizedWeights (a weight written since has a new one)."""
+        return len(self.parts) == len(weights) and all(a is b for a, b in zip(self.parts, weights))
 
-_JOINED: "weakref.WeakKeyDictionary[QuantizedWeight, JoinedWeight]" = weakref.WeakKeyDictionary()
 
-
-def joined(weights: list[QuantizedWeight]) -> JoinedWeight:
-    """The weights side by side, made once for these very QuantizedWeights (a weight written since
-    gets a new QuantizedWeight, so a new joined one); kept while the first of them lives."""
-    kept = _JOINED.get(weights[0])
-    if kept is None or len(kept.parts) != len(weights) or any(a() is not b for a, b in zip(kept.parts, weights)):
-        kept = _JOINED[weights[0]] = JoinedWeight(weights)
-    return kept
+def joined(holder: dict, key, weights: list[QuantizedWeight]) -> JoinedWeight:
+    """The weights side by side, kept in `holder` (a route's) as `key` and made again when one of them
+    is a new QuantizedWeight."""
+    got = holder.get(key)
+    if got is None or not got.of(weights):
+        got = holder[key] = JoinedWeight(weights)
+    return got
 
 
 # -- the int8 product's exactness on this CPU -----------------------------------------------------------
-_LEVELS_FOR_WEIGHTS: list[int] = []
-
-
+@functools.cache
 def weight_levels() -> int:
     """127, or 63 if this CPU's int8 product saturates at full range (x86 without VNNI sums pairs of
-    u8 x s8 products in int16; 7-bit weights keep those sums in range, as fbgemm's reduce_range does)."""
-    if not _LEVELS_FOR_WEIGHTS:
-        _LEVELS_FOR_WEIGHTS.append(next((n for n in (127, 63) if exact_products(n)), 0))
-        if not _LEVELS_FOR_WEIGHTS[0]:
-            raise RuntimeError("torch._int_mm does not compute int8 products exactly on this machine; "
-                               "the int8 route cannot run here (decode without --int8)")
-    return _LEVELS_FOR_WEIGHTS[0]
+    u8 x s8 products in int16; 7-bit weights keep those sums in range, as fbgemm's reduce_range does):
+    a property of the machine, found once per process."""
+    levels = next((n for n in (127, 63) if exact_products(n)), 0)
+    if not levels:
+        raise RuntimeError("torch._int_mm does not compute int8 products exactly on this machine; "
+                           "the int8 route cannot run here (decode without --int8)")
+    return levels
 
 
 def exact_products(levels: int) -> bool:
@@ -178,49 +186,20 @@ def exact_products(levels: int) -> bool:
     return True
 
 
-# -- the switch -------------------------------------------------------------------------------------------
-class Int8Route:
-    """Marks a layer (refdec.routes.kernels' RoutedLinear, the model's vocabulary projection) that takes
-    the int8 product when `int8` is on; `set_int8_route` switches them per model."""
-
-    int8 = False
-    int8_weights: dict | None = None  # name -> QuantizedWeight, made at first use
-
-    def int8_active(self) -> bool:
-        return self.int8 and not (self.training or torch.is_grad_enabled())
-
-    def quantized(self, name: str, source: torch.Tensor, in_out: bool = False) -> QuantizedWeight:
-        """The int8 form of `source` ((out, in), or (in, out) with `in_out`), kept as `name` and made
-        again when `source` has changed since."""
-        if self.int8_weights is None:
-            self.int8_weights = {}
-        kept = self.int8_weights.get(name)
-        if kept is None or not kept.current(source):
-            kept = self.int8_weights[name] = QuantizedWeight(source if in_out else source.t(), source)
-        return kept
-
-
 # -- the fast route's layout ------------------------------------------------------------------------------
 PRODUCTS = ("qkv", "o", "cq", "co", "w1", "w2")  # refdec.routes.fast.DecoderWeights' matrices, each (in, out)
 
 
 class Int8Layout:
     """refdec.routes.fast.DecoderWeights with each of its matrices, the vocabulary's included, in int8 form;
-    norms, biases and activations are the layout's own. Made again when the layout is made again, or
-    when one of its matrices has been written in place (its version counter, which a write through
-    parameter laid out in it advances: each parameter keeps a counter of its own)."""
+    norms, biases and activations are the layout's own. Made again when the layout is made again (the
+    layout is a copy, made again whenever a weight it was made from has changed)."""
 
     def __init__(self, weights):
         self.source = weights
         self.layers = [{**w, **{k: QuantizedWeight(w[k], w[k]) for k in PRODUCTS}} for w in weights.layers]
         self.vocab = QuantizedWeight(weights.vocab, weights.vocab)
-        self.versions = versions(weights)
 
     def current(self, weights) -> bool:
-        return (weights is self.source and self.versions == versions(weights) and self.vocab.current(weights.vocab)
-                and all(q[k].current(w[k]) for q, w in zip(self.layers, weights.layers) for k in PRODUCTS))
-
-
-def versions(weights) -> list[int]:
-    """The version counters of the parameters a refdec.routes.fast.DecoderWeights holds."""
-    return [p._version for p, _, _ in weights.places]
+        """Whether it was made from this layout (a layout made again after a weight changed is a new one)."""
+        return weights is self.source

@@ -1,0 +1,33 @@
+"""Whether a route's copy of a weight (the fast route's layout, an int8 form) still holds the weight's
+values, told without reading them.
+
+A copy is made from a parameter once and kept; it is made again when the parameter's stamp has changed:
+the tensor it lives in (its memory, shape, strides, dtype, device), the version counter that every
+in-place write through the parameter advances (an optimizer step, load_state_dict, `p.mul_` under
+no_grad), and the count of optimizer steps taken in this process, since a fused optimizer step
+(torch.optim.Adam(..., fused=True)) writes the parameters without advancing their counters. A
+parameter made under torch.inference_mode() has no version counter; it can be written in place only
+under inference mode again, which nothing that trains does. What no stamp sees is a write through
+`.data` in place (`p.data.mul_(2)`: `.data` has a counter of its own): after one, make the route again
+(or call its `refresh`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+_optimizer_steps = [0]  # optimizer steps taken in this process, by any optimizer
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _optimizer_steps[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
+
+
+def stamp(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's values without reading them (the module docstring)."""
+    version = None if t.is_inference() else t._version
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version, _optimizer_steps[0]
