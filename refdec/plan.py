@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
 from .errors import UsageError
-from .repo import REPO
+from .repo import REPO, repo_file
 from .hints import check_checkpoint_path, shown, train_hint
 from .inputs import checkpoint_files
 
@@ -121,7 +121,9 @@ def parse_compare(spec: str) -> list[Compared]:
 
 
 def default_checkpoint(algo: Algorithm, task: str) -> Path:
-    """checkpoints/<the algorithm's folder for task>/model.pt, or a one-line error saying what is shipped."""
+    """checkpoints/<the algorithm's folder for task>/model.pt, or a one-line error saying what is shipped
+    (or, in a copy installed without the repository, that the checkpoints are the repository's)."""
+    repo_file("checkpoints", algo.checkpoint_dir(task), "model.pt", flag="--model PATH")
     path = CHECKPOINTS / algo.checkpoint_dir(task) / "model.pt"
     if not path.exists():
         raise UsageError(f"--algo {algo.name} --task {task}: no checkpoint at {shown(path)}; {shipped_for(algo)}; "
@@ -131,6 +133,7 @@ def default_checkpoint(algo: Algorithm, task: str) -> Path:
 
 def default_companion(role: str, task: str, algo: Algorithm) -> str:
     folder = COMPANION_DIRS[role].format(task=task)
+    repo_file("checkpoints", folder, "model.pt", flag=f"--{role} PATH")
     path = CHECKPOINTS / folder / "model.pt"
     if not path.exists():
         raise UsageError(f"--algo {algo.name} --task {task}: no {role} checkpoint at {shown(path)}; {shipped_for(algo)}; "

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from conftest import REPO, error_of, run_py, script
+from conftest import REPO, error_of, run_py
 from refdec.errors import UsageError
 from refdec.repo import check_not_shipped
 
@@ -58,9 +58,7 @@ def output_flag(argv: list[str]) -> str:
 
 
 def command(name: str):
-    """A command's main(argv): a script's (decode.py, train.py) or refdec.commands.NAME's."""
-    if name in ("decode", "train"):
-        return script(name).main
+    """A command's main(argv): refdec.commands.NAME's (decode.py's and train.py's among them)."""
     return importlib.import_module(f"refdec.commands.{name}").main
 
 
@@ -143,7 +141,7 @@ def test_the_opt_in_allows_a_folder_inside_never_the_folder_itself():
 
 
 def test_distill_writes_into_data_with_overwrite_alone(tmp_path):
-    """The documented `python -m refdec.distill ... --out data/distilled/<name> --overwrite` passes
+    """The documented `python -m refdec distill ... --out data/distilled/<name> --overwrite` passes
     the check (the presets read their distilled folders there); without --overwrite it is one line."""
     from refdec.commands.distill import check_paths
     teacher = REPO / "checkpoints" / "mt-en-de" / "model.pt"
@@ -160,7 +158,7 @@ def test_distill_writes_into_data_with_overwrite_alone(tmp_path):
 def test_train_py_refuses_data_as_it_refuses_checkpoints():
     """Was: `train.py --out-dir data/gec-en` wrote a run among the shipped data sets; checkpoints/ alone
     was refused."""
-    check = script("train").check_out_dir_place
+    from refdec.commands.train import check_out_dir_place as check
     with pytest.raises(UsageError, match="inside data/.*runs/<name>.*--overwrite"):
         check(str(REPO / "data" / "gec-en"), overwrite=False, resume=False)
     with pytest.raises(UsageError, match="shipped data sets itself"):

@@ -12,7 +12,7 @@ reads until a switch below is used on it.
 Few-row route (`linear`, on once the kernels are in use, `set_few_row_route`). On CPU, MKL's matrix product picks a
 much faster routine for a few rows x (r, D) when asked for (W @ x.T).T than for x @ W.T: on the
 mt-en-de model a decoder call over 2-16 new tokens costs 1.30-1.57 single steps instead of 1.38-1.92
-(`python -m refdec.stepcost` times both; docs/cpu-cost.md). Beyond 16 rows (an encoder pass) it
+(`python -m refdec stepcost` times both; docs/cpu-cost.md). Beyond 16 rows (an encoder pass) it
 loses, so the route depends on the row count. The products are the same, possibly summed in another
 order: float32 logits may differ in the last bits between routes.
 
