@@ -87,3 +87,26 @@ def test_decode_needs_only_a_checkpoint_and_an_input(tmp_path, capsys):
     assert len((tmp_path / "out.txt").read_text(encoding="utf-8").splitlines()) == 2
     assert main(["decode", *argv[2:]]) == 2  # no --model: the task's defaults are needed
     assert "--task is needed unless --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["decode", "--task", "mt-en-de"], "checkpoints/mt-en-de/model.pt is in refdec's repository, and this refdec"),
+    (["decode", "--task", "mt-en-de", "--model", "{ckpt}"], "data/mt-en-de/test.src.gz is in refdec's repository"),
+    (["decode", "--algo", "bild", "--task", "mt-en-de", "--model", "{ckpt}", "--input", "{input}"],
+     "checkpoints/mt-en-de-small-aligned/model.pt is in refdec's repository"),
+    (["train", "--preset", "tiny", "--out-dir", "{tmp}/run"], "data is in refdec's repository"),
+    (["train", "--preset", "mt-en-de-distilled", "--out-dir", "{tmp}/run"], "is in refdec's repository"),
+])
+def test_an_installed_copy_names_the_flag_for_a_default_it_lacks(tmp_path, capsys, monkeypatch, argv, needle):
+    """Case: `refdec decode --task mt-en-de` from `pip install .` said "no checkpoint at
+    site-packages/checkpoints/mt-en-de/model.pt", and `refdec train` "no folder site-packages/data/...":
+    a default that is the repository's is one line saying so and naming the flag that gives it."""
+    from refdec import repo
+    ckpt = random_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "in.txt").write_text("the cat\n", encoding="utf-8")
+    monkeypatch.setattr(repo, "REPO", tmp_path / "site-packages")  # a copy without data/build.py beside it
+    argv = [a.format(ckpt=ckpt, input=tmp_path / "in.txt", tmp=tmp_path) for a in argv]
+    assert main([*argv, "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "pip install -e ." in err, err
+    assert ("give --" in err) and not (tmp_path / "run").exists(), err
