@@ -16,6 +16,7 @@ import re
 import pytest
 
 from conftest import REPO, error_of, run_py
+from refdec.commands import COMMANDS
 from refdec.errors import UsageError
 from refdec.repo import check_not_shipped
 
@@ -177,12 +178,12 @@ def test_int8bench_writes_its_report_elsewhere(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("argv", [
     ["decode.py", *GEC_IAD, "--output", "checkpoints/gec-en-6x6/model.pt"],
     ["decode.py", *GEC_IAD, "--output", "data/gec-uk/test.src.gz"],
-    *(["-m", f"refdec.{'hf' if name == 'hfcli' else name}", *argv] for name, argv, _ in CASES
-      if name not in ("decode", "train")),
+    *(["-m", "refdec", typed, *argv] for name, argv, _ in CASES if name not in ("decode", "train")
+      for typed in [next(t for t, (module, _) in COMMANDS.items() if module == name)]),
     ["train.py", "--preset", "tiny", "--out-dir", "data/gec-en"],
-], ids=lambda argv: " ".join(argv[:2]))
+], ids=lambda argv: " ".join(argv[:3]))
 def test_the_commands_as_typed_exit_2_and_change_nothing(argv, unchanged):
-    """The case's commands and every `python -m refdec.X` entry point, run as a user types them."""
+    """The case's commands and every `python -m refdec X` command, run as a user types them."""
     r = run_py(*argv, timeout=120)
     err = r.stderr.decode().strip()
     assert r.returncode == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (r.returncode, err)
