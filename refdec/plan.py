@@ -235,11 +235,11 @@ def shared_companions(specs: list[RunSpec], task: str, given: dict) -> dict:
             raise UsageError(f"--{role} is not used by --algo {specs[0].algo.name}")
     first, out = specs[0].algo, {}
     for role in sorted(need):
-        if task is None and not given.get(role):  # a transformers folder without --task: no shipped default
+        if task is None and not given.get(role):  # --model and --input without --task: no shipped default
             s = next(s for s in specs if role in s.algo.companion_roles and role not in s.companions)
             flag = f"--algo {s.algo.name}" if s is specs[0] else f"--compare {s.algo.name}"
-            raise UsageError(f"{flag} needs a {COMPANION_WORDS[role]}, and a transformers folder as --model comes "
-                             f"with none: pass --{role} PATH" + (f" (or --compare {s.algo.name}:{role}=PATH)"
+            raise UsageError(f"{flag} needs a {COMPANION_WORDS[role]}, and without --task there is no shipped one "
+                             f"to take: pass --{role} PATH" + (f" (or --compare {s.algo.name}:{role}=PATH)"
                                                                 if s is not specs[0] else ""))
         out[role] = given.get(role) or default_companion(role, task, first)
         if out[role] != "early-exit" and given.get(role):

@@ -110,3 +110,14 @@ def test_an_installed_copy_names_the_flag_for_a_default_it_lacks(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "pip install -e ." in err, err
     assert ("give --" in err) and not (tmp_path / "run").exists(), err
+
+
+def test_a_checkpoint_without_task_asks_for_the_companion_model(tmp_path, capsys):
+    """`--model CKPT --input FILE --algo bild` without --task: no shipped small model to default to,
+    said in one line naming the flag (not a transformers folder's wording)."""
+    ckpt = random_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "in.txt").write_text("the cat\n", encoding="utf-8")
+    assert main(["decode", "--algo", "bild", "--model", str(ckpt), "--input", str(tmp_path / "in.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --algo bild needs a small model") and len(err.splitlines()) == 1, err
+    assert err.endswith("and without --task there is no shipped one to take: pass --small PATH"), err
