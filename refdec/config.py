@@ -328,13 +328,13 @@ PRESETS: dict[str, TrainConfig] = {
     "gec-en-6x6": sad_preset("gec-en", 6, 6),
     "gec-en-9x3": sad_preset("gec-en", 9, 3),
     # The models of the speculative decoders on mt-en-de, all starting from or sharing the vocabulary of
-    # the mt-en-de model. The distilled corpora come from `python -m refdec.distill` (see README).
+    # the mt-en-de model. The distilled corpora come from `python -m refdec distill` (see README).
     # Times are for the 2-core CPU; the shipped ones were trained on a GPU (README gives the commands).
     # GAD (Ge et al. 2022): verifier and drafter both learn a shared teacher's outputs (Seq-KD). Here
     # the teacher is the verifier itself (checkpoints/mt-en-de, whose greedy outputs are shipped):
     # the drafter learns exactly what the verifier will accept, and the verifier stays the model every
     # other decoder is measured with. mt-en-de-distilled is the paper's other half, a verifier
-    # fine-tuned on a beam-5 distilled corpus (python -m refdec.distill --algo beam, README).
+    # fine-tuned on a beam-5 distilled corpus (python -m refdec distill --algo beam, README).
     "mt-en-de-distilled": TrainConfig(task="mt-en-de", out_dir="runs/mt-en-de-distilled",
                                       init_from="checkpoints/mt-en-de/model.pt", data_dir="data/distilled/mt-en-de-beam5",
                                       lr=5e-4, warmup_steps=200, eval_every=400, time_limit_min=60),

@@ -83,7 +83,7 @@ def load_split(task: str, split: str, data_dir: str | Path = DATA_DIR) -> Split:
     d = Path(data_dir) / task
     if not d.is_dir() and task in TASKS and Path(data_dir).resolve() != Path(DATA_DIR).resolve():
         raise FileNotFoundError(f"no folder {d}: the data folder {data_dir} holds no {task} task; a distilled "
-                                f"training folder is built by python -m refdec.distill --task {task} --out {data_dir}")
+                                f"training folder is built by python -m refdec distill --task {task} --out {data_dir}")
     if not d.is_dir():
         raise ValueError(f"unknown task {task!r}: no folder {d} (shipped tasks: {', '.join(TASKS)})")
     if not (d / f"{split}.src.gz").exists():

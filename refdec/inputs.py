@@ -16,7 +16,7 @@ import torch
 from . import data as data_mod
 from .errors import UsageError
 from .machine import allocator_option, check_device, set_allocator, usable_cores
-from .repo import check_not_shipped
+from .repo import check_not_shipped, repo_file
 from .tokenizer import Tokenizer
 
 
@@ -129,6 +129,7 @@ def read_input(task: str, path: str | None, ref_paths: list[str], limit: int | N
             if len(r) != len(lines):
                 raise UsageError(f"--ref {ref} has {len(r)} lines but the input has {len(lines)}")
     else:
+        repo_file("data", task, "test.src.gz", flag="--input FILE")  # an installed copy without the repository
         if not (task_dir / "test.src.gz").exists():
             raise UsageError(f"{task_dir}/test.src.gz not found; rebuild it with python data/build.py")
         lines = data_mod.read_lines(task_dir / "test.src.gz")

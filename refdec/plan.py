@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
 from .errors import UsageError
-from .repo import REPO
+from .repo import REPO, repo_file
 from .hints import check_checkpoint_path, shown, train_hint
 from .inputs import checkpoint_files
 
@@ -121,7 +121,9 @@ def parse_compare(spec: str) -> list[Compared]:
 
 
 def default_checkpoint(algo: Algorithm, task: str) -> Path:
-    """checkpoints/<the algorithm's folder for task>/model.pt, or a one-line error saying what is shipped."""
+    """checkpoints/<the algorithm's folder for task>/model.pt, or a one-line error saying what is shipped
+    (or, in a copy installed without the repository, that the checkpoints are the repository's)."""
+    repo_file("checkpoints", algo.checkpoint_dir(task), "model.pt", flag="--model PATH")
     path = CHECKPOINTS / algo.checkpoint_dir(task) / "model.pt"
     if not path.exists():
         raise UsageError(f"--algo {algo.name} --task {task}: no checkpoint at {shown(path)}; {shipped_for(algo)}; "
@@ -131,6 +133,7 @@ def default_checkpoint(algo: Algorithm, task: str) -> Path:
 
 def default_companion(role: str, task: str, algo: Algorithm) -> str:
     folder = COMPANION_DIRS[role].format(task=task)
+    repo_file("checkpoints", folder, "model.pt", flag=f"--{role} PATH")
     path = CHECKPOINTS / folder / "model.pt"
     if not path.exists():
         raise UsageError(f"--algo {algo.name} --task {task}: no {role} checkpoint at {shown(path)}; {shipped_for(algo)}; "
@@ -232,11 +235,11 @@ def shared_companions(specs: list[RunSpec], task: str, given: dict) -> dict:
             raise UsageError(f"--{role} is not used by --algo {specs[0].algo.name}")
     first, out = specs[0].algo, {}
     for role in sorted(need):
-        if task is None and not given.get(role):  # a transformers folder without --task: no shipped default
+        if task is None and not given.get(role):  # --model and --input without --task: no shipped default
             s = next(s for s in specs if role in s.algo.companion_roles and role not in s.companions)
             flag = f"--algo {s.algo.name}" if s is specs[0] else f"--compare {s.algo.name}"
-            raise UsageError(f"{flag} needs a {COMPANION_WORDS[role]}, and a transformers folder as --model comes "
-                             f"with none: pass --{role} PATH" + (f" (or --compare {s.algo.name}:{role}=PATH)"
+            raise UsageError(f"{flag} needs a {COMPANION_WORDS[role]}, and without --task there is no shipped one "
+                             f"to take: pass --{role} PATH" + (f" (or --compare {s.algo.name}:{role}=PATH)"
                                                                 if s is not specs[0] else ""))
         out[role] = given.get(role) or default_companion(role, task, first)
         if out[role] != "early-exit" and given.get(role):

@@ -36,7 +36,7 @@ def check_not_shipped(flag: str, path: str | Path, opt_in: tuple[str, bool] | No
     """Refuse an output path that is, or lies in, the repository's checkpoints/ or data/, however it is
     spelled (relative to the current folder, with `..`, through a symbolic link). A path inside one
     passes only where the command has an opt-in flag and it was given (`opt_in`: its name, and whether
-    given: --overwrite of train.py, refdec.distill and refdec.train_drafters); the folder itself never.
+    given: --overwrite of train.py, refdec.commands.distill and refdec.commands.train_drafters); the folder itself never.
     `instead`: what the message suggests in its place."""
     p = Path(path).resolve()
     for name, what in SHIPPED.items():

@@ -4,7 +4,6 @@ the batch-1 greedy reference and row-by-row comparisons, adversarial drafts, and
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import subprocess
 import sys
@@ -273,13 +272,6 @@ def check_lossless_decoders(route_copy, batch: int, monkeypatch) -> Transformer:
         assert_rows_equal(decode_bild(m, small, src, max_len=max_len, fallback_threshold=1.5).tokens, ref,
                           f"bild (large writes) {what}")
     return m
-
-
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"refdec_script_{name}", REPO / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def error_of(main, argv: list[str], capsys, monkeypatch) -> str:

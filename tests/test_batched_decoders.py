@@ -169,12 +169,8 @@ def test_batched_follower_equals_a_follower_per_row():
 
 # -- decode.py: length buckets, per-run batch sizes ----------------------------------------------------
 def load_cli():
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("decode_cli", Path(__file__).resolve().parent.parent / "decode.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
+    from refdec.commands import decode
+    return decode
 
 
 def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order():

@@ -1,4 +1,4 @@
-"""refdec.ceiling: the GAD loop fed the model's own output as its draft is greedy decoding, in the
+"""refdec.commands.ceiling: the GAD loop fed the model's own output as its draft is greedy decoding, in the
 number of calls a drafter of that quality would take (float64), and its command reports every run."""
 
 from __future__ import annotations

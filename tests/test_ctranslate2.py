@@ -1,4 +1,4 @@
-"""refdec.ctranslate2: a refdec checkpoint converted by CTranslate2's own converter decodes as refdec
+"""refdec.commands.ctranslate2: a refdec checkpoint converted by CTranslate2's own converter decodes as refdec
 does, and the comparison command runs end to end.
 
 A tiny random checkpoint with a trained byte-level tokenizer (nothing downloaded). The conversion
@@ -54,7 +54,7 @@ def test_command_writes_report(tmp_path):
     ckpt = random_checkpoint(tmp_path / "ckpt")
     (tmp_path / "in.txt").write_text("\n".join(TEXTS[:5]) + "\n", encoding="utf-8")
     report = tmp_path / "r.json"
-    r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
+    r = run_py("-m", "refdec", "ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
                str(tmp_path / "in.txt"), "--batch-sizes", "2", "--threads", "1", "--warmup", "1", "--iad",
                "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
     assert r.returncode == 0, r.stderr.decode()
@@ -84,7 +84,7 @@ def test_command_writes_report(tmp_path):
     # cost per route, a token budget, IAD at two draft limits, and CTranslate2 on one thread while
     # refdec has two (making a translator sets the calling thread's OpenMP count, which torch reads)
     threads = min(2, usable_cores())
-    r = run_py("-m", "refdec.ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
+    r = run_py("-m", "refdec", "ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
                str(tmp_path / "in.txt"), "--threads", str(threads), "--warmup", "1", "--iad", "--fast", "--int8", "--step-cost",
                "--batch-tokens", "40", "--max-draft", "0,3", "--allocator", "system", "--ct2-threads", "1",
                "--cache-dir", str(tmp_path / "cache"), "--report", str(report))

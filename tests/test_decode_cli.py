@@ -327,14 +327,11 @@ def test_cli_options_are_the_decoders_keyword_options():
     (a --help that promised one threshold while the run used another was a real bug): every keyword
     option of every decoder has a flag whose help states the decoder's default, and no flag is left
     that no decoder takes."""
-    import importlib.util
     import inspect
 
     from refdec.algorithms import ALGORITHMS, OPTIONS
-    spec = importlib.util.spec_from_file_location("decode_cli", Path(__file__).resolve().parent.parent / "decode.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    parser = cli.build_parser()
+    from refdec.commands.decode import build_parser
+    parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
     taken = set()
     for algo in ALGORITHMS.values():
@@ -492,13 +489,9 @@ def test_two_transformers_folders_get_two_row_labels(tmp_path, monkeypatch):
 def test_model_help_and_usage_name_every_family_refdec_hf_imports():
     """Case: decode.py's --model help and docs/usage.md named only M2M100 and NLLB folders, though
     refdec.hf imports Marian, BART, mBART, Pegasus and T5 as well."""
-    import importlib.util
-
+    from refdec.commands.decode import build_parser
     from refdec.hf.families import FAMILIES
-    spec = importlib.util.spec_from_file_location("decode_script", REPO / "decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    help_text = " ".join(module.build_parser().format_help().split()).lower()
+    help_text = " ".join(build_parser().format_help().split()).lower()
     usage = " ".join((REPO / "docs" / "usage.md").read_text(encoding="utf-8").split()).lower()
     for family in FAMILIES.values():
         name = re.split(r"For|MTModel", family.architecture)[0].lower()  # M2M100ForConditional... -> m2m100

@@ -57,12 +57,12 @@ def test_distilled_folder_holds_teacher_outputs_and_resumes(trained_tiny, tmp_pa
 
 
 def test_beam_teacher_and_cli(trained_tiny, tmp_path):
-    r = run_py("-m", "refdec.distill", "--task", "mt-en-de", "--model", str(trained_tiny / "model.pt"), "--out",
+    r = run_py("-m", "refdec", "distill", "--task", "mt-en-de", "--model", str(trained_tiny / "model.pt"), "--out",
                str(tmp_path / "c"), "--limit", "6", "--beam-size", "2", "--threads", "1")
     assert r.returncode == 0, r.stderr.decode()
     assert json.loads(r.stdout)["beam_size"] == 2
     assert len(load_split("mt-en-de", "train", tmp_path / "c").tgt) == 6
-    bad = run_py("-m", "refdec.distill", "--task", "mt-en-de", "--model", str(tmp_path / "none.pt"), "--out",
+    bad = run_py("-m", "refdec", "distill", "--task", "mt-en-de", "--model", str(tmp_path / "none.pt"), "--out",
                  str(tmp_path / "d"))
     assert bad.returncode == 2 and "not found" in bad.stderr.decode() and b"Traceback" not in bad.stderr
 
@@ -137,7 +137,7 @@ def test_add_puts_a_distilled_folder_first_and_checks_its_teacher(trained_tiny, 
     model = trained_tiny / "model.pt"
     base = distill("mt-en-de", model, tmp_path / "base", algo="greedy", batch_size=8, limit=10, log=lambda m: None)
     sources = write_sources(tmp_path / "mono", MONO[:6])
-    r = run_py("-m", "refdec.distill", "--task", "mt-en-de", "--model", str(model), "--algo", "greedy",
+    r = run_py("-m", "refdec", "distill", "--task", "mt-en-de", "--model", str(model), "--algo", "greedy",
                "--sources", str(sources), "--add", str(tmp_path / "base"), "--out", str(tmp_path / "m"),
                "--threads", "1")
     assert r.returncode == 0, r.stderr.decode()
@@ -148,7 +148,7 @@ def test_add_puts_a_distilled_folder_first_and_checks_its_teacher(trained_tiny, 
     assert m.src == b.src + MONO[:6] and m.tgt[:10] == b.tgt
     assert m.docs == b.docs + [f"mono.src.gz/{i}" for i in range(1, 7)]
 
-    bad = run_py("-m", "refdec.distill", "--task", "mt-en-de", "--model", str(model), "--beam-size", "2",
+    bad = run_py("-m", "refdec", "distill", "--task", "mt-en-de", "--model", str(model), "--beam-size", "2",
                  "--sources", str(sources), "--add", str(tmp_path / "base"), "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "algo" in bad.stderr.decode() and b"Traceback" not in bad.stderr
 
@@ -166,7 +166,7 @@ def test_torchrun_ranks_give_the_bytes_of_one_process_and_resume_per_rank(traine
         with socket.socket() as sock:  # a free port, so a parallel run cannot collide
             sock.bind(("127.0.0.1", 0))
             port = str(sock.getsockname()[1])
-        r = run_py("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, "-m", "refdec.distill",
+        r = run_py("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, "-m", "refdec", "distill",
                    "--task", "mt-en-de", "--model", str(model), "--algo", "greedy", "--batch-size", "8", "--limit",
                    "40", "--save-every", "1", "--out", str(out), timeout=600)
         assert r.returncode == 0, r.stderr.decode()[-3000:]

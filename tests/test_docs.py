@@ -15,13 +15,25 @@ def text(path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def test_every_runnable_module_is_in_the_readme_layout():
-    """Case: `python -m refdec.fuzz` was missing from the README's layout."""
+def test_every_command_is_in_the_readme_layout():
+    """Case: `python -m refdec.fuzz` was missing from the README's layout. Every command `refdec --help`
+    lists is named there, beside both ways to run it."""
+    from refdec.commands import COMMANDS
     layout = text(REPO / "README.md").split("## Layout", 1)[1].split("\n## ", 1)[0]
-    runnable = sorted(p.stem for p in (REPO / "refdec").glob("*.py") if '__name__ == "__main__"' in text(p))
-    assert runnable and "python -m refdec.<name>" in layout
-    for name in runnable + ["hf"]:
-        assert re.search(rf"\b{name}\b", layout.split("refdec/commands/", 1)[1]), name
+    assert "refdec <command>" in layout and "python -m refdec <command>" in layout
+    for name in COMMANDS:
+        assert re.search(rf"(?<![\w-]){name}(?![\w-])", layout.split("refdec/commands/", 1)[1]), name
+
+
+def test_no_page_or_help_text_names_a_command_module_that_is_gone():
+    """Case: the commands were `python -m refdec.<name>` modules beside the library; they are
+    `python -m refdec <name>` (or `refdec <name>`) now, and no page, help text or message names the
+    old form, which ends in "No module named refdec.stepcost"."""
+    pages = [REPO / "README.md", REPO / "checkpoints" / "README.md", REPO / "data" / "README.md",
+             *(REPO / "docs").glob("*.md"), *(REPO / "refdec").rglob("*.py"), REPO / "decode.py", REPO / "train.py"]
+    old = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in pages
+           for m in re.finditer(r"-m\s+refdec\.(?!commands\b)\w+", text(p))]
+    assert not old, old
 
 
 def test_the_docs_speak_the_speed_column_decode_py_prints():

@@ -3,23 +3,23 @@ main(argv) so that they take a fraction of a second each. Each test names the me
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
 import shutil
 
 import pytest
 
-from conftest import REPO, error_of, script
+from conftest import REPO, error_of
 
 
 @pytest.fixture(scope="module")
 def decode():
-    return script("decode")
+    return importlib.import_module("refdec.commands.decode")
 
 
 @pytest.fixture(scope="module")
 def train():
-    return script("train")
+    return importlib.import_module("refdec.commands.train")
 
 
 def sections(page: str) -> set[str]:
@@ -73,7 +73,7 @@ def test_a_bad_count_names_the_flag_given_and_no_other(decode, capsys, monkeypat
 
 
 def test_a_data_dir_that_does_not_exist_is_called_a_typo(train, capsys, monkeypatch, tmp_path):
-    """Was: `train.py --data-dir nodir` suggested building a distilled folder with refdec.distill."""
+    """Was: `train.py --data-dir nodir` suggested building a distilled folder with refdec.commands.distill."""
     err = error_of(train.main, ["--preset", "tiny", "--data-dir", "nodir", "--out-dir", str(tmp_path / "run")],
                    capsys, monkeypatch)
     assert err == "error: --data-dir nodir: no such folder; check the path"
@@ -88,7 +88,7 @@ def test_a_checkpoint_folder_given_to_train_points_at_the_model_pt(train, capsys
 
 
 def test_every_command_loading_a_checkpoint_points_a_folder_at_its_model_pt(tmp_path, monkeypatch):
-    """Was: `python -m refdec.distill --model checkpoints/mt-en-de` (and stepcost, ceiling) said
+    """Was: `python -m refdec distill --model checkpoints/mt-en-de` (and stepcost, ceiling) said
     "checkpoint checkpoints/mt-en-de not found" of a folder that exists."""
     from refdec.checkpoint import CheckpointError, load_checkpoint
     monkeypatch.chdir(REPO)
@@ -102,9 +102,7 @@ def test_every_command_loading_a_checkpoint_points_a_folder_at_its_model_pt(tmp_
 # -- no run writes a file it reads -------------------------------------------------------------
 
 def command(name: str):
-    """A command's main(argv): decode.py's, or one of refdec.commands (`python -m refdec.NAME`)."""
-    if name == "decode":
-        return script("decode").main
+    """A command's main(argv): one of refdec.commands (`python -m refdec NAME`)."""
     return importlib.import_module(f"refdec.commands.{name}").main
 
 
@@ -127,7 +125,7 @@ GEC = ["--algo", "greedy", "--task", "gec-en", "--limit", "2"]
     ("distill", ["--task", "mt-en-de", "--threads", "1", "--out", "data"], "--out data/mt-en-de/train.src.gz lies in"),
 ])
 def test_no_command_writes_a_file_it_reads(capsys, monkeypatch, name, argv, needle):
-    """Was: `decode.py --task gec-en --report data/gec-en/test.src.gz` (and --output, refdec.ctranslate2's and
+    """Was: `decode.py --task gec-en --report data/gec-en/test.src.gz` (and --output, refdec.commands.ctranslate2's and
     refdec.hf audit's --report) replaced the shipped test set with JSON: outputs were checked against
     --input alone, not the task's default files or the checkpoints. Every command now checks each output
     against everything it reads, in refdec.inputs.check_outputs, and refuses in one line; nothing changes."""
@@ -139,7 +137,7 @@ def test_no_command_writes_a_file_it_reads(capsys, monkeypatch, name, argv, need
 
 
 def test_audit_refuses_a_report_over_its_input(capsys, monkeypatch, tmp_path):
-    """Was: `python -m refdec.hf audit --input s.txt --report s.txt` overwrote its input with the report."""
+    """Was: `python -m refdec hf audit --input s.txt --report s.txt` overwrote its input with the report."""
     from refdec.commands.hfcli import main
     src = tmp_path / "s.txt"
     src.write_text("She go to school.\n", encoding="utf-8")
@@ -171,7 +169,7 @@ def test_distill_refuses_to_write_the_folder_it_adds(capsys, monkeypatch, tmp_pa
 
 
 def test_hf_export_into_a_file_is_one_line(capsys, monkeypatch, tmp_path):
-    """Was: `python -m refdec.hf export ckpt.pt ckpt.pt` exited 1 with NotADirectoryError."""
+    """Was: `python -m refdec hf export ckpt.pt ckpt.pt` exited 1 with NotADirectoryError."""
     from refdec.commands.hfcli import main
     err = error_of(main, ["export", "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de/model.pt"], capsys, monkeypatch)
     assert err == "error: checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"

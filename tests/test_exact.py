@@ -155,14 +155,14 @@ def test_invariant_mode_lossless_decoders_equal_greedy(dtype, family, seed):
     """Guards every lossless decoder in row-invariant mode (batched greedy, beam(1), IAD, GAD,
     GAD++(1, 0), exact blockwise, greedy speculative, BiLD falling back at every step and BiLD with
     the large model as its own small model) against greedy with torch.equal, on random models and on
-    exact-tie, near-tie (1e-16) and constant-state families: a slice of `python -m refdec.fuzz`."""
+    exact-tie, near-tie (1e-16) and constant-state families: a slice of `python -m refdec fuzz`."""
     case = draw_case(1000 + seed, dtype, family)
     for name, got, ref in comparisons(case):
         assert_tokens_equal(got, ref, name)
 
 
 def test_fuzz_command_counts_and_reports(capsys):
-    """Guards refdec.fuzz's report: comparisons per decoder, and exit status 0 without mismatches."""
+    """Guards refdec.commands.fuzz's report: comparisons per decoder, and exit status 0 without mismatches."""
     assert fuzz_main(["--models", "2", "--dtype", "float32", "--seed", "5"]) == 0
     out = capsys.readouterr().out
     assert "2 models" in out and "row-invariant mode" in out and "0 mismatches" in out

@@ -16,13 +16,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # transformers, subprocess runs
 
-from conftest import error_of, one_line_error, run_py, script  # noqa: E402
+from conftest import error_of, one_line_error, run_py  # noqa: E402
 from hf_helpers import LANGS, WORDS, m2m_folder, sources  # noqa: E402
 
 from refdec import hf  # noqa: E402
 from refdec.checkpoint import make_checkpoint, save_atomic  # noqa: E402
 from refdec.config import ModelConfig  # noqa: E402
 from refdec.decoding import decode_beam, decode_greedy, decode_iad, decode_speculative  # noqa: E402
+from refdec.commands.decode import main as decode_command  # noqa: E402
 from refdec.commands.hfcli import main as hf_main  # noqa: E402
 from refdec.model import Transformer  # noqa: E402
 from refdec.tokenizer import Tokenizer  # noqa: E402
@@ -102,7 +103,7 @@ def refdec_checkpoint(path: Path, seed: int = 0, max_positions: int = 64) -> Pat
 
 
 def test_export_of_a_checkpoint_with_proposal_heads_refuses_or_leaves_them_out_when_told(tmp_path):
-    """Case: `python -m refdec.hf export` of a blockwise checkpoint (the model and its proposal heads)
+    """Case: `python -m refdec hf export` of a blockwise checkpoint (the model and its proposal heads)
     wrote the model alone and said nothing of the heads. transformers has no place for them: it is
     refused in one line (exit 2, no folder written) naming the fix; --without-heads exports the model
     and says the heads are not in it."""
@@ -111,12 +112,12 @@ def test_export_of_a_checkpoint_with_proposal_heads_refuses_or_leaves_them_out_w
     ckpt = refdec_checkpoint(tmp_path / "ckpt")
     stored = load_checkpoint(ckpt)
     save_atomic({**stored, "proposal": proposal_state(ProposalHeads(16, 8, k=3))}, ckpt)
-    r = run_py("-m", "refdec.hf", "export", str(ckpt), str(tmp_path / "out"))
+    r = run_py("-m", "refdec", "hf", "export", str(ckpt), str(tmp_path / "out"))
     err = r.stderr.decode().strip()
     assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "2 blockwise proposal heads" in err and "--without-heads" in err
     assert not (tmp_path / "out").exists()
-    r = run_py("-m", "refdec.hf", "export", str(ckpt), str(tmp_path / "out"), "--without-heads")
+    r = run_py("-m", "refdec", "hf", "export", str(ckpt), str(tmp_path / "out"), "--without-heads")
     assert r.returncode == 0, r.stderr.decode()
     assert "the proposal heads are not in it" in r.stdout.decode()
     assert "loading it back with transformers to check it" in r.stderr.decode()  # said before its silent seconds
@@ -204,7 +205,7 @@ def test_unsupported_architecture_and_missing_files(tmp_path, folder):
     args = ["--task", "mt-en-de", "--algo", "greedy", "--input", "-", "--quiet", "--threads", "1"]
     assert "unsupported architecture BartModel" in one_line_error(run_py("decode.py", *args, "--model", str(bad), stdin=b"w1\n"))
     assert "has no weights" in one_line_error(run_py("decode.py", *args, "--model", str(no_tok), stdin=b"w1\n"))
-    assert "not found" in one_line_error(run_py("-m", "refdec.hf", "export", str(tmp_path / "none.pt"), str(tmp_path / "o")))
+    assert "not found" in one_line_error(run_py("-m", "refdec", "hf", "export", str(tmp_path / "none.pt"), str(tmp_path / "o")))
 
 
 def test_decode_cli_on_a_transformers_folder(folder, theirs, tmp_path):
@@ -257,7 +258,7 @@ def test_a_companion_model_a_folder_does_not_bring_is_asked_for(folder, tmp_path
     with `TypeError: replace() argument 1 must be str, not None`: without --task there is no shipped
     companion model (drafter, small model) to default to. One line now names the model the algorithm needs and its flag."""
     (tmp_path / "s.txt").write_text("w1 w2 w3\n", encoding="utf-8")
-    err = error_of(script("decode").main, ["--model", str(folder), "--input", str(tmp_path / "s.txt"), *argv],
+    err = error_of(decode_command, ["--model", str(folder), "--input", str(tmp_path / "s.txt"), *argv],
                    capsys, monkeypatch)
     role = "drafter" if "gad" in argv else "small"
     assert needle in err and f"pass --{role} PATH" in err, err

@@ -216,7 +216,7 @@ def test_one_line_errors(folders, tmp_path):
 
 @pytest.mark.parametrize("family", ["marian", "bart", "t5"])
 def test_audit_on_a_family_pair(family, folders, tmp_path, capsys):
-    """python -m refdec.hf audit on a folder pair and a text file: refdec greedy, IAD and speculative,
+    """python -m refdec hf audit on a folder pair and a text file: refdec greedy, IAD and speculative,
     transformers' greedy, beam-free assisted generation and prompt lookup; refdec's lossless decoders
     and transformers' greedy identical to refdec greedy, differing lines reported with a margin."""
     from refdec.commands.hfcli import main as hf_main

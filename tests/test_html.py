@@ -172,7 +172,7 @@ def test_library_and_decode_import_without_matplotlib():
             "def imp(name, *a, **k):\n    if name.split('.')[0] == 'matplotlib': raise ImportError(name)\n"
             "    return real(name, *a, **k)\nbuiltins.__import__ = imp\n"
             "import refdec.errors, refdec.runner, refdec.trace, refdec.htmlreport, decode\n"
-            "decode.build_parser()\ntry:\n    refdec.htmlreport.check_available()\nexcept refdec.errors.UsageError as e:\n"
+            "from refdec.commands.decode import build_parser\nbuild_parser()\ntry:\n    refdec.htmlreport.check_available()\nexcept refdec.errors.UsageError as e:\n"
             "    print('refused:', e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

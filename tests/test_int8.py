@@ -306,7 +306,7 @@ def test_decode_warns_once_where_int8_is_slower_than_float32(cpu, warned, tmp_pa
 
 @pytest.mark.parametrize("cpu, warned", [(("AVX2", ZEN3_FLAGS), True), (("AVX512", AVX512_FLAGS), False)])
 def test_int8bench_warns_where_int8_is_slow_and_reports_the_machine(cpu, warned, tmp_path, capsys, monkeypatch):
-    """python -m refdec.int8bench: the warning where int8 products are slow, the machine in its printed
+    """python -m refdec int8bench: the warning where int8 products are slow, the machine in its printed
     header and in its report."""
     from refdec.commands.int8bench import main
     fake_cpu(monkeypatch, *cpu)
@@ -320,7 +320,7 @@ def test_int8bench_warns_where_int8_is_slow_and_reports_the_machine(cpu, warned,
 
 
 def test_int8bench_finds_the_routes_product_row_invariant():
-    """python -m refdec.int8bench's figures on a tiny model's shapes: every candidate timed at each row
+    """python -m refdec int8bench's figures on a tiny model's shapes: every candidate timed at each row
     count, and the route's per-row product the same for row 0 alone and within more rows."""
     from refdec.commands.int8bench import measure, table
     results = measure(tiny_model(25), [1, 5], rounds=1, reps=1)

@@ -91,14 +91,13 @@ MODEL_LAYER = ["refdec." + m for m in (
     "trace", "drafter", "proposal", "routes", "routes.kernels", "routes.int8", "routes.fast", "routes.graphed")]
 # The paper's model itself: what it is made of, below every route.
 THE_MODEL = ["refdec." + m for m in ("config", "errors", "model", "cache", "forced", "positions", "variants")]
-# The measuring commands, on top, in one package; `python -m refdec.X` finds each through a module of
-# that name that runs refdec.commands.X's main (ENTRIES), and `python -m refdec.hf` through refdec.hf's
-# __main__.
+# The commands, on top, in one package; `refdec <command>` and `python -m refdec <command>` find each
+# through refdec.commands' table (refdec.__main__, the one entry module), decode.py and train.py
+# through their own.
 COMMANDS = ["refdec.commands." + m for m in (
-    "bench", "ceiling", "ctranslate2", "distill", "fuzz", "harness", "hfaudit", "hfcli", "int8bench", "stepcost",
-    "train_drafters")]
-ENTRIES = ["refdec." + m.rpartition(".")[2] for m in COMMANDS
-           if m.rpartition(".")[2] not in ("harness", "hfaudit", "hfcli")]
+    "bench", "ceiling", "ctranslate2", "decode", "distill", "fuzz", "harness", "hfaudit", "hfcli", "int8bench",
+    "stepcost", "train", "train_drafters")]
+ENTRIES = ["refdec.__main__"]
 ABOVE_THE_MODEL = ("refdec.decoding", "refdec.runner", "refdec.report", "refdec.htmlreport", "refdec.loading",
                    "refdec.algorithms", "refdec.plan", "refdec.hf", "refdec.training", "refdec.commands", *ENTRIES)
 ROUTES = ("refdec.routes.kernels", "refdec.routes.fast", "refdec.routes.graphed", "refdec.routes.int8", "refdec.routes.stamps",
@@ -145,16 +144,38 @@ def test_the_commands_stand_on_top_and_nothing_below_imports_them():
     """Case: ten commands lived flat among the library's modules, each with its own option parsing and
     report writing. They are one package now, refdec.commands, over one harness; no module outside it
     imports a command, directly or through another module, but the `python -m` entries (one module per
-    command, calling its main, and refdec.hf's __main__), and each entry imports its own command alone."""
+    command, calling its main, and refdec.hf's __main__), and each entry imports its own command alone.
+    Now `python -m refdec <command>` (refdec.__main__) is the one entry: it imports the table of
+    commands, refdec.commands, alone (which imports a command's module only when it runs)."""
     graph = import_graph()
     assert set(COMMANDS) <= set(graph), sorted(set(COMMANDS) - set(graph))
-    entries = {*ENTRIES, "refdec.hf.__main__"}
     below = [f"{m} reaches {d}: " + " -> ".join(chain) for m in graph
-             if not m.startswith("refdec.commands") and m not in entries
+             if not m.startswith("refdec.commands") and m not in ENTRIES
              for d, chain in reached(graph, m).items() if d.startswith("refdec.commands")]
     assert not below, below
-    for entry in ENTRIES:
-        assert graph[entry] == {"refdec.commands", "refdec.commands." + entry.rpartition(".")[2]}, entry
+    assert graph["refdec.__main__"] == {"refdec.commands"}
+    assert graph["refdec.commands"] <= {"refdec"}, graph["refdec.commands"]  # its __version__, for --version
+
+
+def test_the_package_root_holds_no_command_shim():
+    """Case: the package root held eight 5-line `python -m refdec.X` modules beside the library (and
+    refdec.hf a __main__ running back up into the commands), and an installed copy had no command to
+    decode with. One command line now, refdec.__main__ and the `refdec` entry point over
+    refdec.commands.COMMANDS: no module outside refdec/commands/ runs as a program, each command named
+    in the table exists, and decode.py and train.py are its thin scripts."""
+    import tomllib
+
+    from refdec.commands import COMMANDS as TABLE
+    programs = [p.relative_to(REPO).as_posix() for p in (REPO / "refdec").rglob("*.py")
+                if p.parent.name != "commands" and '__name__ == "__main__"' in p.read_text(encoding="utf-8") or p.name == "__main__.py"]
+    assert programs == ["refdec/__main__.py"], programs
+    assert {f"refdec.commands.{module}" for module, _ in TABLE.values()} <= set(COMMANDS) - {
+        "refdec.commands.harness", "refdec.commands.hfaudit"}
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert scripts == {"refdec": "refdec.commands:main"}
+    for name in ("decode", "train"):
+        code = (REPO / f"{name}.py").read_text(encoding="utf-8")
+        assert f"from refdec.commands.{name} import main" in code and len(code.splitlines()) < 20, name
 
 
 def test_no_package_and_the_modules_around_it_import_each_other():
@@ -214,8 +235,8 @@ def test_model_py_is_short_and_no_function_or_class_outgrows_a_reading():
     assert not too_long, too_long
 
 
-def test_the_scripts_stay_thin():
+def test_the_commands_stay_thin():
     """Case: decode.py grew to 227 lines with the report's assembly and the page's header in it; the
-    library holds the logic, the scripts parse, call and print."""
-    assert len((REPO / "decode.py").read_text(encoding="utf-8").splitlines()) < 200
-    assert len((REPO / "train.py").read_text(encoding="utf-8").splitlines()) < 200
+    library holds the logic, the commands parse, call and print."""
+    for name in ("decode", "train"):
+        assert len((REPO / "refdec" / "commands" / f"{name}.py").read_text(encoding="utf-8").splitlines()) < 200

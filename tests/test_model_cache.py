@@ -214,7 +214,7 @@ def test_the_few_row_product_is_the_kernels_choice_per_wrapper():
 
 @pytest.mark.slow
 def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
-    """refdec.stepcost: a cost per q for the few-row and for the plain route, and both one-row
+    """refdec.commands.stepcost: a cost per q for the few-row and for the plain route, and both one-row
     projection timings."""
     import json
 
@@ -234,7 +234,7 @@ def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
 
 @pytest.mark.slow
 def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
-    """refdec.stepcost --rows: every call decodes that many rows; the cost per position divides by
+    """refdec.commands.stepcost --rows: every call decodes that many rows; the cost per position divides by
     rows x q, and the encoder is timed over as many sources; --fast and --graphed add those routes'
     costs; a device torch does not know is refused."""
     import json

@@ -1,5 +1,5 @@
 """The package metadata: `pip install -e .` and `pip install .` make refdec importable anywhere.
-Case: `python -m refdec.hf` worked only from the repository's root (ModuleNotFoundError elsewhere):
+Case: `python -m refdec hf` worked only from the repository's root (ModuleNotFoundError elsewhere):
 there was no package metadata, so refdec could not be installed into a user's environment."""
 
 from __future__ import annotations
@@ -52,11 +52,15 @@ def test_ci_runs_the_readme_test_command_which_installs_refdec():
 
 
 @pytest.mark.slow
-def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path):
-    """`pip install .` of the repository: a wheel of refdec/ alone, whose commands run from any folder
-    (`python -m refdec.hf --help`, ...); a command that reads the repository's checkpoints/ or data/
-    by default says in one line that this copy has none and what to do. Built from a copy of the
-    sources so that no build files land in the repository."""
+def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trained_tiny):
+    """`pip install .` of the repository into a fresh virtual environment: a wheel of refdec/ alone
+    with the `refdec` command, whose commands run from any folder (`refdec --help`, `refdec decode
+    --help`, ...) and decode with a user's own checkpoint; a command that reads the repository's
+    checkpoints/ or data/ by default says in one line that this copy has none and what to do.
+    Case: after `pip install .` there was no command to decode with at all (decode.py lived only in a
+    clone). Built from a copy of the sources so that no build files land in the repository; the
+    environment sees the system's packages (torch) and installs nothing from the network."""
+    from refdec.commands import COMMANDS
     src = tmp_path / "src"
     shutil.copytree(REPO / "refdec", src / "refdec", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
@@ -68,24 +72,52 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path):
     wheel = next((tmp_path / "wheel").glob("refdec-*.whl"))
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"refdec", wheel.name.split("-py3")[0] + ".dist-info"}, tops
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"),
-                        str(wheel)], **run)
+    venv = tmp_path / "venv"
+    r = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], **run)
+    assert r.returncode == 0, r.stderr
+    python, refdec = venv / "bin" / "python", venv / "bin" / "refdec"
+    r = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], **run)
     assert r.returncode == 0, r.stderr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "OMP_NUM_THREADS": "1"}
-    for module in ("refdec.hf", "refdec.ctranslate2", "refdec.stepcost", "refdec.ceiling", "refdec.fuzz",
-                   "refdec.distill", "refdec.bench", "refdec.train_drafters"):
-        r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=elsewhere, env=env, **run)
-        assert r.returncode == 0 and "usage:" in r.stdout, (module, r.stderr)
-    r = subprocess.run([sys.executable, "-c", "import refdec; print(refdec.__file__)"], cwd=elsewhere, env=env, **run)
-    assert r.stdout.startswith(str(tmp_path / "site")), r.stdout
-    r = subprocess.run([sys.executable, "-m", "refdec.stepcost", "--task", "gec-uk"], cwd=elsewhere, env=env, **run)
-    err = r.stderr.strip()
-    assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "checkpoints/gec-uk/model.pt is in refdec's repository" in err and "--model" in err
-    assert "pip install -e ." in err
-    for module in ("refdec.bench", "refdec.train_drafters"):  # the files a copy needs: a clone's
-        r = subprocess.run([sys.executable, "-m", module, "--files"], cwd=elsewhere, env=env, **run)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+
+    def in_elsewhere(*argv, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([str(a) for a in argv], cwd=elsewhere, env=env, input=stdin, **run)
+
+    r = in_elsewhere(python, "-c", "import refdec; print(refdec.__file__)")
+    assert r.stdout.startswith(str(venv)), r.stdout
+    r = in_elsewhere(refdec, "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: refdec <command>"), r.stderr
+    assert all(f"  {name} " in r.stdout for name in COMMANDS), r.stdout
+    for name in COMMANDS:
+        r = in_elsewhere(refdec, name, "--help")
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: refdec {name}"), (name, r.stderr)
+    r = in_elsewhere(python, "-m", "refdec", "decode", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m refdec decode"), r.stderr
+    (elsewhere / "in.txt").write_text("Das ist gut.\nIch gehe nach Hause.\n", encoding="utf-8")
+    r = in_elsewhere(refdec, "decode", "--model", trained_tiny / "model.pt", "--input", "in.txt", "--output",
+                     "out.txt", "--threads", "1", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert len((elsewhere / "out.txt").read_text(encoding="utf-8").splitlines()) == 2
+    r = in_elsewhere(refdec, "decode", "--model", trained_tiny / "model.pt", "--input", "-", "--threads", "1",
+                     "--quiet", stdin="Das ist gut.\n")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr
+    for argv, needle in ((["stepcost", "--task", "gec-uk"], "checkpoints/gec-uk/model.pt is in refdec's repository"),
+                         (["decode", "--task", "mt-en-de"], "checkpoints/mt-en-de/model.pt is in refdec's repository"),
+                         (["decode", "--task", "mt-en-de", "--model", trained_tiny / "model.pt"],
+                          "data/mt-en-de/test.src.gz is in refdec's repository"),
+                         (["decode", "--algo", "bild", "--model", trained_tiny / "model.pt", "--task", "mt-en-de",
+                           "--input", "in.txt"], "checkpoints/mt-en-de-small-aligned/model.pt is in refdec's repository"),
+                         (["train", "--preset", "tiny", "--out-dir", "run"], "is in refdec's repository"),
+                         (["bench", "--files"], "pip install -e ."), (["train-drafters", "--files"], "pip install -e .")):
+        r = in_elsewhere(refdec, *argv)
         err = r.stderr.strip()
-        assert r.returncode == 2 and len(err.splitlines()) == 1 and "pip install -e ." in err, (module, err)
+        assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
+        assert needle in err, (argv, err)
+    r = in_elsewhere(refdec, "decodee")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: refdec: no command 'decodee'; choose from {', '.join(COMMANDS)} (refdec --help)"], r.stderr
+    r = subprocess.run([sys.executable, "-m", "refdec", "bench", "--files"], cwd=REPO, env=env, **run)
+    assert r.returncode == 0 and "refdec/commands/bench.py" in r.stdout.split(), r.stderr

@@ -1,6 +1,6 @@
 """Progress of the long-running commands: a line on stderr every few seconds, none for short work.
-Case: `python -m refdec.stepcost --rows 64` printed nothing for 300 s; refdec.fuzz nothing until its
-report, refdec.ceiling a line only every 50 sentences, refdec.distill only at its saves."""
+Case: `python -m refdec stepcost --rows 64` printed nothing for 300 s; refdec.commands.fuzz nothing until its
+report, refdec.commands.ceiling a line only every 50 sentences, refdec.commands.distill only at its saves."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ import re
 
 import pytest
 
-from conftest import REPO, error_of, run_py, script
+from conftest import REPO, error_of, run_py
+from refdec.commands import COMMANDS
 from refdec.errors import UsageError
 from refdec.repo import check_not_shipped
 
@@ -58,9 +59,7 @@ def output_flag(argv: list[str]) -> str:
 
 
 def command(name: str):
-    """A command's main(argv): a script's (decode.py, train.py) or refdec.commands.NAME's."""
-    if name in ("decode", "train"):
-        return script(name).main
+    """A command's main(argv): refdec.commands.NAME's (decode.py's and train.py's among them)."""
     return importlib.import_module(f"refdec.commands.{name}").main
 
 
@@ -143,7 +142,7 @@ def test_the_opt_in_allows_a_folder_inside_never_the_folder_itself():
 
 
 def test_distill_writes_into_data_with_overwrite_alone(tmp_path):
-    """The documented `python -m refdec.distill ... --out data/distilled/<name> --overwrite` passes
+    """The documented `python -m refdec distill ... --out data/distilled/<name> --overwrite` passes
     the check (the presets read their distilled folders there); without --overwrite it is one line."""
     from refdec.commands.distill import check_paths
     teacher = REPO / "checkpoints" / "mt-en-de" / "model.pt"
@@ -160,7 +159,7 @@ def test_distill_writes_into_data_with_overwrite_alone(tmp_path):
 def test_train_py_refuses_data_as_it_refuses_checkpoints():
     """Was: `train.py --out-dir data/gec-en` wrote a run among the shipped data sets; checkpoints/ alone
     was refused."""
-    check = script("train").check_out_dir_place
+    from refdec.commands.train import check_out_dir_place as check
     with pytest.raises(UsageError, match="inside data/.*runs/<name>.*--overwrite"):
         check(str(REPO / "data" / "gec-en"), overwrite=False, resume=False)
     with pytest.raises(UsageError, match="shipped data sets itself"):
@@ -179,12 +178,12 @@ def test_int8bench_writes_its_report_elsewhere(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("argv", [
     ["decode.py", *GEC_IAD, "--output", "checkpoints/gec-en-6x6/model.pt"],
     ["decode.py", *GEC_IAD, "--output", "data/gec-uk/test.src.gz"],
-    *(["-m", f"refdec.{'hf' if name == 'hfcli' else name}", *argv] for name, argv, _ in CASES
-      if name not in ("decode", "train")),
+    *(["-m", "refdec", typed, *argv] for name, argv, _ in CASES if name not in ("decode", "train")
+      for typed in [next(t for t, (module, _) in COMMANDS.items() if module == name)]),
     ["train.py", "--preset", "tiny", "--out-dir", "data/gec-en"],
-], ids=lambda argv: " ".join(argv[:2]))
+], ids=lambda argv: " ".join(argv[:3]))
 def test_the_commands_as_typed_exit_2_and_change_nothing(argv, unchanged):
-    """The case's commands and every `python -m refdec.X` entry point, run as a user types them."""
+    """The case's commands and every `python -m refdec X` command, run as a user types them."""
     r = run_py(*argv, timeout=120)
     err = r.stderr.decode().strip()
     assert r.returncode == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (r.returncode, err)

@@ -1,4 +1,4 @@
-"""python -m refdec.train_drafters: the one command that trains the mt-en-de drafters on a GPU, from
+"""python -m refdec train-drafters: the one command that trains the mt-en-de drafters on a GPU, from
 a copy of the repository holding only the files it lists."""
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def test_the_listed_files_are_there_and_under_60_mb():
 def test_a_copy_of_the_listed_files_trains_both_drafters(tmp_path):
     """Guards the GPU command on the CPU: from a copy holding only the files --files prints, a run
     with tiny limits writes a GAD drafter and heads that load (the heads on the verifier they name)."""
-    r = subprocess.run([sys.executable, "-m", "refdec.train_drafters", "--files"], cwd=REPO, capture_output=True)
+    r = subprocess.run([sys.executable, "-m", "refdec", "train-drafters", "--files"], cwd=REPO, capture_output=True)
     assert r.returncode == 0, r.stderr.decode()
     copy = tmp_path / "copy"
     for name in r.stdout.decode().split():
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / name, copy / name)
-    r = subprocess.run([sys.executable, "-m", "refdec.train_drafters", "--out-dir", "runs/d", "--max-steps", "2",
+    r = subprocess.run([sys.executable, "-m", "refdec", "train-drafters", "--out-dir", "runs/d", "--max-steps", "2",
                         "--train-limit", "200", "--dev-limit", "8"], cwd=copy, capture_output=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr.decode()[-3000:]
@@ -192,7 +192,7 @@ def test_files_prints_the_total_and_a_missing_file_exits_2(capsys, monkeypatch, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0] == (f"error: train.py is not in this copy of the repository "
                                         f"({len(td.needed_files()) - 1} file(s) missing): copy every file "
-                                        f"`python -m refdec.train_drafters --files` lists")
+                                        f"`python -m refdec train-drafters --files` lists")
 
 
 @pytest.mark.slow
@@ -202,7 +202,7 @@ def test_ctrl_c_stops_a_run_that_resume_continues(tmp_path):
     rerun with --resume; a plain rerun is refused before anything starts; --resume continues the
     job from its last.pt to its end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    smoke = [sys.executable, "-m", "refdec.train_drafters", "--only", "gad-drafter", "--train-limit", "200",
+    smoke = [sys.executable, "-m", "refdec", "train-drafters", "--only", "gad-drafter", "--train-limit", "200",
              "--dev-limit", "8", "--out-dir", "d"]
     log = tmp_path / "log.txt"
     with open(log, "w") as f:

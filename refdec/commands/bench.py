@@ -1,10 +1,10 @@
 """Every GPU table in one command: the decoders on the reference, fast and graphed routes, the one-call
 cost, the draft-then-verify ceiling and transformers' decoders on the same weights.
 
-    python -m refdec.bench --device cuda                  # every section, reports/gpu-*.json
-    python -m refdec.bench --device cuda --sections stepcost,ceiling --out /tmp/bench
-    python -m refdec.bench --files                        # the files it reads, and their total size
-    python -m refdec.bench --device cpu --limit 3         # the whole command in a few minutes on a CPU
+    python -m refdec bench --device cuda                  # every section, reports/gpu-*.json
+    python -m refdec bench --device cuda --sections stepcost,ceiling --out /tmp/bench
+    python -m refdec bench --files                        # the files it reads, and their total size
+    python -m refdec bench --device cpu --limit 3         # the whole command in a few minutes on a CPU
 
 Sections (--sections, default all; each prints its tables and writes its JSON report):
 
@@ -14,9 +14,9 @@ Sections (--sections, default all; each prints its tables and writes its JSON re
                   blockwise,speculative,bild`
     gec-uk        batch 1 on UA-GEC with the 6+6 model: IAD beside greedy and beam-5
     batched       greedy and IAD of the UA-GEC 6+6 model at batch sizes 1, 8, 32 and 128 (sent/s)
-    stepcost      python -m refdec.stepcost of the mt-en-de model at 1 and 32 rows, q = 1-64, every route
-    ceiling       python -m refdec.ceiling on mt-en-de (the model's own output as the draft), every route
-    transformers  python -m refdec.hf audit on mt-en-de (with the small model: assisted generation) and
+    stepcost      python -m refdec stepcost of the mt-en-de model at 1 and 32 rows, q = 1-64, every route
+    ceiling       python -m refdec ceiling on mt-en-de (the model's own output as the draft), every route
+    transformers  python -m refdec hf audit on mt-en-de (with the small model: assisted generation) and
                   UA-GEC 6+6 (prompt lookup): transformers' greedy, assisted generation and prompt lookup
                   beside refdec's decoders on every route; left out, with a line saying so, when
                   transformers is absent
@@ -68,9 +68,9 @@ from ..errors import CheckpointError, UsageError, first_line, run_command
 from ..exactness import divergences, identical_rate
 from ..machine import device_name, environment
 from ..progress import duration
+from . import as_typed
 from .harness import columns, command_parser, invocation, machine_options, set_up_machine, write_report
 
-COMMAND = "python -m refdec.bench"
 ROUTES = ("reference", "fast", "graphed")
 MAX_BYTES = 62 * 2**20  # what a copy of the repository for a GPU machine may hold: 62 MiB (du -h's M)
 GEC_MODEL = "checkpoints/gec-uk-6x6/model.pt"
@@ -250,7 +250,7 @@ def command_sections(section: str, args, device: torch.device, plan_: dict, pref
     reports = {}
     for name, main, argv in commands:
         path = out / f"{prefix}-{name}.json"
-        command = shlex.join(["python", "-m", invocation(main),
+        command = shlex.join([*shlex.split(invocation(main)),
                               *(inputs.shown_path(a) if a.startswith("/") else a for a in argv)])
         log(f"{name}: {command}")
         print(f"\n# {name}: {command}", flush=True)
@@ -258,7 +258,7 @@ def command_sections(section: str, args, device: torch.device, plan_: dict, pref
         sys.stdout.flush()
         reports[name] = {"report": path.name, "exit_status": status}
         if status:
-            raise SectionError(f"python -m {invocation(main)} exited with {status}")
+            raise SectionError(f"{invocation(main)} exited with {status}")
     return {"reports": reports}
 
 
@@ -299,12 +299,12 @@ def chosen_sections(text: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     sections = chosen_sections(args.sections)
     if args.files:
-        return list_files([p.as_posix() for p in files(sections)], COMMAND, MAX_BYTES)
+        return list_files([p.as_posix() for p in files(sections)], as_typed("bench"), MAX_BYTES)
     if (args.limit is not None and args.limit < 1) or args.threads < 1:
         raise UsageError("--limit and --threads must be at least 1")
     inputs.check_outputs({"--out": args.out}, {}, folders_made=True)
     device = set_up_machine(args)
-    check_files([p.as_posix() for p in files(sections)], COMMAND)
+    check_files([p.as_posix() for p in files(sections)], as_typed("bench"))
     out = Path(args.out)
     if not out.is_dir():
         if not out.parent.is_dir():

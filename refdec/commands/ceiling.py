@@ -1,9 +1,9 @@
 """What a drafter that guesses right would buy on this machine: the ceiling of draft-then-verify
 decoding, measured with the model's own output as the draft.
 
-    python -m refdec.ceiling --task mt-en-de --limit 500                  # shipped model and drafter
-    python -m refdec.ceiling --task mt-en-de --k 4,8,16 --accept 1,0.8,0.6 --report ceiling.json
-    python -m refdec.ceiling --task mt-en-de --k 3,10 --small checkpoints/mt-en-de-small-aligned/model.pt
+    python -m refdec ceiling --task mt-en-de --limit 500                  # shipped model and drafter
+    python -m refdec ceiling --task mt-en-de --k 4,8,16 --accept 1,0.8,0.6 --report ceiling.json
+    python -m refdec ceiling --task mt-en-de --k 3,10 --small checkpoints/mt-en-de-small-aligned/model.pt
 
 First, untimed, greedy decoding gives each sentence's output y. Then, sentence by sentence and
 interleaved (the order rotates), it times greedy decoding again and the GAD loop (the shared

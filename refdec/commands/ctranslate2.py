@@ -1,7 +1,7 @@
 """refdec against CTranslate2 on the same weights: the engine people pick for fast seq2seq decoding on
 a CPU, as the baseline refdec's decoders are measured against.
 
-    python -m refdec.ctranslate2 --task gec-uk --model checkpoints/gec-uk-6x6/model.pt \\
+    python -m refdec ctranslate2 --task gec-uk --model checkpoints/gec-uk-6x6/model.pt \\
         --batch-sizes 1,32 --limit 500 --threads 1,2 [--iad] [--fast] [--int8] --report reports/ct2.json
     (--batch-tokens N,N: also in batches by a token budget; --max-draft 0,16: IAD once per value)
 
@@ -61,6 +61,7 @@ from ..machine import allocator_option, environment, machine_line, set_allocator
 from ..progress import ProgressLine
 from ..report import format_table, summary_row, write_report
 from ..runner import Run, decode_lines
+from . import as_typed
 from .harness import report_option
 from .stepcost import time_decode, time_products
 
@@ -252,7 +253,7 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
 def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object], tokens: list[str],
                prefix: int = 30, src_len: int = 30, more: int = 20, rounds: int = 15) -> dict[str, float]:
     """Milliseconds of one decoder step (one row, a cache of about `prefix` tokens, a source of
-    `src_len`) for each refdec route (`models`: name, model; refdec.stepcost's time_decode, the
+    `src_len`) for each refdec route (`models`: name, model; refdec.commands.stepcost's time_decode, the
     vocabulary projection included) and each CTranslate2 compute type: translate_batch forced to
     write prefix + `more` tokens against prefix tokens (min_decoding_length), the difference over
     `more` (its steps include its search bookkeeping, refdec's do not include the argmax). With the
@@ -316,7 +317,7 @@ def int_list(text: str, least: int = 1) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refdec.ctranslate2", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=as_typed("ctranslate2"), description=__doc__.split("\n\n")[0])
     p.add_argument("--task", required=True, help="the checkpoint's task; its data/<task>/test.src.gz is decoded")
     p.add_argument("--model", required=True, help="a refdec model.pt")
     p.add_argument("--input", help="decode this UTF-8 text file instead of the task's test set")

@@ -1,10 +1,10 @@
 """Sequence-level knowledge distillation (Kim and Rush 2016): a teacher decodes the training sources
 and its outputs become the training targets.
 
-    python -m refdec.distill --task mt-en-de --out data/distilled/mt-en-de-beam5 --overwrite   # beam 5
-    python -m refdec.distill --task mt-en-de --algo greedy --out data/distilled/mt-en-de-greedy --overwrite
+    python -m refdec distill --task mt-en-de --out data/distilled/mt-en-de-beam5 --overwrite   # beam 5
+    python -m refdec distill --task mt-en-de --algo greedy --out data/distilled/mt-en-de-greedy --overwrite
     python train.py --preset mt-en-de --data-dir data/distilled/mt-en-de-beam5 ...    # train on it
-    python -m refdec.distill --task mt-en-de --algo greedy --sources data/mono-en/train.src.gz \
+    python -m refdec distill --task mt-en-de --algo greedy --sources data/mono-en/train.src.gz \
         --add data/distilled/mt-en-de-greedy --out data/distilled/mt-en-de-mono --overwrite   # monolingual text
 
 The output is a data folder in the layout of data/ (<out>/<task>/train.{src,tgt,doc}.gz, the teacher's
@@ -31,7 +31,7 @@ decodes the same batches as one that is not and gives the same bytes. Work is sa
 --save-every batches to <out>/<task>/.partial.jsonl, and a rerun with the same options continues
 from there (a line cut off by a kill is decoded again); progress goes to stderr.
 
-Across processes (one machine or several): `torchrun --nproc_per_node N -m refdec.distill ...`.
+Across processes (one machine or several): `torchrun --nproc_per_node N -m refdec distill ...`.
 Rank r decodes the batches r, r + N, r + 2N, ... (the same batches as one process: the same bytes)
 and saves them to .partial.<r>.jsonl; once every rank is done, rank 0 merges them in corpus order
 and writes the folder. A rerun, with any number of processes, continues from every partial file of

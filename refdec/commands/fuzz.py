@@ -1,8 +1,8 @@
 """Every lossless decoder in row-invariant mode against greedy decoding, on random tiny models and on
 model families built to tie.
 
-    python -m refdec.fuzz --models 1200 --dtype float64
-    python -m refdec.fuzz --models 1200 --dtype float32 --seed 1
+    python -m refdec fuzz --models 1200 --dtype float64
+    python -m refdec fuzz --models 1200 --dtype float32 --seed 1
 
 Each drawn model (a family below, a random shape: vocabulary 8-24, width 8-24, 1-2 layers each
 side, pre- or post-norm, tied or not) decodes a batch of 1-3 random sources with a random max_len,

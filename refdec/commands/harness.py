@@ -1,5 +1,5 @@
 """What the measuring commands share: a parser whose --help is the command's docstring and whose name
-is its `python -m` line, the options every timed command takes (--device, --threads) and --report,
+is the command as the user typed it, the options every timed command takes (--device, --threads) and --report,
 the machine set up from them, and the writers of tables and JSON reports (refdec.report's columns
 and write_report, as decode.py writes its own). The decoders they time against each other go
 through refdec.runner.decode_lines on the models of a refdec.loading.Models, as decode.py's do (the
@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from . import COMMANDS, as_typed
 from ..errors import UsageError
 from ..machine import allocator_option, check_device, set_allocator
 from ..report import columns, write_report
@@ -23,8 +24,10 @@ SYNCHRONISED = "times are read after a device synchronisation"
 
 
 def command_parser(doc: str | None, command: str) -> argparse.ArgumentParser:
-    """The parser of `python -m refdec.<command>`, its docstring as the description, kept as written."""
-    return argparse.ArgumentParser(prog=f"python -m refdec.{command}", description=doc,
+    """The parser of `refdec <command>`, its docstring as the description, kept as written but for its
+    examples, which read as the user typed the command (refdec.commands.as_typed)."""
+    typed = as_typed(command)
+    return argparse.ArgumentParser(prog=typed, description=doc and doc.replace(f"python -m refdec {command}", typed),
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
@@ -53,7 +56,7 @@ def set_up_machine(args: argparse.Namespace) -> torch.device:
 
 
 def invocation(main: Callable) -> str:
-    """The module `python -m` runs a command's main as: refdec.commands.X as refdec.X, and the Hugging
-    Face command line (refdec.commands.hfcli) as refdec.hf."""
-    name = main.__module__.rpartition(".")[2]
-    return "refdec.hf" if name == "hfcli" else f"refdec.{name}"
+    """The command line that runs a command's main, as the user typed this one: refdec.commands.hfcli's
+    as `refdec hf`, refdec.commands.train_drafters's as `refdec train-drafters` (refdec.commands.COMMANDS)."""
+    module = main.__module__.rpartition(".")[2]
+    return as_typed(next(name for name, (m, _) in COMMANDS.items() if m == module))

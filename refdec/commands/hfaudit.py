@@ -1,4 +1,4 @@
-"""python -m refdec.hf audit: refdec's and transformers' decoders on the same weights and inputs, line by
+"""python -m refdec hf audit: refdec's and transformers' decoders on the same weights and inputs, line by
 line. It stands on refdec.hf (import, export, transformers beside refdec) and on the runner it times with,
 so it lives beside the other commands, not in refdec.hf, which refdec.loading reads folders from.
 

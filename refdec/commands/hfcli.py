@@ -1,4 +1,4 @@
-"""python -m refdec.hf export|audit: the command over refdec.hf (its export) and refdec.commands.hfaudit"""
+"""python -m refdec hf export|audit: the command over refdec.hf (its export) and refdec.commands.hfaudit"""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from pathlib import Path
 from ..errors import run_command
 from ..hf.common import HFError, is_hf_folder
 from ..hf.export import export
+from . import as_typed
 from .hfaudit import audit, audit_table
 from ..inputs import check_outputs, checkpoint_files, input_files
 from .harness import machine_options, report_option, set_up_machine, write_report
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refdec.hf", description="Hugging Face transformers folders: export a refdec checkpoint, audit transformers' decoders")
+    p = argparse.ArgumentParser(prog=as_typed("hf"), description="Hugging Face transformers folders: export a refdec checkpoint, audit transformers' decoders")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a transformers folder for a refdec checkpoint (and check it)")
     e.add_argument("ckpt", metavar="CKPT", help="a refdec model.pt")

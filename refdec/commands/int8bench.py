@@ -1,7 +1,7 @@
 """Why the int8 route (refdec.routes.int8) is made the way it is: each candidate product timed on a model's
 own linear shapes, and whether row 0 of a call comes out bitwise the same alone and within more rows.
 
-    python -m refdec.int8bench --task gec-uk --model checkpoints/gec-uk-6x6/model.pt --rows 1,8,32 \\
+    python -m refdec int8bench --task gec-uk --model checkpoints/gec-uk-6x6/model.pt --rows 1,8,32 \\
         --report reports/int8-products-gec-uk-6x6.json
 
 Candidates, each x (M, in) -> (M, out) with a bias, on random rows (|values| like a layer norm's):
@@ -28,6 +28,7 @@ from ..checkpoint import load_model
 from ..errors import run_command
 from ..inputs import check_outputs, checkpoint_files, shown_path
 from ..machine import environment, machine_line, warn_if_int8_slow
+from . import as_typed
 from .harness import columns, report_option, write_report
 
 
@@ -92,7 +93,7 @@ def table(results: list[dict], rows: list[int]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refdec.int8bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=as_typed("int8bench"), description=__doc__.split("\n\n")[0])
     p.add_argument("--task", required=True, help="the checkpoint's task")
     p.add_argument("--model", required=True, help="a refdec model.pt: its shapes are timed (random weights)")
     p.add_argument("--rows", default="1,8,32", help="rows per call, comma-separated (default 1,8,32)")

@@ -1,10 +1,10 @@
 """What one decoder call costs as a function of how many new tokens it appends.
 
-    python -m refdec.stepcost --task mt-en-de              # the shipped model, 2 threads
-    python -m refdec.stepcost --task mt-en-de --report cost.json
-    python -m refdec.stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
-    python -m refdec.stepcost --task gec-uk --fast                   # the fast route beside
-    python -m refdec.stepcost --task mt-en-de --fast --graphed --device cuda   # and the graphed route, on a GPU
+    python -m refdec stepcost --task mt-en-de              # the shipped model, 2 threads
+    python -m refdec stepcost --task mt-en-de --report cost.json
+    python -m refdec stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
+    python -m refdec stepcost --task gec-uk --fast                   # the fast route beside
+    python -m refdec stepcost --task mt-en-de --fast --graphed --device cuda   # and the graphed route, on a GPU
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
 --src source tokens, interleaving the q values round by round, and prints the median cost and

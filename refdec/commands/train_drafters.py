@@ -1,11 +1,11 @@
 """Train the mt-en-de drafters on one GPU in about 8 minutes: GAD's block drafter and blockwise
 parallel decoding's proposal heads, one after the other, each a train.py run with a time limit.
 
-    python -m refdec.train_drafters --files          # the files a copy of the repository needs (code,
+    python -m refdec train-drafters --files          # the files a copy of the repository needs (code,
                                                      # checkpoints/mt-en-de, the distilled data), their size
-    python -m refdec.train_drafters                  # on a GPU: runs/drafters/<job>/model.pt
-    python -m refdec.train_drafters --resume         # after Ctrl-C: finish the stopped jobs, keep the done ones
-    python -m refdec.train_drafters --max-steps 2 --train-limit 200 --dev-limit 10   # a smoke run (CPU)
+    python -m refdec train-drafters                  # on a GPU: runs/drafters/<job>/model.pt
+    python -m refdec train-drafters --resume         # after Ctrl-C: finish the stopped jobs, keep the done ones
+    python -m refdec train-drafters --max-steps 2 --train-limit 200 --dev-limit 10   # a smoke run (CPU)
 
 The jobs (JOBS) start from what the verifier knows: the drafter's decoder from the verifier's own
 embeddings, first 2 decoder layers, final norm and output projection, on its frozen encoder
@@ -33,7 +33,7 @@ time limit), and starts again those stopped before their first checkpoint. --ove
 job again.
 
 The files --files lists are all a run needs: copy them (e.g. `tar -cf drafters.tar $(python -m
-refdec.train_drafters --files)`), unpack the copy on the GPU machine, run the command there, and
+refdec train-drafters --files)`), unpack the copy on the GPU machine, run the command there, and
 bring back the folders under --out-dir (their model.pt files name the verifier as
 ../../../checkpoints/mt-en-de/model.pt, relative to themselves: keep the copy's layout).
 """
@@ -48,12 +48,12 @@ import sys
 import time
 from pathlib import Path
 
+from . import as_typed
 from ..config import COMPILE_MODES
 from ..errors import UsageError, run_command
 from ..inputs import check_outputs
 from ..repo import REPO, check_files, list_files
 
-COMMAND = "python -m refdec.train_drafters"
 MAX_BYTES = 62 * 2**20  # what a copy of the repository for a GPU machine may hold (as bench's)
 # (name, preset, the options a GPU run changes, minutes of training). The minutes leave room in 8 for
 # each run's start (loading, the first job's tokenizing) and its evaluations.
@@ -84,7 +84,7 @@ def needed_files() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=as_typed("train-drafters"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", action="store_true", help="print the files a run needs, one a line, and their total "
                    "size on stderr (checked against 62 MiB); run nothing")
     p.add_argument("--out-dir", default="runs/drafters", help="one folder per job under it (default: %(default)s; "
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.files:
-        return list_files(needed_files(), COMMAND, MAX_BYTES)
-    check_files(needed_files(), COMMAND)
+        return list_files(needed_files(), as_typed("train-drafters"), MAX_BYTES)
+    check_files(needed_files(), as_typed("train-drafters"))
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the runs in --out-dir and --overwrite replaces them: choose one")
     check_outputs({"--out-dir": args.out_dir}, {}, folders_made=True, opt_in=("--overwrite", args.overwrite))

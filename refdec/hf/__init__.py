@@ -3,8 +3,8 @@
 Everything that touches transformers lives in this package, and transformers is imported only
 inside the functions that need it: the rest of refdec imports and runs without it.
 
-    python -m refdec.hf export CKPT OUT_DIR          a folder stock transformers loads (no remote code)
-    python -m refdec.hf audit --task T --model M [--small S] --limit N --threads T --report FILE
+    python -m refdec hf export CKPT OUT_DIR          a folder stock transformers loads (no remote code)
+    python -m refdec hf audit --task T --model M [--small S] --limit N --threads T --report FILE
     decode.py --model HF_FOLDER [--small HF_FOLDER]  every decoder on the folder's model
 
     common.py     HFError, the optional imports, a folder's config and weight files read

@@ -3,7 +3,7 @@ weight names mapped onto refdec's state-dict keys.
 
     family   architecture                     what differs from the paper's Transformer (ModelConfig)
     m2m100   M2M100ForConditionalGeneration   positions "m2m100" (NLLB too)
-    pegasus  PegasusForConditionalGeneration  none: the layout `python -m refdec.hf export` writes
+    pegasus  PegasusForConditionalGeneration  none: the layout `python -m refdec hf export` writes
     marian   MarianMTModel                    post-norm, positions "marian", activation (opus-mt: swish),
                                               logits_bias; the decoder starts from the pad token
     bart     BartForConditionalGeneration     post-norm, positions "learned", embed_norm, gelu, logits_bias,

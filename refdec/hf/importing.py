@@ -198,7 +198,7 @@ def _state(model: Transformer, family: Family, weights: dict[str, torch.Tensor],
             stored = weights.get(f"{side}.embed_positions.weight")
             if stored is None or stored.shape != table.shape or not torch.equal(stored, table.to(stored.dtype)):
                 raise HFError(f"{folder}: the {side}'s position table is not refdec's sinusoidal table; refdec imports "
-                              f"Pegasus folders that `python -m refdec.hf export` wrote")
+                              f"Pegasus folders that `python -m refdec hf export` wrote")
     if cfg.tie_embeddings:
         state["src_embed.weight"] = state["tgt_embed.weight"]
     return state

@@ -36,7 +36,7 @@ The route computes the same sums in another order (a fused attention kernel, the
 the residual), so its float32 logits differ from the reference route's in the last bits, as the
 reference route's own differ between call shapes; in float64 the two differ by ~1e-15 (the tests
 compare them with a tolerance), and every lossless decoder on the fast route equals greedy on the
-fast route (torch.equal). On a real test set, `python -m refdec.ctranslate2 --fast` reports how often
+fast route (torch.equal). On a real test set, `python -m refdec ctranslate2 --fast` reports how often
 float32 fast greedy writes the reference route's output, and the logit margin at every divergence.
 """
 
@@ -232,7 +232,7 @@ class FastRoute:
     """Wraps a Transformer so that its encoder and decoder calls take the fast route where it applies
     (the module docstring). `model`: the Transformer itself, unchanged; `reference`: its layers on the few-row
     kernels (refdec.routes.kernels), where calls go where the route does not apply (`few_rows` False:
-    on F.linear, for a machine where the few-row product loses; `python -m refdec.stepcost` times
+    on F.linear, for a machine where the few-row product loses; `python -m refdec stepcost` times
     both); `int8`: the layout's products, and the reference's, in int8 (refdec.routes.int8)."""
 
     def __init__(self, model: Transformer, int8: bool = False, memo: dict | None = None, few_rows: bool = True):

@@ -12,7 +12,7 @@ itself unchanged); each computes by the Kernels record it holds:
 Few-row product (`few_rows`). On some CPUs, MKL's matrix product picks a faster routine for a few
 rows x (r, D) when asked for (W @ x.T).T than for x @ W.T; on others (an AMD EPYC with AVX2) it is
 slower. The fast route (refdec.routes.fast) takes it where it defers to these layers, as it always
-has; `python -m refdec.stepcost` times both on a machine (docs/cpu-cost.md). The products are the
+has; `python -m refdec stepcost` times both on a machine (docs/cpu-cost.md). The products are the
 same, possibly summed in another order: float32 logits may differ in the last bits.
 
 Row-invariant compute (`row_invariant`, `row_invariant(model)`). A matrix product x @ W.T may round

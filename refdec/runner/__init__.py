@@ -5,7 +5,7 @@ runs interleaved (`decode_lines`, the timing loop), and write the first run's ou
     buckets.py  the lines in chunks and batches of neighbours in length (refdec.data.cut_batches)
     memory.py   check_fits: what a run's models or this machine's memory cannot do, refused before decoding
     loop.py     decode_lines, the interleaved timing loop (decode.py's, the bench's, the transformers audit's
-                and refdec.ctranslate2's)
+                and refdec.commands.ctranslate2's)
     output.py   the output lines, written in input order as they finish; decode_to_output, keep_first
 
 Timing covers encoding and decoding of each batch (time.perf_counter around the decoder call, read
