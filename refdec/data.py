@@ -26,8 +26,7 @@ import torch
 
 from .config import BOS_ID, EOS_ID, PAD_ID
 from .errors import UsageError
-from .repo import REPO
-from .hints import shown
+from .repo import REPO, shown
 
 DATA_DIR = REPO / "data"
 TASKS = {"mt-en-de": "mt", "gec-uk": "gec", "gec-en": "gec"}
@@ -136,7 +135,7 @@ def cut_batches(order: list[int], lengths: Callable[[int], tuple[int, ...]],
     """`order` (example indices) cut into consecutive batches, each as long as `fits(rows, longest)`
     allows, one example at least: `longest` holds the batch's largest of each entry of `lengths(i)`
     (source and target lengths in training, the source's in decoding). The one length bucketer of
-    training (token_batches) and decoding (refdec.runner's chunks and batches): each sorts its order
+    training (token_batches) and decoding (refdec.app.runner's chunks and batches): each sorts its order
     by length first."""
     out: list[list[int]] = []
     batch: list[int] = []

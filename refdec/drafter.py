@@ -37,7 +37,7 @@ from .model import Transformer
 class Drafter:
     """A trained block drafter as GAD runs it: the Transformer, the block size k it was trained for
     and its attention layout, as its checkpoint records them (train.py --drafter-k, --drafter-layout;
-    refdec.loading builds one from the checkpoint's "drafter" entry)."""
+    refdec.app.loading builds one from the checkpoint's "drafter" entry)."""
 
     model: Transformer
     k: int

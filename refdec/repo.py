@@ -1,4 +1,5 @@
-"""Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/;
+"""Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/; shown,
+a path as the user would type it;
 repo_file, a default that a command reads from it; check_not_shipped, the rule that keeps every
 command's output out of the shipped checkpoints/ and data/; check_files and list_files, the files a
 command needs in a copy of the repository (its --files)."""
@@ -11,6 +12,14 @@ from pathlib import Path
 from .errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def shown(path: Path) -> str:
+    """A path as the user would type it: relative to the current folder when it lies under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def repo_file(*parts: str, flag: str | None = None) -> Path:

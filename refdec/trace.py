@@ -16,7 +16,7 @@ Every decoder, asked for a trace (trace=True), returns a list of `Step`s per sen
 The draft-then-verify decoders build theirs from a verification (refdec.decoding.verify.step_of).
 `trace_text` is what `decode.py --trace` prints, one format per algorithm here: plain text, or
 the same text with ANSI colours (`colour_enabled` decides for a stream). The HTML page draws the
-same Steps (refdec.htmlreport).
+same Steps (refdec.app.htmlreport).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from refdec.config import EOS_ID, PAD_ID, ModelConfig
 from refdec.decoding import decode_bild, decode_blockwise, decode_gad, decode_greedy, decode_iad, decode_speculative
 from refdec.decoding import gad as gad_module
 from refdec.drafter import Drafter
-from refdec.exactness import divergences
+from refdec.app.exactness import divergences
 from refdec.routes.kernels import row_invariant
 from refdec.model import Transformer
 from refdec.proposal import ProposalHeads
@@ -140,7 +140,7 @@ def tiny_extras(trained_tiny, tmp_path_factory) -> dict:
 
 def first_divergence(a: torch.Tensor, b: torch.Tensor, model=None, src: torch.Tensor | None = None) -> str:
     """Where greedy's tokens `a` and another decoder's `b` part; given the model and the row's source
-    (1, S), also the model's top-1/top-2 logit margin there (refdec.exactness.divergences): a near-tie
+    (1, S), also the model's top-1/top-2 logit margin there (refdec.app.exactness.divergences): a near-tie
     or a bug."""
     n = min(len(a), len(b))
     pos = next((i for i in range(n) if a[i] != b[i]), n)
@@ -225,7 +225,7 @@ def fake_models():
     """The Models record of a run whose decoder needs no model, only the special ids."""
     from types import SimpleNamespace
 
-    from refdec.loading import Models
+    from refdec.app.loading import Models
     return Models(SimpleNamespace(cfg=SimpleNamespace(eos_id=EOS_ID, pad_id=0)), Path("fake.pt"))
 
 

@@ -179,8 +179,8 @@ def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order
     output budget than a run at batch 3 for the same line): lines are decoded in chunks of the
     largest batch, sorted by length, each run in its own batch size; outputs land on their own lines
     and are handed on in input order, empty lines included."""
-    from refdec import runner
-    from refdec.algorithms import Algorithm
+    from refdec.app import runner
+    from refdec.app.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
     seen = {1: [], 3: []}
 
@@ -212,7 +212,7 @@ def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order
 def test_batch_size_options_are_parsed_and_refused():
     """Guards --compare's :batch-size=N and --batch-sizes (a size that is not a whole number of at
     least 1, repeated sizes, or --batch-sizes beside --batch-size: refused, never ignored)."""
-    from refdec.plan import Compared, parse_compare, parse_sizes
+    from refdec.app.plan import Compared, parse_compare, parse_sizes
     from refdec.errors import UsageError
     cli = load_cli()
     assert parse_compare("iad:batch-size=4:max-draft=8,greedy") == [
@@ -236,8 +236,8 @@ def test_token_budget_batches_hold_at_most_the_budget_and_share_chunks_with_row_
     fit in the budget (sentences x (longest + 1) source tokens, one sentence at least), its row cap
     holds, a run batched by rows beside it still gets its own batches, and every line comes back to
     its own place."""
-    from refdec import runner
-    from refdec.algorithms import Algorithm
+    from refdec.app import runner
+    from refdec.app.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
     seen = {}
 
@@ -275,7 +275,7 @@ def test_token_budget_batches_hold_at_most_the_budget_and_share_chunks_with_row_
 def test_batch_tokens_options_are_parsed_planned_and_refused():
     """Guards --batch-tokens and :batch-tokens=N: a global budget with --batch-size as its row cap, a
     --compare run's own budget without the global cap, labels that say so, and refusals."""
-    from refdec.plan import Compared, parse_compare, plan_runs
+    from refdec.app.plan import Compared, parse_compare, plan_runs
     from refdec.errors import UsageError
     assert parse_compare("iad:batch-tokens=512,greedy:batch-size=8:batch-tokens=256") == [
         Compared("iad", None, {}, batch_tokens=512), Compared("greedy", None, {}, batch_size=8, batch_tokens=256)]

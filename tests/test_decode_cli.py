@@ -86,7 +86,7 @@ def test_token_budget_batches_write_the_batch_one_output(trained_tiny, tmp_path)
 
 def test_gec_report_has_f05():
     """Guards against GEC tasks missing the edit-level F0.5."""
-    from refdec.report import scores
+    from refdec.app.report import scores
     s = scores("gec", ["a b c"], ["a x c"], [["a x c"]])
     assert s["gec_f05"] == 1.0 and "bleu" in s
 
@@ -126,8 +126,8 @@ def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
 def test_edit_ratio_buckets_for_gec():
     """On a GEC task a lossless run beside greedy at batch size 1 gets its speedup by edit ratio,
     every sentence in one bucket."""
-    from refdec import report, runner
-    from refdec.algorithms import ALGORITHMS
+    from refdec.app import report, runner
+    from refdec.app.algorithms import ALGORITHMS
     from refdec.tokenizer import Tokenizer
     tok = Tokenizer.load(REPO / "checkpoints" / "gec-uk" / "tokenizer.json")
     lines = ["Це речення без помилок.", "Друге речення тут.", "Третє."]
@@ -141,7 +141,7 @@ def test_edit_ratio_buckets_for_gec():
     (check,) = summary.checks
     assert check["identical"] == 1.0 and [b["sentences"] for b in check["edit_buckets"]] == [3]
     assert check["edit_buckets"][0]["speedup"] == pytest.approx(4.0) and "edit ratio" in summary.text
-    from refdec.htmlreport import chart_edit_buckets
+    from refdec.app.htmlreport import chart_edit_buckets
     assert "<svg" in chart_edit_buckets(summary.checks)  # the --html page's chart of it
 
 
@@ -225,7 +225,7 @@ def test_divergences_name_position_and_margin():
 
     from conftest import tiny_model
     from refdec.decoding import decode_greedy
-    from refdec.exactness import divergences
+    from refdec.app.exactness import divergences
     m = tiny_model(1, vocab=40)
     src = [[7, 8, 9]]
     g = decode_greedy(m, torch.tensor([[7, 8, 9, 2]]), max_len=8).tokens
@@ -329,7 +329,7 @@ def test_cli_options_are_the_decoders_keyword_options():
     that no decoder takes."""
     import inspect
 
-    from refdec.algorithms import ALGORITHMS, OPTIONS
+    from refdec.app.algorithms import ALGORITHMS, OPTIONS
     from refdec.commands.decode import build_parser
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
@@ -450,8 +450,8 @@ def test_the_reports_speed_is_the_tables(tmp_path):
     """Case: the JSON report's `speedup` was the row's seconds over the first row's (0.83) where the table
     printed "1.21x faster": two figures the other way round. The report now holds the table's figure,
     speed_vs_first (the first row's seconds over the row's: above 1, faster)."""
-    from refdec import report, runner
-    from refdec.algorithms import ALGORITHMS
+    from refdec.app import report, runner
+    from refdec.app.algorithms import ALGORITHMS
     from refdec.tokenizer import Tokenizer
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     lines = ["One line.", "Two lines."]
@@ -472,7 +472,7 @@ def test_two_transformers_folders_get_two_row_labels(tmp_path, monkeypatch):
     """Case: two transformers folders under one parent (hfx/a, hfx/b) both printed as `greedy@hfx`: the
     label took the parent of the path, as for a model.pt. A folder is named by itself, and where two
     checkpoints share a name, by their paths."""
-    from refdec import plan
+    from refdec.app import plan
     for folder in ("hfx/a", "hfx/b", "other/a"):
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "config.json").write_text("{}")

@@ -132,8 +132,8 @@ def test_max_len_is_respected():
 
 def test_first_divergence_gives_the_margin_where_the_outputs_part():
     """Guards the failure message of every exactness test: the position and, with the model, the
-    top-1/top-2 margin there, equal to the one refdec.exactness reports."""
-    from refdec.exactness import divergences
+    top-1/top-2 margin there, equal to the one refdec.app.exactness reports."""
+    from refdec.app.exactness import divergences
     m = tiny_model(3, vocab=30)
     src = random_src(3, 1, 30, min_len=4, max_len=6)
     g = decode_greedy(m, src, max_len=12).tokens[0]

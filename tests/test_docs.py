@@ -39,7 +39,7 @@ def test_no_page_or_help_text_names_a_command_module_that_is_gone():
 def test_the_docs_speak_the_speed_column_decode_py_prints():
     """Case: the docs read "speedup = row seconds / first row's" and "time vs greedy 1.64x" where
     decode.py prints "speed vs greedy: 1.64x slower"."""
-    from refdec.report import relative_speed
+    from refdec.app.report import relative_speed
     assert relative_speed(1 / 1.64) == "1.64x slower" and relative_speed(1.5) == "1.50x faster"
     for page in PAGES:
         body = text(page)

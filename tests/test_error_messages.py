@@ -128,7 +128,7 @@ def test_no_command_writes_a_file_it_reads(capsys, monkeypatch, name, argv, need
     """Was: `decode.py --task gec-en --report data/gec-en/test.src.gz` (and --output, refdec.commands.ctranslate2's and
     refdec.hf audit's --report) replaced the shipped test set with JSON: outputs were checked against
     --input alone, not the task's default files or the checkpoints. Every command now checks each output
-    against everything it reads, in refdec.inputs.check_outputs, and refuses in one line; nothing changes."""
+    against everything it reads, in refdec.app.inputs.check_outputs, and refuses in one line; nothing changes."""
     written = REPO / argv[argv.index(next(a for a in argv if a in ("--report", "--output", "--html", "--out"))) + 1]
     before = {p: p.stat().st_mtime_ns for p in ([written] if written.is_file() else written.rglob("*.gz"))}
     err = error_of(command(name), argv, capsys, monkeypatch)

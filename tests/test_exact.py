@@ -17,7 +17,7 @@ from refdec.decoding.gad import gadpp_rule
 from refdec.decoding.ties import best_candidates, rank
 from refdec.drafter import Drafter
 from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
-from refdec.loading import on_route
+from refdec.app.loading import on_route
 from refdec.routes.fast import FastRoute
 from refdec.routes.graphed import GraphedRoute
 from refdec.routes.kernels import is_row_invariant, row_invariant

@@ -16,7 +16,7 @@ from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy, decode_iad
 from refdec.adapters import EarlyExit
 from refdec.model import Transformer
-from refdec.loading import on_route
+from refdec.app.loading import on_route
 from refdec.routes.fast import FastRoute, applies_to
 from refdec.routes.kernels import Kernels, RoutedTransformer
 

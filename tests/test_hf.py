@@ -177,7 +177,7 @@ def test_pytorch_model_bin_imports_as_safetensors_does(folder, tmp_path):
 
 def test_core_library_imports_without_transformers():
     r = run_py("-c", "import sys; sys.modules['transformers'] = sys.modules['safetensors'] = None\n"
-               "import refdec.model, refdec.loading, refdec.decoding, refdec.runner, refdec.hf\n"
+               "import refdec.model, refdec.app.loading, refdec.decoding, refdec.app.runner, refdec.hf\n"
                "try:\n    refdec.hf.hf_from_pretrained('x')\nexcept refdec.hf.HFError as e:\n    print(e)")
     assert r.returncode == 0 and "needs the transformers package" in r.stdout.decode(), r.stderr.decode()
 

@@ -171,8 +171,8 @@ def test_library_and_decode_import_without_matplotlib():
     code = ("import sys, builtins\nreal = builtins.__import__\n"
             "def imp(name, *a, **k):\n    if name.split('.')[0] == 'matplotlib': raise ImportError(name)\n"
             "    return real(name, *a, **k)\nbuiltins.__import__ = imp\n"
-            "import refdec.errors, refdec.runner, refdec.trace, refdec.htmlreport, decode\n"
-            "from refdec.commands.decode import build_parser\nbuild_parser()\ntry:\n    refdec.htmlreport.check_available()\nexcept refdec.errors.UsageError as e:\n"
+            "import refdec.errors, refdec.app.runner, refdec.trace, refdec.app.htmlreport, decode\n"
+            "from refdec.commands.decode import build_parser\nbuild_parser()\ntry:\n    refdec.app.htmlreport.check_available()\nexcept refdec.errors.UsageError as e:\n"
             "    print('refused:', e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -377,7 +377,7 @@ def test_page_renders_in_headless_chromium(iad_page, tmp_path):
 
 def chart_figure(monkeypatch, draw, *args):
     """The matplotlib figure a chart function draws (its SVG step skipped)."""
-    from refdec import htmlreport
+    from refdec.app import htmlreport
     monkeypatch.setattr(htmlreport, "svg", lambda fig, name, caption: fig)
     return draw(*args)
 
@@ -387,7 +387,7 @@ def test_quality_axes_start_at_zero_and_name_the_difference(monkeypatch):
     """Case: the quality chart autoscaled its axis to 89.410-89.435 BLEU and 0.394-0.401 F0.5, so a
     0.02 BLEU difference filled the chart. Both axes now start at 0 and each point beside the first
     carries its difference from the first row."""
-    from refdec import htmlreport
+    from refdec.app import htmlreport
     rows = [{"algo": "iad", "seconds": 10.0, "bleu": 89.41, "gec_f05": 0.3940},
             {"algo": "greedy", "seconds": 40.0, "bleu": 89.43, "gec_f05": 0.4010},
             {"algo": "beam", "seconds": 70.0, "bleu": 89.41, "gec_f05": 0.3940}]
@@ -407,7 +407,7 @@ def test_edit_ratio_chart_and_table_show_one_named_statistic(monkeypatch):
     """Case: the bar of bucket (0.1, 0.2] read 0.65x where the table beside it gave a median of 2.27x
     for the same bucket. The page now shows one statistic, the bucket's total-time speedup, under one
     name in the chart and the table."""
-    from refdec import htmlreport
+    from refdec.app import htmlreport
     buckets = [{"edit_ratio": "0", "sentences": 5, "calls_per_sentence": 1.0, "speedup": 4.1,
                 "median_sentence_speedup": 4.3},
                {"edit_ratio": "(0.1, 0.2]", "sentences": 3, "calls_per_sentence": 5.0, "speedup": 0.65,
@@ -477,7 +477,7 @@ def test_greedy_and_beam_traces_show_text_not_byte_level_symbols():
 
 def test_the_terminal_trace_and_the_page_say_a_draft_came_from_the_source_alike():
     """Case: --trace said "drafted from source token 3" where the HTML page said "copied from the source"."""
-    from refdec.htmlreport import steps_html
+    from refdec.app.htmlreport import steps_html
     from refdec.trace import DRAFTED_FROM, how_drafted, token_pieces
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     a, b, c, x = tok.encode("the house is red")[:4]

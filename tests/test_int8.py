@@ -26,10 +26,10 @@ from refdec.decoding.gad import decode_gad
 from refdec.decoding.speculative import decode_speculative
 from refdec.drafter import Drafter
 from refdec.errors import UsageError
-from refdec.loading import on_route
+from refdec.app.loading import on_route
 from refdec.routes.int8 import QuantizedWeight
 from refdec.routes.kernels import is_int8, row_invariant
-from refdec.plan import parse_compare
+from refdec.app.plan import parse_compare
 
 ROUTES = ["reference", "fast"]
 
@@ -333,8 +333,8 @@ def test_int8bench_finds_the_routes_product_row_invariant():
 def test_int8_and_the_graphed_route_are_refused_together_in_one_line():
     """Guards against an int8 run silently taking the graphed route, which has no int8 form."""
     from refdec.errors import UsageError
-    from refdec.loading import load_models
-    from refdec.plan import plan_runs
+    from refdec.app.loading import load_models
+    from refdec.app.plan import plan_runs
     specs = plan_runs("greedy", "gec-en", model=None, given={}, compares=[], batch_size=None, sizes=None,
                       batch_tokens=None, int8=True)
     with pytest.raises(UsageError, match="graphed route has no int8 form"):

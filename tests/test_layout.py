@@ -87,7 +87,7 @@ def reached(graph: dict[str, set[str]], m: str) -> dict[str, list[str]]:
 # layers above.
 MODEL_LAYER = ["refdec." + m for m in (
     "config", "errors", "model", "cache", "forced", "positions", "variants", "adapters", "checkpoint",
-    "tokenizer", "data", "repo", "hints", "machine", "inputs", "interrupt", "progress", "metrics", "exactness",
+    "tokenizer", "data", "repo", "machine", "interrupt", "progress", "metrics",
     "trace", "drafter", "proposal", "routes", "routes.kernels", "routes.int8", "routes.fast", "routes.graphed")]
 # The paper's model itself: what it is made of, below every route.
 THE_MODEL = ["refdec." + m for m in ("config", "errors", "model", "cache", "forced", "positions", "variants")]
@@ -98,8 +98,7 @@ COMMANDS = ["refdec.commands." + m for m in (
     "bench", "ceiling", "ctranslate2", "decode", "distill", "fuzz", "harness", "hfaudit", "hfcli", "int8bench",
     "stepcost", "train", "train_drafters")]
 ENTRIES = ["refdec.__main__"]
-ABOVE_THE_MODEL = ("refdec.decoding", "refdec.runner", "refdec.report", "refdec.htmlreport", "refdec.loading",
-                   "refdec.algorithms", "refdec.plan", "refdec.hf", "refdec.training", "refdec.commands", *ENTRIES)
+ABOVE_THE_MODEL = ("refdec.decoding", "refdec.app", "refdec.hf", "refdec.training", "refdec.commands", *ENTRIES)
 ROUTES = ("refdec.routes.kernels", "refdec.routes.fast", "refdec.routes.graphed", "refdec.routes.int8", "refdec.routes.stamps",
           "refdec.routes")
 

@@ -394,11 +394,11 @@ def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
     r = decode(trained_tiny, "--algo", "beam", "--beam-size", "100000000", "--limit", "3")
     assert "GiB" in one_line_error(r) and "use at most" in r.stderr.decode()
     assert "cores" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--threads", "10000"))
-    from refdec import runner
+    from refdec.app import runner
     from refdec.errors import UsageError
-    from refdec.algorithms import ALGORITHMS
+    from refdec.app.algorithms import ALGORITHMS
     from refdec.checkpoint import load_model
-    from refdec.loading import Models
+    from refdec.app.loading import Models
     model, _, _ = load_model(trained_tiny / "model.pt")
     run = runner.Run(ALGORITHMS["greedy"], {}, Models(model, trained_tiny / "model.pt"), batch_size=100000)
     ids = [[7] * 50 for _ in range(4000)]
@@ -424,8 +424,8 @@ def test_non_finite_and_negative_thresholds_are_refused(trained_tiny, args, need
 
 def test_warm_up_is_a_few_sentences_whatever_the_batch_size():
     """Case: --batch-size 100000 made the warm-up decode the whole input twice."""
-    from refdec import runner
-    from refdec.algorithms import Algorithm
+    from refdec.app import runner
+    from refdec.app.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
     seen = []
 
@@ -474,7 +474,7 @@ def test_invalid_utf8_from_the_model_is_named_in_a_warning(tmp_path):
     """Case: outputs for Chinese or emoji input held U+FFFD with nothing saying why. Such lines are
     counted (the model wrote part of a multi-byte character, shown as Unicode's replacement
     character) and named in a warning; valid text is decoded unchanged."""
-    from refdec import runner
+    from refdec.app import runner
     from refdec.tokenizer import Tokenizer
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     text = "我们今天去公园。 I love 🍕 pizza. Привіт, é\u00a0\ufffd"
@@ -536,8 +536,8 @@ def test_a_line_handed_over_is_a_line_counted_whenever_the_signal_lands():
     ended, before the line was counted: the output file held 11 lines and the warning, table and
     report said 10. decode_lines now writes and counts a line with the signals held back together,
     so the count it returns is the lines written."""
-    from refdec import runner
-    from refdec.algorithms import Algorithm
+    from refdec.app import runner
+    from refdec.app.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
     from refdec.interrupt import hold_sigint, release_sigint
 

@@ -142,8 +142,8 @@ def test_cpuinfo_reads_the_first_processor(tmp_path, monkeypatch):
 
 
 def fake_run(name: str = "greedy", outputs: list | None = None):
-    from refdec.algorithms import ALGORITHMS
-    from refdec.runner import Run
+    from refdec.app.algorithms import ALGORITHMS
+    from refdec.app.runner import Run
     run = Run(ALGORITHMS[name], {}, fake_models())
     run.outputs = outputs or []
     return run
@@ -152,7 +152,7 @@ def fake_run(name: str = "greedy", outputs: list | None = None):
 def test_decoding_on_a_busy_machine_warns_before_it_starts(tmp_path, capsys, monkeypatch):
     """Case: with another process spinning on one core a 2-thread decode ran 3.6x slower and said
     nothing. decode_to_output warns before decoding from what the probe saw since the run started."""
-    from refdec import runner
+    from refdec.app import runner
     from refdec.machine import BusyCores
     machine = BusyMachine(others=1.8)
     monkeypatch.setattr(runner.output, "usable_cores", lambda: 2)
@@ -166,7 +166,7 @@ def test_decoding_on_a_busy_machine_warns_before_it_starts(tmp_path, capsys, mon
 
 
 def summary_of(runs, ids, **kw):
-    from refdec.report import summarise
+    from refdec.app.report import summarise
     tokenizer = SimpleNamespace(decode=lambda ids: "x", invalid_bytes=lambda ids: 0)
     return summarise("mt-en-de", runs, ["a"] * len(ids), [], ids, tokenizer, "cpu", **kw)
 
@@ -183,7 +183,7 @@ def test_a_machine_busy_during_the_run_is_said_under_the_table():
 
 def test_an_empty_input_says_nothing_was_decoded():
     """Case: an empty input file printed a table of `sent/s nan`."""
-    from refdec.report import NOTHING_DECODED
+    from refdec.app.report import NOTHING_DECODED
     for ids in ([], [None, None]):  # an empty file; blank lines only
         text = summary_of([fake_run(outputs=[None] * len(ids))], ids).text
         assert text == NOTHING_DECODED and "nan" not in text
@@ -191,7 +191,7 @@ def test_an_empty_input_says_nothing_was_decoded():
 
 def test_paths_are_recorded_relative_to_the_repository_or_as_given():
     """Case: reports named the default checkpoint and test set by this machine's absolute path."""
-    from refdec.inputs import shown_path
+    from refdec.app.inputs import shown_path
     assert shown_path(REPO / "checkpoints" / "mt-en-de" / "model.pt") == "checkpoints/mt-en-de/model.pt"
     assert shown_path("checkpoints/x/model.pt") == "checkpoints/x/model.pt"
     assert shown_path("../elsewhere/model.pt") == "../elsewhere/model.pt"

@@ -4,7 +4,7 @@ Case: `python decode.py --task gec-en --algo iad --limit 2 --output checkpoints/
 replaced the 15.6 MB shipped checkpoint with two lines of text and exited 0, and `--output
 data/gec-uk/test.src.gz` overwrote a shipped test set: the outputs were checked against the files
 the run reads, and gec-en's default model is the 9x3 one. Now every output option of every command
-goes through refdec.repo.check_not_shipped (from refdec.inputs.check_outputs): one line, exit 2,
+goes through refdec.repo.check_not_shipped (from refdec.app.inputs.check_outputs): one line, exit 2,
 nothing changed. The tests run each command's main(argv) in-process (a fraction of a second each),
 with outputs on files and folders the run does not read; the slow ones run the scripts."""
 

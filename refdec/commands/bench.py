@@ -22,7 +22,7 @@ Sections (--sections, default all; each prints its tables and writes its JSON re
                   transformers is absent
 
 The three decoder sections run every decoder on the three routes in one process, interleaved
-(refdec.runner.decode_lines, the loop decode.py times with, after 2 warm-up batches): the reference
+(refdec.app.runner.decode_lines, the loop decode.py times with, after 2 warm-up batches): the reference
 route, the fast route (--fast) and the graphed route (--graphed; CUDA graphs on a GPU). Each prints
 decode.py's table (speed and identical rate against the reference route's first run), each lossless
 decoder's check against greedy on its own route, a table per route of every decoder against that
@@ -62,10 +62,10 @@ from pathlib import Path
 
 import torch
 
-from .. import inputs, loading, plan, report, runner
+from ..app import inputs, loading, plan, report, runner
 from ..repo import REPO, check_files, list_files
 from ..errors import CheckpointError, UsageError, first_line, run_command
-from ..exactness import divergences, identical_rate
+from ..app.exactness import divergences, identical_rate
 from ..machine import device_name, environment
 from ..progress import duration
 from . import as_typed

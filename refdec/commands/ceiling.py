@@ -55,8 +55,8 @@ from ..decoding.verify import verify
 from ..drafter import draft_block
 from ..errors import UsageError, first_line, run_command
 from ..repo import REPO, repo_file
-from ..inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
-from ..loading import Models, RunLoader, routed
+from ..app.inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
+from ..app.loading import Models, RunLoader, routed
 from ..machine import clock, device_name, environment, machine_line
 from ..model import Transformer
 from ..progress import ProgressLine
@@ -152,7 +152,7 @@ def drafter_file(args) -> Path | None:
 
 def load_models(args, path: Path) -> tuple[Models, Tokenizer]:
     """The verifier with the drafter (None: free drafts only) and the small model (or None) the run
-    reads, as refdec.loading loads a decode.py run's (one tokenizer; a drafter that is one), on the
+    reads, as refdec.app.loading loads a decode.py run's (one tokenizer; a drafter that is one), on the
     route --fast or --graphed chooses; and the verifier's tokenizer. CheckpointError,
     FileNotFoundError or ValueError on a file that cannot serve."""
     loader = RunLoader(path, task=args.task, device=args.device, dtype=torch.float32)
@@ -169,7 +169,7 @@ def time_runs(runs: list[tuple], ids: list[list[int]], models: Models, warmup: i
     calls, tokens and outputs identical to greedy's, summed over the sentences after the first
     `warmup`; and how many those are.
 
-    Not refdec.runner.decode_lines, the loop decode.py times with: each scripted run needs the
+    Not refdec.app.runner.decode_lines, the loop decode.py times with: each scripted run needs the
     sentence's greedy output y, decoded untimed before the runs; the scripted drafts of every run
     draw on one generator in the order the runs go, so another interleaving would draw other drafts
     at --accept below 1 for the same --seed; and the warm-up sentences are left out of the figures,

@@ -18,7 +18,7 @@ The converted model (float32 weights; int8 is CTranslate2's quantisation of them
 cached in a folder named by the checkpoint's sha256 and the CTranslate2 version, under --cache-dir
 (default: $XDG_CACHE_HOME/refdec/ctranslate2, else ~/.cache/refdec/ctranslate2), never in the repository.
 
-Each CTranslate2 compute type is a run of refdec.runner's timing loop like any refdec decoder: one
+Each CTranslate2 compute type is a run of refdec.app.runner's timing loop like any refdec decoder: one
 translate_batch call (beam_size 1, no minimum length, the same output budget as refdec's, eos
 returned so that it is counted) per batch. For each thread count, refdec greedy, optionally refdec
 IAD, with --fast both again on refdec's fast route (refdec.routes.fast), with --int8 both again on refdec's
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from .. import exactness
-from ..algorithms import ALGORITHMS, Algorithm
+from ..app import exactness
+from ..app.algorithms import ALGORITHMS, Algorithm
 from ..checkpoint import file_sha256, load_model
 from ..data import source_rows, source_tensor
 from ..decoding.result import DecodeResult, DecodeStats, result_of
@@ -55,12 +55,12 @@ from ..routes.fast import FastRoute
 from ..hf import PEGASUS, check_export, export_route, write_folder
 from ..repo import check_not_shipped, repo_file
 from ..routes.kernels import is_int8
-from ..inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
-from ..loading import Models, on_route
+from ..app.inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
+from ..app.loading import Models, on_route
 from ..machine import allocator_option, environment, machine_line, set_allocator, usable_cores, warn_if_int8_slow
 from ..progress import ProgressLine
-from ..report import format_table, summary_row, write_report
-from ..runner import Run, decode_lines
+from ..app.report import format_table, summary_row, write_report
+from ..app.runner import Run, decode_lines
 from . import as_typed
 from .harness import report_option
 from .stepcost import time_decode, time_products
@@ -143,7 +143,7 @@ def vocabulary(folder: Path, vocab_size: int) -> list[str]:
 
 
 def ct2_algorithm(translator, tokens: list[str], name: str) -> Algorithm:
-    """A CTranslate2 translator as an Algorithm of refdec.runner's timing loop: greedy decoding of a
+    """A CTranslate2 translator as an Algorithm of refdec.app.runner's timing loop: greedy decoding of a
     batch of refdec source rows in one translate_batch call, returned as refdec's decoders return it.
     Each line's output and CTranslate2's score of it (the mean log-probability per output token, eos
     included) are kept in the decoder's `scored`, by source."""

@@ -38,10 +38,10 @@ from . import as_typed
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from refdec.algorithms import ALGORITHMS
+    from refdec.app.algorithms import ALGORITHMS
     from refdec.data import TASKS
-    from refdec.inputs import add_machine_flags
-    from refdec.plan import add_option_flags, add_route_flags
+    from refdec.app.inputs import add_machine_flags
+    from refdec.app.plan import add_option_flags, add_route_flags
     algos = "\n".join(f"  {a.name:12s}{a.summary}" for a in ALGORITHMS.values())
     command = as_typed("decode")  # the examples read as the user typed the command
     p = argparse.ArgumentParser(prog=command, description=__doc__.replace("python decode.py", command) + "\nalgorithms:\n"
@@ -119,12 +119,12 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     import torch
 
-    from refdec import inputs, plan, report, runner
-    from refdec.algorithms import OPTIONS
+    from refdec.app import inputs, plan, report, runner
+    from refdec.app.algorithms import OPTIONS
     from refdec.data import DATA_DIR
     from refdec.errors import UsageError
     from refdec.interrupt import release_sigint, stopped_by
-    from refdec.loading import load_models
+    from refdec.app.loading import load_models
     from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores, warn_if_int8_slow
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load
@@ -143,7 +143,7 @@ def run(args) -> int:
     inputs.check_outputs({"--output": args.output, "--report": args.report, "--html": args.html},  # none a file read
                          inputs.input_files(args.task, args.input, args.ref) | plan.checkpoints_read(specs, shared))
     if args.html:
-        from refdec.htmlreport import check_available
+        from refdec.app.htmlreport import check_available
         check_available()
     lines, refs = inputs.read_input(args.task or "", args.input, args.ref, args.limit)
     dtype = getattr(torch, args.dtype)
@@ -186,7 +186,7 @@ def run(args) -> int:
         from refdec.trace import print_traces
         print_traces(args.algo, runs[0].traces, loader.tokenizer)
     if args.html:
-        from refdec.htmlreport import write_run_page
+        from refdec.app.htmlreport import write_run_page
         write_run_page(args.html, summary, runs, loader.tokenizer, lines, refs, ids, task=args.task, model=model_path,
                        input=input_path, interrupted=interrupted, device=f"{args.device}, {args.dtype}",
                        batch_size=args.batch_size, batch_tokens=args.batch_tokens,

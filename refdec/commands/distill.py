@@ -55,7 +55,7 @@ from ..checkpoint import file_sha256, load_model
 from ..decoding import decode_beam, decode_greedy
 from ..errors import UsageError, run_command
 from ..repo import repo_file
-from ..inputs import check_outputs, checkpoint_files, shown_path
+from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..machine import BusyCores, check_device, clock, fit_threads
 from ..progress import ProgressLine
 from .harness import command_parser
@@ -99,7 +99,7 @@ def doc_sibling(path: Path) -> Path | None:
 def check_paths(task: str, model_path: Path, folder: Path, data_dir: Path, sources: Path | None,
                 add: Path | None, overwrite: bool = False) -> None:
     """None of the files distill writes into `folder` is one it reads, and `folder` is in the shipped
-    data/ or checkpoints/ only with --overwrite (refdec.inputs.check_outputs)."""
+    data/ or checkpoints/ only with --overwrite (refdec.app.inputs.check_outputs)."""
     copied = sorted(f.name for split in ("dev", "test") for f in (data_dir / task).glob(f"{split}.*.gz"))
     reads = checkpoint_files("the teacher (--model)", model_path) | {
         f"the data folder of {task} ({shown_path(data_dir / task)})": data_dir / task,

@@ -1,8 +1,8 @@
 """What the measuring commands share: a parser whose --help is the command's docstring and whose name
 is the command as the user typed it, the options every timed command takes (--device, --threads) and --report,
-the machine set up from them, and the writers of tables and JSON reports (refdec.report's columns
+the machine set up from them, and the writers of tables and JSON reports (refdec.app.report's columns
 and write_report, as decode.py writes its own). The decoders they time against each other go
-through refdec.runner.decode_lines on the models of a refdec.loading.Models, as decode.py's do (the
+through refdec.app.runner.decode_lines on the models of a refdec.app.loading.Models, as decode.py's do (the
 ceiling's scripted loop aside: its time_runs says why); the repository's files through refdec.repo."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from . import COMMANDS, as_typed
 from ..errors import UsageError
 from ..machine import allocator_option, check_device, set_allocator
-from ..report import columns, write_report
+from ..app.report import columns, write_report
 
 __all__ = ["columns", "command_parser", "invocation", "machine_options", "report_option", "set_up_machine",
            "write_report"]

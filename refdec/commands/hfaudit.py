@@ -1,11 +1,11 @@
 """python -m refdec hf audit: refdec's and transformers' decoders on the same weights and inputs, line by
 line. It stands on refdec.hf (import, export, transformers beside refdec) and on the runner it times with,
-so it lives beside the other commands, not in refdec.hf, which refdec.loading reads folders from.
+so it lives beside the other commands, not in refdec.hf, which refdec.app.loading reads folders from.
 
 Audit: refdec greedy, refdec IAD (GEC tasks, and a transformers folder's own --input) and speculative
 decoding (with --small), transformers' greedy generate, assisted generation (the small model as
 assistant_model) and prompt-lookup decoding, on the same weights and inputs, in one process,
-interleaved sentence by sentence after a warm-up by refdec.runner.decode_lines (the loop decode.py
+interleaved sentence by sentence after a warm-up by refdec.app.runner.decode_lines (the loop decode.py
 times with; transformers' generate is an Algorithm like any other): seconds, ms per output token,
 and how many outputs equal refdec greedy's, each differing line with its first divergent position
 and refdec's top-1/top-2 logit margin there. --device cuda runs both on a GPU (each batch's time read
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..algorithms import Algorithm
+from ..app.algorithms import Algorithm
 from ..checkpoint import load_model
 from ..data import source_rows
 from ..decoding.result import DecodeResult, DecodeStats, result_of
@@ -61,7 +61,7 @@ def audit(args) -> dict:
 
 def hf_algorithm(name: str, hf_model, failures: dict, **generate_args) -> Algorithm:
     """transformers' generate (greedy; `generate_args`: assistant_model, prompt_lookup_num_tokens) as an
-    Algorithm of refdec.runner's timing loop, one generate call per source row. A row it fails on is
+    Algorithm of refdec.app.runner's timing loop, one generate call per source row. A row it fails on is
     recorded in `failures` (source ids -> message) and raised again, so the runner leaves that line empty."""
 
     def decode_hf(model, src: torch.Tensor, *, max_len: int, trace: bool = False) -> DecodeResult:
@@ -81,19 +81,19 @@ def hf_algorithm(name: str, hf_model, failures: dict, **generate_args) -> Algori
 def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
     """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' wrapping
     them (refdec.routes.fast, refdec.routes.graphed), so that each route's decoders are rows of the one audit."""
-    from ..loading import routed
+    from ..app.loading import routed
     return [(route, routed(models, route, False, {})) for route in routes]
 
 
 def _audit(args, lines: list[str], tmp: Path) -> dict:
-    from .. import inputs
-    from ..algorithms import ALGORITHMS
+    from ..app import inputs
+    from ..app.algorithms import ALGORITHMS
     from ..data import TASKS
-    from ..exactness import divergences
-    from ..inputs import shown_path
+    from ..app.exactness import divergences
+    from ..app.inputs import shown_path
     from ..machine import device_name, environment
-    from ..loading import Models
-    from ..runner import Run, decode_lines
+    from ..app.loading import Models
+    from ..app.runner import Run, decode_lines
 
     device = getattr(args, "device", "cpu")
     model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,

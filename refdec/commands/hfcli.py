@@ -10,7 +10,7 @@ from ..hf.common import HFError, is_hf_folder
 from ..hf.export import export
 from . import as_typed
 from .hfaudit import audit, audit_table
-from ..inputs import check_outputs, checkpoint_files, input_files
+from ..app.inputs import check_outputs, checkpoint_files, input_files
 from .harness import machine_options, report_option, set_up_machine, write_report
 
 

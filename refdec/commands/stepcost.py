@@ -45,7 +45,7 @@ from ..routes.kernels import FEW_ROWS, Kernels, on_kernels
 from ..checkpoint import load_model
 from ..errors import UsageError, run_command
 from ..repo import repo_file
-from ..inputs import check_outputs, checkpoint_files, shown_path
+from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..machine import clock, environment, machine_line
 from ..progress import ProgressLine
 from .harness import command_parser, machine_options, report_option, set_up_machine, write_report

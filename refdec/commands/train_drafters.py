@@ -51,7 +51,7 @@ from pathlib import Path
 from . import as_typed
 from ..config import COMPILE_MODES
 from ..errors import UsageError, run_command
-from ..inputs import check_outputs
+from ..app.inputs import check_outputs
 from ..repo import REPO, check_files, list_files
 
 MAX_BYTES = 62 * 2**20  # what a copy of the repository for a GPU machine may hold (as bench's)

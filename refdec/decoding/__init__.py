@@ -2,7 +2,7 @@
 
 Every decoder has the shape `decode_x(model, [companion model or heads,] src, *, max_len, ...options, trace=False)
 -> DecodeResult`, runs under torch.inference_mode() and refuses a model in training mode. Its
-keyword options with plain defaults are the command line's options (refdec/algorithms.py reads them
+keyword options with plain defaults are the command line's options (refdec/app/algorithms.py reads them
 from the signature).
 """
 

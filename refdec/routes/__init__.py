@@ -17,7 +17,7 @@ is tested equal to the reference route:
     int8.py      int8 products with one activation scale per row, exact in int32 (--int8)
     stamps.py    when a route's copy of a weight is out of date
 
-`refdec.loading.on_route(module, route)` puts a run's model, or an adapter, drafter model or proposal
+`refdec.app.loading.on_route(module, route)` puts a run's model, or an adapter, drafter model or proposal
 heads holding one, on a route by name. The routes import the model; the model imports no route, and
 no route imports an adapter, a checkpoint or a decoder (tests/test_layout.py).
 """

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from . import data as data_mod
-from .errors import UsageError
-from .machine import allocator_option, check_device, set_allocator, usable_cores
-from .repo import check_not_shipped, repo_file
-from .tokenizer import Tokenizer
+from .. import data as data_mod
+from ..errors import UsageError
+from ..machine import allocator_option, check_device, set_allocator, usable_cores
+from ..repo import check_not_shipped, repo_file
+from ..tokenizer import Tokenizer
 
 
 def warn(msg: str) -> None:

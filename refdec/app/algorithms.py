@@ -22,10 +22,10 @@ from typing import Callable
 
 import torch
 
-from .decoding import (DecodeResult, decode_beam, decode_bild, decode_blockwise, decode_gad, decode_greedy,
+from ..decoding import (DecodeResult, decode_beam, decode_bild, decode_blockwise, decode_gad, decode_greedy,
                        decode_iad, decode_speculative)
-from .decoding.blockwise import BLOCK_RULES
-from .decoding.iad import MATCH_POLICIES
+from ..decoding.blockwise import BLOCK_RULES
+from ..decoding.iad import MATCH_POLICIES
 from .loading import Models
 
 
@@ -130,7 +130,7 @@ class Algorithm:
         return BEST_MODEL.get(task, task) if self.model_dir == "{task}" else self.model_dir.format(task=task)
 
     def run(self, models: Models, src: torch.Tensor, max_len: int, options: dict, trace: bool = False) -> DecodeResult:
-        """Decode `src` with the models; `options`: values of this algorithm's options (refdec.plan
+        """Decode `src` with the models; `options`: values of this algorithm's options (refdec.app.plan
         gives every run all of them)."""
         inputs = self.model_kwargs(models) if self.model_kwargs else {}
         return self.decoder(models.model, *(getattr(models, r) for r in self.model_args), src, max_len=max_len,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..data import cut_batches
+from ...data import cut_batches
 from .record import Run
 
 

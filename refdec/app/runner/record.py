@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithms import Algorithm
-from ..decoding import DecodeStats
+from ...decoding import DecodeStats
 from ..loading import Models
 
 
@@ -43,5 +43,5 @@ class Run:
 
 
 def make_runs(specs: list, models: list[Models], *, trace: bool = False) -> list[Run]:
-    """A Run per refdec.plan RunSpec, on the models refdec.loading.load_models gave it."""
+    """A Run per refdec.app.plan RunSpec, on the models refdec.app.loading.load_models gave it."""
     return [Run(s.algo, s.options, m, s.label, s.batch_size, trace, s.batch_tokens) for s, m in zip(specs, models)]

@@ -1,7 +1,7 @@
 """What decode.py reports once the runs are done: the summary table (one row per run, each with its
 speed and identical rate against the first), the speedup matrix, each lossless run's check against
-greedy decoding of its model (refdec.exactness), the speedup by edit ratio, and the JSON report.
-refdec.htmlreport draws the same figures as a page.
+greedy decoding of its model (refdec.app.exactness), the speedup by edit ratio, and the JSON report.
+refdec.app.htmlreport draws the same figures as a page.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import data as data_mod
+from .. import data as data_mod
 from .exactness import divergences, identical_rate
-from .routes.kernels import is_int8
-from .metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
+from ..routes.kernels import is_int8
+from ..metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
 from .runner import Run, texts
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 NOTHING_DECODED = ("nothing was decoded: no line with text was finished (an empty input, blank lines only, or an "
                    "interruption before the first); no figures to report")

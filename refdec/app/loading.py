@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 
-from .adapters import EarlyExit, SharedEncoder
-from .checkpoint import CheckpointError, file_sha256, load_model
-from .drafter import Drafter
-from .errors import UsageError
-from .model import Transformer
-from .routes.fast import FastRoute, applies_to
-from .routes.graphed import GraphedRoute
-from .routes.kernels import Kernels, on_kernels
-from .proposal import load_proposal
-from .tokenizer import Tokenizer
+from ..adapters import EarlyExit, SharedEncoder
+from ..checkpoint import CheckpointError, file_sha256, load_model
+from ..drafter import Drafter
+from ..errors import UsageError
+from ..model import Transformer
+from ..routes.fast import FastRoute, applies_to
+from ..routes.graphed import GraphedRoute
+from ..routes.kernels import Kernels, on_kernels
+from ..proposal import load_proposal
+from ..tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def load_any(path: str | Path, *, task: str | None, device, dtype: torch.dtype, 
     """load_model for a refdec checkpoint; a transformers model folder (refdec.hf, which carries no
     task) for a folder, with `languages` (source, target) its forced language tokens."""
     if Path(path).is_dir():
-        from .hf.importing import load_folder
+        from ..hf.importing import load_folder
         return load_folder(path, device=device, dtype=dtype, src_lang=languages[0], tgt_lang=languages[1])
     if any(languages):
         raise LoadError("--src-lang and --tgt-lang choose the language tokens of a transformers model folder; "
@@ -155,7 +155,7 @@ class RunLoader:
 def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dtype, invariant: bool = False,
                 fast: bool = False, graphed: bool = False,
                 languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
-    """The models of each of refdec.plan's `specs`, every checkpoint loaded once: the first run's
+    """The models of each of refdec.app.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` companion models (role -> path) and
     each run's own, each wrapped for its route (refdec.routes.on_route): with `invariant`, row-invariant
     mode; with `fast`, the fast route (refdec.routes.fast); with `graphed`, the graphed route

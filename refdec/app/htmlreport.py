@@ -22,8 +22,8 @@ import re
 import torch
 
 from . import report, runner
-from .errors import UsageError
-from .trace import Step, how_drafted, iterations, token_pieces
+from ..errors import UsageError
+from ..trace import Step, how_drafted, iterations, token_pieces
 
 PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
 

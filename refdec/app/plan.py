@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
-from .errors import UsageError
-from .repo import REPO, repo_file
+from ..errors import UsageError
+from ..repo import REPO, repo_file
 from .hints import check_checkpoint_path, shown, train_hint
 from .inputs import checkpoint_files
 
@@ -143,7 +143,7 @@ def default_companion(role: str, task: str, algo: Algorithm) -> str:
 
 def shipped_for(algo: Algorithm) -> str:
     """Which tasks have a shipped checkpoint for `algo` (and its companion models): said when one is missing."""
-    from .data import TASKS
+    from ..data import TASKS
     tasks = [t for t in TASKS if all((CHECKPOINTS / d / "model.pt").exists() for d in
                                      [algo.checkpoint_dir(t)] + [COMPANION_DIRS[r].format(task=t) for r in algo.companion_roles])]
     return (f"--algo {algo.name} has shipped models for --task {' and '.join(tasks)}" if tasks
@@ -248,7 +248,7 @@ def shared_companions(specs: list[RunSpec], task: str, given: dict) -> dict:
 
 
 def checkpoints_read(specs: list[RunSpec], shared: dict) -> dict:
-    """Every checkpoint the runs load, for refdec.inputs.check_outputs: each run's model and own companion
+    """Every checkpoint the runs load, for refdec.app.inputs.check_outputs: each run's model and own companion
     models, and the shared ones (--small, --drafter)."""
     found = {}
     for s in specs:
@@ -291,7 +291,7 @@ def add_route_flags(group) -> None:
 
 def add_option_flags(group) -> None:
     """One flag per algorithm option (--fallback-threshold ...), its type and help read from the
-    decoders' signatures (refdec.algorithms), onto decode.py's argparse group."""
+    decoders' signatures (refdec.app.algorithms), onto decode.py's argparse group."""
     for name, default in ((n, next(iter(d.values()))) for n, d in option_defaults().items() if d):
         flag, opt = "--" + name.replace("_", "-"), OPTIONS[name]
         help_text = f"{opt.help} ({help_default(name)})"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import data as data_mod
+from .. import data as data_mod
 
 
 def identical_rate(a: list, b: list) -> float:

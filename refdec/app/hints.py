@@ -5,16 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import PRESETS
-from .errors import UsageError
-
-
-def shown(path: Path) -> str:
-    """A path as the user would type it: relative to the current folder when it lies under it."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
+from ..config import PRESETS
+from ..errors import UsageError
+from ..repo import shown
 
 
 def train_hint(folder: str, task: str) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
 from ..inputs import max_len_for
-from ..machine import available_memory, decode_bytes
+from ...machine import available_memory, decode_bytes
 from .buckets import length_chunks
 from .record import Run
 

@@ -9,12 +9,12 @@ from typing import Callable
 
 import torch
 
-from .. import data as data_mod
-from ..decoding import DecodeStats
-from ..errors import first_line
+from ... import data as data_mod
+from ...decoding import DecodeStats
+from ...errors import first_line
 from ..inputs import max_len_for, warn
-from ..interrupt import sigint_deferred
-from ..machine import clock
+from ...interrupt import sigint_deferred
+from ...machine import clock
 from .buckets import batches, length_chunks
 from .record import Run
 

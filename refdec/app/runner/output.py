@@ -10,9 +10,9 @@ from typing import Callable
 import torch
 
 from ..inputs import warn
-from ..interrupt import sigint_deferred, stopped_by
-from ..machine import BusyCores, busy_warning, usable_cores
-from ..tokenizer import Tokenizer
+from ...interrupt import sigint_deferred, stopped_by
+from ...machine import BusyCores, busy_warning, usable_cores
+from ...tokenizer import Tokenizer
 from .loop import decode_lines
 from .record import Run
 
