@@ -1,8 +1,7 @@
 """Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/; shown,
-a path as the user would type it;
-repo_file, a default that a command reads from it; check_not_shipped, the rule that keeps every
-command's output out of the shipped checkpoints/ and data/; check_files and list_files, the files a
-command needs in a copy of the repository (its --files)."""
+a path as the user would type it; repo_file, a default that a command reads from it;
+check_not_shipped, the rule that keeps every command's output out of the shipped checkpoints/ and
+data/; check_files and list_files, the files a command needs in a copy of the repository (its --files)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from ..config import PRESETS
 from ..errors import UsageError
-from ..repo import shown
 
 
 def train_hint(folder: str, task: str) -> str:

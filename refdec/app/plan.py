@@ -14,8 +14,8 @@ from pathlib import Path
 
 from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
 from ..errors import UsageError
-from ..repo import REPO, repo_file
-from .hints import check_checkpoint_path, shown, train_hint
+from ..repo import REPO, repo_file, shown
+from .hints import check_checkpoint_path, train_hint
 from .inputs import checkpoint_files
 
 CHECKPOINTS = REPO / "checkpoints"

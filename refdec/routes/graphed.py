@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
 
 from ..cache import KVCache, Memory
 from ..forced import before_source, with_forced_prefix
