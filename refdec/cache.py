@@ -11,6 +11,11 @@ Every decoder in refdec uses one KVCache and only its verbs:
     select(rows)         reorder / repeat / drop batch rows (beam search, finished rows)
     clone()              an independent copy
 
+and one call that opens a decoder call on it, `place(tgt_new, prefix, open_from, real)`: where the
+call's new tokens go (the model's forced tokens in, refdec.forced), the masks of what each may attend
+to, and the positions that are real, all that the decoder layers need (NewPositions); the layers
+append their keys and values through it, and its `commit` advances the cache.
+
 Storage is preallocated, (layers, B, H, capacity, Dh), and grows by doubling, so appending a
 token never copies the cache.
 
@@ -20,7 +25,7 @@ to per-row lengths makes the cache ragged: `lengths` (B,) holds each row's own l
 longest, and `length` refuses to answer (a caller that wants one offset for every row would read a
 wrong one). Row b's storage past lengths[b] is stale, a rejected tail or nothing at all, and is
 never attended: the model blocks every key past lengths[b] + i for new query i of row b
-(refdec.model.ragged_block).
+(ragged_block).
 The cache becomes uniform again as soon as its rows agree (a truncate or select that leaves equal
 lengths), so a batch of one is never ragged.
 
@@ -42,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from .forced import after_start
 
 
 class KVCache:
@@ -180,6 +187,24 @@ class KVCache:
         other.prefix = self.prefix
         return other
 
+    def place(self, tgt_new: torch.Tensor, prefix: tuple[int, ...] = (), open_from: int | torch.Tensor | None = None,
+              real: torch.Tensor | None = None) -> "NewPositions":
+        """Open a decoder call of tgt_new (B, q) on this cache: the model's forced decoder tokens
+        `prefix` put in (forced_tokens), their positions, the self-attention mask (causal_block, or
+        ragged_block per row; with `open_from` = j, new positions j .. q-1 see every new position of
+        their row), and with `real` (B,) the real positions of a right-padded ragged batch."""
+        tokens, forced, open_from, real = forced_tokens(prefix, tgt_new, self, open_from, real)
+        q = tokens.shape[1]
+        keys = self.prefix + self._end + q  # the keys the call's attention reads
+        if self.ragged or torch.is_tensor(open_from):
+            offset = self.prefix + self.lengths  # (B,) each row's first new position
+            block = ragged_block(offset, q, keys, open_from, real)
+        else:  # one new token in a uniform cache sees every cached key: no mask, the greedy step stays lean
+            offset = self.prefix + self._end
+            block = causal_block(q, offset, tokens.device, open_from) if q > 1 else None
+        is_real = None if real is None else torch.arange(q, device=tokens.device)[None, :] < real.to(tokens.device)[:, None]
+        return NewPositions(tokens, offset, block, is_real, real, keys, forced, self)
+
     def __repr__(self) -> str:
         L, B, H, cap, Dh = self.k.shape
         length = f"lengths={self._lengths.tolist()}" if self.ragged else f"length={self._end}"
@@ -228,3 +253,104 @@ class Memory:
             self.src_pad.index_select(0, rows),
             [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cross_kv],
         )
+
+
+# -- one decoder call on a cache ----------------------------------------------------------------------
+@dataclass(eq=False)
+class NewPositions:
+    """What the decoder layers need of one call's new tokens (KVCache.place, or teacher_forced):
+
+    tokens:     (B, q) the call's tokens, the model's forced ones in
+    offset:     the first new position, one int, or (B,) one per row (a ragged cache)
+    self_block: the self-attention mask over every key the call reads, True = blocked; None: none blocked
+    is_real:    (B, q) True at the real positions of a right-padded ragged batch; None: all are real
+    real:       (B,) how many of each row's tokens are real; None: all
+    keys:       how many key positions the call's self-attention reads
+    forced:     the leading positions that are forced tokens, hidden from the caller after the call
+    cache:      where the new keys and values go; None when the keys are the call's own (teacher forcing)
+    """
+
+    tokens: torch.Tensor
+    offset: int | torch.Tensor
+    self_block: torch.Tensor | None
+    is_real: torch.Tensor | None
+    real: torch.Tensor | None
+    keys: int
+    forced: int
+    cache: KVCache | None
+
+    def keys_values(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values layer `layer`'s self-attention reads, given the new positions' own k, v
+        (B, H, q, Dh): the cache's with these appended (KVCache.append), or these alone."""
+        return (k, v) if self.cache is None else self.cache.append(layer, k, v)
+
+    def commit(self, x: torch.Tensor) -> torch.Tensor:
+        """After the last layer: the q positions committed to the cache (the forced ones into its
+        hidden prefix), and the states x (B, q, D) of the positions the caller fed."""
+        if self.cache is not None:
+            self.cache.advance(self.tokens.shape[1])
+            if self.forced:
+                self.cache.hide(self.forced)
+        return x[:, self.forced:]
+
+
+def teacher_forced(tgt: torch.Tensor, prefix: tuple[int, ...] = (), self_block: torch.Tensor | None = None) -> NewPositions:
+    """A whole target sequence tgt (B, T), starting with the start token, fed at once without a cache
+    (training): the forced tokens `prefix` after the start token, causal attention unless
+    `self_block` (T, T) or (B, 1, T, T) replaces it."""
+    if prefix:
+        if self_block is not None:
+            raise ValueError("a model with a decoder_prefix takes no self_block")
+        tgt = after_start(tgt, prefix)
+    block = causal_block(tgt.shape[1], 0, tgt.device) if self_block is None else self_block
+    return NewPositions(tgt, 0, block, None, None, tgt.shape[1], len(prefix), None)
+
+
+def causal_block(q_len: int, offset: int, device: torch.device, open_from: int | None = None) -> torch.Tensor:
+    """(q, offset + q) mask, True = blocked: new query i (at position offset + i) sees keys 0..offset+i.
+    With `open_from` = j, queries j .. q-1 see every new position (a drafter's block of masks)."""
+    rows = torch.arange(q_len, device=device)[:, None] + offset
+    cols = torch.arange(offset + q_len, device=device)[None, :]
+    blocked = cols > rows
+    if open_from is not None:
+        blocked[open_from:] = False
+    return blocked
+
+
+def ragged_block(offset: torch.Tensor, q_len: int, keys: int, open_from: int | torch.Tensor | None = None,
+                 real: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, 1, q, keys) mask, True = blocked, for rows whose new queries start at different positions
+    offset (B,): query i of row b sees keys 0 .. offset[b] + i and nothing else, since past them lie
+    another row's longer history or this row's rejected tail, which must not enter its softmax. With
+    `open_from` (one int, or (B,) one per row), row b's queries from open_from[b] on see up to its last
+    real token, offset[b] + real[b] - 1 (all q when `real` is None), and its padding stays out."""
+    steps = torch.arange(q_len, device=offset.device)
+    last_key = offset[:, None] + steps  # (B, q)
+    if open_from is not None:
+        width = torch.full_like(offset, q_len) if real is None else real.to(offset.device)
+        opened = steps[None, :] >= torch.as_tensor(open_from, device=offset.device).reshape(-1, 1)
+        last_key = torch.where(opened, (offset + width - 1)[:, None], last_key)
+    return (torch.arange(keys, device=offset.device) > last_key[:, :, None])[:, None]
+
+
+def forced_tokens(prefix: tuple[int, ...], tgt_new: torch.Tensor, cache: KVCache,
+                  open_from: int | torch.Tensor | None, real: torch.Tensor | None):
+    """A decoder call's input with the model's forced decoder tokens `prefix` (P of them, an imported
+    model's language code) where they belong -> (tgt_new, forced, open_from, real), `forced` the
+    positions to hide in the cache after the call (refdec.forced).
+
+    An empty cache: the P tokens go after the start token (open_from and real shift by P); the start
+    token and the first P - 1 of them become the cache's hidden prefix, and the last one's slot is
+    visible position 0, whose state predicts the first output token. A row of a ragged cache cut back
+    to length 0 keeps its hidden prefix, so the start token fed to it again goes into that slot: it
+    is fed as the last forced token."""
+    P = len(prefix)
+    if P and not cache.ragged and cache.end == 0:
+        cache.truncate(0)  # drops a hidden prefix left by rows that were all cut back to 0
+        real = None if real is None else real + P
+        open_from = None if open_from is None else open_from + P
+        return after_start(tgt_new, prefix), P, open_from, real
+    if P and cache.ragged and bool(cache.lengths.eq(0).any()):
+        tgt_new = tgt_new.clone()
+        tgt_new[cache.lengths.eq(0).to(tgt_new.device), 0] = prefix[-1]
+    return tgt_new, 0, open_from, real

@@ -17,9 +17,12 @@ and the parts they are made of, for callers that need what lies between them:
 
 The layers are torch's own (nn.Linear, nn.LayerNorm) and the attention and projection are computed
 as written here: this is the reference route, what a loaded checkpoint is and decode.py runs by
-default. The speed routes beside it (refdec.routes: other kernels for the same products, the fast
-and graphed routes, int8) wrap a model and compute the same mathematics another way, the model
-unchanged; this file knows nothing of them. A model's forced decoder tokens
+default. Attention and the output product are modules of their own (ScaledDotProduct, OutputProduct,
+without parameters), like the linear layers and norms leaves of the module tree. The speed routes
+beside it (refdec.routes: other kernels for the same products, the fast and graphed routes, int8)
+wrap a model and compute the same mathematics another way, the model unchanged; this file knows
+nothing of them. A decoder call asks its cache where its new tokens go and what each may attend to
+(refdec.cache.KVCache.place); its layers append their keys and values through the answer. A model's forced decoder tokens
 (ModelConfig.decoder_prefix) are its own business (refdec.forced).
 Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head dim, D d_model, V vocab.
 """
@@ -32,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, Memory, padding_block
+from .cache import KVCache, Memory, NewPositions, padding_block, teacher_forced
 from .config import ModelConfig
-from .forced import after_start, before_source, with_forced_prefix
+from .forced import before_source
 from .positions import FAMILY_TABLES
 from .variants import activation, embed_norms, learned_positions, make_norm, position_bias, relative_biases
 
@@ -70,44 +73,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.
     return torch.softmax(scores, dim=-1) @ v
 
 
-def causal_block(q_len: int, offset: int, device: torch.device, open_from: int | None = None) -> torch.Tensor:
-    """(q, offset + q) mask, True = blocked: new query i (at position offset + i) sees keys 0..offset+i.
-    With `open_from` = j, queries j .. q-1 see every new position (a drafter's block of masks)."""
-    rows = torch.arange(q_len, device=device)[:, None] + offset
-    cols = torch.arange(offset + q_len, device=device)[None, :]
-    blocked = cols > rows
-    if open_from is not None:
-        blocked[open_from:] = False
-    return blocked
+class ScaledDotProduct(nn.Module):
+    """`attention` as a module of its own (no parameters), so that a route can compute it another way
+    by putting another module in its place (refdec.routes.kernels)."""
 
+    def __init__(self, scale: float | None):
+        super().__init__()
+        self.scale = scale
 
-def ragged_block(offset: torch.Tensor, q_len: int, keys: int, open_from: int | torch.Tensor | None = None,
-                 real: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, 1, q, keys) mask, True = blocked, for rows whose new queries start at different positions
-    offset (B,): query i of row b sees keys 0 .. offset[b] + i and nothing else, since past them lie
-    another row's longer history or this row's rejected tail, which must not enter its softmax. With
-    `open_from` (one int, or (B,) one per row), row b's queries from open_from[b] on see up to its last
-    real token, offset[b] + real[b] - 1 (all q when `real` is None), and its padding stays out."""
-    steps = torch.arange(q_len, device=offset.device)
-    last_key = offset[:, None] + steps  # (B, q)
-    if open_from is not None:
-        width = torch.full_like(offset, q_len) if real is None else real.to(offset.device)
-        opened = steps[None, :] >= torch.as_tensor(open_from, device=offset.device).reshape(-1, 1)
-        last_key = torch.where(opened, (offset + width - 1)[:, None], last_key)
-    return (torch.arange(keys, device=offset.device) > last_key[:, :, None])[:, None]
-
-
-def new_positions(cache: KVCache, q_len: int, device: torch.device, open_from: int | torch.Tensor | None = None,
-                  real: torch.Tensor | None = None) -> tuple[int | torch.Tensor, torch.Tensor | None]:
-    """Where q_len new tokens go in `cache` and what they may attend to: their first position (one int,
-    or (B,) one per row in a ragged cache or with one open_from per row) and the self-attention mask
-    over the cache's keys and theirs, True = blocked (causal_block, or ragged_block per row; None for
-    one new token in a uniform cache, which sees every cached key: the greedy step stays lean)."""
-    if cache.ragged or torch.is_tensor(open_from):
-        offset = cache.prefix + cache.lengths  # (B,) each row's first new position
-        return offset, ragged_block(offset, q_len, cache.prefix + cache.end + q_len, open_from, real)
-    offset = cache.prefix + cache.length
-    return offset, (causal_block(q_len, offset, device, open_from) if q_len > 1 else None)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        return attention(q, k, v, blocked, self.scale, bias)
 
 
 class MultiHeadAttention(nn.Module):
@@ -117,7 +93,8 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, d_kv: int = 0):
         super().__init__()  # d_kv: the width of the states keys and values are made from (0 = d_model)
         D = cfg.d_model  # Dh = D / H, biases, scores scaled by 1/sqrt(Dh): the paper's, unless an imported family's cfg differs
-        self.h, self.dh, self.scale = cfg.n_heads, cfg.head_dim, None if cfg.scale_attention else 1.0
+        self.h, self.dh = cfg.n_heads, cfg.head_dim
+        self.heads = ScaledDotProduct(None if cfg.scale_attention else 1.0)  # every head at once
         inner = self.h * self.dh
         self.wq = nn.Linear(D, inner, bias=cfg.bias)
         self.wk = nn.Linear(d_kv or D, inner, bias=cfg.bias)
@@ -136,15 +113,10 @@ class MultiHeadAttention(nn.Module):
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
         B, q_len, _ = x.shape
-        out = self.attend_heads(self.split(self.wq(x)), k, v, blocked, bias)  # (B, H, q, Dh)
+        out = self.heads(self.split(self.wq(x)), k, v, blocked, bias)  # (B, H, q, Dh)
         if self.training:
             out = self.drop(out)
         return self.wo(out.transpose(1, 2).reshape(B, q_len, self.h * self.dh))
-
-    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`attention` over every head at once: q (B, H, q, Dh) -> (B, H, q, Dh)."""
-        return attention(q, k, v, blocked, self.scale, bias)
 
 
 class FeedForward(nn.Module):
@@ -195,34 +167,45 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Section 3.1: masked self-attention, attention over the encoder output, the feed-forward network."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
+        self.index = index  # its place in the stack: its layer of the KV cache and of the memory's keys
         self.self_attn = MultiHeadAttention(cfg)
         self.cross_attn = MultiHeadAttention(cfg, cfg.memory_dim)
         self.ff = FeedForward(cfg)
         self.sub1, self.sub2, self.sub3 = Sublayer(cfg), Sublayer(cfg), Sublayer(cfg)
 
-    def forward(self, x: torch.Tensor, cross_kv: tuple[torch.Tensor, torch.Tensor], src_block: torch.Tensor,
-                self_kv, self_block: torch.Tensor, is_real: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, q, D). `self_kv(h)` returns the self-attention keys/values for the new states h:
-        from the cache (incremental) or from h alone (training). `is_real` (B, q), True at the real
-        positions of a right-padded ragged batch: the feed-forward sublayer, position by position,
-        runs on those alone (a padded position's state is never read: causal attention keeps it
-        out of every real one, and the caller cuts it)."""
-        def self_attn(h):
-            k, v = self_kv(h)
-            return self.self_attn.attend(h, k, v, self_block, bias)  # bias: T5's relative position bias
+    def forward(self, x: torch.Tensor, new: NewPositions, memory: Memory, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, q, D): the states of the new positions `new` (refdec.cache.NewPositions: their
+        masks, and the cache their keys and values go into); `bias` T5's relative position bias. In a
+        right-padded ragged batch the feed-forward sublayer, position by position, runs on the real
+        positions alone (a padded position's state is never read: causal attention keeps it out of
+        every real one, and the caller cuts it)."""
+        def self_attn(h):  # over the cache's keys and values, these positions' own appended
+            k, v = new.keys_values(self.index, *self.self_attn.project_kv(h))
+            return self.self_attn.attend(h, k, v, new.self_block, bias)
 
-        def cross_attn(h):
-            return self.cross_attn.attend(h, cross_kv[0], cross_kv[1], src_block)
+        def cross_attn(h):  # over the encoder's output, its keys and values made once per source
+            k, v = memory.cross_kv[self.index]
+            return self.cross_attn.attend(h, k, v, memory.src_block)
 
-        def packed_ff(h):
+        def feed_forward(h):
+            if new.is_real is None:
+                return self.ff(h)
             out = torch.zeros_like(h)
-            out[is_real] = self.ff(h[is_real])
+            out[new.is_real] = self.ff(h[new.is_real])
             return out
 
-        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff if is_real is None else packed_ff)
+        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), feed_forward)
+
+
+class OutputProduct(nn.Module):
+    """hidden (B, q, D) @ W (V, D).T: the product of the output embedding (section 3.4), a module of its
+    own (no parameters: W is the target embedding or out_proj's) so that a route can compute it another
+    way by putting another module in its place (refdec.routes.kernels)."""
+
+    def forward(self, hidden: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, W)
 
 
 class Transformer(nn.Module):
@@ -242,11 +225,12 @@ class Transformer(nn.Module):
         self.src_relative, self.tgt_relative = relative_biases(cfg)
         self.src_embed_norm, self.tgt_embed_norm = embed_norms(cfg)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
-        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.dec_layers))
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
         self.enc_norm = make_norm(cfg) if cfg.norm_first and cfg.enc_layers else nn.Identity()
         self.dec_norm = make_norm(cfg) if cfg.norm_first else nn.Identity()
         self.out_proj = None if cfg.tie_embeddings else nn.Linear(D, V, bias=False)
+        self.output = OutputProduct()
         self.register_buffer("logits_bias", torch.zeros(V) if cfg.logits_bias else None)  # final_logits_bias
         self.drop = nn.Dropout(cfg.dropout)
         self.reset_parameters()
@@ -268,25 +252,30 @@ class Transformer(nn.Module):
         self.positions = position_table(self.cfg).to(self.positions.device, self.positions.dtype)
         return out
 
-    def _embed(self, side: str, tokens: torch.Tensor, offset: int | torch.Tensor,
-               real: torch.Tensor | None = None) -> torch.Tensor:
-        """Section 3.4 + 3.5: tokens (B, T) of `side` (src or tgt) at positions offset .. offset + T - 1, offset one int or (B,)
-        one per row (a ragged cache). With `real` (B,) real tokens per row, the padding's positions
-        are clamped to the table's end (their states are never read): only real ones must fit."""
+    def embed_source(self, src: torch.Tensor) -> torch.Tensor:
+        """Section 3.4 + 3.5: src (B, S) -> (B, S, D), at positions 0 .. S - 1."""
+        return self._embed(src, 0, None, self.src_embed, self.src_positions, self.src_embed_norm)
+
+    def embed_target(self, tokens: torch.Tensor, offset: int | torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """Section 3.4 + 3.5: tokens (B, T) -> (B, T, D), at positions offset .. offset + T - 1, offset one
+        int or (B,) one per row (a ragged cache). With `real` (B,) real tokens per row, the padding's
+        positions are clamped to the table's end (their states are never read): only real ones must fit."""
+        return self._embed(tokens, offset, real, self.tgt_embed, self.tgt_positions, self.tgt_embed_norm)
+
+    def _embed(self, tokens: torch.Tensor, offset: int | torch.Tensor, real: torch.Tensor | None,
+               embedding: nn.Embedding, table: torch.Tensor | None, norm: nn.Module) -> torch.Tensor:
         T = tokens.shape[1]
         ends = offset + (T if real is None else real)
         top = int(ends.max()) if torch.is_tensor(ends) else ends
         if top > self.cfg.max_positions:
             raise ValueError(f"sequence of {top} positions exceeds max_positions={self.cfg.max_positions}")
-        table = getattr(self, f"{side}_positions")
-        table = self.positions if table is None else table
+        table = self.positions if table is None else table  # the sinusoids, or a learned table of its own
         if torch.is_tensor(offset) or real is not None:
             at = torch.as_tensor(offset, device=tokens.device).reshape(-1, 1) + torch.arange(T, device=tokens.device)
             pos = table[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
         else:
             pos = table[offset:offset + T]
-        x = getattr(self, f"{side}_embed")(tokens) * (math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else 1.0)
-        x = getattr(self, f"{side}_embed_norm")(x + pos)
+        x = norm(embedding(tokens) * (math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else 1.0) + pos)
         return self.drop(x) if self.training else x
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
@@ -301,12 +290,8 @@ class Transformer(nn.Module):
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
         if self.cfg.rescale_head:  # T5 v1.0's tied head reads d_model^-0.5 x the decoder's output
             hidden = hidden * (self.cfg.d_model ** -0.5)
-        logits = self.vocabulary(hidden, W)
+        logits = self.output(hidden, W)
         return logits if self.logits_bias is None else logits + self.logits_bias
-
-    def vocabulary(self, hidden: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-        """hidden (B, q, D) @ W (V, D).T: the product `project` makes."""
-        return F.linear(hidden, W)
 
     # -- entry points, and (secondary) the parts they are made of -------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:
@@ -320,7 +305,7 @@ class Transformer(nn.Module):
         src = before_source(src, self.cfg.encoder_prefix)  # forced tokens (an NLLB model's language code)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = padding_block(src_pad)  # (B, 1, 1, S) keys that are padding
-        x, bias = self._embed("src", src, 0), position_bias(self.src_relative, 0, src.shape[1], src.shape[1])
+        x, bias = self.embed_source(src), position_bias(self.src_relative, 0, src.shape[1], src.shape[1])
         for layer in self.encoder:
             x = layer(x, pad_block, bias)
         return self.enc_norm(x), src_pad
@@ -342,21 +327,13 @@ class Transformer(nn.Module):
         = n runs only the first n decoder layers (an early exit; `cache` then has n layers), then the
         same final norm. `real` (B,): how many of the q tokens of each row are real, the rest right
         padding of a ragged batch (the caller truncates them away). A forced decoder_prefix goes into
-        the cache's hidden prefix (`with_forced_prefix`)."""
-        tgt_new, forced, open_from, real = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, open_from, real)
-        q_len = tgt_new.shape[1]
-        offset, self_block = new_positions(cache, q_len, tgt_new.device, open_from, real)
-        x = self._embed("tgt", tgt_new, offset, real)
-        bias, src_block = position_bias(self.tgt_relative, offset, q_len, cache.prefix + cache.end + q_len), memory.src_block
-        is_real = None if real is None else torch.arange(q_len, device=x.device)[None, :] < real.to(x.device)[:, None]
-        for i, layer in enumerate(self.decoder[:layers]):
-            x = layer(x, memory.cross_kv[i], src_block,
-                      lambda h, i=i, layer=layer: cache.append(i, *layer.self_attn.project_kv(h)), self_block, is_real, bias)
-        cache.advance(q_len)
-        if forced:
-            cache.hide(forced)
-            x = x[:, forced:]
-        return self.dec_norm(x)
+        the cache's hidden prefix (refdec.cache.forced_tokens)."""
+        new = cache.place(tgt_new, self.cfg.decoder_prefix, open_from, real)  # positions, masks, forced tokens
+        x = self.embed_target(new.tokens, new.offset, new.real)
+        bias = position_bias(self.tgt_relative, new.offset, new.tokens.shape[1], new.keys)  # T5's; None for the paper's
+        for layer in self.decoder[:layers]:  # each: self-attention over the cache, cross-attention, feed-forward
+            x = layer(x, new, memory, bias)
+        return self.dec_norm(new.commit(x))
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
         """tgt_new (B, q) -> logits (B, q, V): row i predicts the token after tgt_new[:, i]."""
@@ -371,38 +348,28 @@ class Transformer(nn.Module):
         """forward() before the vocabulary projection: final decoder states (B, T, D). `self_block`
         (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's training).
         `memory` replaces encode(src) (a decoder on another model's encoder)."""
-        for x in self._decoder_layers(src, tgt, self_block, memory):
-            pass
-        return self.dec_norm(x)
+        return self.dec_norm(self._decoder_layers(src, tgt, self_block, memory)[-1])
 
     def early_exit_hidden(self, src: torch.Tensor, tgt: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_hidden's final states and, through the same final norm, the states after the first
         `layers` decoder layers (an early exit's, BiLD's small model): (final, early), each (B, T, D)."""
         if not 1 <= layers < self.cfg.dec_layers:
             raise ValueError(f"an early exit needs 1 <= layers < {self.cfg.dec_layers}, got {layers}")
-        early = None
-        for i, x in enumerate(self._decoder_layers(src, tgt), start=1):
-            if i == layers:
-                early = self.dec_norm(x)
-        return self.dec_norm(x), early
+        states = self._decoder_layers(src, tgt)
+        return self.dec_norm(states[-1]), self.dec_norm(states[layers - 1])
 
     def _decoder_layers(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
-                        memory: Memory | None = None):
+                        memory: Memory | None = None) -> list[torch.Tensor]:
         """Teacher forcing without a cache: the residual stream (B, T, D) after each decoder layer."""
-        if memory is None:
-            memory = self.encode(src)
-        forced = len(self.cfg.decoder_prefix)
-        if forced:  # the forced tokens after the start token, their states dropped from the result
-            if self_block is not None:
-                raise ValueError("a model with a decoder_prefix takes no self_block")
-            tgt = after_start(tgt, self.cfg.decoder_prefix)
-        x = self._embed("tgt", tgt, 0)
-        if self_block is None:
-            self_block = causal_block(tgt.shape[1], 0, x.device)
-        src_block, bias = memory.src_block, position_bias(self.tgt_relative, 0, tgt.shape[1], tgt.shape[1])
-        for i, layer in enumerate(self.decoder):
-            x = layer(x, memory.cross_kv[i], src_block, layer.self_attn.project_kv, self_block, bias=bias)
-            yield x[:, forced:]
+        memory = self.encode(src) if memory is None else memory
+        new = teacher_forced(tgt, self.cfg.decoder_prefix, self_block)  # the forced tokens in, their states dropped
+        x = self.embed_target(new.tokens, 0)
+        bias = position_bias(self.tgt_relative, 0, new.keys, new.keys)
+        states = []
+        for layer in self.decoder:
+            x = layer(x, new, memory, bias)
+            states.append(x[:, new.forced:])
+        return states
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

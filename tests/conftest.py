@@ -19,7 +19,7 @@ from refdec.decoding import decode_bild, decode_blockwise, decode_gad, decode_gr
 from refdec.decoding import gad as gad_module
 from refdec.drafter import Drafter
 from refdec.app.exactness import divergences
-from refdec.routes.kernels import row_invariant
+from refdec.routes import on_route
 from refdec.model import Transformer
 from refdec.proposal import ProposalHeads
 from refdec.tokenizer import Tokenizer
@@ -168,7 +168,7 @@ def assert_rows_equal(got, ref, what: str):
 
 
 def invariant_copy(model, dtype):
-    return row_invariant(copy.deepcopy(model).to(dtype))
+    return on_route(copy.deepcopy(model).to(dtype), "invariant")
 
 
 def check_batched_iad(model, src, max_len, **knobs):

@@ -13,7 +13,7 @@ from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy
 from refdec.decoding.iad import decode_iad
 from refdec.decoding.verify import verify, verify_rows
-from refdec.routes.kernels import row_invariant
+from refdec.routes import on_route
 
 
 # -- the cache --------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def test_a_rejected_tail_adds_nothing_to_the_softmax(invariant):
     mode, to 1e-10 otherwise."""
     m = tiny_model(4)
     if invariant:
-        m = row_invariant(m)
+        m = on_route(m, "invariant")
     src = random_src(4, 4, 40)
     lens = [1, 6, 3, 9]
     with torch.inference_mode():

@@ -17,10 +17,9 @@ from refdec.decoding.gad import gadpp_rule
 from refdec.decoding.ties import best_candidates, rank
 from refdec.drafter import Drafter
 from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
-from refdec.app.loading import on_route
-from refdec.routes.fast import FastRoute
-from refdec.routes.graphed import GraphedRoute
-from refdec.routes.kernels import is_row_invariant, row_invariant
+from refdec.routes import on_route
+from refdec.routes import on_route
+from refdec.routes.kernels import is_row_invariant
 from refdec.model import Transformer, sinusoidal_positions
 
 DTYPES = [torch.float32, torch.float64]
@@ -99,8 +98,8 @@ def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
     for seed in range(3):  # exact ties at every position: in row-invariant mode, where a verification call
         # computes bitwise what a step computes (on the reference route a q-row product and a one-row
         # product may round the two tied logits apart in different directions)
-        verifier = row_invariant(family_model(seed, "constant"))
-        drafter = Drafter(row_invariant(family_model(seed + 7, "exact")), k=4)
+        verifier = on_route(family_model(seed, "constant"), "invariant")
+        drafter = Drafter(on_route(family_model(seed + 7, "exact"), "invariant"), k=4)
         src = random_src(seed, 3, 16)
         a = decode_gad(verifier, drafter, src, max_len=12)
         with gadpp_rule_at_exact():
@@ -117,7 +116,7 @@ def test_a_positions_logits_are_bitwise_equal_across_call_shapes(dtype, family):
     each source alone against the padded batch, and the uncached forward all give a position the
     same logits bit for bit (x[:n] @ W.T rounds row 0 differently for most n; a masked longer
     attention row sums more terms)."""
-    m = row_invariant(family_model(3, family, dtype, vocab=40))
+    m = on_route(family_model(3, family, dtype, vocab=40), "invariant")
     src = random_src(3, 3, 40)
     tgt = torch.cat([torch.full((3, 1), BOS_ID), torch.randint(5, 40, (3, 20), generator=torch.Generator().manual_seed(3))], 1)
     with torch.inference_mode():
@@ -141,7 +140,7 @@ def test_iad_equals_greedy_on_twin_rows_in_invariant_mode(dtype):
     """Guards the case where a verification call over many tokens and a one-token step rounded a
     position differently and IAD took the other twin: in row-invariant mode never, float32 and float64."""
     for seed in range(4):
-        m = row_invariant(family_model(seed, "exact", dtype, vocab=12))
+        m = on_route(family_model(seed, "exact", dtype, vocab=12), "invariant")
         src = random_src(seed, 4, 12)
         ref = decode_greedy(m, src, max_len=20).tokens
         for match in ("unique", "longest"):
@@ -176,9 +175,9 @@ def test_the_mode_wraps_one_model_and_leaves_it_as_it_is():
     tgt = torch.tensor([[BOS_ID, 7, 8, 9, 10]] * 2)
     with torch.inference_mode():
         before = a(src, tgt)
-        inv = row_invariant(a)
+        inv = on_route(a, "invariant")
         assert is_row_invariant(inv) and not is_row_invariant(a) and inv is not a
-        assert type(a.decoder[0].ff.w1) is torch.nn.Linear and inv.decoder[0].ff.w1.weight is a.decoder[0].ff.w1.weight
+        assert type(a.decoder[0].ff.w1) is torch.nn.Linear and inv.twin.decoder[0].ff.w1.weight is a.decoder[0].ff.w1.weight
         torch.testing.assert_close(inv(src, tgt), before, rtol=1e-12, atol=1e-12)
         assert torch.equal(a(src, tgt), before)
     with torch.no_grad():
@@ -225,8 +224,9 @@ def test_float64_position_table_is_exact():
     assert torch.equal(m.to(torch.float32).to(torch.float64).positions, exact)
 
 
-ROUTE_OF = {"reference": lambda m: m, "invariant": row_invariant, "fast": FastRoute, "graphed": GraphedRoute,
-            "int8": lambda m: on_route(m, "reference", int8=True), "fast-int8": lambda m: FastRoute(m, int8=True)}
+ROUTE_OF = {"reference": lambda m: m, "invariant": lambda m: on_route(m, "invariant"), "fast": lambda m: on_route(m, "fast"),
+            "graphed": lambda m: on_route(m, "graphed"), "int8": lambda m: on_route(m, "reference", int8=True),
+            "fast-int8": lambda m: on_route(m, "fast", int8=True)}
 
 
 @pytest.mark.parametrize("route", list(ROUTE_OF))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,16 +17,17 @@ from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy, decode_iad
 from refdec.adapters import EarlyExit
 from refdec.model import Transformer
-from refdec.app.loading import on_route
+from refdec.app.loading import Models, routed
+from refdec.routes import on_route
 from refdec.routes.fast import FastRoute, applies_to
-from refdec.routes.kernels import Kernels, RoutedTransformer
+from refdec.routes.kernels import KernelRoute, Kernels
 
 TOL = 1e-12  # float64: the two routes sum in different orders
 
 
 def fast_copy(model: Transformer) -> FastRoute:
     """The fast route around a copy of the model (so that tests may change one and not the other)."""
-    return FastRoute(copy.deepcopy(model))
+    return on_route(copy.deepcopy(model), "fast")
 
 
 def both(model: Transformer, fn):
@@ -157,12 +159,13 @@ def test_fast_greedy_equals_reference_greedy_on_random_models(seed):
 def test_the_route_wraps_the_model_and_leaves_it_as_it_is():
     """Wrapping changes nothing in the model (its classes, parameters, their values and memory, its
     state dict); an early exit of the model is put on the route around the same route, so the pair
-    still shares its encoder; a family the fast route does not write is refused."""
+    still shares its encoder; a family the fast route does not write is refused, and on_route puts it
+    on its own layers on the few-row product instead."""
     m = tiny_model(1)
     state = {k: v.clone() for k, v in m.state_dict().items()}
     classes = [type(x) for x in m.modules()]
     places = [p.data_ptr() for p in m.parameters()]
-    f = FastRoute(m)
+    f = on_route(m, "fast")
     src = random_src(1, 3, 40)
     with torch.no_grad():
         f.decode(torch.full((3, 1), BOS_ID), f.encode(src), f.new_cache(3))
@@ -170,14 +173,14 @@ def test_the_route_wraps_the_model_and_leaves_it_as_it_is():
     assert [p.data_ptr() for p in m.parameters()] == places and all(p.is_contiguous() for p in m.parameters())
     assert m.state_dict().keys() == state.keys() and all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
     assert type(m.decoder[0].self_attn.wq) is torch.nn.Linear
-    memo: dict = {}
-    large, early = on_route(m, "fast", memo=memo), on_route(EarlyExit(m, 1), "fast", memo=memo)
-    assert isinstance(large, FastRoute) and early.base is large
+    models = routed(Models(m, Path("m.pt"), small=EarlyExit(m, 1)), "fast", False)
+    assert isinstance(models.model, FastRoute) and models.small.base is models.model
+    large = models.model
     assert large.reference.kernels == Kernels(few_rows=True) and FastRoute(m, few_rows=False).reference.kernels == Kernels()
     t5 = Transformer(dataclasses.replace(m.cfg, positions="relative", scale_attention=False))
     with pytest.raises(ValueError, match="does not write"):
         FastRoute(t5)
-    assert isinstance(on_route(t5, "fast"), RoutedTransformer) and on_route(t5, "fast").kernels == Kernels(few_rows=True)
+    assert isinstance(on_route(t5, "fast"), KernelRoute) and on_route(t5, "fast").kernels == Kernels(few_rows=True)
 
 
 def test_packed_weights_follow_every_weight_change():

@@ -13,7 +13,7 @@ from conftest import alone, random_src, tiny_model
 from refdec.config import BOS_ID
 from refdec.decoding import decode_bild, decode_gad, decode_greedy
 from refdec.drafter import Drafter, draft_blocks
-from refdec.routes.kernels import row_invariant
+from refdec.routes import on_route
 from refdec.model import Transformer
 
 
@@ -51,8 +51,8 @@ def test_batched_bild_with_a_prefixed_small_model_equals_each_row_alone(seed):
     fresh start gives it (the bug dropped its forced token, and the row decoded from a wrong state).
     Row-invariant compute makes each row's batched logits bitwise its logits alone. Rows decoded
     alone never share a cache, so the bug left them equal to a fresh start."""
-    large = row_invariant(prefixed(seed, (9,), layers=(1, 2)))
-    small = row_invariant(prefixed(100 + seed, (9,), layers=(1, 1)))
+    large = on_route(prefixed(seed, (9,), layers=(1, 2)), "invariant")
+    small = on_route(prefixed(100 + seed, (9,), layers=(1, 1)), "invariant")
     src = random_src(seed, 6, 40)
     with torch.inference_mode():  # the small model's first confidence per row: half the rows fall back at once
         first_p = [float(small.decode(torch.tensor([[BOS_ID]]), small.encode(alone(src, b)), small.new_cache(1))

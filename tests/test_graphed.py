@@ -21,6 +21,7 @@ from refdec.routes import graphed
 from refdec.cache import KVCache
 from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy
+from refdec.routes import on_route
 from refdec.routes.fast import FastRoute
 from refdec.routes.graphed import GraphedRoute, Replay, StaticKVCache
 from refdec.model import Transformer
@@ -30,7 +31,7 @@ TOL = 1e-12  # float64: the routes sum in different orders
 
 def graphed_copy(model: Transformer) -> GraphedRoute:
     """The graphed route around a copy of the model (so that tests may change one and not the other)."""
-    return GraphedRoute(copy.deepcopy(model))
+    return on_route(copy.deepcopy(model), "graphed")
 
 
 def calls(model: Transformer, src: torch.Tensor, tgt: torch.Tensor):
@@ -94,7 +95,7 @@ def test_a_padded_call_equals_the_unpadded_one(seed, monkeypatch):
     which pad nothing, agree at every real position; so do their greedy outputs."""
     m = tiny_model(seed, norm_first=seed != 1)
     src, tgt = random_src(seed, 3, 40), decode_tokens(seed, 3)
-    fast = FastRoute(copy.deepcopy(m))
+    fast = on_route(copy.deepcopy(m), "fast")
     g = graphed_copy(m)
     padded = graphed_copy(m)
     unpadded, normal = calls(fast, src, tgt), calls(g, src, tgt)
@@ -317,7 +318,7 @@ def test_the_route_leaves_the_model_and_hands_on_where_it_does_not_apply():
     after `refresh`)."""
     m = tiny_model(6)
     state = {k: v.clone() for k, v in m.state_dict().items()}
-    g = GraphedRoute(m)
+    g = on_route(m, "graphed")
     decode_greedy(g, random_src(6, 2, 40), max_len=6)
     assert all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
     assert type(m) is Transformer and type(m.decoder[0].ff.w1) is torch.nn.Linear

@@ -24,7 +24,7 @@ from hf_helpers import LANGS, WORDS, m2m_folder, sources, word_tokenizer_json  #
 
 from refdec import hf  # noqa: E402
 from refdec.decoding import decode_beam, decode_bild, decode_greedy, decode_iad, decode_speculative  # noqa: E402
-from refdec.routes.kernels import row_invariant  # noqa: E402
+from refdec.routes import on_route  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 V = 4 + len(WORDS) + len(LANGS)  # <s> 0, <pad> 1, </s> 2, <unk> 3, words, language codes
@@ -118,7 +118,7 @@ def test_logits_and_every_decoder_equal_transformers_greedy(family, folders):
                    lambda b: decode_speculative(model, drafter, b, max_len=20, gamma=3)):
         assert all(torch.equal(o, w) for o, w in zip(decode(batch).tokens, wants))
     assert len(decode_bild(model, drafter, batch, max_len=20).tokens) == len(srcs)  # BiLD runs (not lossless)
-    invariant = row_invariant(hf.load_folder(large, dtype=torch.float64)[0])  # T5's bias in rowwise_attention
+    invariant = on_route(hf.load_folder(large, dtype=torch.float64)[0], "invariant")  # T5's bias in rowwise_attention
     assert all(torch.equal(decode_iad(invariant, padded([s], model.cfg.eos_id, model.cfg.pad_id), max_len=20).tokens[0], w)
                for s, w in zip(srcs[:6], wants))
 

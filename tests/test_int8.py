@@ -26,9 +26,9 @@ from refdec.decoding.gad import decode_gad
 from refdec.decoding.speculative import decode_speculative
 from refdec.drafter import Drafter
 from refdec.errors import UsageError
-from refdec.app.loading import on_route
+from refdec.routes import on_route
 from refdec.routes.int8 import QuantizedWeight
-from refdec.routes.kernels import is_int8, row_invariant
+from refdec.routes.kernels import is_int8
 from refdec.app.plan import parse_compare
 
 ROUTES = ["reference", "fast"]
@@ -111,7 +111,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_a_call(route, dtype):
     fused attention works batch row by batch row) and in row-invariant mode; the reference
     route's attention products (torch.matmul over the batch) may round by the batch's size."""
     model = tiny_model(21, norm_first=route == "fast").to(dtype)
-    m = row_invariant(model, int8=True) if route == "invariant" else on_route(model, "fast", int8=True)
+    m = on_route(model, "invariant", int8=True) if route == "invariant" else on_route(model, "fast", int8=True)
     src = random_src(21, 8, 40, min_len=7, max_len=7)
     tgt = torch.randint(5, 40, (8, 5), generator=torch.Generator().manual_seed(21))
     tgt[:, 0] = BOS_ID
@@ -131,7 +131,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_a_call(route, dtype):
 def test_int8_and_row_invariant_mode_make_every_position_independent_of_the_call(dtype):
     """With row-invariant mode's attention and norms, a verification call of 6 tokens computes
     bitwise what 6 one-token steps compute, in float32 too."""
-    m = row_invariant(tiny_model(22).to(dtype), int8=True)
+    m = on_route(tiny_model(22).to(dtype), "invariant", int8=True)
     src = random_src(22, 3, 40)
     tgt = torch.randint(5, 40, (3, 6), generator=torch.Generator().manual_seed(22))
     tgt[:, 0] = BOS_ID

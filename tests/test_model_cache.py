@@ -158,12 +158,12 @@ def test_few_row_route_computes_the_linear_map(bias):
     assert not M.few_row_route(x)  # training (grad enabled) always takes F.linear
 
 
-def test_a_loaded_model_is_torch_layers_and_on_kernels_wraps_every_one():
+def test_a_loaded_model_is_torch_layers_and_its_twin_replaces_every_leaf():
     """model.py builds torch's own layers, and a loaded checkpoint is one (the reference route: its
-    linear layers exactly nn.Linear); on_kernels gives a model (proposal heads too) layers of its own,
-    each linear layer, layer norm, attention and the model its routed class, holding the model's very
-    parameters (the same state dict), and leaves the model's classes as they were (float64: the same
-    logits within rounding)."""
+    linear layers exactly nn.Linear); a route's twin gives a model (proposal heads too) leaves of its
+    own, each linear layer, layer norm, attention and output product its routed class holding the
+    model's very parameters (the same state dict), the composite modules of the model's classes, and
+    leaves the model's modules as they were (float64: the same logits within rounding)."""
     from refdec.checkpoint import load_model
     from refdec.proposal import ProposalHeads
     from refdec.routes import kernels as M
@@ -171,13 +171,14 @@ def test_a_loaded_model_is_torch_layers_and_on_kernels_wraps_every_one():
         linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all(type(m) is torch.nn.Linear for m in linears)
         before = [type(m) for m in module.modules()]
-        routed = M.on_kernels(module, M.Kernels(few_rows=True))
+        routed = M.twin(module, M.Kernels(few_rows=True))
         assert [type(m) for m in module.modules()] == before
-        assert all(type(m) is M.ROUTED.get(t, t) for m, t in zip(routed.modules(), before))
+        assert [type(m) for m in routed.modules()] == [M.LEAVES.get(t, t) for t in before]
+        assert not {id(m) for m in routed.modules()} & {id(m) for m in module.modules()}
         assert routed.state_dict().keys() == module.state_dict().keys()
         assert all(a is b for a, b in zip(routed.parameters(), module.parameters()))
     plain = tiny_model(5, vocab=40)
-    routed = M.on_kernels(plain, M.Kernels(few_rows=True))
+    routed = M.KernelRoute(plain, M.Kernels(few_rows=True))
     src, tgt = random_src(5, 2, 40), torch.tensor([[BOS_ID, 7, 8, 9]] * 2)
     with torch.no_grad():
         a = plain.decode(tgt, plain.encode(src), plain.new_cache(2))
@@ -194,7 +195,7 @@ def test_the_few_row_product_is_the_kernels_choice_per_wrapper():
     """Kernels(few_rows=False) computes F.linear everywhere, bitwise the model's own logits (the
     reference route, as taken with gradients on too); Kernels(few_rows=True) makes the linear
     layers take (W @ x.T).T, on the same weights, and the model itself stays plain."""
-    from refdec.routes.kernels import Kernels, on_kernels
+    from refdec.routes.kernels import KernelRoute, Kernels
     m = tiny_model(3, vocab=40)
     src, tgt = random_src(3, 1, 40), torch.tensor([[BOS_ID, 7, 8, 9]])
 
@@ -202,10 +203,10 @@ def test_the_few_row_product_is_the_kernels_choice_per_wrapper():
         with torch.set_grad_enabled(grad):
             return model.decode(tgt, model.encode(src), model.new_cache(1)).detach()
 
-    plain, few = on_kernels(m, Kernels()), on_kernels(m, Kernels(few_rows=True))
+    plain, few = KernelRoute(m, Kernels()), KernelRoute(m, Kernels(few_rows=True))
     assert torch.equal(logits(plain), logits(m)) and torch.equal(logits(m), logits(m, True))
     x = torch.randn(1, 4, m.cfg.d_model, dtype=torch.float64)
-    w1, few_w1 = m.decoder[0].ff.w1, few.decoder[0].ff.w1
+    w1, few_w1 = m.decoder[0].ff.w1, few.twin.decoder[0].ff.w1
     with torch.no_grad():
         assert torch.equal(w1(x), torch.nn.functional.linear(x, w1.weight, w1.bias))
         assert torch.equal(few_w1(x), torch.addmm(w1.bias[:, None], w1.weight, x[0].t()).t()[None])

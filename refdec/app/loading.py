@@ -24,9 +24,7 @@ from ..checkpoint import CheckpointError, file_sha256, load_model
 from ..drafter import Drafter
 from ..errors import UsageError
 from ..model import Transformer
-from ..routes.fast import FastRoute, applies_to
-from ..routes.graphed import GraphedRoute
-from ..routes.kernels import Kernels, on_kernels
+from ..routes import on_route
 from ..proposal import load_proposal
 from ..tokenizer import Tokenizer
 
@@ -157,7 +155,7 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
                 languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
     """The models of each of refdec.app.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` companion models (role -> path) and
-    each run's own, each wrapped for its route (refdec.routes.on_route): with `invariant`, row-invariant
+    each run's own, each wrapped for its route (`routed`): with `invariant`, row-invariant
     mode; with `fast`, the fast route (refdec.routes.fast); with `graphed`, the graphed route
     (refdec.routes.graphed); a spec with `int8` in int8 (refdec.routes.int8), on a route object of its
     own around the same model, the same one for every int8 run (so each lossless int8 run is checked
@@ -172,48 +170,36 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
         loader.share(role, value)
     models = [loader.models_for(s.path, s.algo.model_args, s.companions) for s in specs]
     route = "invariant" if invariant else "graphed" if graphed else "fast" if fast else "reference"
-    memos: dict = {}  # one per (route, int8): a model several runs read is one model on that route
-    return loader, [routed(m, route, s.int8, memos.setdefault(s.int8, {})) for s, m in zip(specs, models)]
+    large: dict = {}  # (checkpoint, int8) -> its model on the route: the runs on it share one route object
+    for s, m in zip(specs, models):
+        if (m.path, s.int8) not in large:
+            large[m.path, s.int8] = on_route(m.model, route, s.int8)
+    return loader, [routed(m, route, s.int8, large[m.path, s.int8]) for s, m in zip(specs, models)]
 
 
-def routed(models: Models, route: str, int8: bool, memo: dict) -> Models:
+def routed(models: Models, route: str, int8: bool, large=None) -> Models:
     """`models` on `route` (refdec.routes.on_route), with `int8` in int8: new wrappers around the same
-    models, which stay as they are (float runs and int8 runs read one model each)."""
+    models, which stay as they are (float runs and int8 runs read one model each). The large model is
+    put on the route once (or is `large`, its route already made: the runs of one checkpoint read one
+    route object, so each lossless run is checked against greedy on that route), and an adapter that
+    reads it (an early exit, a decoder on its encoder) is built again around that route, so that the
+    pair still shares one encoder pass."""
+    large = on_route(models.model, route, int8) if large is None else large
+    drafter = None if models.drafter is None else replace(models.drafter, model=beside(models.drafter.model, models.model, large, route, int8))
+    return replace(models, model=large, drafter=drafter, small=beside(models.small, models.model, large, route, int8),
+                   heads=None if models.heads is None else on_route(models.heads, route, int8))
+
+
+def beside(module, model, model_routed, route: str, int8: bool):
+    """A companion `module` of `model` on `route`: an adapter reading `model` reads `model_routed`, the
+    model's route; any other adapter or model is put on the route itself (None stays None)."""
     def on(m):
-        return on_route(m, route, int8, memo) if isinstance(m, torch.nn.Module) else m
-    drafter = None if models.drafter is None else replace(models.drafter, model=on(models.drafter.model))
-    return replace(models, model=on(models.model), drafter=drafter, small=on(models.small), heads=on(models.heads))
-
-
-ROUTES = ("reference", "invariant", "fast", "graphed")
-
-
-def on_route(module, route: str, int8: bool = False, memo: dict | None = None):
-    """`module` (a Transformer, an EarlyExit or SharedEncoder, proposal heads) on `route` (ROUTES),
-    with `int8` its products in int8 (refdec.routes.int8; not on the graphed route). `memo` (id ->
-    routed), shared by the models of one run, puts a model that several hold (an early exit's base,
-    the verifier) on the route once, so that companions still share its encoder. The module itself is
-    not changed; the reference route without int8 returns it as it is."""
-    memo = {} if memo is None else memo
-    if route in ("reference", "invariant") or not isinstance(module, (Transformer, EarlyExit, SharedEncoder)):
-        kernels = Kernels(few_rows=route in ("fast", "graphed"), row_invariant=route == "invariant", int8=int8)
-        return module if kernels == Kernels() else on_kernels(module, kernels, memo)
-    if id(module) in memo:
-        return memo[id(module)]
+        return model_routed if m is model else on_route(m, route, int8)
     if isinstance(module, EarlyExit):
-        routed = EarlyExit(on_route(module.base, route, int8, memo), module.layers)
-    elif isinstance(module, SharedEncoder):
-        routed = SharedEncoder(on_route(module.small, route, int8, memo), on_route(module.base, route, int8, memo))
-    elif not applies_to(module.cfg):  # a family the fast route does not write: its layers on the few-row kernels
-        routed = on_kernels(module, Kernels(few_rows=True, int8=int8), memo)
-    elif route == "graphed":
-        if int8:
-            raise ValueError("the graphed route has no int8 form")
-        routed = GraphedRoute(module, memo)
-    else:
-        routed = FastRoute(module, int8, memo)
-    memo[id(module)] = routed
-    return routed
+        return EarlyExit(on(module.base), module.layers)
+    if isinstance(module, SharedEncoder):
+        return SharedEncoder(on(module.small), on(module.base))
+    return None if module is None else on(module)
 
 
 def number_values(tokenizer: Tokenizer) -> torch.Tensor:

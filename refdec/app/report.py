@@ -13,7 +13,6 @@ from pathlib import Path
 
 from .. import data as data_mod
 from .exactness import divergences, identical_rate
-from ..routes.kernels import is_int8
 from ..metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
 from .runner import Run, texts
 from ..tokenizer import Tokenizer
@@ -201,9 +200,9 @@ def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: lis
             notes.append(text)
         checks.append(check)
     for q in runs:  # greedy on the int8 route against greedy in floating point on the same checkpoint
-        base = min((r for r in runs if r.algo.name == "greedy" and not is_int8(r.models.model)
+        base = min((r for r in runs if r.algo.name == "greedy" and not r.int8
                     and r.models.path == q.models.path), key=lambda r: r.batch_size or float("inf"), default=None)
-        if q.algo.name == "greedy" and is_int8(q.models.model) and base is not None:
+        if q.algo.name == "greedy" and q.int8 and base is not None:
             checks.append({**divergence_check(q, base, ids, tokenizer, device, notes), "int8_against_float": True})
     if not any(r["n"] for r in rows):
         return Summary(rows, matrix, checks, NOTHING_DECODED)

@@ -159,7 +159,7 @@ def load_models(args, path: Path) -> tuple[Models, Tokenizer]:
     own = {role: str(p) for role, p in (("drafter", drafter_file(args)), ("small", args.small)) if p is not None}
     models = loader.models_for(path, tuple(own), own)
     if args.fast or args.graphed:
-        models = routed(models, "graphed" if args.graphed else "fast", False, {})
+        models = routed(models, "graphed" if args.graphed else "fast", False)
     return models, loader.tokenizer
 
 

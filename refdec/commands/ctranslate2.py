@@ -51,12 +51,13 @@ from ..checkpoint import file_sha256, load_model
 from ..data import source_rows, source_tensor
 from ..decoding.result import DecodeResult, DecodeStats, result_of
 from ..errors import UsageError, run_command
+from ..routes import on_route
 from ..routes.fast import FastRoute
 from ..hf import PEGASUS, check_export, export_route, write_folder
 from ..repo import check_not_shipped, repo_file
 from ..routes.kernels import is_int8
 from ..app.inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
-from ..app.loading import Models, on_route
+from ..app.loading import Models
 from ..machine import allocator_option, environment, machine_line, set_allocator, usable_cores, warn_if_int8_slow
 from ..progress import ProgressLine
 from ..app.report import format_table, summary_row, write_report
@@ -202,7 +203,7 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
     for size, budget, tag in batchings:  # a CTranslate2 algorithm per batching: each keeps its own lines' scores
         ct2_methods = [(ct2_algorithm(translator, tokens, f"ct2-greedy-{c}"), {}, f"ct2-greedy-{c}", models)
                        for c, translator in ct2.items()]
-        runs += [Run(algo, options, run_models, f"{label} {tag}", size, batch_tokens=budget)
+        runs += [Run(algo, options, run_models, f"{label} {tag}", size, batch_tokens=budget, int8=run_models is int8)
                  for algo, options, label, run_models in methods + ct2_methods]
     return runs
 

@@ -6,7 +6,7 @@ model families built to tie.
 
 Each drawn model (a family below, a random shape: vocabulary 8-24, width 8-24, 1-2 layers each
 side, pre- or post-norm, tied or not) decodes a batch of 1-3 random sources with a random max_len,
-all models in row-invariant mode (refdec.routes.kernels.row_invariant; --default-mode: without it).
+all models in row-invariant mode (refdec.routes.on_route(model, "invariant"); --default-mode: without it).
 Greedy decoding of the batch is the reference; each comparison is one decoder with random
 options against it, on one source row, by torch.equal:
 
@@ -42,7 +42,7 @@ import torch
 
 from ..config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
 from ..errors import UsageError, run_command
-from ..routes.kernels import row_invariant
+from ..routes import on_route
 from ..machine import clock, device_name
 from ..model import Transformer
 from ..progress import ProgressLine
@@ -130,8 +130,7 @@ def draw_case(seed: int, dtype: torch.dtype, family: str | None = None, invarian
         heads.w2.bias.normal_(0, 0.5)
     models = [m.to(device=device, dtype=dtype) for m in (large, small, drafter, heads.double().eval())]
     if invariant:
-        memo: dict = {}  # one routed large model, whichever companion holds it
-        models = [row_invariant(m, memo) for m in models]
+        models = [on_route(m, "invariant") for m in models]
     return {"seed": seed, "family": family, "large": models[0], "small": models[1], "drafter": models[2],
             "heads": models[3], "src": random_sources(g, int(torch.randint(1, 4, (1,), generator=g)), vocab).to(device),
             "max_len": int(torch.randint(1, 13, (1,), generator=g)), "g": g}

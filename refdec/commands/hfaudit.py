@@ -82,7 +82,7 @@ def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
     """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' wrapping
     them (refdec.routes.fast, refdec.routes.graphed), so that each route's decoders are rows of the one audit."""
     from ..app.loading import routed
-    return [(route, routed(models, route, False, {})) for route in routes]
+    return [(route, routed(models, route, False)) for route in routes]
 
 
 def _audit(args, lines: list[str], tmp: Path) -> dict:

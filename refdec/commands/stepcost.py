@@ -39,9 +39,8 @@ import sys
 
 import torch
 
-from ..routes.fast import FastRoute
-from ..routes.graphed import GraphedRoute
-from ..routes.kernels import FEW_ROWS, Kernels, on_kernels
+from ..routes import on_route
+from ..routes.kernels import FEW_ROWS
 from ..checkpoint import load_model
 from ..errors import UsageError, run_command
 from ..repo import repo_file
@@ -67,9 +66,24 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def products(weights, x: torch.Tensor) -> torch.Tensor:
+    """The matrix products of a fast-route decoder step over rows x (N, D) and nothing else, in the
+    step's order, on its laid-out weights (refdec.routes.fast.DecoderWeights): per layer the
+    self-attention's queries-keys-values and output, the cross-attention's queries and output, the two
+    feed-forward products; then the vocabulary projection. Not a decoder step (no attention, norms or
+    cache): what the step's products alone cost."""
+    for w in weights.layers:
+        torch.addmm(w["qkv_b"], x, w["qkv"])
+        torch.addmm(x, x, w["o"])
+        torch.addmm(w["cq_b"], x, w["cq"])
+        torch.addmm(x, x, w["co"])
+        torch.addmm(x, torch.addmm(w["b1"], x, w["w1"]), w["w2"])
+    return x @ weights.vocab
+
+
 def time_products(model, reps: int, rows: int = 1) -> float:
     """Median seconds of the matrix products alone of one fast-route decoder step that appends one token
-    to each of `rows` rows (refdec.routes.fast.DecoderWeights.products), on the route's laid-out weights,
+    to each of `rows` rows (`products`), on the route's laid-out weights,
     with nothing between them: the part of the step that attention, norms, the cache and dispatch
     come on top of. `model` is on the fast route."""
     weights = model.decoder_weights()
@@ -77,7 +91,7 @@ def time_products(model, reps: int, rows: int = 1) -> float:
     times = []
     for _ in range(reps):
         t0 = clock(x.device)
-        weights.products(x)
+        products(weights, x)
         times.append(clock(x.device) - t0)
     return statistics.median(times)
 
@@ -88,10 +102,11 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     with --fast the fast route (refdec.routes.fast) wrapping the model, whose encoder is timed too, and
     the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures), and
     with --graphed the graphed route (refdec.routes.graphed) wrapping it too."""
-    routes = {"few-row": on_kernels(model, Kernels(few_rows=True)), "plain": model}
-    for name, route in (("fast", FastRoute), ("graphed", GraphedRoute)):
+    # the fast route's reference: the model's own layers on the few-row product
+    routes = {"few-row": on_route(model, "fast").reference, "plain": model}
+    for name in ("fast", "graphed"):
         if getattr(args, name):
-            routes[name] = route(model)  # the same model, wrapped
+            routes[name] = on_route(model, name)  # the same model, wrapped
     fast = routes.get("fast")
     device = model.tgt_embed.weight.device
     samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}

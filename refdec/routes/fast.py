@@ -5,12 +5,11 @@ route a learner reads and every exactness test is written against. On a CPU, at 
 trains (d_model 192-512, a few layers), a decoder call that appends one token is a few hundred small
 operations, and their count, not their arithmetic, sets its cost: each torch operation costs a few
 microseconds of dispatch whatever its size, and a one-row matrix product reads its weights from
-memory rather than computing. The fast route computes the same mathematics with fewer of them, on
-the model's own parameters (nothing is copied, so a weight written in any way is the weight used):
+memory rather than computing. The fast route computes the same mathematics with fewer of them:
 
   * the decoder's weights laid out as a step reads them (DecoderWeights): contiguous (in, out)
     matrices, a self-attention layer's queries, keys and values side by side so that one product
-    makes all three, the output embedding as (D, V); each parameter a view of its place there;
+    makes all three, the output embedding as (D, V): a copy of the parameters, the route's own;
   * PyTorch's fused attention (`F.scaled_dot_product_attention`, one call) instead of a product,
     a scale, a mask fill, a softmax and a second product;
   * each linear map one `torch.addmm` on (N, D) rows, and the residual sum done by the output
@@ -20,17 +19,18 @@ the model's own parameters (nothing is copied, so a weight written in any way is
 
 It writes into the same KVCache with the same verbs (append, advance; the decoders truncate, select
 and clone it as before), takes the same arguments, and returns the same shapes, so every decoder
-runs on it unchanged. It is a route, not a model: `FastRoute(model)` wraps a Transformer and offers
-the verbs a decoder calls (encode, new_cache, decode_hidden, project, decode, cfg), leaving the model
-as it is. The route holds its own copy of the decoder's weights in the layout above, made from the
+runs on it unchanged. It is a route, not a model: `on_route(model, "fast")` (refdec.routes) wraps a
+Transformer in a FastRoute, which offers the verbs a decoder calls (encode, new_cache, decode_hidden,
+project, decode, cfg), leaving the model as it is. The route holds its own copy of the decoder's weights in the layout above, made from the
 parameters when first used and made again when one of them has changed (refdec.routes.stamps), and
 hands each decoding call the layout it checked in the Memory it returns (LaidOutMemory). Where the
-route does not apply it hands the call to the model's own layers on the few-row kernels
-(refdec.routes.kernels, its `reference`), explicitly: while training or with gradients on, for an
+route does not apply it hands the call to the model's own layers on the few-row kernels (a
+KernelRoute, refdec.routes.kernels: its `reference`), explicitly: while training or with gradients on, for an
 early exit (`layers`) or a drafter's block of masks (`open_from`); it is not made for model families
 whose layers it does not write (RMS norm, gated feed-forward, T5's relative positions and unscaled
-attention: see `applies_to`). `FastRoute(model, int8=True)` computes the same layout's products in
-int8 (refdec.routes.int8).
+attention: see `applies_to`). On the int8 route (`on_route(model, "fast", int8=True)`) it computes the
+same layout's products in int8 (refdec.routes.int8). After a write through `.data` in place, which no
+stamp sees, `refresh()` makes every kept form again.
 
 The route computes the same sums in another order (a fused attention kernel, the bias added after
 the residual), so its float32 logits differ from the reference route's in the last bits, as the
@@ -51,11 +51,11 @@ from torch import nn
 
 from ..cache import KVCache, Memory
 from ..config import ModelConfig
-from ..forced import before_source, with_forced_prefix
-from ..model import Transformer, new_positions
+from ..forced import before_source
+from ..model import Transformer
 from . import int8
 from .int8 import Int8Layout, QuantizedWeight
-from .kernels import Kernels, on_kernels
+from .kernels import KernelRoute, Kernels, Route
 from .stamps import stamp
 
 
@@ -193,20 +193,6 @@ class DecoderWeights:
         """Whether every parameter still holds the values this layout was copied from."""
         return all(stamp(p) == s for p, s in self.sources)
 
-    def products(self, x: torch.Tensor) -> torch.Tensor:
-        """The matrix products of a decoder step over rows x (N, D) and nothing else, in the step's
-        order: per layer the self-attention's queries-keys-values and output, the cross-attention's
-        queries and output, the two feed-forward products; then the vocabulary projection. Not a
-        decoder step (no attention, norms or cache): what the step's products alone cost
-        (refdec.commands.stepcost.time_products)."""
-        for w in self.layers:
-            torch.addmm(w["qkv_b"], x, w["qkv"])
-            torch.addmm(x, x, w["o"])
-            torch.addmm(w["cq_b"], x, w["cq"])
-            torch.addmm(x, x, w["co"])
-            torch.addmm(x, torch.addmm(w["b1"], x, w["w1"]), w["w2"])
-        return x @ self.vocab
-
 
 @dataclass(eq=False)
 class LaidOutMemory(Memory):
@@ -228,14 +214,14 @@ class LaidOutMemory(Memory):
         return LaidOutMemory(chosen.states, chosen.src_pad, chosen.cross_kv, self.route, self.weights)
 
 
-class FastRoute:
+class FastRoute(Route):
     """Wraps a Transformer so that its encoder and decoder calls take the fast route where it applies
     (the module docstring). `model`: the Transformer itself, unchanged; `reference`: its layers on the few-row
     kernels (refdec.routes.kernels), where calls go where the route does not apply (`few_rows` False:
     on F.linear, for a machine where the few-row product loses; `python -m refdec stepcost` times
     both); `int8`: the layout's products, and the reference's, in int8 (refdec.routes.int8)."""
 
-    def __init__(self, model: Transformer, int8: bool = False, memo: dict | None = None, few_rows: bool = True):
+    def __init__(self, model: Transformer, int8: bool = False, few_rows: bool = True):
         if not applies_to(model.cfg):
             raise ValueError("the fast route does not write this model's layers (refdec.routes.fast.applies_to)")
         if int8:
@@ -243,35 +229,23 @@ class FastRoute:
             weight_levels()  # refuse at once on a machine whose int8 product is not exact
         self.model, self.int8 = model, int8
         self.kernels = Kernels(few_rows=few_rows, int8=int8)
-        self.reference = on_kernels(model, self.kernels, memo)
+        self.reference = KernelRoute(model, self.kernels)
         self.laid_out: DecoderWeights | None = None  # the decoder's weights in the layout (made at first use)
         self.int8_layout: Int8Layout | None = None  # their int8 forms
         self.joined: dict = {}  # int8: weights of one input side by side (refdec.routes.int8.joined)
 
-    # -- what the route hands to the model --------------------------------------------------------------
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.model.cfg
-
-    @property
-    def training(self) -> bool:
-        return self.model.training
-
-    def eval(self) -> "FastRoute":
-        self.model.eval()
-        return self
-
-    def parameters(self):
-        return self.model.parameters()
-
+    # -- what the route hands to the model: cfg, training, eval, parameters (Route) -------------------------
     def __deepcopy__(self, memo: dict) -> "FastRoute":
         """A route of a copy of the model; layouts and steps are made again at first use."""
         return FastRoute(copy.deepcopy(self.model, memo), self.int8, few_rows=self.kernels.few_rows)
 
     def refresh(self) -> None:
-        """Drop the kept layout, so that the next call copies the weights again (after a write through
-        `.data` in place, which no stamp sees: refdec.routes.stamps)."""
+        """Drop every kept form of the weights (the layout, its int8 forms, the reference's, the joined
+        int8 weights), so that the next call makes them again from the weights as they are (after a
+        write through `.data` in place, which no stamp sees: refdec.routes.stamps)."""
         self.laid_out = self.int8_layout = None
+        self.joined = {}
+        self.reference.refresh()
 
     def applies(self) -> bool:
         return not (self.model.training or torch.is_grad_enabled())
@@ -292,8 +266,8 @@ class FastRoute:
         """The encoder over src (B, S), its forced tokens in, with `allowed` (B, 1, 1, S) True at the
         keys that are not padding (None: every key) -> states (B, S, D)."""
         B, S = src.shape
-        H, ref = self.cfg.n_heads, self.reference
-        x = ref._embed("src", src, 0).reshape(B * S, -1)
+        H, ref = self.cfg.n_heads, self.reference.computing()
+        x = self.model.embed_source(src).reshape(B * S, -1)
         for layer in ref.encoder:  # once per source, many rows: the parameters as they are, no copy
             def self_attn(h, x, a=layer.attn):
                 q, k, v = (heads(y, B, S, H) for y in linears(h, [a.wq, a.wk, a.wv], self.joined))
@@ -312,7 +286,7 @@ class FastRoute:
         rows, H = states.reshape(B * S, -1), self.cfg.n_heads
         dtype = torch.float64 if self.int8 else states.dtype  # int8: its attention's dtype (refdec.routes.int8)
         kv = [heads(y, B, S, H).to(dtype).contiguous()
-              for y in linears(rows, [m for layer in self.reference.decoder
+              for y in linears(rows, [m for layer in self.reference.computing().decoder
                                       for m in (layer.cross_attn.wk, layer.cross_attn.wv)], self.joined)]
         return LaidOutMemory(states, src_pad, list(zip(kv[0::2], kv[1::2])), self, self.decoder_weights())
 
@@ -356,21 +330,13 @@ class FastRoute:
                       real: torch.Tensor | None = None) -> torch.Tensor:
         if open_from is not None or layers is not None or not self.applies():
             return self.reference.decode_hidden(tgt_new, memory, cache, open_from, layers, real)
-        tgt_new, forced, _, real = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, None, real)
-        B, q = tgt_new.shape
-        H = self.cfg.n_heads
-        offset, blocked = new_positions(cache, q, tgt_new.device, real=real)
-        allowed = None if blocked is None else ~blocked  # (q, keys), or (B, 1, q, keys) in a ragged cache
-        rows = None if real is None else (torch.arange(q, device=tgt_new.device)[None, :]
-                                          < real.to(tgt_new.device)[:, None]).reshape(-1).nonzero().squeeze(1)
+        new = cache.place(tgt_new, self.cfg.decoder_prefix, real=real)  # positions, masks, forced tokens
+        B, q = new.tokens.shape
+        allowed = None if new.self_block is None else ~new.self_block  # (q, keys), or (B, 1, q, keys) in a ragged cache
+        rows = None if new.is_real is None else new.is_real.reshape(-1).nonzero().squeeze(1)
         src_allowed = (memory.src_allowed if isinstance(memory, LaidOutMemory)
                        else None if memory.src_block is None else ~memory.src_block)
-        x = self.reference._embed("tgt", tgt_new, offset, real).reshape(B * q, -1)
-        x = decoder_stack(self.weights_for(memory).layers, x, B, q, H, cache.append, allowed, memory.cross_kv,
-                          src_allowed, rows, self.cfg.norm_first)
-        cache.advance(q)
-        x = x.view(B, q, -1)
-        if forced:
-            cache.hide(forced)
-            x = x[:, forced:]
-        return self.reference.dec_norm(x)
+        x = self.model.embed_target(new.tokens, new.offset, new.real).reshape(B * q, -1)
+        x = decoder_stack(self.weights_for(memory).layers, x, B, q, self.cfg.n_heads, new.keys_values, allowed,
+                          memory.cross_kv, src_allowed, rows, self.cfg.norm_first)
+        return self.model.dec_norm(new.commit(x.view(B, q, -1)))

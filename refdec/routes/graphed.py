@@ -36,9 +36,10 @@ a forced decoder prefix's first call, and the families the fast route does not w
 The route sums in another order again (masked keys over the capacity, padded calls), so its
 logits differ from the reference route's in the last bits, within 1e-12 in float64 (tested), and
 every lossless decoder on it equals greedy on it (torch.equal; tests/test_graphed.py).
-`GraphedRoute(model)` wraps a Transformer as FastRoute does (refdec.routes.fast), the model unchanged;
-its steps and static storage are the route's, and a copy of the route (copy.deepcopy) is a route of
-a copy of the model, whose steps are made again at first use.
+`on_route(model, "graphed")` (refdec.routes) wraps a Transformer in a GraphedRoute as the fast route
+does (refdec.routes.fast), the model unchanged; its steps and static storage are the route's, and a
+copy of the route (copy.deepcopy) is a route of a copy of the model, whose steps are made again at
+first use.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from typing import Callable
 
 import torch
 
-from ..cache import KVCache, Memory
-from ..forced import before_source, with_forced_prefix
+from ..cache import KVCache, Memory, forced_tokens
+from ..forced import before_source
 from ..model import Transformer
 from .fast import FastRoute, LaidOutMemory, decoder_stack
 
@@ -237,8 +238,8 @@ class GraphedRoute(FastRoute):
     """Wraps a Transformer so that its encoder and decoder calls take the graphed route where it applies
     (the module docstring), and the fast route's calls (FastRoute) where it does not."""
 
-    def __init__(self, model: Transformer, memo: dict | None = None, few_rows: bool = True):
-        super().__init__(model, memo=memo, few_rows=few_rows)
+    def __init__(self, model: Transformer, few_rows: bool = True):
+        super().__init__(model, few_rows=few_rows)
         self.state: RouteState | None = None  # the captured steps and static storage (made at first use)
 
     def __deepcopy__(self, memo: dict) -> "GraphedRoute":
@@ -299,7 +300,7 @@ class GraphedRoute(FastRoute):
             return FastRoute.decode_hidden(self, tgt_new, memory, cache, open_from, layers, real)  # its check and error
         width = bucket(q)
         cache._reserve(max(offsets) + width)  # the padded positions too
-        tgt_new = with_forced_prefix(self.cfg.decoder_prefix, tgt_new, cache, None, real)[0]
+        tgt_new = forced_tokens(self.cfg.decoder_prefix, tgt_new, cache, None, real)[0]
         step = self._decoder_step(memory, cache, width)
         step.tokens.fill_(self.cfg.pad_id)
         step.tokens[:n, :q] = tgt_new

@@ -1,13 +1,16 @@
 """Other kernels for the model's products: the few-row product, row-invariant compute and the int8
 products on the model's own layers, as a route that wraps a model.
 
-refdec.model builds the Transformer from plain torch layers (nn.Linear, nn.LayerNorm, its own
-attention) and computes them as written: that is the reference route, what a loaded checkpoint is
-and what decode.py runs by default. `on_kernels(module, Kernels(...))` returns the module's layers
-again as the classes below (RoutedLinear, RoutedLayerNorm, RoutedAttention, RoutedTransformer:
-subclasses of the model's own), built beside the model and holding its very parameter and buffer
-dictionaries, so that they compute with its weights as they are now (nothing copied, the model
-itself unchanged); each computes by the Kernels record it holds:
+refdec.model builds the Transformer from plain torch layers (nn.Linear, nn.LayerNorm) and two
+parameterless modules of its own (ScaledDotProduct, OutputProduct), and computes them as written:
+that is the reference route, what a loaded checkpoint is and what decode.py runs by default. A
+KernelRoute (made by refdec.routes.on_route) wraps a model and computes it by its `twin`: the model's
+module tree again, holding the model's very parameters and buffers (the same tensors: the same
+weights now and after any in-place change), in which each of those leaves is replaced by its routed
+form below (RoutedLinear, RoutedLayerNorm, RoutedAttention, RoutedOutput), as one puts a model on
+int8 by replacing its linear layers; the composite modules are the model's own classes, copied, so
+the twin computes refdec.model's code line for line, and the model itself is not changed. Each
+routed leaf computes by the Kernels record it holds:
 
 Few-row product (`few_rows`). On some CPUs, MKL's matrix product picks a faster routine for a few
 rows x (r, D) when asked for (W @ x.T).T than for x @ W.T; on others (an AMD EPYC with AVX2) it is
@@ -36,6 +39,7 @@ weight beside it (in the route's layer, not the model's), made again when the we
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -43,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVCache
-from ..model import MultiHeadAttention, Transformer, attention
+from ..cache import KVCache, Memory
+from ..model import OutputProduct, ScaledDotProduct, Transformer, attention
 from . import int8
 
 FEW_ROWS = range(2, 17)  # row counts that take the few-row route
@@ -114,10 +118,10 @@ def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked
     return out
 
 
-# -- the layers, on the kernels ------------------------------------------------------------------------
+# -- the leaves, on the kernels -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Kernels:
-    """How a route's layers compute (the module docstring): the few-row product, row-invariant
+    """How a route's leaves compute (the module docstring): the few-row product, row-invariant
     compute, the int8 products. All off: the model's own products."""
 
     few_rows: bool = False
@@ -129,11 +133,14 @@ class Kernels:
         return self.int8 and not torch.is_grad_enabled()
 
 
-class RoutedLinear(nn.Linear):
-    """nn.Linear (the model's own parameters) whose forward is `linear`, `rowwise_linear` in
-    row-invariant mode, or the int8 product (refdec.routes.int8), itself row-invariant."""
+class RoutedLinear(nn.Module):
+    """An nn.Linear's product (its very weight and bias) by `linear`, `rowwise_linear` in row-invariant
+    mode, or the int8 product (refdec.routes.int8), itself row-invariant."""
 
-    kernels: Kernels
+    def __init__(self, layer: nn.Linear, kernels: Kernels):
+        super().__init__()
+        self.weight, self.bias, self.kernels = layer.weight, layer.bias, kernels
+        self.int8_forms: dict = {}  # the weight's int8 form, kept (int8_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels.int8_now():
@@ -144,91 +151,171 @@ class RoutedLinear(nn.Linear):
 
     def int8_weight(self) -> int8.QuantizedWeight:
         """The weight's int8 form, (in, out), made again when the weight has changed."""
-        return int8.kept(self.__dict__, "int8_form", self.weight)
+        return int8.kept(self.int8_forms, "weight", self.weight)
 
 
-class RoutedLayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (the model's own parameters); in row-invariant mode each row is normalised by a
+class RoutedLayerNorm(nn.Module):
+    """An nn.LayerNorm (its very weight and bias); in row-invariant mode each row is normalised by a
     call of its own."""
 
-    kernels: Kernels
+    def __init__(self, norm: nn.LayerNorm, kernels: Kernels):
+        super().__init__()
+        self.weight, self.bias, self.kernels = norm.weight, norm.bias, kernels
+        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.kernels.row_invariant:
-            return super().forward(x)
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         rows = x.reshape(-1, x.shape[-1])
-        return torch.stack([super(RoutedLayerNorm, self).forward(r) for r in rows.unbind(0)]).reshape(x.shape)
+        return torch.stack([F.layer_norm(r, self.normalized_shape, self.weight, self.bias, self.eps)
+                            for r in rows.unbind(0)]).reshape(x.shape)
 
 
-class RoutedAttention(MultiHeadAttention):
-    """refdec.model.MultiHeadAttention whose heads attend by `rowwise_attention` in row-invariant
-    mode, and in float64 beside the int8 products (refdec.routes.int8, "Attention in float64")."""
+class RoutedAttention(nn.Module):
+    """refdec.model.ScaledDotProduct by `rowwise_attention` in row-invariant mode, and in float64 beside
+    the int8 products (refdec.routes.int8, "Attention in float64")."""
 
-    kernels: Kernels
+    def __init__(self, heads: ScaledDotProduct, kernels: Kernels):
+        super().__init__()
+        self.scale, self.kernels = heads.scale, kernels
 
-    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         kernel = rowwise_attention if self.kernels.row_invariant else attention
         if self.kernels.int8_now():
             return kernel(q.double(), k.double(), v.double(), blocked, self.scale, bias).to(q.dtype)
         return kernel(q, k, v, blocked, self.scale, bias)
 
 
-class RoutedTransformer(Transformer):
-    """refdec.model.Transformer whose vocabulary projection takes the route's kernels and whose cache,
-    beside the int8 products, is kept in float64 (the dtype its attention computes in)."""
+class RoutedOutput(nn.Module):
+    """refdec.model.OutputProduct, hidden (B, q, D) @ W (V, D).T, by the route's kernels (the int8
+    route: W's int8 form, kept)."""
 
-    kernels: Kernels
+    def __init__(self, output: OutputProduct, kernels: Kernels):
+        super().__init__()
+        self.kernels = kernels
+        self.int8_forms: dict = {}  # W's int8 form, kept
 
-    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
-        if self.kernels.int8_now():  # made in float64 alone: not the model's dtype first
-            return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
-                           device=self.tgt_embed.weight.device, dtype=torch.float64)
-        return super().new_cache(batch, capacity)
-
-    def vocabulary(self, hidden: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-        """hidden (B, q, D) @ W (V, D).T by the route's kernels (the int8 route: W's int8 form)."""
+    def forward(self, hidden: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         if self.kernels.int8_now():
-            return int8.linear(hidden, int8.kept(self.__dict__, "int8_vocabulary", W), None)
+            return int8.linear(hidden, int8.kept(self.int8_forms, "W", W), None)
         if self.kernels.row_invariant:
             return rowwise_linear(hidden, W, None)
         return linear(hidden, W, None, self.kernels.few_rows)
 
 
-ROUTED = {nn.Linear: RoutedLinear, nn.LayerNorm: RoutedLayerNorm, MultiHeadAttention: RoutedAttention,
-          Transformer: RoutedTransformer}
+LEAVES = {nn.Linear: RoutedLinear, nn.LayerNorm: RoutedLayerNorm, ScaledDotProduct: RoutedAttention,
+          OutputProduct: RoutedOutput}
 
 
-def on_kernels(module: nn.Module, kernels: Kernels, memo: dict | None = None) -> nn.Module:
-    """`module` (a Transformer, an adapter, proposal heads) computed by `kernels`: its module tree
-    again, each nn.Linear, nn.LayerNorm, attention and Transformer in it as its class above, each
-    holding the same parameter and buffer dictionaries as the module it stands for (so the same
-    weights, now and after any change, the same state-dict keys), every other module the model's own.
-    `module` itself is not changed. `memo` (id -> routed module), shared by the models of one run,
-    keeps a module that several of them hold (an early exit's base) one module on the route too."""
-    memo = {} if memo is None else memo
-    if id(module) in memo:
-        return memo[id(module)]
-    children = {name: None if child is None else on_kernels(child, kernels, memo) for name, child in module._modules.items()}
-    cls = ROUTED.get(type(module))
-    if cls is None and all(children[name] is child for name, child in module._modules.items()):
-        memo[id(module)] = module  # nothing below it computes differently
-        return module
-    routed = (cls or type(module)).__new__(cls or type(module))
-    routed.__dict__.update(module.__dict__)  # its settings (cfg, heads, scale, eps, training)
-    routed._parameters, routed._buffers, routed._modules = module._parameters, module._buffers, children
-    for name, value in module.__dict__.items():
-        if isinstance(value, nn.Module) and name not in module._modules:  # a module held as a plain attribute
-            routed.__dict__[name] = on_kernels(value, kernels, memo)
-    if cls is not None:
-        routed.kernels = kernels
-    memo[id(module)] = routed
-    return routed
+def twin(module: nn.Module, kernels: Kernels) -> nn.Module:
+    """`module`'s tree again, in eval mode, holding `module`'s own parameters and buffers (not copies),
+    each leaf of a type in LEAVES replaced by its routed form computing by `kernels`. The composite
+    modules are copies (copy.deepcopy, every tensor kept as it is): their settings are the module's as
+    it is now, and their training mode and hooks their own from then on. `module` is not changed."""
+    own = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    tree = copy.deepcopy(module, own)
+    for name, leaf in list(tree.named_modules()):
+        routed = LEAVES.get(type(leaf))
+        if routed is not None and name:
+            parent, _, child = name.rpartition(".")
+            setattr(tree.get_submodule(parent), child, routed(leaf, kernels))
+    return tree.eval()
 
 
-def row_invariant(module: nn.Module, memo: dict | None = None, int8: bool = False) -> nn.Module:
-    """`module` in row-invariant mode (on_kernels; with `int8`, the int8 products too)."""
-    return on_kernels(module, Kernels(row_invariant=True, int8=int8), memo)
+def placement(model: nn.Module) -> tuple:
+    """Where a model's first parameter lives and in what dtype (a model moved or cast by .to() has new
+    buffers, which a twin made before does not hold)."""
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+class Route:
+    """What every route answers from the model it wraps: its configuration, its training mode (a route
+    is in training mode exactly while its model is, and no decoder takes it then), eval() and its
+    parameters."""
+
+    model: Transformer
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def eval(self):
+        self.model.eval()
+        return self
+
+    def parameters(self):
+        return self.model.parameters()
+
+
+class KernelRoute(Route):
+    """Wraps a Transformer so that its calls compute by `kernels` (the module docstring): on its twin
+    while the model is in eval mode; in training mode on the model itself (dropout is on, and no
+    decoder takes a model in training mode: `training` is the model's). It offers the verbs a decoder
+    calls (encode, new_cache, decode_hidden, project, decode, cfg) and teacher forcing (forward,
+    forward_hidden). Beside the int8 products its cache is kept in float64, its attention's dtype."""
+
+    def __init__(self, model: Transformer, kernels: Kernels):
+        self.model, self.kernels = model, kernels
+        self.twin, self.made_for = twin(model, kernels), placement(model)
+
+    def __deepcopy__(self, memo: dict) -> "KernelRoute":
+        """A route of a copy of the model."""
+        return KernelRoute(copy.deepcopy(self.model, memo), self.kernels)
+
+    def refresh(self) -> None:
+        """Make the twin again: after a write through `.data` in place, which no stamp sees
+        (refdec.routes.stamps), its int8 forms are made anew from the weights as they are."""
+        self.twin, self.made_for = twin(self.model, self.kernels), placement(self.model)
+
+    def computing(self) -> nn.Module:
+        """The module that computes a call: the model itself in training mode, else the twin (made
+        again if the model has been moved or cast since)."""
+        if self.model.training:
+            return self.model
+        if placement(self.model) != self.made_for:
+            self.refresh()
+        return self.twin
+
+    def encode(self, src: torch.Tensor) -> Memory:
+        return self.computing().encode(src)
+
+    def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.computing().encode_states(src)
+
+    def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
+        return self.computing().attach(states, src_pad)
+
+    def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
+        if self.kernels.int8_now():  # made in float64 alone: not the model's dtype first
+            return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
+                           device=self.model.tgt_embed.weight.device, dtype=torch.float64)
+        return self.model.new_cache(batch, capacity)
+
+    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
+                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
+                      real: torch.Tensor | None = None) -> torch.Tensor:
+        return self.computing().decode_hidden(tgt_new, memory, cache, open_from, layers, real)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.computing().project(hidden)
+
+    def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
+        return self.project(self.decode_hidden(tgt_new, memory, cache))
+
+    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
+                       memory: Memory | None = None) -> torch.Tensor:
+        return self.computing().forward_hidden(src, tgt, self_block, memory)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.computing()(src, tgt)
+
+    __call__ = forward
 
 
 def kernels_of(module) -> Kernels:

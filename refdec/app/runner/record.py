@@ -23,6 +23,7 @@ class Run:
     batch_size: int = 1  # most sentences per decoder call (0: no limit, with a token budget)
     trace: bool = False  # keep each sentence's steps
     batch_tokens: int = 0  # most source tokens per decoder call, padding included (0: none)
+    int8: bool = False  # its models on the int8 route (refdec.routes.int8)
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     seconds: float = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -44,4 +45,4 @@ class Run:
 
 def make_runs(specs: list, models: list[Models], *, trace: bool = False) -> list[Run]:
     """A Run per refdec.app.plan RunSpec, on the models refdec.app.loading.load_models gave it."""
-    return [Run(s.algo, s.options, m, s.label, s.batch_size, trace, s.batch_tokens) for s, m in zip(specs, models)]
+    return [Run(s.algo, s.options, m, s.label, s.batch_size, trace, s.batch_tokens, s.int8) for s, m in zip(specs, models)]
