@@ -123,14 +123,15 @@ class TrainConfig:
     task: str
     out_dir: str
     vocab_size: int = 8000
-    d_model: int = 256
-    n_heads: int = 4
-    d_ff: int = 1024
-    enc_layers: int = 3
-    dec_layers: int = 3
-    dropout: float = 0.1
-    norm_first: bool = True
-    max_positions: int = 256
+    # the model's shape: ModelConfig's defaults, one place for them
+    d_model: int = ModelConfig.d_model
+    n_heads: int = ModelConfig.n_heads
+    d_ff: int = ModelConfig.d_ff
+    enc_layers: int = ModelConfig.enc_layers
+    dec_layers: int = ModelConfig.dec_layers
+    dropout: float = ModelConfig.dropout
+    norm_first: bool = ModelConfig.norm_first
+    max_positions: int = ModelConfig.max_positions
     max_train_len: int = 128  # training pairs with a longer side (in tokens) are skipped
     batch_tokens: int = 4096  # source + target tokens per batch (per process)
     # Padded tokens per forward/backward pass, the batch's gradients accumulated over its passes (0 =

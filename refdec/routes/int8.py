@@ -39,16 +39,17 @@ Products that read the same input (the encoder's queries, keys and values; the c
 keys and values of every layer) are one product of their weights side by side (`linears`): the same
 values, since each output channel keeps its scale and the sums are exact, in fewer operations.
 
-Taking the route: `int8_route(model)` (refdec.routes) wraps a model so that its linear layers and
-output projection compute by these products: on the model's own layers (refdec.routes.kernels,
-Kernels(int8=True), with row-invariant mode too: `row_invariant(model, int8=True)`, whose attention
-and norms then make every position's logits independent of the call shape), or on the fast route's
-layout (`FastRoute(model, int8=True)`, refdec.routes.fast). The model itself is not changed, so float
+Taking the route: `on_route(model, route, int8=True)` (refdec.routes) wraps a model so that its linear
+layers and output projection compute by these products: on the model's own layers (the reference
+route's KernelRoute, refdec.routes.kernels, Kernels(int8=True); with row-invariant mode too,
+`on_route(model, "invariant", int8=True)`, whose attention and norms then make every position's logits
+independent of the call shape), or on the fast route's layout (`on_route(model, "fast", int8=True)`,
+refdec.routes.fast). The model itself is not changed, so float
 runs and int8 runs read one model. Any call with gradients on takes the floating-point products. The
 int8 weights belong to the route: made from the weights as they are when first used, and made again
 when a weight has changed (refdec.routes.stamps: a write through the parameter, a new tensor, any
-optimizer step, fused ones included); a write through `.data` in place is not seen (wrap the model
-again, or call the fast route's `refresh`, after one).
+optimizer step, fused ones included); a write through `.data` in place is not seen (call the route's
+`refresh()`, or wrap the model again, after one).
 """
 
 from __future__ import annotations

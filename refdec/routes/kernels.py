@@ -18,7 +18,7 @@ slower. The fast route (refdec.routes.fast) takes it where it defers to these la
 has; `python -m refdec stepcost` times both on a machine (docs/cpu-cost.md). The products are the
 same, possibly summed in another order: float32 logits may differ in the last bits.
 
-Row-invariant compute (`row_invariant`, `row_invariant(model)`). A matrix product x @ W.T may round
+Row-invariant compute (`row_invariant`, `on_route(model, "invariant")`). A matrix product x @ W.T may round
 row i differently depending on how many rows x has (MKL picks its blocking by shape, and by the
 memory alignment of its operands). In row-invariant mode every dot product is an elementwise product
 summed over its last dimension by torch's own reduction, which sums each output alone over the same
