@@ -9,7 +9,8 @@ import random
 import pytest
 
 from conftest import random_src, tiny_model
-from refdec.commands.ceiling import greedy_output, main, scripted_draft, scripted_gad
+from refdec.commands.ceiling import main
+from refdec.decoding.scripted import greedy_output, scripted_draft, scripted_gad
 from refdec.config import EOS_ID
 
 

@@ -18,7 +18,6 @@ from refdec.decoding.ties import best_candidates, rank
 from refdec.drafter import Drafter
 from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
 from refdec.routes import on_route
-from refdec.routes import on_route
 from refdec.routes.kernels import is_row_invariant
 from refdec.model import Transformer, sinusoidal_positions
 

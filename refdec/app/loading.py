@@ -23,7 +23,6 @@ from ..adapters import EarlyExit, SharedEncoder
 from ..checkpoint import CheckpointError, file_sha256, load_model
 from ..drafter import Drafter
 from ..errors import UsageError
-from ..model import Transformer
 from ..routes import on_route
 from ..proposal import load_proposal
 from ..tokenizer import Tokenizer

@@ -76,5 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {entry()}: no command {argv[0]!r}; choose from {', '.join(COMMANDS)} "
               f"({entry()} --help)", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"{__name__}.{COMMANDS[argv[0]][0]}")
-    return module.main(argv[1:])
+    return command_main(argv[0])(argv[1:])
+
+
+def command_main(name: str):
+    """The main function of the command typed as `name` (a key of COMMANDS), its module imported now:
+    how one command runs another (bench runs stepcost, ceiling and hf)."""
+    return importlib.import_module(f"{__name__}.{COMMANDS[name][0]}").main

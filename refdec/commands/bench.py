@@ -221,19 +221,18 @@ def decoder_section(section: str, args, device: torch.device, plan_: dict) -> di
 def command_sections(section: str, args, device: torch.device, plan_: dict, prefix: str) -> dict:
     """stepcost, ceiling and transformers: the repository's own commands, each writing its report
     beside the bench's; returns where they are and their exit statuses."""
-    from . import ceiling, stepcost
-    from . import hfcli as hf_cli
+    from . import command_main
     common = ["--device", str(device), "--threads", str(args.threads)]
     warmup = ["--warmup", str(plan_["warmup"])]
     out, commands = Path(args.out), []
     if section == "stepcost":
         for rows in (1, 32):
-            commands.append((f"stepcost-rows{rows}", stepcost.main, [
+            commands.append((f"stepcost-rows{rows}", command_main("stepcost"), [
                 "--task", "mt-en-de", "--model", str(REPO / "checkpoints/mt-en-de/model.pt"), "--rows", str(rows),
                 "--fast", "--graphed", "--rounds", str(plan_["rounds"]), *common]))
     elif section == "ceiling":
         for route in ROUTES:
-            commands.append((f"ceiling-{route}", ceiling.main, [
+            commands.append((f"ceiling-{route}", command_main("ceiling"), [
                 "--task", "mt-en-de", "--limit", str(plan_["sentences"]["ceiling"]), "--k", plan_["k"],
                 "--accept", plan_["accept"], *([f"--{route}"] if route != "reference" else []), *warmup, *common]))
     elif importlib.util.find_spec("transformers") is None:
@@ -243,7 +242,7 @@ def command_sections(section: str, args, device: torch.device, plan_: dict, pref
     else:
         n = str(plan_["sentences"]["transformers"])
         for task, model, small in (("mt-en-de", "mt-en-de", "mt-en-de-small-aligned"), ("gec-uk", "gec-uk-6x6", None)):
-            commands.append((f"transformers-{task}", hf_cli.main, [
+            commands.append((f"transformers-{task}", command_main("hf"), [
                 "audit", "--task", task, "--model", str(REPO / "checkpoints" / model / "model.pt"),
                 *(["--small", str(REPO / "checkpoints" / small / "model.pt")] if small else []), "--limit", n,
                 "--routes", ",".join(ROUTES), *warmup, *common]))

@@ -62,9 +62,9 @@ from ..machine import allocator_option, environment, machine_line, set_allocator
 from ..progress import ProgressLine
 from ..app.report import format_table, summary_row, write_report
 from ..app.runner import Run, decode_lines
+from ..app.timing import time_decode, time_products
 from . import as_typed
 from .harness import report_option
-from .stepcost import time_decode, time_products
 
 PINNED = "4.8.5"  # the version requirements.txt pins
 COMPUTE_TYPES = ("float32", "int8")
@@ -254,11 +254,11 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
 def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object], tokens: list[str],
                prefix: int = 30, src_len: int = 30, more: int = 20, rounds: int = 15) -> dict[str, float]:
     """Milliseconds of one decoder step (one row, a cache of about `prefix` tokens, a source of
-    `src_len`) for each refdec route (`models`: name, model; refdec.commands.stepcost's time_decode, the
+    `src_len`) for each refdec route (`models`: name, model; refdec.app.timing.time_decode, the
     vocabulary projection included) and each CTranslate2 compute type: translate_batch forced to
     write prefix + `more` tokens against prefix tokens (min_decoding_length), the difference over
     `more` (its steps include its search bookkeeping, refdec's do not include the argmax). With the
-    fast route, also its step's matrix products alone (refdec.commands.stepcost.time_products): the floor
+    fast route, also its step's matrix products alone (refdec.app.timing.time_products): the floor
     of that step in PyTorch's products. Medians over interleaved rounds after one warm-up round."""
     src = torch.full((1, src_len - 1), 11)
     src = torch.cat([src, torch.full((1, 1), models[0][1].cfg.eos_id)], 1)

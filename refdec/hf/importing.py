@@ -22,7 +22,7 @@ import torch
 from ..config import ModelConfig
 from ..model import Transformer, sinusoidal_positions
 from ..tokenizer import MarianPieces, Tokenizer
-from .common import HFError, first_line, is_hf_folder, read_json, read_weights
+from .common import HFError, first_line, read_json, read_weights
 from .families import FAMILIES, Family, family_of
 from .layout import half_split, permute_state
 
