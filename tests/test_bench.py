@@ -203,3 +203,22 @@ def test_bench_runs_on_the_cpu_from_a_copy_of_its_files(tmp_path):
         methods = {m["method"]: m for m in audit["methods"]}
         assert {"refdec-iad", "refdec-iad [fast]", "refdec-greedy [graphed]", "hf-greedy", "hf-prompt-lookup"} <= set(methods)
         assert methods["refdec-iad [graphed]"]["identical"] == 1.0
+
+
+def test_stepcost_times_the_int8_route_and_splits_its_call(tmp_path, capsys):
+    """stepcost --int8 times the fast int8 route beside the others and splits each of its calls into
+    the integer products, the quantization around them, attention and the rest, which add up to the
+    call, in the printout and the report."""
+    from conftest import random_checkpoint
+    from refdec.commands import stepcost
+    path = random_checkpoint(tmp_path / "m")
+    report = tmp_path / "cost.json"
+    assert stepcost.main(["--task", "mt-en-de", "--model", str(path), "--rows", "3", "--q", "1,4", "--src", "5",
+                          "--prefix", "4", "--rounds", "1", "--fast", "--int8", "--threads", "1",
+                          "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "fast-int8 ms/call" in out and "fast int8 route, one call's parts timed alone" in out
+    parts = json.loads(report.read_text())["int8_parts"]
+    for q in ("1", "4"):
+        total = sum(parts[f"{p}_ms"][q] for p in ("products", "quantization", "attention", "rest"))
+        assert abs(total - parts["call_ms"][q]) < 1e-9 and parts["products_ms"][q] > 0

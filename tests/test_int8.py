@@ -127,6 +127,32 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_a_call(route, dtype):
             assert torch.equal(m.decode(tgt[b:b + 1, :1], mem, m.new_cache(1)), one8[b:b + 1])
 
 
+def test_a_ragged_calls_real_positions_do_not_depend_on_its_padding():
+    """A batched verification call of drafts of different lengths (right-padded, `real` tokens per
+    row, over a ragged cache) on the fast int8 route, whose linear maps read the real positions
+    alone: each row's logits at its real positions, and its cache there, equal (torch.equal) that
+    row decoded alone with its real tokens only over the same cache. In float32, where attention's
+    float64 result is rounded back (a float64 model keeps the mask's last-bit roundings)."""
+    m = on_route(tiny_model(23, norm_first=True).to(torch.float32), "fast", int8=True)
+    src = random_src(23, 4, 40, min_len=6, max_len=6)
+    g = torch.Generator().manual_seed(23)
+    start, tgt = torch.randint(5, 40, (4, 3), generator=g), torch.randint(5, 40, (4, 4), generator=g)
+    start[:, 0] = BOS_ID
+    lengths, real = torch.tensor([1, 3, 2, 3]), torch.tensor([4, 1, 3, 2])
+    with torch.no_grad():
+        mem4, cache4 = m.encode(src), m.new_cache(4)
+        m.decode(start, mem4, cache4)
+        cache4.truncate(lengths)
+        logits4 = m.project(m.decode_hidden(tgt, mem4, cache4, real=real))
+        for b in range(4):
+            mem, cache = m.encode(src[b:b + 1]), m.new_cache(1)
+            m.decode(start[b:b + 1, :int(lengths[b])], mem, cache)
+            n = int(real[b])
+            assert torch.equal(m.decode(tgt[b:b + 1, :n], mem, cache)[0], logits4[b, :n])
+            used = int(lengths[b]) + n
+            assert torch.equal(cache.k[:, 0, :, :used], cache4.k[:, b, :, :used])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_int8_and_row_invariant_mode_make_every_position_independent_of_the_call(dtype):
     """With row-invariant mode's attention and norms, a verification call of 6 tokens computes

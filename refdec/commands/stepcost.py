@@ -4,6 +4,7 @@
     python -m refdec stepcost --task mt-en-de --report cost.json
     python -m refdec stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
     python -m refdec stepcost --task gec-uk --fast                   # the fast route beside
+    python -m refdec stepcost --task gec-uk --rows 32 --fast --int8  # and the int8 route, its calls split
     python -m refdec stepcost --task mt-en-de --fast --graphed --device cuda   # and the graphed route, on a GPU
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
@@ -23,6 +24,10 @@ positions per output token (a drafted token that is rejected, a padded one) pays
 The encoder's cost over B sources of --src tokens is timed in the same rounds: the part of a
 sentence's cost that no decoding algorithm changes.
 
+With --int8 the fast route on int8 products (refdec.routes.int8) is timed beside, and each of its
+calls is split into parts timed alone on the call's shapes (int8_parts): the integer products, the
+quantization and rescaling around them, the float64 attention, and the rest of the call.
+
 With --device cuda every time is read after torch.cuda.synchronize(), so it covers the GPU's work
 and not only its launch. --graphed times the graphed route (refdec.routes.graphed) beside: its first call
 of each shape is captured in the warm-up round, the timed calls replay.
@@ -38,8 +43,9 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
 
-from ..routes import on_route
+from ..routes import int8, on_route
 from ..routes.kernels import FEW_ROWS
 from ..checkpoint import load_model
 from ..errors import UsageError, run_command
@@ -49,6 +55,55 @@ from ..app.timing import time_decode, time_products
 from ..machine import clock, environment, machine_line
 from ..progress import ProgressLine
 from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
+
+
+def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float]:
+    """Median seconds of the parts of one fast int8 route decoder call (refdec.routes.int8) appending q
+    tokens to every row of `memory`'s batch over a cache of `prefix`, each part timed alone on the
+    call's shapes: `products` the integer products alone (torch._int_mm on rows already quantized:
+    per layer the self-attention's queries-keys-values and output, the cross-attention's queries and
+    output, the two feed-forward products, then the vocabulary), `quantization` what the route's
+    products add around them (each row's scale, the rounding, the rescaling, the bias and residual),
+    `attention` the two float64 attention calls per layer (the self-attention over prefix + q keys,
+    masked when q > 1, and the cross-attention over the source, padding masked), and `call` the
+    whole call; the rest of the call (norms, the cache, embeddings, dispatch) is call minus the three."""
+    weights = route.decoder_weights()
+    B, S, H, Dh = memory.states.shape[0], memory.states.shape[1], route.cfg.n_heads, route.cfg.head_dim
+    n = memory.states.shape[0] * q
+    mats = [w[k] for w in weights.layers for k in int8.PRODUCTS] + [weights.vocab]
+    x = {m.q.shape[0]: torch.randn(n, m.q.shape[0]) for m in mats}  # rows of each product's input width
+    xq = {k: int8.quantize_rows(v)[0] for k, v in x.items()}
+    qs, ks = torch.randn(B, H, q, Dh, dtype=torch.float64), torch.randn(B, H, prefix + q, Dh, dtype=torch.float64)
+    src_kv = torch.randn(B, H, S, Dh, dtype=torch.float64)
+    causal = torch.ones(q, prefix + q, dtype=torch.bool).tril(prefix) if q > 1 else None
+    src_allowed = getattr(memory, "src_allowed", None)
+
+    def products():
+        for m in mats:
+            torch._int_mm(xq[m.q.shape[0]], m.q)
+
+    def whole_products():
+        for m in mats:
+            int8.product(x[m.q.shape[0]], m, None)
+
+    def attention():
+        for _ in weights.layers:
+            F.scaled_dot_product_attention(qs, ks, ks, attn_mask=causal)
+            F.scaled_dot_product_attention(qs, src_kv, src_kv, attn_mask=src_allowed)
+
+    def median_of(f):
+        times = []
+        for _ in range(reps):
+            t0 = clock(memory.states.device)
+            f()
+            times.append(clock(memory.states.device) - t0)
+        return statistics.median(times)
+    with torch.inference_mode():
+        parts = {"products": median_of(products), "with quantization": median_of(whole_products),
+                 "attention": median_of(attention), "call": time_decode(route, memory, prefix, q, reps)}
+    parts["quantization"] = parts.pop("with quantization") - parts["products"]
+    parts["rest"] = parts["call"] - parts["products"] - parts["quantization"] - parts["attention"]
+    return parts
 
 
 def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
@@ -62,6 +117,9 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     for name in ("fast", "graphed"):
         if getattr(args, name):
             routes[name] = on_route(model, name)  # the same model, wrapped
+    if args.int8:
+        routes["fast-int8"] = on_route(model, "fast", int8=True)
+    parts: dict[tuple[str, int], list[float]] = {}
     fast = routes.get("fast")
     device = model.tgt_embed.weight.device
     samples: dict[tuple[str, int], list[float]] = {(r, q): [] for r in routes for q in qs}
@@ -69,7 +127,7 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     W_t = W.t().contiguous()
     proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
     encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
-                                       **({"graphed": []} if args.graphed else {})}
+                                       **({"graphed": []} if args.graphed else {}), **({"fast-int8": []} if args.int8 else {})}
     src = torch.full((args.rows, args.src), 11, device=device)
     print(f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
           f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}", file=sys.stderr, flush=True)
@@ -87,6 +145,10 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                         samples[route, q].append(cost)
                 if timed and route == "fast":  # right after its calls, as warm as they were
                     encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
+                if timed and route == "fast-int8":
+                    for q in qs:
+                        for part, t in int8_parts(m, memories[route], args.prefix, q, reps).items():
+                            parts.setdefault((part, q), []).append(t)
             if not timed:
                 continue
             for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
@@ -94,12 +156,12 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                 for _ in range(10):
                     h @ w
                 proj[name].append((clock(device) - t0) / 10)
-            for name in ("reference", "fast", "graphed"):  # the reference: the encoder as decode.py runs it
+            for name in ("reference", "fast", "graphed", "fast-int8"):  # the reference: the encoder as decode.py runs it
                 if name in encoder:
                     t0 = clock(device)
                     routes.get(name, model).encode(src)
                     encoder[name].append(clock(device) - t0)
-    return samples, proj, encoder
+    return samples, proj, encoder, parts
 
 
 def parser() -> argparse.ArgumentParser:
@@ -112,6 +174,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     p.add_argument("--fast", action="store_true", help="time the fast route (refdec.routes.fast) too, in the same rounds")
+    p.add_argument("--int8", action="store_true", help="time the fast route on int8 products (refdec.routes.int8) too, "
+                   "and each call's parts alone: integer products, quantization, attention, the rest")
     p.add_argument("--graphed", action="store_true", help="time the graphed route (refdec.routes.graphed) too, in the same "
                    "rounds (CUDA graphs on a GPU; on the CPU its static-shape steps run as they are)")
     machine_options(p)
@@ -138,10 +202,10 @@ def run(args: argparse.Namespace) -> int:
     model, _, _ = load_model(path, task=args.task, device=device)
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
         raise UsageError(f"--src/--prefix/--q exceed the model's {model.cfg.max_positions} positions")
-    samples, proj, encoder = measure(model, args, qs)
+    samples, proj, encoder, parts = measure(model, args, qs)
     med = {key: statistics.median(v) for key, v in samples.items()}
     B = args.rows
-    other_routes = [route for route in ("fast", "graphed") if getattr(args, route)]  # the routes beside the reference
+    other_routes = [route for route in ("fast", "graphed") if getattr(args, route)] + ["fast-int8"] * args.int8  # the routes beside the reference
     rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
              "ms_per_position": 1000 * med["few-row", q] / (B * q),
              "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]],
@@ -170,6 +234,14 @@ def run(args: argparse.Namespace) -> int:
     if args.fast:
         whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
         print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")
+    split = {f"{part}_ms": {q: 1000 * statistics.median(parts[part, q]) for q in qs}
+             for part in ("call", "products", "quantization", "attention", "rest")} if args.int8 else {}
+    if args.int8:
+        print("fast int8 route, one call's parts timed alone (ms): q, the call, the integer products, the quantization "
+              "and rescaling around them, float64 attention, the rest")
+        for q in qs:
+            print(f"{q:5d}  " + "  ".join(f"{split[f'{part}_ms'][q]:8.3f}"
+                                         for part in ("call", "products", "quantization", "attention", "rest")))
     pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
     print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
     if args.report:
@@ -178,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
                                    **({"fast_encoder_ms": enc["fast"],
                                        "fast_products_ms": enc["fast products, q = 1"]} if args.fast else {}),
                                    **({"graphed_encoder_ms": enc["graphed"]} if args.graphed else {}),
+                                   **({"int8_encoder_ms": enc["fast-int8"], "int8_parts": split} if args.int8 else {}),
                                    "projection_ms": pm,
                                    "environment": environment(args.threads, device, model.tgt_embed.weight.dtype)})
     return 0

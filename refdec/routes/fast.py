@@ -15,7 +15,8 @@ memory rather than computing. The fast route computes the same mathematics with 
   * each linear map one `torch.addmm` on (N, D) rows, and the residual sum done by the output
     projection's product itself (`addmm(x, h, W.T)`), so no separate addition;
   * no module calls, hooks, dropout or mode checks inside the layer loop;
-  * in a ragged batch, the feed-forward network on the real positions alone, as the reference does.
+  * in a ragged batch (a batched verification call of drafts of different lengths), every linear map
+    and norm on the real positions alone: padding is attended over as zeros, never multiplied;
 
 It writes into the same KVCache with the same verbs (append, advance; the decoders truncate, select
 and clone it as before), takes the same arguments, and returns the same shapes, so every decoder
@@ -114,25 +115,23 @@ def heads(x: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-           x: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor) -> torch.Tensor:
+           x: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries q (B, H, q, Dh) over k, v (B, H, L, Dh), `allowed` True = may attend,
-    through the output projection wo (in, out), bo, added to the residual stream x (B*q, D). On the
+    through the output projection wo (in, out), bo, added to the residual stream x (B*q, D), or with
+    `rows` to x (N, D) of those positions of the (B*q) queries alone (a ragged call's real ones). On the
     int8 route the attention is computed in float64 (refdec.routes.int8, "Attention in float64")."""
     if isinstance(wo, QuantizedWeight):  # k, v: float64 already when they come from the cache or the Memory
         a = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed)
         a = a.transpose(1, 2).to(x.dtype, memory_format=torch.contiguous_format)  # (B, q, H, Dh): one copy
     else:
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)  # (B, q, H, Dh)
-    return residual_linear(x, a.reshape(x.shape[0], -1), wo, bo)
+    a = a.reshape(-1, a.shape[-2] * a.shape[-1])  # (B*q, H*Dh)
+    return residual_linear(x, a if rows is None else a.index_select(0, rows), wo, bo)
 
 
-def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """x + FeedForward(h) on every row, or on `rows` alone (a ragged batch's real positions); `ff`
-    holds w1, b1, w2, b2 (weights (in, out)) and act."""
-    if rows is None:
-        return residual_linear(x, ff["act"](linear(h, ff["w1"], ff["b1"])), ff["w2"], ff["b2"])
-    inner = ff["act"](linear(h.index_select(0, rows), ff["w1"], ff["b1"]))
-    return x.index_add(0, rows, linear(inner, ff["w2"], ff["b2"]))
+def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x + FeedForward(h); `ff` holds w1, b1, w2, b2 (weights (in, out)) and act."""
+    return residual_linear(x, ff["act"](linear(h, ff["w1"], ff["b1"])), ff["w2"], ff["b2"])
 
 
 def decoder_stack(layers: list[dict], x: torch.Tensor, B: int, q: int, H: int, store, allowed: torch.Tensor | None,
@@ -140,22 +139,38 @@ def decoder_stack(layers: list[dict], x: torch.Tensor, B: int, q: int, H: int, s
     """The decoder layers (DecoderWeights.layers) of one call over the residual stream x (B*q, D) of q
     new positions per row: `store(i, k, v)` keeps layer i's new keys and values (B, H, q, Dh) and
     returns the keys and values its self-attention reads (a KVCache's append), `allowed` masks them
-    (True = may attend), cross_kv and src_allowed are the encoder's; `rows` as in feed_forward; `pre`
-    pre-norm x + f(norm(x)), else post-norm norm(x + f(x)) (refdec.model.Sublayer)."""
+    (True = may attend), cross_kv and src_allowed are the encoder's; `pre` pre-norm x + f(norm(x)),
+    else post-norm norm(x + f(x)) (refdec.model.Sublayer).
+
+    `rows` (N,): a ragged call's real positions among the B*q (None: every one). Then the residual
+    stream holds those N rows alone and every linear map and norm reads them alone; attention takes
+    its queries, keys and values laid out (B, H, q, Dh) with zeros at the padded positions, which
+    come after every real one of their row (causal attention keeps them out of the real queries' view)
+    and which the caller cuts. The padded positions' rows of the result are zeros."""
+    if rows is not None:
+        x = x.index_select(0, rows)  # (N, D)
     for i, w in enumerate(layers):
         n1, n2, n3 = w["norms"]
         h = F.layer_norm(x, *n1) if pre else x  # masked self-attention over the cache
-        q_, k, v = linear(h, w["qkv"], w["qkv_b"]).view(B, q, 3, -1).unbind(2)
+        q_, k, v = spread(linear(h, w["qkv"], w["qkv_b"]), rows, B * q).view(B, q, 3, -1).unbind(2)
         keys, values = store(i, heads(k, B, q, H), heads(v, B, q, H))
-        x = attend(heads(q_, B, q, H), keys, values, allowed, x, w["o"], w["o_b"])
+        x = attend(heads(q_, B, q, H), keys, values, allowed, x, w["o"], w["o_b"], rows)
         x = x if pre else F.layer_norm(x, *n1)
         h = F.layer_norm(x, *n2) if pre else x  # attention over the encoder's output
-        x = attend(heads(linear(h, w["cq"], w["cq_b"]), B, q, H), *cross_kv[i], src_allowed, x, w["co"], w["co_b"])
+        cq = spread(linear(h, w["cq"], w["cq_b"]), rows, B * q)
+        x = attend(heads(cq, B, q, H), *cross_kv[i], src_allowed, x, w["co"], w["co_b"], rows)
         x = x if pre else F.layer_norm(x, *n2)
         h = F.layer_norm(x, *n3) if pre else x  # the feed-forward network
-        x = feed_forward(w, h, x, rows)
+        x = feed_forward(w, h, x)
         x = x if pre else F.layer_norm(x, *n3)
-    return x
+    return spread(x, rows, B * q)
+
+
+def spread(y: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
+    """y (N, C) of positions `rows` -> (n, C), zeros elsewhere; y itself when rows is None."""
+    if rows is None:
+        return y
+    return y.new_zeros(n, y.shape[1]).index_copy_(0, rows, y)
 
 
 class DecoderWeights:
@@ -275,7 +290,7 @@ class FastRoute(Route):
             ff = {"w1": in_out(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": in_out(layer.ff.w2), "b2": layer.ff.w2.bias,
                   "act": layer.ff.act}
             x = sublayer(x, layer.sub1, self_attn)
-            x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x, None))
+            x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x))
         return ref.enc_norm(x).view(B, S, -1)
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
