@@ -196,10 +196,9 @@ class StaticKVCache(KVCache):
             self._set_lengths(self._lengths.index_select(0, rows))
 
     def clone(self) -> "StaticKVCache":
-        other = StaticKVCache.__new__(StaticKVCache)
-        other.pool, other.shape, other.device, other.dtype = self.pool, self.shape, self.device, self.dtype
+        L, H, Dh = self.shape  # a slab of this one's capacity (a power of two: MAX_STEP to spare already)
+        other = StaticKVCache(self.pool, L, self.batch, H, Dh, self.capacity - MAX_STEP, device=self.device, dtype=self.dtype)
         other._end, other._lengths, other.prefix = self._end, self._lengths, self.prefix
-        other._move(self.slab.k.shape[1], self.capacity, self.batch)
         used = self.prefix + self._end
         other.k[:, :, :, :used] = self.k[:, :, :, :used]
         other.v[:, :, :, :used] = self.v[:, :, :, :used]
