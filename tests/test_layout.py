@@ -196,8 +196,8 @@ def test_no_package_and_the_modules_around_it_import_each_other():
 def test_the_model_reaches_no_route():
     """Case: model.py's attention and output projection switched on the compute modes that
     kernels.py set, kernels.py switched to the int8 products, and Memory carried the projection copy:
-    the paper's model imported the speed routes. Now the routes import the model and subclass its
-    layers; the model, its cache and what they are made of reach no route, directly or through
+    the paper's model imported the speed routes. Now the routes import the model and put routed
+    leaves in a twin of it; the model, its cache and what they are made of reach no route, directly or through
     another module, and no route reaches a checkpoint, an adapter or a decoder."""
     graph = import_graph()
     assert set(ROUTES) <= set(graph)
@@ -239,3 +239,40 @@ def test_the_commands_stay_thin():
     library holds the logic, the commands parse, call and print."""
     for name in ("decode", "train"):
         assert len((REPO / "refdec" / "commands" / f"{name}.py").read_text(encoding="utf-8").splitlines()) < 200
+
+
+def test_only_the_routes_package_makes_a_route_and_it_copies_no_module_internals():
+    """Case: the kernels route built its modules with cls.__new__ and __dict__.update (sharing the
+    model's hooks and copying its training flag as a value), and routes were made in the application
+    layer, in stepcost and in the routes themselves, keyed by id in a memo. refdec.routes.on_route is
+    the one way onto a route: nothing outside refdec/routes constructs one."""
+    makers = {"FastRoute", "GraphedRoute", "KernelRoute", "twin"}
+    made = []
+    for path in SOURCES:
+        if (REPO / "refdec" / "routes") in path.parents:
+            text = path.read_text(encoding="utf-8")
+            made += [f"{path.relative_to(REPO)}: {bad}" for bad in ("__new__(", "__dict__.update") if bad in text]
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in makers:
+                    made.append(f"{path.relative_to(REPO)}:{node.lineno} {name}(")
+    assert not made, made
+
+
+def test_no_command_module_imports_another():
+    """Case: ctranslate2 imported stepcost's timing helpers, bench three other commands' modules, and a
+    decoder lived in the ceiling command. A command module imports the command table
+    (refdec.commands) and the shared harness alone of its package; what commands share lives below."""
+    commands = REPO / "refdec" / "commands"
+    borrowed = []
+    for path in sorted(commands.glob("*.py")):
+        if path.name in ("__init__.py", "harness.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                borrowed += [f"{path.name}:{node.lineno} {n}" for n in names
+                             if n not in ("harness", "as_typed", "command_main", "COMMANDS")]
+    assert not borrowed, borrowed
