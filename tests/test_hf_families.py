@@ -233,6 +233,35 @@ def test_audit_on_a_family_pair(family, folders, tmp_path, capsys):
     assert "hf-assisted" in capsys.readouterr().out
 
 
+def test_audit_records_a_method_that_fails_in_its_warm_up_and_goes_on(folders, tmp_path, capsys):
+    """Case: `hf audit` on a random BART pair stopped with `Error: RuntimeError: IndexError: index out of
+    range in self` (exit 1) when transformers' assisted generation failed inside the warm-up: its assistant
+    (and prompt lookup) drafts past the end of the 64-row position table on lines whose budget nears it.
+    Such a line now fails in the warm-up as in the timed loop: the audit goes on (exit 0), and every
+    method and line that failed is in the table and the report."""
+    import re
+    from refdec.commands.hfcli import main as hf_main
+    large, small = folders("bart")
+    g = torch.Generator().manual_seed(3)
+    lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+             for n in (27, 28, 3, 27, 30, 26)]  # budgets of 2 x 27 + 10 and over: near the table's end
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    assert hf_main(["audit", "--model", str(large), "--small", str(small), "--input", str(tmp_path / "in.txt"),
+                    "--limit", "6", "--warmup", "2", "--threads", "1", "--report", str(tmp_path / "r.json")]) == 0
+    out, err = capsys.readouterr()
+    warm = re.findall(r"(hf-[a-z-]+) failed on input line\(s\) (\d+) in the warm-up", err)
+    assert warm, err  # the case: a method failed inside the warm-up
+    timed = {(m, int(n)) for m, n in re.findall(r"(hf-[a-z-]+) failed on input line\(s\) (\d+): ", err)}
+    rows = {r["method"]: r for r in json.loads((tmp_path / "r.json").read_text())["methods"]}
+    recorded = {(m, e["line"]) for m, r in rows.items() for e in r["errors"]}
+    assert recorded == timed and recorded  # every failure recorded, per method and line
+    assert all(f"{m}: line {n} failed: IndexError" in out for m, n in recorded)  # and in the table
+    for m, r in rows.items():
+        assert round(6 * r["identical"]) <= 6 - len(r["errors"])  # a failed line is not identical
+        if m.startswith("refdec-"):
+            assert r["identical"] == 1 and not r["errors"]
+
+
 def test_banned_tokens_never_written(folders, tmp_path):
     """opus-mt's generation_config.json forbids the pad token (bad_words_ids): refdec's logits carry
     -inf there, so greedy, IAD and speculative decoding write what transformers' greedy writes."""

@@ -69,8 +69,13 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
     try:
         for c in chunks[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
             for run in runs:
-                rows = [ids[i] for i in batches(run, c, ids)[0][:WARMUP_ROWS]]
-                run_batch(run, rows, max_len_for(rows, max_len, max_positions), device)
+                b = batches(run, c, ids)[0][:WARMUP_ROWS]
+                rows = [ids[i] for i in b]
+                try:
+                    run_batch(run, rows, max_len_for(rows, max_len, max_positions), device)
+                except (RuntimeError, ValueError) as e:  # as in the timed loop: the other runs and lines go on
+                    warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)} in the "
+                         f"warm-up: {first_line(e, 200)}; the timed run decodes them again")
         t_start, last_print, finished = time.time(), time.time(), 0
         for n, c in enumerate(chunks):
             budget = max_len_for([ids[i] for i in c], max_len, max_positions)
