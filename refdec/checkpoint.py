@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,10 +60,15 @@ def load_checkpoint(path: str | Path) -> dict:
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a legacy pickle
         raise CheckpointError(f"{path} is not a checkpoint (a model.pt written by train.py); "
                               f"give the model.pt file of a checkpoint folder")
+    size = path.stat().st_size
+    if head.startswith(b"PK") and not zipfile.is_zipfile(path):  # a zip's directory is at its end: cut off
+        raise CheckpointError(f"{path} is truncated or not a checkpoint ({size:,} bytes, and no zip directory at "
+                              f"its end, where a whole checkpoint file has one): copy or download it again")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt file, foreign pickle, truncated download
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {first_line(e, 200)}") from None
+    except Exception as e:  # a damaged file, a foreign pickle
+        raise CheckpointError(f"{path} is truncated, damaged or not a checkpoint ({size:,} bytes; torch cannot read it: "
+                              f"{type(e).__name__}: {first_line(e, 160)})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a refdec checkpoint (format {FORMAT})")
     if "frozen_base" in checkpoint and "model" not in checkpoint:
