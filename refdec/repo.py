@@ -1,10 +1,11 @@
 """Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/; shown,
 a path as the user would type it; repo_file, a default that a command reads from it;
 check_not_shipped, the rule that keeps every command's output out of the shipped checkpoints/ and
-data/; check_files and list_files, the files a command needs in a copy of the repository (its --files)."""
+data/ (cache_folder, where caches go instead); check_files and list_files, the files a command needs in a copy of the repository (its --files)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def repo_file(*parts: str, flag: str | None = None) -> Path:
                          f"({Path(__file__).parent}) is installed without it: {instead}run the command from a clone "
                          f"of the repository installed with pip install -e .")
     return REPO.joinpath(*parts)
+
+
+def cache_folder(*parts: str) -> Path:
+    """A folder of refdec's caches, outside the repository: $XDG_CACHE_HOME/refdec/..., else
+    ~/.cache/refdec/... (created by whoever writes into it)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base, "refdec", *parts)
 
 
 # The folders the repository ships, which commands read and never write unless told to (data/build.py,
