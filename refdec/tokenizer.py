@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from .config import BOS_ID, EOS_ID, MASK_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
+from .repo import install_hint
 
 
 class Tokenizer:
@@ -127,8 +128,8 @@ class MarianPieces:
         try:
             import sentencepiece
         except ImportError:
-            raise ImportError("an opus-mt folder without tokenizer.json needs the sentencepiece package "
-                              "(pip install -r requirements.txt)") from None
+            raise ImportError(f"an opus-mt folder without tokenizer.json needs the sentencepiece package "
+                              f"({install_hint('hf')})") from None
         raw_spm, raw_vocab = Path(spm_path).read_bytes(), Path(vocab_path).read_bytes()
         self._sp = sentencepiece.SentencePieceProcessor(model_proto=raw_spm)
         self._ids: dict[str, int] = json.loads(raw_vocab)
