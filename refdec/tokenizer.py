@@ -56,6 +56,18 @@ class Tokenizer:
         return self
 
     @classmethod
+    def for_model(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int) -> "Tokenizer":
+        """A tokenizer.json with a model's special ids: refdec's own kind when it is one with these ids
+        (a refdec model, exported or not), else wrapped as another model's (`foreign`)."""
+        try:
+            tok = cls(HFTokenizer.from_str(json_text), json_text)
+            if (tok.pad_id, tok.bos_id, tok.eos_id) == (pad_id, bos_id, eos_id):
+                return tok
+        except ValueError:  # not refdec's layout of special tokens: another model's
+            pass
+        return cls.foreign(json_text, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
+
+    @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
         tok = HFTokenizer(models.BPE(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -172,7 +172,7 @@ def test_hf_export_into_a_file_is_one_line(capsys, monkeypatch, tmp_path):
     """Was: `python -m refdec hf export ckpt.pt ckpt.pt` exited 1 with NotADirectoryError."""
     from refdec.commands.hfcli import main
     err = error_of(main, ["export", "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de/model.pt"], capsys, monkeypatch)
-    assert err == "error: checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
+    assert err == "error: OUT_DIR checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
 
 
 def test_a_corrupt_data_file_is_named(decode, capsys, monkeypatch, tmp_path):

@@ -48,6 +48,8 @@ CASES = [
                "data/gec-uk/test.tgt.gz"], "data"),
     ("hfcli", ["export", "checkpoints/gec-en-9x3/model.pt", "checkpoints/gec-en-9x3-transformers"], "checkpoints"),
     ("hfcli", ["export", "checkpoints/gec-en-9x3/model.pt", "data/gec-en-9x3-transformers"], "data"),
+    ("hfcli", ["import", "reports", "--out", "checkpoints/imported"], "checkpoints"),
+    ("hfcli", ["import", "reports", "--out", "data/imported"], "data"),
 ]
 # The commands whose --overwrite lets an output lie inside a shipped folder (train.py's rule).
 OPT_IN = {"train", "distill", "train_drafters"}
@@ -92,7 +94,8 @@ def test_no_output_goes_into_a_shipped_folder(name, argv, folder, capsys, monkey
 def test_every_output_option_of_every_command_is_covered(capsys):
     """Guards a command (or an option) added later without the check: every option that names a
     file or folder to write, in every command's --help, has a case above."""
-    helps = [("decode", []), ("train", []), ("hfcli", ["export"]), ("hfcli", ["audit"]), *((name, []) for name in (
+    helps = [("decode", []), ("train", []), ("hfcli", ["export"]), ("hfcli", ["audit"]), ("hfcli", ["import"]),
+             *((name, []) for name in (
         "bench", "ceiling", "ctranslate2", "distill", "fuzz", "int8bench", "stepcost", "train_drafters"))]
     found = set()
     for name, sub in helps:
