@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,10 +60,15 @@ def load_checkpoint(path: str | Path) -> dict:
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a legacy pickle
         raise CheckpointError(f"{path} is not a checkpoint (a model.pt written by train.py); "
                               f"give the model.pt file of a checkpoint folder")
+    size = path.stat().st_size
+    if head.startswith(b"PK") and not zipfile.is_zipfile(path):  # a zip's directory is at its end: cut off
+        raise CheckpointError(f"{path} is truncated or not a checkpoint ({size:,} bytes, and no zip directory at "
+                              f"its end, where a whole checkpoint file has one): copy or download it again")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt file, foreign pickle, truncated download
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {first_line(e, 200)}") from None
+    except Exception as e:  # a damaged file, a foreign pickle
+        raise CheckpointError(f"{path} is truncated, damaged or not a checkpoint ({size:,} bytes; torch cannot read it: "
+                              f"{type(e).__name__}: {first_line(e, 160)})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a refdec checkpoint (format {FORMAT})")
     if "frozen_base" in checkpoint and "model" not in checkpoint:
@@ -163,18 +169,23 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
     if not tok_path.is_file():
         raise CheckpointError(f"tokenizer {tok_path} not found (it is saved beside the checkpoint)")
     try:
-        tokenizer = Tokenizer.load(tok_path)
+        cfg = ModelConfig.from_dict(checkpoint["model_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: its model config cannot be read: {first_line(e, 200)}") from None
+    try:  # refdec's own vocabulary, or an imported model's with its special ids (refdec.hf.convert)
+        tokenizer = Tokenizer.for_model(tok_path.read_text(encoding="utf-8"), pad_id=cfg.pad_id, bos_id=cfg.bos_id,
+                                        eos_id=cfg.eos_id)
     except Exception as e:
         raise CheckpointError(f"cannot load tokenizer {tok_path}: {first_line(e, 200)}") from None
     if tokenizer.sha256 != checkpoint.get("tokenizer_sha256"):
         raise CheckpointError(f"{tok_path} is not the vocabulary {path} was trained with")
     try:
-        cfg = ModelConfig.from_dict(checkpoint["model_config"])
         model = Transformer(cfg)
         model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in checkpoint["model"].items()})
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: model weights do not fit its config: {first_line(e, 200)}") from None
-    if cfg.vocab_size != tokenizer.vocab_size:
+    # an imported model may have more embeddings than tokens (t5-small: 32,128 for 32,100), never fewer
+    if cfg.vocab_size != tokenizer.vocab_size and not (checkpoint.get("imported") and cfg.vocab_size > tokenizer.vocab_size):
         raise CheckpointError(f"{path} has {cfg.vocab_size} embeddings but {tok_path} {tokenizer.vocab_size} tokens")
     model.to(device=device, dtype=dtype).eval()
     if "shared_encoder" in checkpoint:

@@ -1,10 +1,12 @@
 """Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/; shown,
 a path as the user would type it; repo_file, a default that a command reads from it;
 check_not_shipped, the rule that keeps every command's output out of the shipped checkpoints/ and
-data/; check_files and list_files, the files a command needs in a copy of the repository (its --files)."""
+data/ (cache_folder, where caches go instead); install_hint, how to install an optional feature; check_files and list_files, the files a command needs in a copy of the repository (its --files)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +34,34 @@ def repo_file(*parts: str, flag: str | None = None) -> Path:
                          f"({Path(__file__).parent}) is installed without it: {instead}run the command from a clone "
                          f"of the repository installed with pip install -e .")
     return REPO.joinpath(*parts)
+
+
+# The optional features, as pyproject.toml's extras: what each one installs.
+EXTRAS = {"html": ("matplotlib",), "hf": ("transformers", "sentencepiece"),
+          "ctranslate2": ("ctranslate2", "transformers", "sentencepiece")}
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs an optional feature (EXTRAS), as it works where the message is read:
+    `pip install "refdec[EXTRA]"` where refdec is installed (pip keeps that refdec and adds what the
+    extra names), and in a clone its pinned requirements.txt too (the path as the user would type it);
+    elsewhere (a copied refdec/ folder) the packages themselves."""
+    forms = []
+    try:
+        importlib.metadata.distribution("refdec")
+        forms.append(f'pip install "refdec[{extra}]"')
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if (REPO / "requirements.txt").is_file():
+        forms.append(f"in this clone pip install -r {shown(REPO / 'requirements.txt')}")
+    return ", or ".join(forms) or f"pip install {' '.join(EXTRAS[extra])}"
+
+
+def cache_folder(*parts: str) -> Path:
+    """A folder of refdec's caches, outside the repository: $XDG_CACHE_HOME/refdec/..., else
+    ~/.cache/refdec/... (created by whoever writes into it)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base, "refdec", *parts)
 
 
 # The folders the repository ships, which commands read and never write unless told to (data/build.py,

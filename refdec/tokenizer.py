@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from .config import BOS_ID, EOS_ID, MASK_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID
+from .repo import install_hint
 
 
 class Tokenizer:
@@ -53,6 +54,18 @@ class Tokenizer:
         self.special_ids = frozenset(added | {i for i in (pad_id, bos_id, eos_id, unk_id) if i is not None})
         self.byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         return self
+
+    @classmethod
+    def for_model(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int) -> "Tokenizer":
+        """A tokenizer.json with a model's special ids: refdec's own kind when it is one with these ids
+        (a refdec model, exported or not), else wrapped as another model's (`foreign`)."""
+        try:
+            tok = cls(HFTokenizer.from_str(json_text), json_text)
+            if (tok.pad_id, tok.bos_id, tok.eos_id) == (pad_id, bos_id, eos_id):
+                return tok
+        except ValueError:  # not refdec's layout of special tokens: another model's
+            pass
+        return cls.foreign(json_text, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
@@ -127,8 +140,8 @@ class MarianPieces:
         try:
             import sentencepiece
         except ImportError:
-            raise ImportError("an opus-mt folder without tokenizer.json needs the sentencepiece package "
-                              "(pip install -r requirements.txt)") from None
+            raise ImportError(f"an opus-mt folder without tokenizer.json needs the sentencepiece package "
+                              f"({install_hint('hf')})") from None
         raw_spm, raw_vocab = Path(spm_path).read_bytes(), Path(vocab_path).read_bytes()
         self._sp = sentencepiece.SentencePieceProcessor(model_proto=raw_spm)
         self._ids: dict[str, int] = json.loads(raw_vocab)

@@ -291,7 +291,7 @@ def test_checkpoint_problems_are_one_line_errors(trained_tiny, tmp_path):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(trained_tiny, corrupt)
     (corrupt / "model.pt").write_bytes((trained_tiny / "model.pt").read_bytes()[:1000])
-    assert "cannot load" in one_line_error(decode(corrupt, "--algo", "greedy", "--limit", "1"))
+    assert "model.pt is truncated or not a checkpoint (1,000 bytes" in one_line_error(decode(corrupt, "--algo", "greedy", "--limit", "1"))
     shipped = "checkpoints/mt-en-de/model.pt"  # a real checkpoint with another tokenizer
     assert "different tokenizer" in one_line_error(
         decode(trained_tiny, "--algo", "iad", "--compare", f"greedy@{shipped}", "--limit", "1"))

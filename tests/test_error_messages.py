@@ -172,7 +172,7 @@ def test_hf_export_into_a_file_is_one_line(capsys, monkeypatch, tmp_path):
     """Was: `python -m refdec hf export ckpt.pt ckpt.pt` exited 1 with NotADirectoryError."""
     from refdec.commands.hfcli import main
     err = error_of(main, ["export", "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de/model.pt"], capsys, monkeypatch)
-    assert err == "error: checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
+    assert err == "error: OUT_DIR checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
 
 
 def test_a_corrupt_data_file_is_named(decode, capsys, monkeypatch, tmp_path):
@@ -192,3 +192,20 @@ def test_an_unknown_device_is_one_line(capsys, monkeypatch, name, argv):
     """Was: `decode.py --device tpu` exited 1 with torch's RuntimeError listing 20 device types."""
     err = error_of(command(name), argv, capsys, monkeypatch)
     assert err == "error: --device tpu: refdec runs on cpu or cuda (cuda:N for one GPU of several)"
+
+
+@pytest.mark.parametrize("cut", ["10kB", "half"])
+def test_a_truncated_checkpoint_is_said_to_be_truncated_with_its_size(cut, decode, tmp_path, capsys, monkeypatch):
+    """Was: a model.pt cut to 10,000 bytes gave `cannot load checkpoint trunc/model.pt: OSError: [Errno 22]
+    Invalid argument`, and one cut to half its size torch's message clipped before its key word. Now one
+    line says the file is truncated or not a checkpoint, with its size (exit 2)."""
+    from conftest import random_checkpoint
+    whole = random_checkpoint(tmp_path / "whole").read_bytes()
+    size = 10_000 if cut == "10kB" else len(whole) // 2
+    assert len(whole) > 2 * 10_000
+    (tmp_path / "trunc").mkdir()
+    shutil.copy(tmp_path / "whole" / "tokenizer.json", tmp_path / "trunc")
+    (tmp_path / "trunc" / "model.pt").write_bytes(whole[:size])
+    err = error_of(decode.main, ["--task", "mt-en-de", "--algo", "greedy", "--limit", "1", "--model",
+                                 str(tmp_path / "trunc" / "model.pt")], capsys, monkeypatch)
+    assert f"model.pt is truncated or not a checkpoint ({size:,} bytes" in err, err

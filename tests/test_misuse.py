@@ -438,6 +438,37 @@ def test_warm_up_is_a_few_sentences_whatever_the_batch_size():
     assert seen == [runner.WARMUP_ROWS, 500]
 
 
+def test_a_run_that_fails_in_the_warm_up_is_warned_of_and_the_others_go_on(capsys):
+    """Case: `hf audit` stopped at the first failure inside the warm-up (`Error: RuntimeError: IndexError:
+    index out of range in self`, exit 1, naming neither the method nor the line), while the same failure in
+    the timed loop is one warning and an empty output line. The warm-up now fails as the timed loop does:
+    a warning naming the run and the line, the other runs and lines decoded, the line tried again timed."""
+    from refdec.app import runner
+    from refdec.app.algorithms import Algorithm
+    from refdec.decoding import DecodeResult, DecodeStats
+    tried = []
+
+    def fails_on_long(model, src, *, max_len, trace=False):
+        tried.append(src.shape[1])
+        if src.shape[1] > 3:
+            raise RuntimeError("IndexError: index out of range in self")
+        return DecodeResult([torch.tensor([5])] * src.shape[0], DecodeStats())
+
+    def fine(model, src, *, max_len, trace=False):
+        return DecodeResult([torch.tensor([6])] * src.shape[0], DecodeStats())
+
+    runs = [runner.Run(Algorithm("fine", fine, "never fails"), {}, fake_models()),
+            runner.Run(Algorithm("fragile", fails_on_long, "fails on long lines"), {}, fake_models())]
+    ids = [[5, 6, 7], [5, 6], [5], [5, 6, 7, 8]]  # chunks in input order: line 1 is the warm-up's first
+    assert runner.decode_lines(runs, ids, max_len=4, max_positions=64, device="cpu", warmup=2, progress=False) == 4
+    err = capsys.readouterr().err
+    assert "fragile failed on input line(s) 1 in the warm-up: IndexError: index out of range in self" in err, err
+    assert "fragile failed on input line(s) 1: IndexError" in err and "fragile failed on input line(s) 4: " in err
+    assert tried.count(4) == 2  # line 1 (3 ids and eos) in the warm-up and again timed
+    assert [o is None for o in runs[1].outputs] == [True, False, False, True]
+    assert all(o is not None for o in runs[0].outputs)
+
+
 @pytest.mark.slow
 def test_exit_codes_are_one_for_every_usage_error(trained_tiny, tiny_extras, tmp_path):
     """Cases: a non-gzip .gz input and an out-of-range --block-size exited 1 where every other usage

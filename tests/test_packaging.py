@@ -51,6 +51,37 @@ def test_ci_runs_the_readme_test_command_which_installs_refdec():
     assert command in (REPO / ".ci" / "run").read_text().splitlines()
 
 
+def test_install_hints_name_the_extra_and_a_command_that_works_where_they_are_read(tmp_path, monkeypatch):
+    """Case: `--html needs matplotlib (pip install -r requirements.txt)` and the transformers and
+    safetensors hints sent a user who had run `pip install .` to a file they do not have. Each optional
+    feature is an extra of pyproject.toml (refdec.repo.EXTRAS, the same names), and a hint names
+    `pip install "refdec[EXTRA]"` where refdec is installed, adds the clone's requirements.txt (relative to
+    the current folder inside the clone, else its full path) in a clone, and names the packages where neither holds."""
+    import importlib.metadata
+    from packaging.requirements import Requirement
+    from refdec import repo
+    extras = {name: {Requirement(r).name for r in reqs}
+              for name, reqs in pyproject()["project"]["optional-dependencies"].items() if name != "test"}
+    assert extras == {name: set(packages) for name, packages in repo.EXTRAS.items()}
+    monkeypatch.chdir(REPO)
+    assert repo.install_hint("html") == 'pip install "refdec[html]", or in this clone pip install -r requirements.txt'
+    monkeypatch.chdir(tmp_path)  # elsewhere: the clone's file by its full path
+    assert repo.install_hint("hf").endswith(f"in this clone pip install -r {REPO / 'requirements.txt'}")
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)  # run from a clone, never installed
+    assert repo.install_hint("hf") == f"in this clone pip install -r {REPO / 'requirements.txt'}"
+    monkeypatch.setattr(repo, "REPO", tmp_path)  # a copied refdec/ folder: no clone around it
+    assert repo.install_hint("hf") == "pip install transformers sentencepiece"
+    monkeypatch.undo()
+    monkeypatch.setattr(repo, "REPO", tmp_path)  # `pip install .`: site-packages, no requirements.txt
+    assert repo.install_hint("html") == 'pip install "refdec[html]"'
+    # no message of refdec's sends a user to requirements.txt but through install_hint
+    sources = [p for p in (REPO / "refdec").rglob("*.py") if p.name != "repo.py"]
+    assert not [p for p in sources if "pip install -r requirements.txt" in p.read_text(encoding="utf-8")]
+
+
 @pytest.mark.slow
 def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trained_tiny):
     """`pip install .` of the repository into a fresh virtual environment: a wheel of refdec/ alone
@@ -73,7 +104,9 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trai
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"refdec", wheel.name.split("-py3")[0] + ".dist-info"}, tops
     venv = tmp_path / "venv"
-    r = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], **run)
+    # without a pip and setuptools of its own: the system's run there (the pinned torch asks for a newer
+    # setuptools than a venv's own, which pip would fetch from the network)
+    r = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], **run)
     assert r.returncode == 0, r.stderr
     python, refdec = venv / "bin" / "python", venv / "bin" / "refdec"
     r = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], **run)
@@ -116,6 +149,13 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trai
         err = r.stderr.strip()
         assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
         assert needle in err, (argv, err)
+    # an optional feature's hint names the extra, and that command works here: pip keeps this refdec
+    # and finds what the extra names (here already installed: --no-index, nothing fetched)
+    r = in_elsewhere(python, "-c", "import sys; sys.modules['matplotlib'] = None\n"
+                     "from refdec.app.htmlreport import check_available\ncheck_available()")
+    assert 'needs matplotlib (pip install "refdec[html]")' in r.stderr and "requirements" not in r.stderr, r.stderr
+    r = in_elsewhere(python, "-m", "pip", "install", "--dry-run", "--no-index", "refdec[html]")
+    assert r.returncode == 0 and "Would install" not in r.stdout, r.stdout + r.stderr
     r = in_elsewhere(refdec, "decodee")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: refdec: no command 'decodee'; choose from {', '.join(COMMANDS)} (refdec --help)"], r.stderr

@@ -48,6 +48,8 @@ CASES = [
                "data/gec-uk/test.tgt.gz"], "data"),
     ("hfcli", ["export", "checkpoints/gec-en-9x3/model.pt", "checkpoints/gec-en-9x3-transformers"], "checkpoints"),
     ("hfcli", ["export", "checkpoints/gec-en-9x3/model.pt", "data/gec-en-9x3-transformers"], "data"),
+    ("hfcli", ["import", "reports", "--out", "checkpoints/imported"], "checkpoints"),
+    ("hfcli", ["import", "reports", "--out", "data/imported"], "data"),
 ]
 # The commands whose --overwrite lets an output lie inside a shipped folder (train.py's rule).
 OPT_IN = {"train", "distill", "train_drafters"}
@@ -92,7 +94,8 @@ def test_no_output_goes_into_a_shipped_folder(name, argv, folder, capsys, monkey
 def test_every_output_option_of_every_command_is_covered(capsys):
     """Guards a command (or an option) added later without the check: every option that names a
     file or folder to write, in every command's --help, has a case above."""
-    helps = [("decode", []), ("train", []), ("hfcli", ["export"]), ("hfcli", ["audit"]), *((name, []) for name in (
+    helps = [("decode", []), ("train", []), ("hfcli", ["export"]), ("hfcli", ["audit"]), ("hfcli", ["import"]),
+             *((name, []) for name in (
         "bench", "ceiling", "ctranslate2", "distill", "fuzz", "int8bench", "stepcost", "train_drafters"))]
     found = set()
     for name, sub in helps:
@@ -188,3 +191,15 @@ def test_the_commands_as_typed_exit_2_and_change_nothing(argv, unchanged):
     err = r.stderr.decode().strip()
     assert r.returncode == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (r.returncode, err)
     assert "is inside" in err or "itself" in err, err
+
+
+@pytest.mark.slow
+def test_a_training_run_writes_its_token_cache_outside_data(tmp_path, unchanged):
+    """Case: `train.py --preset tiny` wrote a 25.8 MB .train-ids-*.pt (a git-ignored cache of the training
+    set's token ids) into data/mt-en-de/. A whole training set's ids (no --train-limit) now go to refdec's
+    cache folder, and data/ and checkpoints/ stay as they were, ignored files counted (`unchanged`)."""
+    r = run_py("train.py", "--preset", "tiny", "--max-steps", "1", "--eval-every", "1", "--threads", "1",
+               "--out-dir", str(tmp_path / "run"), env={"XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=600)
+    assert r.returncode == 0, r.stderr.decode()
+    assert [p.name.split("-")[:3] for p in (tmp_path / "cache" / "refdec" / "train-ids").iterdir()] == [["mt", "en", "de"]]
+    assert "cached in" in r.stderr.decode()

@@ -60,7 +60,7 @@ def test_corrupt_and_missing_checkpoints(tmp_path):
     """Guards against tracebacks on truncated or absent files."""
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"PK\x03\x04 not really a zip")
-    with pytest.raises(CheckpointError, match="cannot load"):
+    with pytest.raises(CheckpointError, match=r"is truncated or not a checkpoint \(21 bytes"):
         load_checkpoint(bad)
     with pytest.raises(CheckpointError, match="not found"):
         load_checkpoint(tmp_path / "nothing.pt")
@@ -550,17 +550,20 @@ def test_two_half_batch_passes_make_the_one_batch_update():
     assert device_pass_tokens(cfg, build_model(cfg, 40).cfg, torch.device("cpu")) == cfg.batch_tokens
 
 
-def test_training_ids_are_cached_beside_the_data_and_never_stale(tmp_path, monkeypatch):
-    """Guards the token cache: a whole training set is tokenized once and its ids kept beside its
-    files; a later run reads them (no tokenizing) and gets the same ids; an edited corpus is
-    tokenized anew, never served from the old cache; a smoke run (train_limit) writes none."""
+def test_training_ids_are_cached_outside_the_data_and_never_stale(tmp_path, monkeypatch):
+    """Guards the token cache: a whole training set is tokenized once and its ids kept in refdec's cache
+    folder ($XDG_CACHE_HOME/refdec/train-ids), never beside the data (case: train.py wrote a 25.8 MB
+    .train-ids-*.pt into data/mt-en-de/, which no command writes into); a later run reads them (no
+    tokenizing) and gets the same ids; an edited corpus is tokenized anew, never served from the old
+    cache; a smoke run (train_limit) writes none."""
     import gzip
     from refdec.config import PRESETS
     from refdec.data import load_split
     from refdec.training import encode_pairs
     _, tok = _dev_and_vocab(1)
-    folder = tmp_path / "mt-en-de"
-    folder.mkdir()
+    folder = tmp_path / "data" / "mt-en-de"
+    folder.mkdir(parents=True)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     train = load_split("mt-en-de", "train")
 
     def write(tgt_lines):
@@ -569,11 +572,12 @@ def test_training_ids_are_cached_beside_the_data_and_never_stale(tmp_path, monke
                 f.write("".join(line + "\n" for line in lines))
 
     write(train.tgt[:40])
-    cfg = PRESETS["tiny"].replace(data_dir=str(tmp_path))
+    cfg = PRESETS["tiny"].replace(data_dir=str(tmp_path / "data"))
     pairs = list(zip(train.src[:40], train.tgt[:40]))
     logs = []
     first = encode_pairs(cfg, tok, pairs, 0, logs.append)
-    assert any("cached" in m for m in logs) and list(folder.glob(".train-ids-*.pt"))
+    assert any("cached" in m for m in logs) and list((tmp_path / "cache" / "refdec" / "train-ids").glob("mt-en-de-*.pt"))
+    assert sorted(p.name for p in folder.iterdir()) == ["train.src.gz", "train.tgt.gz"]  # nothing beside the data
     real = tok.encode_batch
     monkeypatch.setattr(type(tok), "encode_batch", lambda self, texts: pytest.fail("tokenized again"))
     assert encode_pairs(cfg, tok, pairs, 0, logs.append) == first

@@ -23,6 +23,7 @@ import torch
 
 from . import report, runner
 from ..errors import UsageError
+from ..repo import install_hint
 from ..trace import Step, how_drafted, iterations, token_pieces
 
 PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
@@ -33,7 +34,7 @@ def check_available() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError("--html needs matplotlib (pip install -r requirements.txt)") from None
+        raise UsageError(f"--html needs matplotlib ({install_hint('html')})") from None
 
 
 def write_page(path: str, **kw) -> None:

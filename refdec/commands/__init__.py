@@ -10,7 +10,7 @@ repeat is in harness.py. decode.py and train.py at the repository's root run dec
     ctranslate2.py     refdec against CTranslate2 on the same weights
     distill.py         sequence-level distillation into a data folder
     fuzz.py            every lossless decoder against greedy on random tiny models
-    hfaudit.py         transformers' decoders against refdec's (hfcli.py: refdec hf export|audit)
+    hfaudit.py         transformers' decoders against refdec's (hfcli.py: refdec hf import|export|audit)
     int8bench.py       the candidate int8 products timed on a model's shapes
     stepcost.py        the cost of one decoder call appending q tokens
     train_drafters.py  the mt-en-de drafter and heads on one GPU
@@ -28,7 +28,7 @@ COMMANDS = {
     "decode": ("decode", "decode a test set or any file with one of refdec's algorithms"),
     "train": ("train", "train a model, drafter, proposal heads or small model from a preset"),
     "bench": ("bench", "every GPU table in one command"),
-    "hf": ("hfcli", "Hugging Face transformers folders: export a checkpoint, audit transformers' decoders"),
+    "hf": ("hfcli", "Hugging Face transformers folders: import one as a checkpoint, export a checkpoint, audit transformers' decoders"),
     "ctranslate2": ("ctranslate2", "refdec against CTranslate2 on the same weights"),
     "stepcost": ("stepcost", "the cost of one decoder call appending q tokens"),
     "ceiling": ("ceiling", "draft-then-verify speed when the draft is right"),

@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 
 from ..app import inputs, loading, plan, report, runner
-from ..repo import REPO, check_files, list_files
+from ..repo import REPO, check_files, install_hint, list_files
 from ..errors import CheckpointError, UsageError, first_line, run_command
 from ..app.exactness import divergences, identical_rate
 from ..machine import device_name, environment
@@ -237,7 +237,7 @@ def command_sections(section: str, args, device: torch.device, plan_: dict, pref
                 "--accept", plan_["accept"], *([f"--{route}"] if route != "reference" else []), *warmup, *common]))
     elif importlib.util.find_spec("transformers") is None:
         print("transformers is not installed: its greedy, assisted generation and prompt lookup are left out "
-              "(pip install transformers)")
+              f"({install_hint('hf')})")
         return {"skipped": "transformers is not installed"}
     else:
         n = str(plan_["sentences"]["transformers"])

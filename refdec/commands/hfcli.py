@@ -1,12 +1,15 @@
-"""python -m refdec hf export|audit: the command over refdec.hf (its export) and refdec.commands.hfaudit"""
+"""python -m refdec hf import|export|audit: the command over refdec.hf (its import into a checkpoint, its
+export) and refdec.commands.hfaudit"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from ..data import TASKS
 from ..errors import run_command
 from ..hf.common import HFError, is_hf_folder
+from ..hf.convert import import_folder
 from ..hf.export import export
 from . import as_typed
 from .hfaudit import audit, audit_table
@@ -15,8 +18,18 @@ from .harness import machine_options, report_option, set_up_machine, write_repor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=as_typed("hf"), description="Hugging Face transformers folders: export a refdec checkpoint, audit transformers' decoders")
+    p = argparse.ArgumentParser(prog=as_typed("hf"), description="Hugging Face transformers folders: import one as a "
+                                "refdec checkpoint, export a refdec checkpoint, audit transformers' decoders")
     sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("import", help="write a refdec checkpoint (model.pt, tokenizer.json) for a transformers folder "
+                       "(and check it)")
+    i.add_argument("folder", metavar="FOLDER", help="a transformers model folder (config.json, weights, tokenizer.json)")
+    i.add_argument("--out", required=True, metavar="DIR", help="the folder to write model.pt and tokenizer.json into "
+                   "(created; a new or empty one, outside the repository's checkpoints/ and data/)")
+    i.add_argument("--task", help="the task recorded in the checkpoint, for the commands that take --task beside "
+                   "--model (default none: decode.py --model DIR/model.pt --input FILE needs none)")
+    i.add_argument("--src-lang", help="the source-language token forced before every source (NLLB: eng_Latn)")
+    i.add_argument("--tgt-lang", help="the target-language token forced after the start token (NLLB: deu_Latn)")
     e = sub.add_parser("export", help="write a transformers folder for a refdec checkpoint (and check it)")
     e.add_argument("ckpt", metavar="CKPT", help="a refdec model.pt")
     e.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (created; outside the repository's "
@@ -51,13 +64,29 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: _run(args))
 
 
+def check_new_folder(flag: str, path: str, reads: dict) -> None:
+    """The folder a command creates and fills: a new or empty one, not a file, nowhere the run reads
+    or the repository ships (check_outputs)."""
+    if Path(path).is_file():
+        raise HFError(f"{flag} {path} is a file: give the folder to write (a new or empty one)")
+    if Path(path).exists() and any(Path(path).iterdir()):
+        raise HFError(f"{flag} {path} exists and is not empty")
+    check_outputs({flag: path}, reads, folders_made=True)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "import":
+        if args.task is not None and args.task not in TASKS:
+            raise HFError(f"--task {args.task}: choose from {', '.join(TASKS)}")
+        check_new_folder("--out", args.out, {"FOLDER": args.folder})
+        if not is_hf_folder(args.folder):
+            raise HFError(f"{args.folder} is not a transformers model folder (a folder with a config.json)")
+        result = import_folder(args.folder, args.out, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang)
+        print(f"wrote {result['model']} and its tokenizer.json ({result['architecture']}); refdec's float64 logits "
+              f"within {result['max_logit_difference']:.2g} of transformers' on the folder, the same greedy output")
+        return 0
     if args.command == "export":
-        if Path(args.out_dir).is_file():
-            raise HFError(f"{args.out_dir} is a file: give the folder to write (a new or empty one)")
-        if Path(args.out_dir).exists() and any(Path(args.out_dir).iterdir()):
-            raise HFError(f"{args.out_dir} exists and is not empty")
-        check_outputs({"OUT_DIR": args.out_dir}, checkpoint_files("CKPT", args.ckpt), folders_made=True)
+        check_new_folder("OUT_DIR", args.out_dir, checkpoint_files("CKPT", args.ckpt))
         result = export(args.ckpt, args.out_dir, without_heads=args.without_heads)
         print(f"wrote {result['folder']} ({result['architecture']}); transformers' float64 logits within "
               f"{result['max_logit_difference']:.2g} of refdec's, the same greedy output"

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, first_line
+from ..repo import install_hint
 
 LOGIT_TOLERANCE = 1e-12  # float64 logits of refdec and transformers on the same weights
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -21,7 +22,7 @@ def require_transformers():
     try:
         import transformers
     except ImportError:
-        raise HFError("this needs the transformers package (pip install -r requirements.txt)") from None
+        raise HFError(f"this needs the transformers package ({install_hint('hf')})") from None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     return transformers
@@ -31,8 +32,8 @@ def require_safetensors():
     try:
         import safetensors.torch
     except ImportError:
-        raise HFError("reading and writing model.safetensors needs the safetensors package "
-                      "(it comes with transformers: pip install -r requirements.txt)") from None
+        raise HFError(f"reading and writing model.safetensors needs the safetensors package "
+                      f"(it comes with transformers: {install_hint('hf')})") from None
     return safetensors.torch
 
 

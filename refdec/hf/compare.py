@@ -67,3 +67,27 @@ def refdec_logits(model: Transformer, src_ids: list[int], tgt_ids: list[int]) ->
     return model.decode(torch.tensor([[cfg.bos_id] + list(tgt_ids)]), memory, cache)[0]
 
 
+
+
+def compare_with_folder(model: Transformer, folder: str | Path, sources: list[list[int]], max_len: int = 32) -> dict:
+    """refdec's model (a float64 copy) beside transformers' model of `folder` (loaded in float64) on
+    each of `sources`: the largest logit difference along refdec's greedy output, and whether
+    transformers' greedy output is the same. Logits refdec holds at -inf (tokens the folder's
+    generation_config.json forbids, which transformers forbids in generate, not in its forward pass) are
+    left out of the difference. `said`: both in words."""
+    from ..decoding import decode_greedy
+    ref = Transformer(model.cfg)
+    ref.load_state_dict(model.state_dict())
+    ref.double().eval()
+    hf = hf_from_pretrained(folder, torch.float64)
+    diff, same, tokens = 0.0, True, 0
+    for src_ids in sources:
+        ours = decode_greedy(ref, torch.tensor([list(src_ids) + [model.cfg.eos_id]]), max_len=max_len).tokens[0]
+        mine = refdec_logits(ref, src_ids, ours.tolist())
+        theirs = hf_logits(hf, model.cfg, src_ids, ours.tolist())
+        kept = ~torch.isneginf(mine)
+        diff = max(diff, float((mine[kept] - theirs[kept]).abs().max()))
+        same = same and torch.equal(ours, hf_generate(hf, model.cfg, src_ids, max_len))
+        tokens += len(ours)
+    said = f"logits differ by {diff:.3g}, greedy outputs {'agree' if same else 'differ'}"
+    return {"max_logit_difference": diff, "same_greedy": same, "greedy_tokens": tokens, "said": said}

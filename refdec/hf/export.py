@@ -37,7 +37,7 @@ from ..config import ModelConfig
 from ..model import Transformer, sinusoidal_positions
 from ..tokenizer import Tokenizer
 from .common import LOGIT_TOLERANCE, HFError, require_safetensors, require_transformers
-from .compare import hf_from_pretrained, hf_generate, hf_logits, refdec_logits
+from .compare import compare_with_folder
 from .importing import M2M100, MODEL_TYPES, PEGASUS
 from .layout import half_split, hf_names, permute_state
 
@@ -113,18 +113,10 @@ def write_folder(model: Transformer, tokenizer: Tokenizer, out_dir: str | Path, 
 def check_export(model: Transformer, folder: Path, src_ids: list[int], max_len: int = 32) -> dict:
     """Load `folder` with transformers in float64 and compare it with refdec's model (in float64) on
     one source: the logits along refdec's greedy output, and the greedy output itself."""
-    from ..decoding import decode_greedy
-    ref = Transformer(model.cfg)
-    ref.load_state_dict(model.state_dict())
-    ref.double().eval()
-    hf = hf_from_pretrained(folder, torch.float64)
-    ours = decode_greedy(ref, torch.tensor([list(src_ids) + [model.cfg.eos_id]]), max_len=max_len).tokens[0]
-    diff = float((refdec_logits(ref, src_ids, ours.tolist()) - hf_logits(hf, model.cfg, src_ids, ours.tolist())).abs().max())
-    theirs = hf_generate(hf, model.cfg, src_ids, max_len)
-    if diff > LOGIT_TOLERANCE or not torch.equal(ours, theirs):
-        raise HFError(f"the exported folder {folder} does not reproduce the model: logits differ by {diff:.3g}, "
-                      f"greedy outputs {'agree' if torch.equal(ours, theirs) else 'differ'}")
-    return {"max_logit_difference": diff, "greedy_tokens": len(ours)}
+    result = compare_with_folder(model, folder, [src_ids], max_len)
+    if result["max_logit_difference"] > LOGIT_TOLERANCE or not result["same_greedy"]:
+        raise HFError(f"the exported folder {folder} does not reproduce the model: {result['said']}")
+    return {"max_logit_difference": result["max_logit_difference"], "greedy_tokens": result["greedy_tokens"]}
 
 
 def check_heads(ckpt: str | Path, stored: dict, without_heads: bool) -> None:

@@ -74,17 +74,44 @@ def load_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer | MarianPieces:
                       f"vocab.json and merges.txt)")
     else:
         text = path.read_text(encoding="utf-8")
-    cfg_ids = (cfg.pad_id, cfg.bos_id, cfg.eos_id)
     try:
-        tok = Tokenizer.load(path)
-        if cfg_ids == (tok.pad_id, tok.bos_id, tok.eos_id):
-            return tok
-    except Exception:  # not refdec's kind: wrapped below, or one line on why it cannot be
-        pass
-    try:
-        return Tokenizer.foreign(text, pad_id=cfg_ids[0], bos_id=cfg_ids[1], eos_id=cfg_ids[2])
+        return Tokenizer.for_model(text, pad_id=cfg.pad_id, bos_id=cfg.bos_id, eos_id=cfg.eos_id)
     except Exception as e:
         raise HFError(f"cannot load tokenizer {path}: {first_line(e, 200)}") from None
+
+
+# The tokens whose ids config.json gives and a tokenizer names: (role, config.json's field, the name
+# tokenizer_config.json or special_tokens_map.json gives it under, the name every family uses).
+NAMED_SPECIALS = (("end", "eos_token_id", "eos_token", "</s>"), ("padding", "pad_token_id", "pad_token", "<pad>"))
+CONTRACT = "(docs/hf.md, section The tokenizer of a folder)"
+
+
+def check_special_tokens(folder: Path, tokenizer, cfg: ModelConfig) -> None:
+    """The contract between a folder's tokenizer and its config.json (docs/hf.md): the end and padding
+    tokens the tokenizer names (tokenizer_config.json's eos_token and pad_token, else </s> and <pad>
+    where its vocabulary has them) sit at config.json's eos_token_id and pad_token_id, and every id
+    the model starts, ends, pads or is forced with is a token of the tokenizer. One line otherwise:
+    decoding would stop at, or drop, tokens the tokenizer does not mean so."""
+    names = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            names.update({k: v for k, v in read_json(folder / name).items() if k in ("eos_token", "pad_token")})
+    ids = {"eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id}
+    for role, field, key, usual in NAMED_SPECIALS:
+        named = names.get(key)
+        token = (named.get("content") if isinstance(named, dict) else named) or usual
+        at = tokenizer.token_id(token)
+        if at is None and named:
+            raise HFError(f"{folder}: its {key} {token!r} is not a token of its tokenizer {CONTRACT}")
+        if at is not None and at != ids[field]:
+            raise HFError(f"{folder}: config.json's {field} is {ids[field]} but the tokenizer has its {role} token "
+                          f"{token!r} at {at}; the model and its tokenizer must agree on it {CONTRACT}")
+    used = {"eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id, "decoder_start_token_id": cfg.bos_id,
+            **{f"forced token {i}": i for i in (*cfg.encoder_prefix, *cfg.decoder_prefix)}}
+    for field, i in used.items():
+        if not 0 <= i < tokenizer.vocab_size:
+            where = field if field.startswith("forced") else f"config.json's {field} {i}"
+            raise HFError(f"{folder}: {where} is not a token of its tokenizer ({tokenizer.vocab_size} tokens) {CONTRACT}")
 
 
 def byte_level_bpe(folder: Path) -> str:
@@ -147,6 +174,7 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype
                        **({"logits_bias": True} if banned else {}))
     if tokenizer.vocab_size > cfg.vocab_size:
         raise HFError(f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
+    check_special_tokens(folder, tokenizer, cfg)
     model = Transformer(cfg)
     state = _state(model, family, weights, folder)
     if banned:  # -inf logits: never written, as transformers' NoBadWordsLogitsProcessor does at every step

@@ -1,9 +1,10 @@
 """A run's data: the training pairs and dev set, the vocabulary, and the token ids of the pairs
-(tokenized once per training set and vocabulary, and cached beside the data: TokenCache).
+(tokenized once per training set and vocabulary, and cached in refdec's cache folder: TokenCache).
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from .. import data as data_mod
 from ..checkpoint import file_sha256, save_atomic
 from ..config import TrainConfig
+from ..repo import cache_folder
 from ..tokenizer import Tokenizer, iter_training_text
 from .processes import Processes
 
@@ -80,15 +82,17 @@ def encode_pairs(cfg: TrainConfig, tok: Tokenizer, pairs: list[tuple[str, str]],
 
 
 class TokenCache:
-    """The token ids of a task's training set, tokenized once and kept beside its files as
-    .train-ids-<vocabulary>.pt: every later run and process on that vocabulary reads them instead of
-    tokenizing again. The file records the sha256 of the vocabulary and of the training files, and
+    """The token ids of a task's training set, tokenized once and kept in refdec's cache folder
+    (refdec.repo.cache_folder: train-ids/<task>-<data folder>-<vocabulary>.pt), never beside the data,
+    which no command writes into: every later run and process on that vocabulary reads them instead
+    of tokenizing again. The file records the sha256 of the vocabulary and of the training files, and
     is used only while all of them are the same (an edited corpus or another vocabulary is tokenized
     anew and the cache rewritten)."""
 
     def __init__(self, cfg: TrainConfig, tok: Tokenizer):
         self.folder = Path(cfg.data_dir or data_mod.DATA_DIR) / cfg.task
-        self.path = self.folder / f".train-ids-{tok.sha256[:16]}.pt"
+        where = hashlib.sha256(str(self.folder.resolve()).encode("utf-8")).hexdigest()[:12]
+        self.path = cache_folder("train-ids") / f"{cfg.task}-{where}-{tok.sha256[:16]}.pt"
         self.tok_sha = tok.sha256
 
     def key(self) -> dict:
@@ -117,7 +121,7 @@ class TokenCache:
             save_atomic({"key": self.key(), **flat}, self.path)
         except OSError as e:
             return f"not cached ({e.strerror or e})"
-        return f"cached in {self.path.name} beside the data"
+        return f"cached in {self.path}"
 
     @staticmethod
     def unflatten(flat: torch.Tensor, lengths: torch.Tensor, n: int) -> list[list[int]]:

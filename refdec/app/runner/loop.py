@@ -28,6 +28,19 @@ def run_batch(run: Run, batch: list[list[int]], max_len: int, device) -> tuple[l
     return [t.cpu() for t in res.tokens], seconds, res.stats, res.trace
 
 
+def tried_batch(run: Run, b: list[int], ids: list, budget: int, device, warm_up: bool = False) -> tuple | None:
+    """run_batch on input lines `b`, or None after a warning naming the run and the lines when the decoder
+    fails on them: one bad batch must not lose the others, in the warm-up as in the timed loop (where the
+    lines then stay empty; a warm-up's lines are decoded again, timed)."""
+    try:
+        return run_batch(run, [ids[i] for i in b], budget, device)
+    except (RuntimeError, ValueError) as e:
+        after = "; the timed run decodes them again" if warm_up else "; writing empty output line(s) in their place"
+        warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}"
+             f"{' in the warm-up' if warm_up else ''}: {first_line(e, 200)}{after}")
+        return None
+
+
 WARMUP_ROWS = 16  # a warm-up batch holds at most this many sentences, whatever --batch-size
 
 
@@ -69,8 +82,8 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
     try:
         for c in chunks[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
             for run in runs:
-                rows = [ids[i] for i in batches(run, c, ids)[0][:WARMUP_ROWS]]
-                run_batch(run, rows, max_len_for(rows, max_len, max_positions), device)
+                b = batches(run, c, ids)[0][:WARMUP_ROWS]
+                tried_batch(run, b, ids, max_len_for([ids[i] for i in b], max_len, max_positions), device, warm_up=True)
         t_start, last_print, finished = time.time(), time.time(), 0
         for n, c in enumerate(chunks):
             budget = max_len_for([ids[i] for i in c], max_len, max_positions)
@@ -78,11 +91,8 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
             results = {}
             for run in order:
                 for b in batches(run, c, ids):
-                    try:
-                        results[(id(run), b[0])] = b, run_batch(run, [ids[i] for i in b], budget, device)
-                    except (RuntimeError, ValueError) as e:  # one bad batch must not lose the others
-                        warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}: "
-                             f"{first_line(e, 200)}; writing empty output line(s) in their place")
+                    if (result := tried_batch(run, b, ids, budget, device)) is not None:
+                        results[(id(run), b[0])] = b, result
             for run in runs:
                 for key, (b, (toks, secs, stats, trace)) in results.items():
                     if key[0] != id(run):
