@@ -37,7 +37,7 @@ def test_files_lists_repository_files_within_the_copys_limit(capsys):
         total += full.stat().st_size
     assert total <= 62 * 2**20 and f"{len(paths)} files" in err and "MiB" in err
     assert len(set(paths)) == len(paths)
-    for needed in ("refdec/commands/bench.py", "refdec/routes/graphed.py", "refdec/commands/hfaudit.py", "data/build.py",
+    for needed in ("refdec/commands/bench.py", "refdec/routes/graphed.py", "refdec/app/hfaudit.py", "data/build.py",
                    "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de-drafter/tokenizer.json",
                    "checkpoints/gec-uk-6x6/model.pt", "data/gec-uk/test.tgt2.gz", "data/mt-en-de/test.src.gz"):
         assert needed in paths, needed

@@ -95,7 +95,7 @@ THE_MODEL = ["refdec." + m for m in ("config", "errors", "model", "cache", "forc
 # through refdec.commands' table (refdec.__main__, the one entry module), decode.py and train.py
 # through their own.
 COMMANDS = ["refdec.commands." + m for m in (
-    "bench", "ceiling", "ctranslate2", "decode", "distill", "fuzz", "harness", "hfaudit", "hfcli", "int8bench",
+    "bench", "ceiling", "ctranslate2", "decode", "distill", "fuzz", "harness", "hfcli", "int8bench",
     "stepcost", "train", "train_drafters")]
 ENTRIES = ["refdec.__main__"]
 ABOVE_THE_MODEL = ("refdec.decoding", "refdec.app", "refdec.hf", "refdec.training", "refdec.commands", *ENTRIES)
@@ -169,7 +169,7 @@ def test_the_package_root_holds_no_command_shim():
                 if p.parent.name != "commands" and '__name__ == "__main__"' in p.read_text(encoding="utf-8") or p.name == "__main__.py"]
     assert programs == ["refdec/__main__.py"], programs
     assert {f"refdec.commands.{module}" for module, _ in TABLE.values()} <= set(COMMANDS) - {
-        "refdec.commands.harness", "refdec.commands.hfaudit"}
+        "refdec.commands.harness"}
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
     assert scripts == {"refdec": "refdec.commands:main"}
     for name in ("decode", "train"):

@@ -3,6 +3,7 @@ the model. algorithms (the registry of decoders and their options), plan (--algo
 resolved to runs before anything loads), hints (the one-line errors for a checkpoint path), inputs
 (input and output paths checked, source ids), loading (every checkpoint of a run loaded once, on its
 route), runner/ (the interleaved timing loop and the output lines), exactness (identical rate and
-divergences with their margins), report (the summary table and the JSON report) and htmlreport
-(decode.py --html). Nothing below it (the model, its routes, the decoders, training) imports it.
+divergences with their margins), report (the summary table and the JSON report), htmlreport
+(decode.py --html), timing (one decoder call timed, for the measuring commands) and hfaudit (the audit
+of transformers' decoders against refdec's). Nothing below it (the model, its routes, the decoders, training) imports it.
 """

@@ -10,7 +10,7 @@ repeat is in harness.py. decode.py and train.py at the repository's root run dec
     ctranslate2.py     refdec against CTranslate2 on the same weights
     distill.py         sequence-level distillation into a data folder
     fuzz.py            every lossless decoder against greedy on random tiny models
-    hfaudit.py         transformers' decoders against refdec's (hfcli.py: refdec hf import|export|audit)
+    hfcli.py           refdec hf import|export|audit (the audit: refdec.app.hfaudit)
     int8bench.py       the candidate int8 products timed on a model's shapes
     stepcost.py        the cost of one decoder call appending q tokens
     train_drafters.py  the mt-en-de drafter and heads on one GPU

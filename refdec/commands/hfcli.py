@@ -1,5 +1,5 @@
 """python -m refdec hf import|export|audit: the command over refdec.hf (its import into a checkpoint, its
-export) and refdec.commands.hfaudit"""
+export) and refdec.app.hfaudit"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ..hf.common import HFError, is_hf_folder
 from ..hf.convert import import_folder
 from ..hf.export import export
 from . import as_typed
-from .hfaudit import audit, audit_table
+from ..app.hfaudit import audit, audit_table
 from ..app.inputs import check_outputs, checkpoint_files, input_files
 from .harness import machine_options, report_option, set_up_machine, write_report
 

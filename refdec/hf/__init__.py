@@ -17,7 +17,7 @@ inside the functions that need it: the rest of refdec imports and runs without i
     export.py     a refdec checkpoint -> a Pegasus or M2M100 folder, checked by loading it back
     convert.py    a folder -> a refdec checkpoint (model.pt, tokenizer.json), checked against transformers
 
-The audit (refdec.commands.hfaudit) and the command line (refdec.commands.hfcli, run by this package's
+The audit (refdec.app.hfaudit) and the command line (refdec.commands.hfcli, run by this package's
 __main__) stand on the runner, which stands on refdec.app.loading, which reads folders with this package:
 they live beside the other commands, above it.
 """

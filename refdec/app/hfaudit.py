@@ -1,6 +1,7 @@
-"""python -m refdec hf audit: refdec's and transformers' decoders on the same weights and inputs, line by
-line. It stands on refdec.hf (import, export, transformers beside refdec) and on the runner it times with,
-so it lives beside the other commands, not in refdec.hf, which refdec.app.loading reads folders from.
+"""The audit behind `python -m refdec hf audit` (refdec.commands.hfcli): refdec's and transformers' decoders
+on the same weights and inputs, line by line. It stands on refdec.hf (import, export, transformers beside
+refdec) and on the runner it times with, so it lives in the application layer beside the runner, not in
+refdec.hf, which refdec.app.loading reads folders from.
 
 Audit: refdec greedy, refdec IAD (GEC tasks, and a transformers folder's own --input) and speculative
 decoding (with --small), transformers' greedy generate, assisted generation (the small model as
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..app.algorithms import Algorithm
+from .algorithms import Algorithm
 from ..checkpoint import load_model
 from ..data import source_rows
 from ..decoding.result import DecodeResult, DecodeStats, result_of
@@ -81,19 +82,19 @@ def hf_algorithm(name: str, hf_model, failures: dict, **generate_args) -> Algori
 def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
     """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' wrapping
     them (refdec.routes.fast, refdec.routes.graphed), so that each route's decoders are rows of the one audit."""
-    from ..app.loading import routed
+    from .loading import routed
     return [(route, routed(models, route, False)) for route in routes]
 
 
 def _audit(args, lines: list[str], tmp: Path) -> dict:
-    from ..app import inputs
-    from ..app.algorithms import ALGORITHMS
+    from . import inputs
+    from .algorithms import ALGORITHMS
     from ..data import TASKS
-    from ..app.exactness import divergences
-    from ..app.inputs import shown_path
+    from .exactness import divergences
+    from .inputs import shown_path
     from ..machine import device_name, environment
-    from ..app.loading import Models
-    from ..app.runner import Run, decode_lines
+    from .loading import Models
+    from .runner import Run, decode_lines
 
     device = getattr(args, "device", "cpu")
     model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
