@@ -54,7 +54,7 @@ from ..errors import UsageError, run_command
 from ..routes import on_route
 from ..routes.fast import FastRoute
 from ..hf import PEGASUS, check_export, export_route, write_folder
-from ..repo import check_not_shipped, repo_file
+from ..repo import cache_folder, check_not_shipped, repo_file
 from ..routes.kernels import is_int8
 from ..app.inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from ..app.loading import Models
@@ -78,11 +78,6 @@ def _ctranslate2():
         raise UsageError(f"this needs the ctranslate2 package (pip install ctranslate2=={PINNED}, "
                          f"listed in requirements.txt)") from None
     return ctranslate2
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "refdec" / "ctranslate2"
 
 
 def converter(ctranslate2, folder: Path, start_token: str):
@@ -346,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "on the fast route with --fast): its greedy against refdec greedy, its IAD against its greedy")
     p.add_argument("--step-cost", action="store_true", help="also time one decoder step on each refdec route and "
                    "each CTranslate2 compute type (1 row, a cache of 30 tokens, a source of 30)")
-    p.add_argument("--cache-dir", default=str(default_cache_dir()),
+    p.add_argument("--cache-dir", default=str(cache_folder("ctranslate2")),
                    help="where converted models are kept, one folder per checkpoint, outside the repository's "
                         "checkpoints/ and data/ (default %(default)s)")
     report_option(p)
