@@ -256,7 +256,8 @@ class Transformer(nn.Module):
         """Section 3.4 + 3.5: src (B, S) -> (B, S, D), at positions 0 .. S - 1."""
         return self._embed(src, 0, None, self.src_embed, self.src_positions, self.src_embed_norm)
 
-    def embed_target(self, tokens: torch.Tensor, offset: int | torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    def embed_target(self, tokens: torch.Tensor, offset: int | torch.Tensor,
+                     real: torch.Tensor | None = None) -> torch.Tensor:
         """Section 3.4 + 3.5: tokens (B, T) -> (B, T, D), at positions offset .. offset + T - 1, offset one
         int or (B,) one per row (a ragged cache). With `real` (B,) real tokens per row, the padding's
         positions are clamped to the table's end (their states are never read): only real ones must fit."""

@@ -184,7 +184,9 @@ def routed(models: Models, route: str, int8: bool, large=None) -> Models:
     reads it (an early exit, a decoder on its encoder) is built again around that route, so that the
     pair still shares one encoder pass."""
     large = on_route(models.model, route, int8) if large is None else large
-    drafter = None if models.drafter is None else replace(models.drafter, model=beside(models.drafter.model, models.model, large, route, int8))
+    drafter = models.drafter
+    if drafter is not None:
+        drafter = replace(drafter, model=beside(drafter.model, models.model, large, route, int8))
     return replace(models, model=large, drafter=drafter, small=beside(models.small, models.model, large, route, int8),
                    heads=None if models.heads is None else on_route(models.heads, route, int8))
 

@@ -18,20 +18,20 @@ memory rather than computing. The fast route computes the same mathematics with 
   * in a ragged batch (a batched verification call of drafts of different lengths), every linear map
     and norm on the real positions alone: padding is attended over as zeros, never multiplied;
 
-It writes into the same KVCache with the same verbs (append, advance; the decoders truncate, select
-and clone it as before), takes the same arguments, and returns the same shapes, so every decoder
-runs on it unchanged. It is a route, not a model: `on_route(model, "fast")` (refdec.routes) wraps a
-Transformer in a FastRoute, which offers the verbs a decoder calls (encode, new_cache, decode_hidden,
-project, decode, cfg), leaving the model as it is. The route holds its own copy of the decoder's weights in the layout above, made from the
-parameters when first used and made again when one of them has changed (refdec.routes.stamps), and
-hands each decoding call the layout it checked in the Memory it returns (LaidOutMemory). Where the
-route does not apply it hands the call to the model's own layers on the few-row kernels (a
-KernelRoute, refdec.routes.kernels: its `reference`), explicitly: while training or with gradients on, for an
-early exit (`layers`) or a drafter's block of masks (`open_from`); it is not made for model families
-whose layers it does not write (RMS norm, gated feed-forward, T5's relative positions and unscaled
-attention: see `applies_to`). On the int8 route (`on_route(model, "fast", int8=True)`) it computes the
-same layout's products in int8 (refdec.routes.int8). After a write through `.data` in place, which no
-stamp sees, `refresh()` makes every kept form again.
+It writes into the same KVCache with the same verbs (append, advance; the decoders truncate, select and
+clone it as before), takes the same arguments, and returns the same shapes, so every decoder runs on it
+unchanged. It is a route, not a model: `on_route(model, "fast")` (refdec.routes) wraps a Transformer in
+a FastRoute, which offers the verbs a decoder calls (encode, new_cache, decode_hidden, project, decode,
+cfg), leaving the model as it is. The route holds its own copy of the decoder's weights in the layout
+above, made from the parameters when first used and made again when one of them has changed
+(refdec.routes.stamps), and hands each decoding call the layout it checked in the Memory it returns
+(LaidOutMemory). Where the route does not apply it hands the call to the model's own layers on the
+few-row kernels (a KernelRoute, refdec.routes.kernels: its `reference`), explicitly: while training or with
+gradients on, for an early exit (`layers`) or a drafter's block of masks (`open_from`); it is not made
+for model families whose layers it does not write (RMS norm, gated feed-forward, T5's relative positions
+and unscaled attention: see `applies_to`). On the int8 route (`on_route(model, "fast", int8=True)`) it
+computes the same layout's products in int8 (refdec.routes.int8). After a write through `.data` in
+place, which no stamp sees, `refresh()` makes every kept form again.
 
 The route computes the same sums in another order (a fused attention kernel, the bias added after
 the residual), so its float32 logits differ from the reference route's in the last bits, as the
@@ -281,7 +281,7 @@ class FastRoute(Route):
         """The encoder over src (B, S), its forced tokens in, with `allowed` (B, 1, 1, S) True at the
         keys that are not padding (None: every key) -> states (B, S, D)."""
         B, S = src.shape
-        H, ref = self.cfg.n_heads, self.reference.computing()
+        H, ref = self.cfg.n_heads, self.reference.starting()
         x = self.model.embed_source(src).reshape(B * S, -1)
         for layer in ref.encoder:  # once per source, many rows: the parameters as they are, no copy
             def self_attn(h, x, a=layer.attn):
@@ -301,7 +301,7 @@ class FastRoute(Route):
         rows, H = states.reshape(B * S, -1), self.cfg.n_heads
         dtype = torch.float64 if self.int8 else states.dtype  # int8: its attention's dtype (refdec.routes.int8)
         kv = [heads(y, B, S, H).to(dtype).contiguous()
-              for y in linears(rows, [m for layer in self.reference.computing().decoder
+              for y in linears(rows, [m for layer in self.reference.starting().decoder
                                       for m in (layer.cross_attn.wk, layer.cross_attn.wv)], self.joined)]
         return LaidOutMemory(states, src_pad, list(zip(kv[0::2], kv[1::2])), self, self.decoder_weights())
 

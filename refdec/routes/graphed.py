@@ -197,7 +197,8 @@ class StaticKVCache(KVCache):
 
     def clone(self) -> "StaticKVCache":
         L, H, Dh = self.shape  # a slab of this one's capacity (a power of two: MAX_STEP to spare already)
-        other = StaticKVCache(self.pool, L, self.batch, H, Dh, self.capacity - MAX_STEP, device=self.device, dtype=self.dtype)
+        other = StaticKVCache(self.pool, L, self.batch, H, Dh, self.capacity - MAX_STEP, device=self.device,
+                              dtype=self.dtype)
         if other.slab.k.shape[1] != self.slab.k.shape[1]:  # as many rows of storage as this one's
             other._move(self.slab.k.shape[1], self.capacity, self.batch)
         other._end, other._lengths, other.prefix = self._end, self._lengths, self.prefix

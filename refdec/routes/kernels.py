@@ -274,22 +274,25 @@ class KernelRoute(Route):
         self.twin, self.made_for = twin(self.model, self.kernels), placement(self.model)
 
     def computing(self) -> nn.Module:
-        """The module that computes a call: the model itself in training mode, else the twin (made
-        again if the model has been moved or cast since)."""
-        if self.model.training:
-            return self.model
+        """The module that computes a call: the model itself in training mode, else the twin."""
+        return self.model if self.model.training else self.twin
+
+    def starting(self) -> nn.Module:
+        """computing() for a call that starts a decoding call or a teacher-forced pass (an encoder pass,
+        a memory attached): the twin made again first if the model has been moved or cast since, a
+        check kept out of the decoder steps that follow."""
         if placement(self.model) != self.made_for:
             self.refresh()
-        return self.twin
+        return self.computing()
 
     def encode(self, src: torch.Tensor) -> Memory:
-        return self.computing().encode(src)
+        return self.starting().encode(src)
 
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.computing().encode_states(src)
+        return self.starting().encode_states(src)
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
-        return self.computing().attach(states, src_pad)
+        return self.starting().attach(states, src_pad)
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         if self.kernels.int8_now():  # made in float64 alone: not the model's dtype first
@@ -310,10 +313,10 @@ class KernelRoute(Route):
 
     def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
                        memory: Memory | None = None) -> torch.Tensor:
-        return self.computing().forward_hidden(src, tgt, self_block, memory)
+        return self.starting().forward_hidden(src, tgt, self_block, memory)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        return self.computing()(src, tgt)
+        return self.starting()(src, tgt)
 
     __call__ = forward
 
