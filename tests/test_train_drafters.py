@@ -227,3 +227,18 @@ def test_ctrl_c_stops_a_run_that_resume_continues(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from d/gad-drafter/last.pt at step {step}" in r.stderr and (job / "model.pt").is_file()
     assert load_checkpoint(job / "last.pt")["step"] == step + 1
+
+
+def test_minutes_sets_every_jobs_time_limit():
+    """--minutes replaces each job's own time limit; without it each job keeps its own."""
+    from refdec.commands.train_drafters import JOBS, build_parser, job_command
+    for argv, expected in (([], [job[3] for job in JOBS]), (["--minutes", "3.5"], [3.5] * len(JOBS))):
+        args = build_parser().parse_args(argv)
+        limits = [float((cmd := job_command(args, *job))[cmd.index("--time-limit-min") + 1]) for job in JOBS]
+        assert limits == expected
+
+
+def test_minutes_must_be_positive():
+    r = subprocess.run([sys.executable, "-m", "refdec", "train-drafters", "--minutes", "0", "--max-steps", "1"],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and "--minutes must be more than 0" in r.stderr

@@ -5,6 +5,7 @@ parallel decoding's proposal heads, one after the other, each a train.py run wit
                                                      # checkpoints/mt-en-de, the distilled data), their size
     python -m refdec train-drafters                  # on a GPU: runs/drafters/<job>/model.pt
     python -m refdec train-drafters --resume         # after Ctrl-C: finish the stopped jobs, keep the done ones
+    python -m refdec train-drafters --only gad-drafter --minutes 3.5   # one job, its own time limit
     python -m refdec train-drafters --max-steps 2 --train-limit 200 --dev-limit 10   # a smoke run (CPU)
 
 The jobs (JOBS) start from what the verifier knows: the drafter's decoder from the verifier's own
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "there is none, but for a smoke run, which then trains on the CPU) or cpu (even beside a GPU)")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                    help="train.py --compile for every job: auto (on a GPU, off on a CPU), on or off (default: %(default)s)")
+    p.add_argument("--minutes", type=float, help="each job's time limit in minutes of training (default: the job's "
+                   f"own, {' and '.join(str(j[3]) for j in JOBS)}: about 8 minutes in all with the starts and evaluations, "
+                   "which the limit does not count)")
     p.add_argument("--max-steps", type=int, help="smoke runs: stop each job after this many updates")
     p.add_argument("--train-limit", type=int, help="smoke runs: train on the first N pairs only")
     p.add_argument("--dev-limit", type=int, help="smoke runs: validate on the first N dev pairs only")
@@ -108,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def job_command(args, name: str, preset: str, options: list[str], minutes: float, state: str = "new") -> list[str]:
     """The train.py command of a job; `state`: what its folder needs (FLAGS)."""
     cmd = [sys.executable, str(REPO / "train.py"), "--preset", preset, "--out-dir", str(Path(args.out_dir) / name),
-           "--time-limit-min", str(minutes), "--compile", args.compile, *options]
+           "--time-limit-min", str(args.minutes or minutes), "--compile", args.compile, *options]
     for flag in SMOKE:
         value = getattr(args, flag)
         if value is not None:  # (a run evaluates at its end whatever its eval-every)
@@ -180,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     for flag in SMOKE:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.minutes is not None and not args.minutes > 0:
+        raise UsageError("--minutes must be more than 0")
     env = job_environment(args)
     jobs = [(job, job_state(Path(args.out_dir) / job[0], args)) for job in JOBS if not args.only or job[0] in args.only]
     summary, t0 = {}, time.time()
