@@ -222,3 +222,22 @@ def test_stepcost_times_the_int8_route_and_splits_its_call(tmp_path, capsys):
     for q in ("1", "4"):
         total = sum(parts[f"{p}_ms"][q] for p in ("products", "quantization", "attention", "rest"))
         assert abs(total - parts["call_ms"][q]) < 1e-9 and parts["products_ms"][q] > 0
+
+
+def test_route_tables_say_faster_for_a_run_that_took_less_time():
+    """A run that took a third of greedy's time is "3.00x faster" than greedy in the per-route
+    table, as in its JSON (speed_vs_greedy 3.0): the words once read the ratio upside down."""
+    from types import SimpleNamespace
+    from refdec.commands.bench import ROUTES, route_tables
+    out = [torch.tensor([5, 6])]
+    runs, rows = [], []
+    for route in ROUTES:
+        for algo, seconds in (("greedy", 3.0), ("iad", 1.0), ("beam", 6.0)):
+            runs.append(SimpleNamespace(name=f"{algo} [{route}]", algo=SimpleNamespace(name=algo), batch_size=1,
+                                        outputs=out, models=SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(eos_id=2)))))
+            rows.append({"seconds": seconds, "ms_per_token": seconds, "tokens_per_call": 1.0, "sent_per_s": 1 / seconds})
+    text, figures = route_tables("gec-uk", runs, rows, [[1]], torch.device("cpu"))
+    lines = {line.split()[0]: line for line in text.splitlines()[:6] if line.split() and line.split()[0] in ("iad", "beam")}
+    assert "3.00x faster" in lines["iad"] and "6.00x faster" in lines["iad"]
+    assert "2.00x slower" in lines["beam"]
+    assert figures["routes"]["reference"][1]["speed_vs_greedy"] == 3.0

@@ -51,9 +51,9 @@ def test_a_copy_of_the_listed_files_trains_both_drafters(tmp_path):
 
 
 def test_every_job_runs_with_the_compile_option_given():
-    """Guards --compile reaching train.py: auto (compiled on a GPU) unless told otherwise."""
+    """Guards --compile reaching train.py: off (eager) unless told otherwise."""
     from refdec.commands.train_drafters import JOBS, build_parser, job_command
-    for argv, value in (([], "auto"), (["--compile", "off"], "off")):
+    for argv, value in (([], "off"), (["--compile", "auto"], "auto")):
         args = build_parser().parse_args(argv)
         for job in JOBS:
             cmd = job_command(args, *job)

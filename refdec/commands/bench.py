@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import shlex
 import sys
@@ -163,7 +164,7 @@ def route_tables(section: str, runs: list, rows: list[dict], ids: list, device) 
             entry["identical_to_greedy"] = identical_rate(greedy.outputs, run.outputs) if greedy else None
             table.append(entry)
             cells.append([entry["run"], f"{row['ms_per_token']:.2f}", f"{row['tokens_per_call']:.2f}",
-                          *(report.relative_speed(row["seconds"] / base[b]["seconds"]) for b in baselines),
+                          *(report.relative_speed(entry[f"speed_vs_{b}"] or math.nan) for b in baselines),
                           "" if entry["identical_to_greedy"] is None else f"{entry['identical_to_greedy']:.4f}"])
         figures["routes"][route] = table
         text.append(f"{route} route\n" + columns(cells))
