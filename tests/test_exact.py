@@ -14,6 +14,7 @@ from refdec.decoding import decode_beam, decode_gad, decode_greedy, decode_iad
 from refdec.decoding.blockwise import accept_rule
 from refdec.decoding import gad as gad_module
 from refdec.decoding.gad import gadpp_rule
+from refdec.decoding import ties
 from refdec.decoding.ties import best_candidates, rank
 from refdec.drafter import Drafter
 from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
@@ -73,6 +74,35 @@ def test_rank_and_best_candidates_put_the_lowest_id_first_among_ties():
     scores = torch.tensor([[0.5, 0.9, 0.9, 0.9, 0.1]], dtype=torch.float64)
     assert best_candidates(scores, 2).tolist() == [[1, 2]]
     assert best_candidates(scores, 3, tiebreak=torch.tensor([[0.0, 1.0, 2.0, 2.0, 0.0]])).tolist() == [[2, 3, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_two_pass_argmax_is_torch_argmax_ties_nan_and_infinities_included(dtype, monkeypatch):
+    """Guards ties.argmax, greedy's and verification's token: bitwise torch.argmax's index on rows
+    of many shapes, vocabularies that are and are not a multiple of its block, exact ties inside a
+    block and across blocks (the lowest id wins), NaN (counted as the largest, the first one wins),
+    rows of -inf and a maximum in the short last block. Every shape takes the two passes here
+    (DIRECT 0); a vocabulary under two blocks takes torch.argmax itself."""
+    monkeypatch.setattr(ties, "DIRECT", 0)
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 8000), (3, 2000), (600, 300), (40, 64 * 7 + 5), (2, 9, 1000), (5000, 20)]:
+        for case in range(6):
+            x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+            flat = x.view(-1, shape[-1])
+            if case == 1:  # exact ties: a row's maximum copied to a few ids, before and after it
+                for row in flat:
+                    top = row.max()
+                    row[torch.randint(0, shape[-1], (3,), generator=g)] = top
+            elif case == 2:  # NaN in some rows, twice in one
+                flat[::3, torch.randint(0, shape[-1], (2,), generator=g)] = float("nan")
+            elif case == 3:  # rows of -inf, +inf ties
+                flat[::2] = float("-inf")
+                flat[1::2, ::7] = float("inf")
+            elif case == 4:  # the maximum in the last ids (a short last block)
+                flat[:, -1] = 100
+            elif case == 5:  # few distinct values: ties everywhere
+                flat.copy_(torch.randint(0, 3, flat.shape, generator=g).to(dtype))
+            assert torch.equal(ties.argmax(x), x.argmax(dim=-1)), (shape, case)
 
 
 def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):

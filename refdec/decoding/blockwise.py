@@ -40,7 +40,7 @@ from ..model import Transformer
 from ..proposal import ProposalHeads
 from .result import DecodeResult, DecodeStats, check_eval
 from .rows import Rows
-from .ties import rank
+from .ties import argmax, rank
 from .verify import Verified, verify_rows
 
 BLOCK_RULES = ("exact", "top-k", "distance")
@@ -61,7 +61,7 @@ def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | N
         return None
 
     def accept(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
-        best = logits.argmax(dim=-1)
+        best = argmax(logits)
         if rule == "top-k":
             ok = rank(logits, draft) < top_k  # refdec's tie rule: lowest id first among equal logits
         elif rule == "distance":
@@ -115,4 +115,4 @@ def propose(model: Transformer, heads: ProposalHeads, verified: list[Verified], 
     if not verified:
         return []
     states = torch.stack([v.hidden[v.accepted] for v in verified])  # (b, D)
-    return model.project(heads(states[:, None])[:, 0, 1:k]).argmax(-1).tolist()
+    return argmax(model.project(heads(states[:, None])[:, 0, 1:k])).tolist()

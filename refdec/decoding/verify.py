@@ -47,6 +47,7 @@ import torch
 from ..cache import KVCache
 from ..model import Memory, Transformer
 from ..trace import Step
+from .ties import argmax as first_max
 
 AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ChooseRule = Callable[[torch.Tensor, int, bool], int]
@@ -133,11 +134,11 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     hidden = model.decode_hidden(inp, memory, cache, real=lengths)  # (B, width, D)
     if lengths is None:
         logits = model.project(hidden)  # (B, width, V)
-        argmax = logits.argmax(dim=-1).tolist()  # the lowest id among equal maxima, as greedy's
+        argmax = first_max(logits).tolist()  # the lowest id among equal maxima, as greedy's
     else:  # only fed positions are projected (the projection is the widest product); rows split again
         flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < lengths[:, None]][None])[0]
         logits = flat.split(widths)  # row b: (widths[b], V)
-        ids = flat.argmax(dim=-1).tolist()  # one argmax for every row's positions, then split as the logits
+        ids = first_max(flat).tolist()  # one argmax for every row's positions, then split as the logits
         argmax = [ids[start:start + w] for start, w in zip(itertools.accumulate([0] + widths), widths)]
     out, keep = [], []
     for b, (draft, w) in enumerate(zip(drafts, widths)):
