@@ -395,3 +395,23 @@ def test_decode_graphed_runs_every_algorithm_on_a_shipped_checkpoint(algo, tmp_p
     assert r.returncode == 0, r.stderr.decode()
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
     assert (REPO / "checkpoints" / "mt-en-de" / "model.pt").is_file()
+
+
+def test_time_replay_times_the_step_that_the_call_runs(monkeypatch):
+    """Guards stepcost's graphed replay timing (refdec.app.timing.time_replay): the step it times is
+    the one the route's call of that shape ran (step_of finds it, made once), and running it alone
+    writes the call's final states again (the same inputs, the same outputs)."""
+    from refdec.app import timing
+    m = tiny_model(0)
+    route = on_route(m, "graphed")
+    src = random_src(0, 2, 7)
+    with torch.inference_mode():
+        memory = route.encode(src)
+        cache = route.new_cache(2, capacity=8)
+        route.decode(torch.full((2, 5), 7), memory, cache)
+        states = route.decode_hidden(torch.full((2, 3), 9), memory, cache)
+        step = route.step_of(memory, cache, 3)
+        assert step.tokens.shape == (2, 4) and any(s is step for s in route.state.steps.values())
+        step.run()
+        assert torch.equal(step.out[:2, :3], states)
+        assert timing.time_replay(route, memory, 5, 3, 2) > 0

@@ -26,6 +26,24 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def time_replay(route, memory, prefix: int, q: int, reps: int) -> float:
+    """Median seconds of the graphed route's step alone (refdec.routes.graphed: on a GPU the replay
+    of its CUDA graph, on a CPU its function run eagerly) for a call appending q tokens to every row of
+    a cache holding `prefix` tokens: the call without the route's Python around the step (its static
+    inputs filled, its rows copied out) and without the vocabulary projection after it."""
+    rows, device = memory.states.shape[0], memory.states.device
+    cache = route.new_cache(rows, capacity=prefix + q)
+    route.decode(torch.full((rows, prefix), 7, device=device), memory, cache)
+    route.decode(torch.full((rows, q), 9, device=device), memory, cache)  # the step made (and captured)
+    step = route.step_of(memory, cache, q)
+    times = []
+    for _ in range(reps):
+        t0 = clock(device)
+        step.run()
+        times.append(clock(device) - t0)
+    return statistics.median(times)
+
+
 def products(weights, x: torch.Tensor) -> torch.Tensor:
     """The matrix products of a fast-route decoder step over rows x (N, D) and nothing else, in the
     step's order, on its laid-out weights (refdec.routes.fast.DecoderWeights): per layer the

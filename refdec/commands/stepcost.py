@@ -51,7 +51,7 @@ from ..checkpoint import load_model
 from ..errors import UsageError, run_command
 from ..repo import repo_file
 from ..app.inputs import check_outputs, checkpoint_files, shown_path
-from ..app.timing import time_decode, time_products
+from ..app.timing import time_decode, time_products, time_replay
 from ..machine import clock, environment, machine_line
 from ..progress import ProgressLine
 from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
@@ -111,7 +111,8 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.routes.kernels), and
     with --fast the fast route (refdec.routes.fast) wrapping the model, whose encoder is timed too, and
     the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures), and
-    with --graphed the graphed route (refdec.routes.graphed) wrapping it too."""
+    with --graphed the graphed route (refdec.routes.graphed) wrapping it too, and the step of its q = 1
+    call alone (time_replay: on a GPU the replay of its graph, without the Python around it)."""
     # the fast route's reference: the model's own layers on the few-row product
     routes = {"few-row": on_route(model, "fast").reference, "plain": model}
     for name in ("fast", "graphed"):
@@ -127,7 +128,7 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     W_t = W.t().contiguous()
     proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
     encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
-                                       **({"graphed": []} if args.graphed else {}), **({"fast-int8": []} if args.int8 else {})}
+                                       **({"graphed": [], "graphed replay, q = 1": []} if args.graphed else {}), **({"fast-int8": []} if args.int8 else {})}
     src = torch.full((args.rows, args.src), 11, device=device)
     print(f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
           f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}", file=sys.stderr, flush=True)
@@ -145,6 +146,8 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                         samples[route, q].append(cost)
                 if timed and route == "fast":  # right after its calls, as warm as they were
                     encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
+                if timed and route == "graphed":
+                    encoder["graphed replay, q = 1"].append(time_replay(m, memories[route], args.prefix, 1, reps))
                 if timed and route == "fast-int8":
                     for q in qs:
                         for part, t in int8_parts(m, memories[route], args.prefix, q, reps).items():
@@ -234,6 +237,10 @@ def run(args: argparse.Namespace) -> int:
     if args.fast:
         whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
         print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")
+    if args.graphed:
+        whole = next((f" (of {r['graphed_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
+        print(f"graphed route, the q = 1 call's step alone (on a GPU its graph's replay): "
+              f"{enc['graphed replay, q = 1']:.3f} ms{whole}")
     split = {f"{part}_ms": {q: 1000 * statistics.median(parts[part, q]) for q in qs}
              for part in ("call", "products", "quantization", "attention", "rest")} if args.int8 else {}
     if args.int8:
@@ -249,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
                                    "rows": B, "src": args.src, "prefix": args.prefix, "calls": rows, "encoder_ms": enc_ms,
                                    **({"fast_encoder_ms": enc["fast"],
                                        "fast_products_ms": enc["fast products, q = 1"]} if args.fast else {}),
-                                   **({"graphed_encoder_ms": enc["graphed"]} if args.graphed else {}),
+                                   **({"graphed_encoder_ms": enc["graphed"],
+                                       "graphed_replay_ms": enc["graphed replay, q = 1"]} if args.graphed else {}),
                                    **({"int8_encoder_ms": enc["fast-int8"], "int8_parts": split} if args.int8 else {}),
                                    "projection_ms": pm,
                                    "environment": environment(args.threads, device, model.tgt_embed.weight.dtype)})

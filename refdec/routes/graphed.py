@@ -312,6 +312,11 @@ class GraphedRoute(FastRoute):
         cache.advance(q)
         return step.out[:n, :q].clone()
 
+    def step_of(self, memory: Memory, cache: StaticKVCache, q: int) -> Step:
+        """The step a call of q new tokens per row over this memory and cache runs (a measuring
+        tool's handle on the replay alone: refdec.app.timing.time_replay)."""
+        return self._decoder_step(memory, cache, bucket(q))
+
     def _decoder_step(self, memory: Memory, cache: StaticKVCache, width: int) -> Step:
         """The step of this shape over this cache's storage and this memory's slot (made at first use)."""
         state, slot = self._slot(memory)
