@@ -96,6 +96,21 @@ def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype):
             assert torch.equal(alone, blocked[i:i + 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_quantizing_through_a_relu_equals_quantizing_the_relus_output(dtype):
+    """int8.quantize_relu_rows(y) equals (torch.equal) quantize_rows(relu(y)), values and scales: rows
+    of mixed signs, all negative, all zero, negative zeros, one positive value among negatives."""
+    y = torch.randn(6, 768, generator=torch.Generator().manual_seed(3), dtype=dtype) * 4
+    y[1] = -y[1].abs()
+    y[2] = 0
+    y[3] = -0.0
+    y[4] = -y[4].abs()
+    y[4, 100] = 1e-3
+    got, want = int8.quantize_relu_rows(y), int8.quantize_rows(torch.relu(y))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not got[0][1:4].any() and got[0][4, 100] == int8.LEVELS
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40, 1200])
 def test_products_of_one_input_side_by_side_equal_the_products_one_by_one(rows):
     """int8.linears (one product of the weights side by side, or for many rows one per weight)

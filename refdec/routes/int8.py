@@ -107,6 +107,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(x, scale).round_().to(torch.int8), scale
 
 
+def quantize_relu_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(relu(y)), bitwise, without computing relu(y) or its magnitudes: a row's largest
+    magnitude after the ReLU is max(0, its largest value), and a negative value, which the ReLU
+    makes 0, rounds to a value <= 0 that the clamp makes 0. Two passes over y fewer (the ReLU's and
+    abs's), for the feed-forward's second product, whose input is the widest (refdec.routes.fast)."""
+    scale = y.amax(1, keepdim=True).clamp_min_(0).div_(LEVELS).clamp_min_(torch.finfo(y.dtype).tiny)
+    return torch.div(y, scale).round_().clamp_min_(0).to(torch.int8), scale
+
+
 def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Tensor | None = None,
             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`add` + x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact,
