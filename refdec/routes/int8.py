@@ -39,6 +39,13 @@ Products that read the same input (the encoder's queries, keys and values; the c
 keys and values of every layer) are one product of their weights side by side (`linears`): the same
 values, since each output channel keeps its scale and the sums are exact, in fewer operations.
 
+The work around the integer product, for the same values: the int32 product is converted to floating
+point once and scaled in place (`rescale`); a large product is computed in blocks of rows
+(`row_blocks`: oneDNN's int8 product is faster per row on blocks whose int32 output stays in the
+cache, which its rescaling then reads there); a ReLU between two products is folded into the second
+one's quantization (`quantize_relu_rows`, used by the fast route). A row's values do not depend on
+the block it is computed in, for the same reasons as above (docs/int8.md, "A batched call's parts").
+
 Taking the route: `on_route(model, route, int8=True)` (refdec.routes) wraps a model so that its linear
 layers and output projection compute by these products: on the model's own layers (the reference
 route's KernelRoute, refdec.routes.kernels, Kernels(int8=True); with row-invariant mode too,
