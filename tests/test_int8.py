@@ -74,6 +74,43 @@ def test_a_row_of_a_product_does_not_depend_on_the_other_rows(dtype, k, n):
     assert ((whole - ref).abs().amax(1) / ref.abs().amax(1)).max() < 0.05
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype):
+    """A product large enough to be computed in blocks of rows (int8.row_blocks: here 64, 64 and 22
+    rows) equals (torch.equal) the same product in one integer product and one rescaling, with a bias,
+    with a residual stream and with neither; each row alone, on either side of a block's edge, too."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(8000, 192, generator=g, dtype=dtype)
+    b, qw = torch.randn(8000, generator=g, dtype=dtype), QuantizedWeight(w.t(), w)
+    x = torch.randn(150, 192, generator=g, dtype=dtype) * torch.rand(150, 1, generator=g, dtype=dtype) * 10
+    res = torch.randn(150, 8000, generator=g, dtype=dtype)
+    blocks = int8.row_blocks(150, 8000)
+    assert [(s.start, s.stop) for s in blocks] == [(0, 64), (64, 128), (128, 192)]
+    xq, sx = int8.quantize_rows(x)
+    for add in (b, res, None):
+        at_once = int8.rescale(torch._int_mm(xq, qw.q), sx, qw.scale, add)
+        blocked = int8.product(x, qw, add)
+        assert torch.equal(blocked, at_once)
+        for i in (0, 63, 64, 149):
+            alone = int8.product(x[i:i + 1], qw, add if add is None or add.dim() == 1 else add[i:i + 1])
+            assert torch.equal(alone, blocked[i:i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_quantizing_through_a_relu_equals_quantizing_the_relus_output(dtype):
+    """int8.quantize_relu_rows(y) equals (torch.equal) quantize_rows(relu(y)), values and scales: rows
+    of mixed signs, all negative, all zero, negative zeros, one positive value among negatives."""
+    y = torch.randn(6, 768, generator=torch.Generator().manual_seed(3), dtype=dtype) * 4
+    y[1] = -y[1].abs()
+    y[2] = 0
+    y[3] = -0.0
+    y[4] = -y[4].abs()
+    y[4, 100] = 1e-3
+    got, want = int8.quantize_relu_rows(y), int8.quantize_rows(torch.relu(y))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not got[0][1:4].any() and got[0][4, 100] == int8.LEVELS
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40, 1200])
 def test_products_of_one_input_side_by_side_equal_the_products_one_by_one(rows):
     """int8.linears (one product of the weights side by side, or for many rows one per weight)

@@ -60,9 +60,9 @@ from .harness import command_parser, machine_options, report_option, set_up_mach
 def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float]:
     """Median seconds of the parts of one fast int8 route decoder call (refdec.routes.int8) appending q
     tokens to every row of `memory`'s batch over a cache of `prefix`, each part timed alone on the
-    call's shapes: `products` the integer products alone (torch._int_mm on rows already quantized:
-    per layer the self-attention's queries-keys-values and output, the cross-attention's queries and
-    output, the two feed-forward products, then the vocabulary), `quantization` what the route's
+    call's shapes: `products` the integer products alone (torch._int_mm on rows already quantized, in
+    the route's blocks of rows: per layer the self-attention's queries-keys-values and output, the
+    cross-attention's queries and output, the two feed-forward products, then the vocabulary), `quantization` what the route's
     products add around them (each row's scale, the rounding, the rescaling, the bias and residual),
     `attention` the two float64 attention calls per layer (the self-attention over prefix + q keys,
     masked when q > 1, and the cross-attention over the source, padding masked), and `call` the
@@ -80,7 +80,9 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
 
     def products():
         for m in mats:
-            torch._int_mm(xq[m.q.shape[0]], m.q)
+            rows = xq[m.q.shape[0]]
+            for b in int8.row_blocks(n, m.scale.shape[0]):  # in the blocks of rows the route computes them in
+                torch._int_mm(rows[b], m.q)
 
     def whole_products():
         for m in mats:

@@ -130,7 +130,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
 
 
 def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x + FeedForward(h); `ff` holds w1, b1, w2, b2 (weights (in, out)) and act."""
+    """x + FeedForward(h); `ff` holds w1, b1, w2, b2 (weights (in, out)) and act. On int8 a ReLU is
+    folded into the second product's quantization (refdec.routes.int8.quantize_relu_rows: the same
+    values, two passes over the widest activations fewer)."""
+    if isinstance(ff["w2"], QuantizedWeight) and ff["act"] is F.relu:
+        y = int8.linear(h, ff["w1"], ff["b1"])
+        return int8.product(y, ff["w2"], x, int8.quantize_relu_rows(y)).add_(ff["b2"])
     return residual_linear(x, ff["act"](linear(h, ff["w1"], ff["b1"])), ff["w2"], ff["b2"])
 
 

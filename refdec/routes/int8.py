@@ -39,6 +39,13 @@ Products that read the same input (the encoder's queries, keys and values; the c
 keys and values of every layer) are one product of their weights side by side (`linears`): the same
 values, since each output channel keeps its scale and the sums are exact, in fewer operations.
 
+The work around the integer product, for the same values: the int32 product is converted to floating
+point once and scaled in place (`rescale`); a large product is computed in blocks of rows
+(`row_blocks`: oneDNN's int8 product is faster per row on blocks whose int32 output stays in the
+cache, which its rescaling then reads there); a ReLU between two products is folded into the second
+one's quantization (`quantize_relu_rows`, used by the fast route). A row's values do not depend on
+the block it is computed in, for the same reasons as above (docs/int8.md, "A batched call's parts").
+
 Taking the route: `on_route(model, route, int8=True)` (refdec.routes) wraps a model so that its linear
 layers and output projection compute by these products: on the model's own layers (the reference
 route's KernelRoute, refdec.routes.kernels, Kernels(int8=True); with row-invariant mode too,
@@ -63,10 +70,15 @@ from .stamps import stamp
 
 LEVELS = 127  # symmetric int8: values -127 .. 127
 JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds at most this many values
-# From this many output values on, `product` converts the int32 product to float and scales that in
-# place (the same values): `int32 * float` makes a float copy of the whole product beside its result,
-# and a batch's vocabulary projection (16 MB each) pays for every fresh buffer in page faults.
-IN_PLACE_ELEMENTS = 1 << 16
+# From this many output values on, `product` computes its rows in blocks of ROW_BLOCK rows, each block's
+# integer product and rescaling in turn (the same values: every row's sums are exact and its rescaling
+# elementwise). oneDNN's int8 product slows down per row as its int32 output outgrows the cache: on an
+# AVX-512 Xeon (one thread) the vocabulary projection (192 x 8000) of 544 rows took 2.6x the time of
+# its nine blocks of 64 rows, the feed-forward's first product (192 x 768) 1.3x; a block's int32
+# product then stays in the cache for its rescaling. Smaller products lose more to the extra calls
+# than they gain.
+BLOCK_ELEMENTS = 1 << 18
+ROW_BLOCK = 64
 
 
 class QuantizedWeight:
@@ -102,18 +114,49 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(x, scale).round_().to(torch.int8), scale
 
 
+def quantize_relu_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(relu(y)), bitwise, without computing relu(y) or its magnitudes: a row's largest
+    magnitude after the ReLU is max(0, its largest value), and a negative value, which the ReLU
+    makes 0, rounds to a value <= 0 that the clamp makes 0. Two passes over y fewer (the ReLU's and
+    abs's), for the feed-forward's second product, whose input is the widest (refdec.routes.fast)."""
+    scale = y.amax(1, keepdim=True).clamp_min_(0).div_(LEVELS).clamp_min_(torch.finfo(y.dtype).tiny)
+    return torch.div(y, scale).round_().clamp_min_(0).to(torch.int8), scale
+
+
 def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Tensor | None = None,
             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`add` + x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact,
     times each row's scale, times each output's scale, plus `add` ((N,) a bias, or (M, N) the
     residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
-    Each output element goes through the same elementwise operations whatever the other rows."""
+    Each output element goes through the same elementwise operations whatever the other rows, and
+    whether its row is computed in a block of rows (`row_blocks`) or with all of them."""
     xq, sx = quantize_rows(x) if rows is None else rows
-    if xq.shape[0] * w.scale.shape[0] < IN_PLACE_ELEMENTS:
-        scaled = torch._int_mm(xq, w.q) * sx
-    else:  # the same values, without a float copy of the int32 product beside the result (IN_PLACE_ELEMENTS)
-        scaled = torch._int_mm(xq, w.q).to(sx.dtype).mul_(sx)
-    return scaled.mul_(w.scale) if add is None else torch.addcmul(add, scaled, w.scale)
+    blocks = row_blocks(xq.shape[0], w.scale.shape[0])
+    if len(blocks) == 1:
+        return rescale(torch._int_mm(xq, w.q), sx, w.scale, add)
+    out = torch.empty(xq.shape[0], w.scale.shape[0], dtype=sx.dtype, device=sx.device)
+    for b in blocks:
+        rescale(torch._int_mm(xq[b], w.q), sx[b], w.scale, add if add is None or add.dim() == 1 else add[b], out[b])
+    return out
+
+
+def row_blocks(m: int, n: int) -> list[slice]:
+    """The blocks of rows `product` computes an (m, n) result in: all m rows at once, or blocks of
+    ROW_BLOCK rows where the result holds more than BLOCK_ELEMENTS values."""
+    if m * n <= BLOCK_ELEMENTS:
+        return [slice(0, m)]
+    return [slice(i, i + ROW_BLOCK) for i in range(0, m, ROW_BLOCK)]
+
+
+def rescale(p: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, add: torch.Tensor | None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """`add` + the int32 product p (M, N) times the row scales sx (M, 1) and the channel scales sw
+    (N,), in sx's dtype, into `out` (M, N) (none: a new tensor). The int32 values are converted once
+    and then scaled in place: `int32 * float` would convert them inside the multiply on a slower
+    path, and a fresh buffer per operation is paid for in page faults and cache misses."""
+    y = p.to(sx.dtype) if out is None else out.copy_(p)
+    y.mul_(sx)
+    return y.mul_(sw) if add is None else torch.addcmul(add, y, sw, out=y)
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
