@@ -126,14 +126,14 @@ def test_a_failing_section_is_named_and_the_others_still_run(tmp_path, capsys, m
 
 def test_inner_settings_are_small_on_the_cpu_or_with_a_small_limit():
     from argparse import Namespace
-    gpu = bench.settings(Namespace(limit=None), torch.device("cuda"))
+    gpu = bench.settings(Namespace(limit=None, warm_all=False), torch.device("cuda"))
     assert gpu["sizes"] == [1, 8, 32, 128] and gpu["k"] == "4,8,16,25" and gpu["accept"] == "1,0.8"
     assert gpu["sentences"] == {"batch1": 100, "batched": 256, "ceiling": 50, "transformers": 40}
     for device, limit in (("cpu", 3), ("cuda", 5)):
-        small = bench.settings(Namespace(limit=limit), torch.device(device))
+        small = bench.settings(Namespace(limit=limit, warm_all=False), torch.device(device))
         assert small["sizes"] == [1, 8] and small["rounds"] == 1 and small["warmup"] == 1
         assert set(small["sentences"].values()) == {limit}
-    assert bench.settings(Namespace(limit=None), torch.device("cpu"))["sizes"] == [1, 8, 32, 128]
+    assert bench.settings(Namespace(limit=None, warm_all=False), torch.device("cpu"))["sizes"] == [1, 8, 32, 128]
 
 
 def test_clock_waits_for_the_gpu_and_not_for_the_cpu(monkeypatch):
@@ -241,3 +241,28 @@ def test_route_tables_say_faster_for_a_run_that_took_less_time():
     assert "3.00x faster" in lines["iad"] and "6.00x faster" in lines["iad"]
     assert "2.00x slower" in lines["beam"]
     assert figures["routes"]["reference"][1]["speed_vs_greedy"] == 3.0
+
+
+def test_warm_all_decodes_every_batch_once_before_the_timed_runs(monkeypatch):
+    """Guards decode_lines' warm_all (bench --warm-all): every batch of every chunk is decoded once,
+    whole and untimed, before the timed loop decodes each again; without it, the first rows of the
+    first `warmup` chunks only."""
+    from types import SimpleNamespace
+    from refdec.app.runner import loop
+    calls = []
+
+    def fake(run, b, ids, budget, device, warm_up=False):
+        calls.append((tuple(b), warm_up))
+        return None  # as a failed batch: nothing to add up
+    monkeypatch.setattr(loop, "tried_batch", fake)
+    ids = [[5] * (1 + i % 7) for i in range(40)]
+    run = SimpleNamespace(batch_size=8, algo=SimpleNamespace(name="greedy"), seconds=0.0,
+                          fits=lambda rows, longest: rows <= 8)
+    for warm_all in (False, True):
+        calls.clear()
+        loop.decode_lines([run], ids, max_len=20, max_positions=64, device="cpu", warmup=1, warm_all=warm_all,
+                          progress=False)
+        warm = sorted(i for b, w in calls if w for i in b)
+        timed = sorted(i for b, w in calls if not w for i in b)
+        assert timed == list(range(40))
+        assert warm == (list(range(40)) if warm_all else warm) and (warm_all or 0 < len(warm) <= loop.WARMUP_ROWS)

@@ -29,6 +29,12 @@ decoder's check against greedy on its own route, a table per route of every deco
 route's greedy (and beam), and each route's greedy against the reference route's: the identical rate
 and the top-1/top-2 logit margin where a line differs.
 
+The graphed route captures a CUDA graph for every new shape of call (rows, padded new tokens, cache
+and source sizes), and 2 warm-up batches do not meet them all: a decoder that makes calls of many
+shapes (IAD, batched decoding) pays some captures inside its timed run. --warm-all decodes every batch
+once before the timed runs (twice the decoder sections' time), so that their figures are replays
+alone.
+
 Sizes. On a GPU: 100 sentences per batch-1 run, 256 in the batched section, 50 for the ceiling
 (k = 4, 8, 16, 25, accept 1 and 0.8, with and without the drafter's cost), 40 for transformers, 15
 rounds of stepcost: chosen to finish within 8 minutes on one H100-class GPU going by the reference
@@ -115,6 +121,7 @@ def settings(args, device: torch.device) -> dict:
     if small:  # the sizes below the sentences' count, and the first that holds them all
         sizes = [b for b in sizes if b < n["batched"]] + [b for b in sizes if b >= n["batched"]][:1]
     return {"sentences": n, "sizes": sizes, "rounds": 1 if small else 15, "warmup": 1 if small else 2,
+            "warm_all": args.warm_all,
             "k": "4,8" if small else "4,8,16,25", "accept": "1" if small else "1,0.8"}
 
 
@@ -203,10 +210,11 @@ def decoder_section(section: str, args, device: torch.device, plan_: dict) -> di
     print(f"as python decode.py --algo {algo} --task {task}" + (f" --model {model}" if model else "")
           + f" --compare {compare} --limit {len(lines)}" + (f" --batch-sizes {','.join(map(str, sizes))}" if sizes else "")
           + "; every run on the reference route, the fast route (--fast) and the graphed route (--graphed), "
-          "interleaved in one process", flush=True)
+          "interleaved in one process" + ("; every batch decoded once before the timed runs (--warm-all)"
+                                          if plan_["warm_all"] else ""), flush=True)
     log(f"{section}: {len(runs)} runs ({len(runs) // len(ROUTES)} on each route), {len(lines)} sentences")
     runner.decode_lines(runs, ids, max_len=None, max_positions=max_positions, device=device, warmup=plan_["warmup"],
-                        progress=True)
+                        warm_all=plan_["warm_all"], progress=True)
     summary = report.summarise(task, runs, lines, refs, ids, tokenizer, device, matrix_text=False)
     print(summary.text)
     text, figures = route_tables(section, runs, summary.rows, ids, device)
@@ -277,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "1, 256 batched, 50 for the ceiling, 40 for transformers)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"sections to run, by name, separated by commas "
                    f"(default all: {', '.join(SECTIONS)})")
+    p.add_argument("--warm-all", action="store_true", help="the decoder sections (mt-en-de, gec-uk, batched) decode "
+                   "every batch once, untimed, before the timed runs (about twice their time): the graphed route's "
+                   "captures, one per new shape, then fall outside the timed runs")
     p.add_argument("--out", metavar="DIR", default=str(REPO / "reports"), help="folder of the JSON reports "
                    "(default: the repository's reports/; created if its parent exists; not in checkpoints/ or data/)")
     p.add_argument("--files", action="store_true", help="print the repository files the chosen sections read, one "

@@ -45,14 +45,16 @@ WARMUP_ROWS = 16  # a warm-up batch holds at most this many sentences, whatever 
 
 
 def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
-                 max_len: int | None, max_positions: int, device, warmup: int = 2, progress: bool = True,
-                 on_line: Callable[[int, torch.Tensor | None], None] | None = None) -> int:
+                 max_len: int | None, max_positions: int, device, warmup: int = 2, warm_all: bool = False,
+                 progress: bool = True, on_line: Callable[[int, torch.Tensor | None], None] | None = None) -> int:
     """The interleaved timing loop: fill each run's outputs, seconds, stats and per-line times, the
     runs alternating chunk by chunk (and which goes first alternating too), after `warmup` untimed
     chunks. Any tool that times decoders against each other on the same lines calls this: decode.py,
     and refdec.hf's audit, whose transformers decoder is a Run like any other (an Algorithm wraps any
     `decoder(model, src, *, max_len, trace, **options) -> DecodeResult`). `ids`: each line's source
-    ids, None for an empty line (its output stays None).
+    ids, None for an empty line (its output stays None). `warm_all`: the warm-up decodes every batch
+    of every chunk once, whole, instead (a route that prepares something per shape, as the graphed
+    route captures a CUDA graph, then meets every shape of the timed runs before they start).
 
     With batches of more than one sentence the lines are bucketed by source length (`length_chunks`).
     A chunk holds the largest batch of any run; each run decodes it in batches of its own (Run.batch_size
@@ -80,10 +82,11 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
                 complete += 1
 
     try:
-        for c in chunks[:warmup]:  # warm-up: allocator, MKL kernels, caches; not timed, not kept
+        for c in (chunks if warm_all else chunks[:warmup]):  # warm-up: allocator, MKL kernels, caches; not timed, not kept
             for run in runs:
-                b = batches(run, c, ids)[0][:WARMUP_ROWS]
-                tried_batch(run, b, ids, max_len_for([ids[i] for i in b], max_len, max_positions), device, warm_up=True)
+                for b in (batches(run, c, ids) if warm_all else [batches(run, c, ids)[0][:WARMUP_ROWS]]):
+                    budget = max_len_for([ids[i] for i in (c if warm_all else b)], max_len, max_positions)
+                    tried_batch(run, b, ids, budget, device, warm_up=True)
         t_start, last_print, finished = time.time(), time.time(), 0
         for n, c in enumerate(chunks):
             budget = max_len_for([ids[i] for i in c], max_len, max_positions)
