@@ -265,4 +265,7 @@ def test_warm_all_decodes_every_batch_once_before_the_timed_runs(monkeypatch):
         warm = sorted(i for b, w in calls if w for i in b)
         timed = sorted(i for b, w in calls if not w for i in b)
         assert timed == list(range(40))
-        assert warm == (list(range(40)) if warm_all else warm) and (warm_all or 0 < len(warm) <= loop.WARMUP_ROWS)
+        if warm_all:
+            assert warm == list(range(40))
+        else:
+            assert 0 < len(warm) <= loop.WARMUP_ROWS

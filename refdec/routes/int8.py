@@ -72,10 +72,9 @@ LEVELS = 127  # symmetric int8: values -127 .. 127
 JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds at most this many values
 # From this many output values on, `product` computes its rows in blocks of ROW_BLOCK rows, each block's
 # integer product and rescaling in turn (the same values: every row's sums are exact and its rescaling
-# elementwise). oneDNN's int8 product slows down per row as its int32 output outgrows the cache: on an
-# AVX-512 Xeon (one thread) the vocabulary projection (192 x 8000) of 544 rows took 2.6x the time of
-# its nine blocks of 64 rows, the feed-forward's first product (192 x 768) 1.3x; a block's int32
-# product then stays in the cache for its rescaling. Smaller products lose more to the extra calls
+# elementwise). oneDNN's int8 product slows down per row as its int32 output outgrows the cache (on an
+# AVX-512 Xeon the vocabulary projection of a batch's verification call most of all); a block's int32
+# product then stays in the cache for its rescaling (docs/int8.md, "A batched call's parts"). Smaller products lose more to the extra calls
 # than they gain.
 BLOCK_ELEMENTS = 1 << 18
 ROW_BLOCK = 64

@@ -84,8 +84,13 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
     try:
         for c in (chunks if warm_all else chunks[:warmup]):  # warm-up: allocator, MKL kernels, caches; not timed, not kept
             for run in runs:
-                for b in (batches(run, c, ids) if warm_all else [batches(run, c, ids)[0][:WARMUP_ROWS]]):
-                    budget = max_len_for([ids[i] for i in (c if warm_all else b)], max_len, max_positions)
+                if warm_all:  # every batch whole, with the chunk's budget: the shapes the timed loop meets
+                    budget = max_len_for([ids[i] for i in c], max_len, max_positions)
+                    warm = batches(run, c, ids)
+                else:  # the first rows of the chunk's first batch
+                    warm = [batches(run, c, ids)[0][:WARMUP_ROWS]]
+                    budget = max_len_for([ids[i] for i in warm[0]], max_len, max_positions)
+                for b in warm:
                     tried_batch(run, b, ids, budget, device, warm_up=True)
         t_start, last_print, finished = time.time(), time.time(), 0
         for n, c in enumerate(chunks):
