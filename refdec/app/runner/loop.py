@@ -44,6 +44,23 @@ def tried_batch(run: Run, b: list[int], ids: list, budget: int, device, warm_up:
 WARMUP_ROWS = 16  # a warm-up batch holds at most this many sentences, whatever --batch-size
 
 
+def warm_up(runs: list[Run], chunks: list[list[int]], ids: list, max_len: int | None, max_positions: int, device,
+            whole: bool) -> None:
+    """Decode `chunks` with every run, untimed and not kept (the allocator, the kernels, the caches warm):
+    the first rows of each chunk's first batch, or with `whole` every batch of the chunk, with the
+    chunk's budget, so that the timed loop meets no shape the warm-up did not."""
+    for c in chunks:
+        for run in runs:
+            if whole:
+                budget = max_len_for([ids[i] for i in c], max_len, max_positions)
+                warm = batches(run, c, ids)
+            else:
+                warm = [batches(run, c, ids)[0][:WARMUP_ROWS]]
+                budget = max_len_for([ids[i] for i in warm[0]], max_len, max_positions)
+            for b in warm:
+                tried_batch(run, b, ids, budget, device, warm_up=True)
+
+
 def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
                  max_len: int | None, max_positions: int, device, warmup: int = 2, warm_all: bool = False,
                  progress: bool = True, on_line: Callable[[int, torch.Tensor | None], None] | None = None) -> int:
@@ -82,16 +99,7 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
                 complete += 1
 
     try:
-        for c in (chunks if warm_all else chunks[:warmup]):  # warm-up: allocator, MKL kernels, caches; not timed, not kept
-            for run in runs:
-                if warm_all:  # every batch whole, with the chunk's budget: the shapes the timed loop meets
-                    budget = max_len_for([ids[i] for i in c], max_len, max_positions)
-                    warm = batches(run, c, ids)
-                else:  # the first rows of the chunk's first batch
-                    warm = [batches(run, c, ids)[0][:WARMUP_ROWS]]
-                    budget = max_len_for([ids[i] for i in warm[0]], max_len, max_positions)
-                for b in warm:
-                    tried_batch(run, b, ids, budget, device, warm_up=True)
+        warm_up(runs, chunks if warm_all else chunks[:warmup], ids, max_len, max_positions, device, warm_all)
         t_start, last_print, finished = time.time(), time.time(), 0
         for n, c in enumerate(chunks):
             budget = max_len_for([ids[i] for i in c], max_len, max_positions)
