@@ -238,7 +238,7 @@ def test_minutes_sets_every_jobs_time_limit():
         assert limits == expected
 
 
-def test_minutes_must_be_positive():
-    r = subprocess.run([sys.executable, "-m", "refdec", "train-drafters", "--minutes", "0", "--max-steps", "1"],
-                       cwd=REPO, capture_output=True, text=True)
-    assert r.returncode == 2 and "--minutes must be more than 0" in r.stderr
+def test_minutes_must_be_positive(fake_jobs, capsys):
+    td, ran = fake_jobs
+    assert td.main(["--minutes", "0", "--max-steps", "1"]) == 2
+    assert "--minutes must be more than 0" in capsys.readouterr().err and not ran
