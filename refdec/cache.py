@@ -175,9 +175,29 @@ class KVCache:
         self._end -= p
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep batch rows `rows` (LongTensor of row indices, repeats allowed), in that order."""
-        self.k = self.k.index_select(1, rows)
-        self.v = self.v.index_select(1, rows)
+        """Keep batch rows `rows` (LongTensor of row indices, repeats allowed), in that order, in the
+        leading rows of the same storage (new storage only when the batch grows), copying only the
+        positions in use. Rows that only leave (rows increasing: a batch's finished rows) cost a move
+        of each row after the first that left, in place; a batch whose rows finish one by one then
+        never copies the whole cache into fresh memory. Past the positions in use a row may then
+        hold another row's stale values, as stale as any position past a row's length, and masked
+        as those are."""
+        used, n, kept = self.prefix + self._end, len(rows), rows.tolist()
+        if all(a < b for a, b in zip(kept, kept[1:])) and kept and 0 <= kept[0] and kept[-1] < self.batch:
+            for i, r in enumerate(kept):  # r >= i: row r moves down to i, over rows that left or moved
+                if r != i:
+                    self.k[:, i, :, :used] = self.k[:, r, :, :used]
+                    self.v[:, i, :, :used] = self.v[:, r, :, :used]
+            self.k, self.v = self.k[:, :n], self.v[:, :n]
+        else:  # rows reordered or repeated (beam search): gathered first, then written
+            k, v = self.k[:, :, :, :used].index_select(1, rows), self.v[:, :, :, :used].index_select(1, rows)
+            if n > self.batch:
+                L, _, H, capacity, Dh = self.k.shape
+                self.k, self.v = self.k.new_zeros((L, n, H, capacity, Dh)), self.v.new_zeros((L, n, H, capacity, Dh))
+            else:
+                self.k, self.v = self.k[:, :n], self.v[:, :n]
+            self.k[:, :, :, :used] = k
+            self.v[:, :, :, :used] = v
         if self._lengths is not None:
             self._set_lengths(self._lengths.index_select(0, rows))
 

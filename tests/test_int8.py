@@ -96,6 +96,48 @@ def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype):
             assert torch.equal(alone, blocked[i:i + 1])
 
 
+fused_here = pytest.mark.skipif(not int8.fused_products(), reason="no oneDNN fused int8 product in this torch build")
+
+
+@fused_here
+@pytest.mark.parametrize("k,n", [(16, 12), (192, 576), (768, 192), (192, 8000)])
+def test_onednns_fused_product_equals_the_plain_one(k, n, monkeypatch):
+    """In float32 a large product is oneDNN's fused int8 linear (int8.fused); it equals (torch.equal)
+    torch._int_mm with int8.rescale, with a bias, a residual stream and neither, at 1 to 600 rows, so
+    that a row's values do not depend on which of the two computes it."""
+    g = torch.Generator().manual_seed(k * n)
+    w = torch.randn(n, k, generator=g)
+    b, qw = torch.randn(n, generator=g), QuantizedWeight(w.t(), w)
+    assert qw.packed is not None
+    for m in (1, 3, 17, 64, 600):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 10
+        res = torch.randn(m, n, generator=g)
+        for add in (b, res, None):
+            monkeypatch.setattr(int8, "FUSED_ELEMENTS", 0)
+            fused = int8.product(x, qw, add)
+            assert int8.fused(int8.quantize_rows(x)[0], qw, x.dtype)
+            monkeypatch.setattr(int8, "FUSED_ELEMENTS", 1 << 62)
+            monkeypatch.setattr(int8, "FUSED_WIDTH", 1 << 62)
+            assert torch.equal(fused, int8.product(x, qw, add)), (m, add is None)
+            monkeypatch.undo()
+    assert QuantizedWeight(w.t().double(), w.double()).packed is None  # float64 takes the plain product
+
+
+@fused_here
+def test_lossless_decoders_on_int8_equal_int8_greedy_on_the_fused_product(monkeypatch):
+    """Every product on oneDNN's fused form (its thresholds at 0), float32 on the fast route: IAD,
+    batched, blockwise and speculative decoding write int8 greedy's tokens, and a row's logits
+    alone equal the row's within a batch."""
+    monkeypatch.setattr(int8, "FUSED_ELEMENTS", 0)
+    m = int8_copy(copy_model(), "fast", torch.float32)
+    src = random_src(901, 8, 16, min_len=1, max_len=14)
+    ref = batch1_greedy(m, src, 30)
+    assert_rows_equal(decode_iad(m, src, max_len=30).tokens, ref, "iad fused")
+    assert_rows_equal(decode_iad(m, src, max_len=30, max_draft=4).tokens, ref, "iad fused, drafts of 4")
+    assert_rows_equal(decode_blockwise(m, random_heads(m, 3, 8).float(), src, max_len=30).tokens, ref, "blockwise fused")
+    assert_rows_equal(decode_speculative(m, m, src, max_len=30, gamma=4).tokens, ref, "speculative fused")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_quantizing_through_a_relu_equals_quantizing_the_relus_output(dtype):
     """int8.quantize_relu_rows(y) equals (torch.equal) quantize_rows(relu(y)), values and scales: rows

@@ -97,6 +97,56 @@ def test_cache_verbs():
         KVCache(1, 1, 1, 1, capacity=1).advance(2)
 
 
+class WholeCopyCache(KVCache):
+    """The cache with select as index_select of the whole storage, the obvious form."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.k, self.v = self.k.index_select(1, rows), self.v.index_select(1, rows)
+        if self._lengths is not None:
+            self._set_lengths(self._lengths.index_select(0, rows))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_select_keeps_every_rows_positions_as_a_whole_copy_does(seed):
+    """Guards against select mixing rows: it moves rows that stay down in the same storage (rows
+    leaving), or gathers the positions in use first (rows reordered, repeated, more rows). After any
+    sequence of appends, per-row truncates and selects, every row's keys and values over the
+    positions it holds, and what append returns there, equal those of a cache that copies the whole
+    storage by index_select."""
+    g = torch.Generator().manual_seed(seed)
+    B = 5
+    ours, whole = (cls(2, B, 2, 3, capacity=int(torch.randint(1, 6, (1,), generator=g)), dtype=torch.float64)
+                   for cls in (KVCache, WholeCopyCache))
+    for step in range(14):
+        n = ours.batch
+        q = int(torch.randint(1, 4, (1,), generator=g))
+        k, v = torch.randn(n, 2, q, 3, generator=g, dtype=torch.float64), torch.randn(n, 2, q, 3, generator=g, dtype=torch.float64)
+        for layer in range(2):
+            got, want = ours.append(layer, k, v), whole.append(layer, k, v)
+            for b, length in enumerate(ours.lengths.tolist()):
+                for x, y in zip(got, want):
+                    assert torch.equal(x[b, :, :length + q], y[b, :, :length + q])
+        ours.advance(q)
+        whole.advance(q)
+        if step % 3 == 1:  # per-row truncates: a ragged cache
+            cut = [int(torch.randint(0, length + 1, (1,), generator=g)) for length in ours.lengths.tolist()]
+            ours.truncate(cut)
+            whole.truncate(cut)
+        kind = step % 4
+        if kind == 0 and n > 1:  # rows leave, in order
+            keep = torch.randperm(n, generator=g)[:int(torch.randint(1, n, (1,), generator=g))].sort().values
+        elif kind == 2:  # rows reordered and repeated, the batch growing or shrinking
+            keep = torch.randint(0, n, (int(torch.randint(1, B + 3, (1,), generator=g)),), generator=g)
+        else:
+            continue
+        ours.select(keep)
+        whole.select(keep)
+        assert torch.equal(ours.lengths, whole.lengths) and ours.batch == whole.batch == len(keep)
+        for b, length in enumerate(ours.lengths.tolist()):
+            assert torch.equal(ours.k[:, b, :, :length], whole.k[:, b, :, :length])
+            assert torch.equal(ours.v[:, b, :, :length], whole.v[:, b, :, :length])
+
+
 def test_memory_select_matches_separate_encoding():
     """Guards against beam search reading another sentence's source after Memory.select."""
     m = tiny_model(5)

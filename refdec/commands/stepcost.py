@@ -60,8 +60,9 @@ from .harness import command_parser, machine_options, report_option, set_up_mach
 def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float]:
     """Median seconds of the parts of one fast int8 route decoder call (refdec.routes.int8) appending q
     tokens to every row of `memory`'s batch over a cache of `prefix`, each part timed alone on the
-    call's shapes: `products` the integer products alone (torch._int_mm on rows already quantized, in
-    the route's blocks of rows: per layer the self-attention's queries-keys-values and output, the
+    call's shapes: `products` the integer products alone (on rows already quantized, as the route
+    computes them: oneDNN's fused product, its channel scaling in the same pass, or torch._int_mm in
+    the route's blocks of rows; per layer the self-attention's queries-keys-values and output, the
     cross-attention's queries and output, the two feed-forward products, then the vocabulary), `quantization` what the route's
     products add around them (each row's scale, the rounding, the rescaling, the bias and residual),
     `attention` the two float64 attention calls per layer (the self-attention over prefix + q keys,
@@ -81,6 +82,9 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
     def products():
         for m in mats:
             rows = xq[m.q.shape[0]]
+            if int8.fused(rows, m, x[m.q.shape[0]].dtype):  # oneDNN's fused product, where the route takes it
+                int8.fused_product(rows, m)
+                continue
             for b in int8.row_blocks(n, m.scale.shape[0]):  # in the blocks of rows the route computes them in
                 torch._int_mm(rows[b], m.q)
 

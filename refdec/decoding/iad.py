@@ -103,8 +103,9 @@ def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: st
     cfg = model.cfg
     B = src.shape[0]
     stats = DecodeStats(sentences=B, encoder_calls=1)
+    widest = (max_draft or src.shape[1]) + 1  # a verification call's widest: room for it past the budget
     rows = Rows(cfg, B, max_len, stats, trace, memories=[model.encode(src)],
-                caches=[model.new_cache(B, capacity=max_len + 1)])
+                caches=[model.new_cache(B, capacity=max_len + widest)])
     xs = [[cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id] for row in src]
     while rows:  # Algorithm 1, line 2: while o_j != eos and j < max_len
         # Line 3: a suffix of o found in x, ending at x_i; line 4: draft x_(i+1) .., stopping before the pad.

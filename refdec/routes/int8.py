@@ -5,7 +5,7 @@ A linear map y = x W^T + b is computed as
 
     x_q = round(x / s_x),  s_x = max |x_row| / 127   one scale per row of x (per position), from that row alone
     W_q = round(W / s_W),  s_W = max |W_out| / 127   one scale per output channel, made once per weight
-    y   = (x_q @ W_q^T) * s_x * s_W + b              the product in int32 (torch._int_mm), exact
+    y   = (x_q @ W_q^T) * s_W * s_x + b              the product in int32, exact, then the scales
 
 Why per row, and why exact. PyTorch's dynamic quantization (`quantize_dynamic`) scales the
 activations per tensor, from the whole input of the call, so a row's result depends on the rows
@@ -39,8 +39,14 @@ Products that read the same input (the encoder's queries, keys and values; the c
 keys and values of every layer) are one product of their weights side by side (`linears`): the same
 values, since each output channel keeps its scale and the sums are exact, in fewer operations.
 
-The work around the integer product, for the same values: the int32 product is converted to floating
-point once and scaled in place (`rescale`); a large product is computed in blocks of rows
+The product itself. Where oneDNN's fused int8 linear is there (`torch.ops.onednn.qlinear_pointwise`, on a
+CPU) and agrees bitwise with the plain form (`fused_products`, checked once per process), a float32 product
+with a large output (many rows, or the vocabulary's width: `fused`) is that one call on weights packed
+for it once: the int32 product, converted and times s_W, written out in float32 in the same pass, and
+several times faster there than torch._int_mm and a separate rescaling. Elsewhere (few rows, float64,
+other devices) the int32 product is torch._int_mm, converted to floating point once and times s_W
+in place (`rescale`): the same operations on each value, so the same values, whichever computes
+it. The work around it, for the same values: a large torch._int_mm product is computed in blocks of rows
 (`row_blocks`: oneDNN's int8 product is faster per row on blocks whose int32 output stays in the
 cache, which its rescaling then reads there); a ReLU between two products is folded into the second
 one's quantization (`quantize_relu_rows`, used by the fast route). A row's values do not depend on
@@ -81,9 +87,9 @@ ROW_BLOCK = 64
 
 
 class QuantizedWeight:
-    """A weight as an int8 (in, out) matrix with one scale per output channel, and the stamp of the
-    tensor it was made from (refdec.routes.stamps), so that `current` can tell whether it still holds
-    that tensor's values."""
+    """A weight as an int8 (in, out) matrix with one scale per output channel, packed for oneDNN's
+    fused product where that is used (`packed`, else None), and the stamp of the tensor it was made
+    from (refdec.routes.stamps), so that `current` can tell whether it still holds that tensor's values."""
 
     def __init__(self, w_in_out: torch.Tensor, source: torch.Tensor):
         w = w_in_out.detach()
@@ -91,6 +97,7 @@ class QuantizedWeight:
         # (in, out), a view of an (out, in) contiguous matrix: oneDNN's int8 product reads it fastest
         # that way (2-3x faster than a contiguous (in, out) one for the vocabulary, 192 x 8000)
         self.q = torch.round(w / self.scale).to(torch.int8).t().contiguous().t()
+        self.packed = pack(self.q, self.scale)
         self.key = stamp(source)
 
     def current(self, source: torch.Tensor) -> bool:
@@ -125,11 +132,15 @@ def quantize_relu_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Tensor | None = None,
             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`add` + x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact,
-    times each row's scale, times each output's scale, plus `add` ((N,) a bias, or (M, N) the
+    times each output's scale, times each row's scale, plus `add` ((N,) a bias, or (M, N) the
     residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
     Each output element goes through the same elementwise operations whatever the other rows, and
-    whether its row is computed in a block of rows (`row_blocks`) or with all of them."""
+    whether it is computed by oneDNN's fused product (`fused`), in a block of rows (`row_blocks`) or
+    with all of them."""
     xq, sx = quantize_rows(x) if rows is None else rows
+    if fused(xq, w, sx.dtype):
+        y = fused_product(xq, w)
+        return y.mul_(sx) if add is None else torch.addcmul(add, y, sx, out=y)
     blocks = row_blocks(xq.shape[0], w.scale.shape[0])
     if len(blocks) == 1:
         return rescale(torch._int_mm(xq, w.q), sx, w.scale, add)
@@ -149,13 +160,47 @@ def row_blocks(m: int, n: int) -> list[slice]:
 
 def rescale(p: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, add: torch.Tensor | None,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    """`add` + the int32 product p (M, N) times the row scales sx (M, 1) and the channel scales sw
-    (N,), in sx's dtype, into `out` (M, N) (none: a new tensor). The int32 values are converted once
-    and then scaled in place: `int32 * float` would convert them inside the multiply on a slower
-    path, and a fresh buffer per operation is paid for in page faults and cache misses."""
+    """`add` + the int32 product p (M, N) times the channel scales sw (N,) and the row scales sx (M, 1),
+    in sx's dtype, into `out` (M, N) (none: a new tensor): float(p) * sw first, as oneDNN's fused
+    product computes it. The int32 values are converted once and then scaled in place: `int32 *
+    float` would convert them inside the multiply on a slower path, and a fresh buffer per
+    operation is paid for in page faults and cache misses."""
     y = p.to(sx.dtype) if out is None else out.copy_(p)
-    y.mul_(sx)
-    return y.mul_(sw) if add is None else torch.addcmul(add, y, sw, out=y)
+    y.mul_(sw)
+    return y.mul_(sx) if add is None else torch.addcmul(add, y, sx, out=y)
+
+
+# -- oneDNN's fused product ------------------------------------------------------------------------------
+# A float32 product takes oneDNN's fused form from this many output values on, or for outputs this wide
+# (the vocabulary): below, its call costs more than torch._int_mm and a rescaling (docs/int8.md).
+FUSED_ELEMENTS = 1 << 16
+FUSED_WIDTH = 1 << 12
+
+
+def fused(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight", dtype: torch.dtype) -> bool:
+    """Whether product() computes xq (M, K) int8 @ w by oneDNN's fused product."""
+    m, n = xq.shape[0], w.scale.shape[0]
+    return (w.packed is not None and dtype == torch.float32 and xq.device.type == "cpu"
+            and (m * n >= FUSED_ELEMENTS or n >= FUSED_WIDTH))
+
+
+def fused_product(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> torch.Tensor:
+    """float(xq @ w.q) * w.scale (M, N) in float32, in one oneDNN call on w's packed weight: no input
+    scale (1.0), no bias, no zero points, so that each value is the int32 sum converted and times its
+    channel's scale, as `rescale` computes it."""
+    packed, zero_points = w.packed
+    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, w.scale, zero_points, None, 1.0, 0, torch.float32,
+                                              "none", [], "")
+
+
+def pack(q_in_out: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An int8 (in, out) weight packed for oneDNN's fused product, and its (zero) zero points; None
+    where that product is not used (not float32, not on a CPU, or `fused_products` says no)."""
+    if scale.dtype != torch.float32 or scale.device.type != "cpu" or not fused_products():
+        return None
+    with torch.inference_mode(False), torch.no_grad():
+        return (torch.ops.onednn.qlinear_prepack(q_in_out.t().contiguous(), None),
+                torch.zeros(scale.shape[0], dtype=torch.long))
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -187,6 +232,7 @@ class JoinedWeight:
         self.parts = list(weights)
         self.scale = torch.cat([w.scale for w in weights])
         self.q = torch.cat([w.q.t() for w in weights]).t()  # each part (out, in) contiguous: so is their stack
+        self.packed = pack(self.q, self.scale)
 
     def of(self, weights: list[QuantizedWeight]) -> bool:
         """Whether it was made from these very QuantizedWeights (a weight written since has a new one)."""
@@ -213,6 +259,31 @@ def weight_levels() -> int:
         raise RuntimeError("torch._int_mm does not compute int8 products exactly on this machine; "
                            "the int8 route cannot run here (decode without --int8)")
     return levels
+
+
+@functools.cache
+def fused_products() -> bool:
+    """Whether oneDNN's fused int8 product is there and computes exactly what torch._int_mm and
+    `rescale` compute (the int32 sums, converted, times the channel scales), bitwise, on extreme and
+    random operands of a few shapes, weights within +-weight_levels(): found once per process."""
+    op = getattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return False
+    g, levels = torch.Generator().manual_seed(0), weight_levels()
+    try:
+        for m, k, n in ((1, 768, 4096), (64, 256, 1024), (300, 1024, 256)):
+            x = torch.randint(-LEVELS, LEVELS + 1, (m, k), generator=g, dtype=torch.int8)
+            q = torch.randint(-levels, levels + 1, (n, k), generator=g, dtype=torch.int8).t()
+            x[0], q[:, 0] = LEVELS, -levels  # the largest sums
+            x[-1, ::2], x[-1, 1::2] = -LEVELS, LEVELS
+            scale = torch.rand(n, generator=g) * 1e-3 + 1e-6
+            packed, zero_points = torch.ops.onednn.qlinear_prepack(q.t().contiguous(), None), torch.zeros(n, dtype=torch.long)
+            got = op(x, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+            if not torch.equal(got, torch._int_mm(x, q).to(torch.float32).mul_(scale)):
+                return False
+    except RuntimeError:  # a build or CPU whose oneDNN has no such kernel
+        return False
+    return True
 
 
 def exact_products(levels: int) -> bool:
