@@ -408,6 +408,36 @@ def test_import_writes_a_checkpoint_that_decodes_as_the_folder(family, folders, 
     assert (tmp_path / "out.txt").read_text().splitlines() == [tok.decode(w.tolist()) for w in wants]
 
 
+def test_import_of_a_float64_folder_is_checked_as_the_float32_it_writes(folders, tmp_path, capsys):
+    """Case: `hf import` of a folder saved in float64 failed its own check and wrote nothing: the
+    checkpoint holds float32 weights, whose logits were held to float64's tolerance against the float64
+    folder. Such a folder is now held to what rounding its weights to float32 moves: imported, its
+    weights the folder's rounded to float32, its greedy output the folder's; a float32 folder is still
+    held to float64's tolerance."""
+    from refdec.checkpoint import load_model
+    from refdec.commands.hfcli import main as hf_main
+    from refdec.hf import convert
+    large, _ = folders("bart")
+    wide = tmp_path / "bart64"
+    shutil.copytree(large, wide)
+    m = transformers.AutoModelForSeq2SeqLM.from_pretrained(large, dtype=torch.float64)
+    with torch.no_grad():  # weights float32 does not hold
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype) * 1e-4)
+    m.save_pretrained(wide)
+    assert not convert.held_exactly(wide) and convert.held_exactly(large)
+    assert hf_main(["import", str(wide), "--out", str(tmp_path / "ckpt")]) == 0
+    assert "the same greedy output" in capsys.readouterr().out
+    model, _, _ = load_model(tmp_path / "ckpt" / "model.pt", dtype=torch.float64)
+    folder, _, _ = hf.load_folder(wide, dtype=torch.float64)
+    assert all(torch.equal(model.state_dict()[k], v.float().double()) for k, v in folder.state_dict().items())
+    theirs = hf.hf_from_pretrained(wide, torch.float64)
+    for src in sources(6, seed=21):
+        x = padded([src], model.cfg.eos_id, model.cfg.pad_id)
+        want = hf.hf_generate(theirs, model.cfg, src, 2 * len(src) + 10)
+        assert torch.equal(decode_greedy(model, x, max_len=2 * len(src) + 10).tokens[0], want)
+
+
 def test_import_of_a_model_with_more_embeddings_than_tokens_and_its_refusals(folders, tmp_path, capsys, monkeypatch):
     """A T5 folder may have more embeddings than its tokenizer has tokens (t5-small: 32,128 for 32,100): its
     model.pt loads all the same. Refused in one line each: an opus-mt folder with no tokenizer.json (refdec
