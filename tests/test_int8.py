@@ -125,10 +125,10 @@ def test_onednns_fused_product_equals_the_plain_one(k, n, monkeypatch):
 
 @fused_here
 def test_lossless_decoders_on_int8_equal_int8_greedy_on_the_fused_product(monkeypatch):
-    """Every product on oneDNN's fused form (its thresholds at 0), float32 on the fast route: IAD,
-    batched, blockwise and speculative decoding write int8 greedy's tokens, and a row's logits
-    alone equal the row's within a batch."""
-    monkeypatch.setattr(int8, "FUSED_ELEMENTS", 0)
+    """Products of 128 output values or more on oneDNN's fused form, the others on torch._int_mm (a
+    one-row greedy step takes both), float32 on the fast route: batched IAD (drafts uncapped and of
+    at most 4), blockwise and speculative decoding write batch-1 int8 greedy's tokens."""
+    monkeypatch.setattr(int8, "FUSED_ELEMENTS", 128)
     m = int8_copy(copy_model(), "fast", torch.float32)
     src = random_src(901, 8, 16, min_len=1, max_len=14)
     ref = batch1_greedy(m, src, 30)
