@@ -123,6 +123,20 @@ def test_onednns_fused_product_equals_the_plain_one(k, n, monkeypatch):
     assert QuantizedWeight(w.t().double(), w.double()).packed is None  # float64 takes the plain product
 
 
+def test_a_deep_copy_of_the_int8_weights_computes_the_same_products():
+    """copy.deepcopy of a QuantizedWeight and of a JoinedWeight (whose oneDNN packed form is an opaque
+    tensor deepcopy cannot copy) gives weights of their own that compute bitwise the same products."""
+    g = torch.Generator().manual_seed(9)
+    ws = [torch.randn(n, 192, generator=g) for n in (8000, 96)]
+    qs = [QuantizedWeight(w.t(), w) for w in ws]
+    joined = int8.JoinedWeight(qs)
+    x = torch.randn(70, 192, generator=g)
+    for w in (*qs, joined):
+        other = copy.deepcopy(w)
+        assert other.q is not w.q and torch.equal(other.q, w.q) and (other.packed is None) == (w.packed is None)
+        assert torch.equal(int8.product(x, other), int8.product(x, w))
+
+
 @fused_here
 def test_lossless_decoders_on_int8_equal_int8_greedy_on_the_fused_product(monkeypatch):
     """Products of 128 output values or more on oneDNN's fused form, the others on torch._int_mm (a

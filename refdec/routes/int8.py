@@ -67,6 +67,7 @@ optimizer step, fused ones included); a write through `.data` in place is not se
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Callable
 
@@ -102,6 +103,20 @@ class QuantizedWeight:
 
     def current(self, source: torch.Tensor) -> bool:
         return self.key == stamp(source)
+
+    def __deepcopy__(self, memo: dict) -> "QuantizedWeight":
+        return copied(self, memo)
+
+
+def copied(weight, memo: dict):
+    """A deep copy of a QuantizedWeight or JoinedWeight: its tensors copied, its packed form made again
+    from them (an opaque oneDNN tensor, which copy.deepcopy cannot copy)."""
+    other = copy.copy(weight)
+    other.scale, other.q = copy.deepcopy(weight.scale, memo), copy.deepcopy(weight.q, memo)
+    if isinstance(weight, JoinedWeight):
+        other.parts = copy.deepcopy(weight.parts, memo)
+    other.packed = None if weight.packed is None else pack(other.q, other.scale)
+    return other
 
 
 def kept(holder: dict, name: str, weight: torch.Tensor) -> QuantizedWeight:
@@ -233,6 +248,9 @@ class JoinedWeight:
         self.scale = torch.cat([w.scale for w in weights])
         self.q = torch.cat([w.q.t() for w in weights]).t()  # each part (out, in) contiguous: so is their stack
         self.packed = pack(self.q, self.scale)
+
+    def __deepcopy__(self, memo: dict) -> "JoinedWeight":
+        return copied(self, memo)
 
     def of(self, weights: list[QuantizedWeight]) -> bool:
         """Whether it was made from these very QuantizedWeights (a weight written since has a new one)."""
