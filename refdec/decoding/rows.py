@@ -114,10 +114,10 @@ class GreedyRows:
     own: each step's tokens go into one (B, max_len) tensor with one indexed write, and the rows'
     outputs are read from it once, at the end, cut at their first eos.
 
-    Dropping a finished row copies every remaining row of the cache and the memory, so it waits until
-    a quarter of the batch has finished (COMPACT): until then a finished row is carried along, its
-    tokens computed and ignored, which costs less than a copy of the whole cache each time one row
-    finishes. `memory` and `cache` follow the rows still in the batch."""
+    Dropping a finished row moves every later row of the cache (refdec.cache.KVCache.select) and
+    copies the memory, so it waits until a quarter of the batch has finished (COMPACT): until then a
+    finished row is carried along, its tokens computed and ignored, rather than the rows moved each
+    time one row finishes. `memory` and `cache` follow the rows still in the batch."""
 
     def __init__(self, memory: Memory, cache, batch: int, max_len: int, eos_id: int):
         device = memory.states.device
