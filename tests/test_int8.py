@@ -115,7 +115,7 @@ def test_onednns_fused_product_equals_the_plain_one(k, n, monkeypatch):
         for add in (b, res, None):
             monkeypatch.setattr(int8, "FUSED_ELEMENTS", 0)
             fused = int8.product(x, qw, add)
-            assert int8.fused(int8.quantize_rows(x)[0], qw, x.dtype)
+            assert int8.fused(int8.quantize_rows(x)[0], qw)
             monkeypatch.setattr(int8, "FUSED_ELEMENTS", 1 << 62)
             monkeypatch.setattr(int8, "FUSED_WIDTH", 1 << 62)
             assert torch.equal(fused, int8.product(x, qw, add)), (m, add is None)

@@ -82,7 +82,7 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
     def products():
         for m in mats:
             rows = xq[m.q.shape[0]]
-            if int8.fused(rows, m, x[m.q.shape[0]].dtype):  # oneDNN's fused product, where the route takes it
+            if int8.fused(rows, m):  # oneDNN's fused product, where the route takes it
                 int8.fused_product(rows, m)
                 continue
             for b in int8.row_blocks(n, m.scale.shape[0]):  # in the blocks of rows the route computes them in

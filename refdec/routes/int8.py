@@ -81,8 +81,8 @@ JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds
 # integer product and rescaling in turn (the same values: every row's sums are exact and its rescaling
 # elementwise). oneDNN's int8 product slows down per row as its int32 output outgrows the cache (on an
 # AVX-512 Xeon the vocabulary projection of a batch's verification call most of all); a block's int32
-# product then stays in the cache for its rescaling (docs/int8.md, "A batched call's parts"). Smaller products lose more to the extra calls
-# than they gain.
+# product then stays in the cache for its rescaling (docs/int8.md, "A batched call's parts"). Smaller
+# products lose more to the extra calls than they gain.
 BLOCK_ELEMENTS = 1 << 18
 ROW_BLOCK = 64
 
@@ -153,7 +153,7 @@ def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Ten
     whether it is computed by oneDNN's fused product (`fused`), in a block of rows (`row_blocks`) or
     with all of them."""
     xq, sx = quantize_rows(x) if rows is None else rows
-    if fused(xq, w, sx.dtype):
+    if fused(xq, w):
         y = fused_product(xq, w)
         return y.mul_(sx) if add is None else torch.addcmul(add, y, sx, out=y)
     blocks = row_blocks(xq.shape[0], w.scale.shape[0])
@@ -192,30 +192,39 @@ FUSED_ELEMENTS = 1 << 16
 FUSED_WIDTH = 1 << 12
 
 
-def fused(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight", dtype: torch.dtype) -> bool:
-    """Whether product() computes xq (M, K) int8 @ w by oneDNN's fused product."""
+def fused(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> bool:
+    """Whether product() computes xq (M, K) int8 @ w by oneDNN's fused product (w packed for it: a
+    float32 weight on a CPU, `pack`)."""
     m, n = xq.shape[0], w.scale.shape[0]
-    return (w.packed is not None and dtype == torch.float32 and xq.device.type == "cpu"
-            and (m * n >= FUSED_ELEMENTS or n >= FUSED_WIDTH))
+    return w.packed is not None and (m * n >= FUSED_ELEMENTS or n >= FUSED_WIDTH)
 
 
 def fused_product(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> torch.Tensor:
-    """float(xq @ w.q) * w.scale (M, N) in float32, in one oneDNN call on w's packed weight: no input
-    scale (1.0), no bias, no zero points, so that each value is the int32 sum converted and times its
-    channel's scale, as `rescale` computes it."""
-    packed, zero_points = w.packed
-    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, w.scale, zero_points, None, 1.0, 0, torch.float32,
+    """float(xq @ w.q) * w.scale (M, N) in float32, in one oneDNN call on w's packed weight."""
+    return onednn_product(xq, *w.packed, w.scale)
+
+
+def onednn_product(xq: torch.Tensor, packed: torch.Tensor, zero_points: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor:
+    """oneDNN's int8 linear with no input scale (1.0), no bias and zero points of zero, so that each
+    value is the int32 sum converted and times its channel's scale, as `rescale` computes it."""
+    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, torch.float32,
                                               "none", [], "")
 
 
-def pack(q_in_out: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """An int8 (in, out) weight packed for oneDNN's fused product, and its (zero) zero points; None
-    where that product is not used (not float32, not on a CPU, or `fused_products` says no)."""
-    if scale.dtype != torch.float32 or scale.device.type != "cpu" or not fused_products():
-        return None
+def onednn_packed(q_in_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 (in, out) weight packed for oneDNN's int8 linear, and its zero points (zeros)."""
     with torch.inference_mode(False), torch.no_grad():
         return (torch.ops.onednn.qlinear_prepack(q_in_out.t().contiguous(), None),
-                torch.zeros(scale.shape[0], dtype=torch.long))
+                torch.zeros(q_in_out.shape[1], dtype=torch.long))
+
+
+def pack(q_in_out: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """onednn_packed(q_in_out) where the fused product is used: a float32 weight on a CPU whose oneDNN
+    computes it bitwise as the plain form (`fused_products`); else None."""
+    if scale.dtype != torch.float32 or scale.device.type != "cpu" or not fused_products():
+        return None
+    return onednn_packed(q_in_out)
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -284,8 +293,7 @@ def fused_products() -> bool:
     """Whether oneDNN's fused int8 product is there and computes exactly what torch._int_mm and
     `rescale` compute (the int32 sums, converted, times the channel scales), bitwise, on extreme and
     random operands of a few shapes, weights within +-weight_levels(): found once per process."""
-    op = getattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise", None)
-    if op is None or not torch.backends.mkldnn.is_available():
+    if not (hasattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise") and torch.backends.mkldnn.is_available()):
         return False
     g, levels = torch.Generator().manual_seed(0), weight_levels()
     try:
@@ -295,9 +303,8 @@ def fused_products() -> bool:
             x[0], q[:, 0] = LEVELS, -levels  # the largest sums
             x[-1, ::2], x[-1, 1::2] = -LEVELS, LEVELS
             scale = torch.rand(n, generator=g) * 1e-3 + 1e-6
-            packed, zero_points = torch.ops.onednn.qlinear_prepack(q.t().contiguous(), None), torch.zeros(n, dtype=torch.long)
-            got = op(x, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-            if not torch.equal(got, torch._int_mm(x, q).to(torch.float32).mul_(scale)):
+            got = onednn_product(x, *onednn_packed(q), scale)
+            if not torch.equal(got, rescale(torch._int_mm(x, q), torch.ones(m, 1), scale, None)):
                 return False
     except RuntimeError:  # a build or CPU whose oneDNN has no such kernel
         return False
