@@ -16,8 +16,8 @@ call's new tokens go (the model's forced tokens in, refdec.forced), the masks of
 to, and the positions that are real, all that the decoder layers need (NewPositions); the layers
 append their keys and values through it, and its `commit` advances the cache.
 
-Storage is preallocated, (layers, B, H, capacity, Dh), and grows by doubling, so appending a
-token never copies the cache.
+Storage is preallocated, (layers, B, H, capacity, Dh), zeroed as calls reach it, and grows by
+doubling, so appending a token never copies the cache.
 
 Lengths. While every row holds the same number of positions (greedy and beam advance all rows
 together) the cache is uniform: `length` is that one number and append writes one slice. A batched verification step commits a different number of tokens per row; truncating
@@ -55,8 +55,9 @@ class KVCache:
     def __init__(self, n_layers: int, batch: int, n_heads: int, head_dim: int, capacity: int = 64,
                  *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         shape = (n_layers, batch, n_heads, max(1, capacity), head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = torch.empty(shape, device=device, dtype=dtype)  # zeroed as the calls reach it (_reserve)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self._zeroed = 0  # storage positions [0, _zeroed) of every row hold numbers: written, or zeros
         self._end = 0  # positions committed by advance() in the longest row
         self._lengths: torch.Tensor | None = None  # (B,) per row while rows differ, else None
         self.prefix = 0  # hidden storage positions before position 0 (see the module docstring)
@@ -106,16 +107,25 @@ class KVCache:
             self._end, self._lengths = int(lengths.max()), lengths
 
     def _reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        new_cap = max(needed, 2 * self.capacity)
-        L, B, H, _, Dh = self.k.shape
-        used = self.prefix + self._end
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros((L, B, H, new_cap, Dh))
-            new[:, :, :, :used] = old[:, :, :, :used]
-            setattr(self, name, new)
+        """Room for storage positions [0, needed), every one of them a number. A call's attention
+        reads every row's keys up to the longest row's end, masked past the row's own length: those
+        must be numbers too (a masked weight is 0, and 0 x NaN is NaN), so the storage is zeroed up to
+        the furthest position a call has reached, when it reaches it, not all at once: a batch's cache
+        is sized for its longest possible output and most of it is never reached."""
+        if needed > self.capacity:
+            new_cap = max(needed, 2 * self.capacity)
+            L, B, H, _, Dh = self.k.shape
+            used = self.prefix + self._end
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty((L, B, H, new_cap, Dh))
+                new[:, :, :, :used] = old[:, :, :, :used]
+                setattr(self, name, new)
+            self._zeroed = used
+        if needed > self._zeroed:
+            self.k[:, :, :, self._zeroed:needed] = 0
+            self.v[:, :, :, self._zeroed:needed] = 0
+            self._zeroed = needed
 
     # -- verbs ----------------------------------------------------------------------------------
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +203,8 @@ class KVCache:
             k, v = self.k[:, :, :, :used].index_select(1, rows), self.v[:, :, :, :used].index_select(1, rows)
             if n > self.batch:
                 L, _, H, capacity, Dh = self.k.shape
-                self.k, self.v = self.k.new_zeros((L, n, H, capacity, Dh)), self.v.new_zeros((L, n, H, capacity, Dh))
+                self.k, self.v = self.k.new_empty((L, n, H, capacity, Dh)), self.v.new_empty((L, n, H, capacity, Dh))
+                self._zeroed = used
             else:
                 self.k, self.v = self.k[:, :n], self.v[:, :n]
             self.k[:, :, :, :used] = k
@@ -204,6 +215,7 @@ class KVCache:
     def clone(self) -> "KVCache":
         other = KVCache.__new__(KVCache)
         other.k, other.v, other._end, other._lengths = self.k.clone(), self.v.clone(), self._end, self._lengths
+        other._zeroed = self._zeroed
         other.prefix = self.prefix
         return other
 

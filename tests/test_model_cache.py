@@ -106,13 +106,28 @@ class WholeCopyCache(KVCache):
             self._set_lengths(self._lengths.index_select(0, rows))
 
 
+@pytest.fixture
+def uninitialised_is_nan():
+    """torch.empty and its kin fill new memory with NaN (torch's deterministic mode), as memory never
+    written may hold."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.utils.deterministic.fill_uninitialized_memory = before[2]
+
+
 @pytest.mark.parametrize("seed", range(12))
-def test_select_keeps_every_rows_positions_as_a_whole_copy_does(seed):
+def test_select_keeps_every_rows_positions_as_a_whole_copy_does(seed, uninitialised_is_nan):
     """Guards against select mixing rows: it moves rows that stay down in the same storage (rows
     leaving), or gathers the positions in use first (rows reordered, repeated, more rows). After any
     sequence of appends, per-row truncates and selects, every row's keys and values over the
     positions it holds, and what append returns there, equal those of a cache that copies the whole
-    storage by index_select."""
+    storage by index_select. And the storage, made uninitialised (NaN here) and zeroed only as calls
+    reach it, never hands attention a NaN: every position append returns is a number, a row's masked
+    ones past its length included (a masked weight is 0, and 0 x NaN is NaN)."""
     g = torch.Generator().manual_seed(seed)
     B = 5
     ours, whole = (cls(2, B, 2, 3, capacity=int(torch.randint(1, 6, (1,), generator=g)), dtype=torch.float64)
@@ -123,6 +138,7 @@ def test_select_keeps_every_rows_positions_as_a_whole_copy_does(seed):
         k, v = torch.randn(n, 2, q, 3, generator=g, dtype=torch.float64), torch.randn(n, 2, q, 3, generator=g, dtype=torch.float64)
         for layer in range(2):
             got, want = ours.append(layer, k, v), whole.append(layer, k, v)
+            assert all(bool(x.isfinite().all()) for x in got)
             for b, length in enumerate(ours.lengths.tolist()):
                 for x, y in zip(got, want):
                     assert torch.equal(x[b, :, :length + q], y[b, :, :length + q])

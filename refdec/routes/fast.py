@@ -129,6 +129,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     return residual_linear(x, a if rows is None else a.index_select(0, rows), wo, bo)
 
 
+def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], H: int,
+                x: torch.Tensor, wo: torch.Tensor | QuantizedWeight, bo: torch.Tensor) -> torch.Tensor:
+    """Self-attention of a batch of sequences laid end to end, q, k, v (N, H*Dh) with sequence i
+    `lengths[i]` rows long, each sequence over its own keys alone (no padding, no mask: what the
+    sequence alone computes), through wo, bo, added to x (N, D). A batch of sources of different
+    lengths padded to the longest would spend most of its attention on padding. On the int8 route
+    the attention is computed in float64 (refdec.routes.int8, "Attention in float64")."""
+    dtype = torch.float64 if isinstance(wo, QuantizedWeight) else q.dtype
+    q, k, v = (y.to(dtype).view(y.shape[0], H, -1).transpose(0, 1) for y in (q, k, v))  # (H, N, Dh)
+    a = x.new_empty(x.shape[0], q.shape[0], q.shape[2])  # (N, H, Dh)
+    start = 0
+    for n in lengths:
+        span = slice(start, start + n)
+        a[span] = F.scaled_dot_product_attention(q[None, :, span], k[None, :, span], v[None, :, span])[0].transpose(0, 1)
+        start += n
+    return residual_linear(x, a.view(x.shape[0], -1), wo, bo)
+
+
 def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x + FeedForward(h); `ff` holds w1, b1, w2, b2 (weights (in, out)) and act. On int8 a ReLU is
     folded into the second product's quantization (refdec.routes.int8.quantize_relu_rows: the same
@@ -279,33 +297,49 @@ class FastRoute(Route):
             return self.reference.encode_states(src)
         src = before_source(src, self.cfg.encoder_prefix)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
-        allowed = ~src_pad[:, None, None, :] if bool(src_pad.any()) else None  # (B, 1, 1, S)
-        return self.encoder_stack(src, allowed), src_pad
+        if not bool(src_pad.any()):
+            return self.encoder_stack(src, None), src_pad
+        real = (~src_pad).reshape(-1).nonzero().squeeze(1)  # the real positions among the B*S
+        lengths = (~src_pad).sum(1).tolist() if src.device.type == "cpu" else None
+        return self.encoder_stack(src, ~src_pad[:, None, None, :], real, lengths), src_pad
 
-    def encoder_stack(self, src: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    def encoder_stack(self, src: torch.Tensor, allowed: torch.Tensor | None,
+                      rows: torch.Tensor | None = None, lengths: list[int] | None = None) -> torch.Tensor:
         """The encoder over src (B, S), its forced tokens in, with `allowed` (B, 1, 1, S) True at the
-        keys that are not padding (None: every key) -> states (B, S, D)."""
+        keys that are not padding (None: every key) -> states (B, S, D). `rows` (N,): the real
+        positions among the B*S; then every linear map and norm reads those N rows alone (a batch of
+        sources of different lengths is mostly padding), and the padding's states are zeros.
+        Attention then takes each source alone (`attend_each`) given `lengths` (B,), each source's
+        real positions (on a CPU: many small calls cost less there than one call mostly over padding),
+        else the queries, keys and values laid out (B, S) with zeros at the padding, masked."""
         B, S = src.shape
         H, ref = self.cfg.n_heads, self.reference.starting()
         x = self.model.embed_source(src).reshape(B * S, -1)
+        x = x if rows is None else x.index_select(0, rows)
         for layer in ref.encoder:  # once per source, many rows: the parameters as they are, no copy
             def self_attn(h, x, a=layer.attn):
-                q, k, v = (heads(y, B, S, H) for y in linears(h, [a.wq, a.wk, a.wv], self.joined))
-                return attend(q, k, v, allowed, x, in_out(a.wo), a.wo.bias)
+                qkv = linears(h, [a.wq, a.wk, a.wv], self.joined)
+                if lengths is not None:
+                    return attend_each(*qkv, lengths, H, x, in_out(a.wo), a.wo.bias)
+                q, k, v = (heads(spread(y, rows, B * S), B, S, H) for y in qkv)
+                return attend(q, k, v, allowed, x, in_out(a.wo), a.wo.bias, rows)
             ff = {"w1": in_out(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": in_out(layer.ff.w2), "b2": layer.ff.w2.bias,
                   "act": layer.ff.act}
             x = sublayer(x, layer.sub1, self_attn)
             x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x))
-        return ref.enc_norm(x).view(B, S, -1)
+        return spread(ref.enc_norm(x), rows, B * S).view(B, S, -1)
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
         """Encoder states -> this call's LaidOutMemory, the weights checked once for the call."""
         if not self.applies():
             return self.reference.attach(states, src_pad)
         B, S, _ = states.shape
-        rows, H = states.reshape(B * S, -1), self.cfg.n_heads
+        H = self.cfg.n_heads
+        real = (~src_pad).reshape(-1).nonzero().squeeze(1) if bool(src_pad.any()) else None  # the padding: masked
+        rows = states.reshape(B * S, -1)
+        rows = rows if real is None else rows.index_select(0, real)
         dtype = torch.float64 if self.int8 else states.dtype  # int8: its attention's dtype (refdec.routes.int8)
-        kv = [heads(y, B, S, H).to(dtype).contiguous()
+        kv = [heads(spread(y.to(dtype), real, B * S), B, S, H).contiguous()
               for y in linears(rows, [m for layer in self.reference.starting().decoder
                                       for m in (layer.cross_attn.wk, layer.cross_attn.wv)], self.joined)]
         return LaidOutMemory(states, src_pad, list(zip(kv[0::2], kv[1::2])), self, self.decoder_weights())
