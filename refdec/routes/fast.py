@@ -16,7 +16,9 @@ memory rather than computing. The fast route computes the same mathematics with 
     projection's product itself (`addmm(x, h, W.T)`), so no separate addition;
   * no module calls, hooks, dropout or mode checks inside the layer loop;
   * in a ragged batch (a batched verification call of drafts of different lengths), every linear map
-    and norm on the real positions alone: padding is attended over as zeros, never multiplied;
+    and norm on the real positions alone: padding is attended over as zeros, never multiplied; in a
+    batch of sources of different lengths, the encoder's likewise, and on a CPU each source's
+    self-attention over its own positions alone (`attend_each`): the padding's states are zeros;
 
 It writes into the same KVCache with the same verbs (append, advance; the decoders truncate, select and
 clone it as before), takes the same arguments, and returns the same shapes, so every decoder runs on it
