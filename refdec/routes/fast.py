@@ -46,6 +46,7 @@ float32 fast greedy writes the reference route's output, and the logit margin at
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -135,17 +136,19 @@ def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list
                 x: torch.Tensor, wo: torch.Tensor | QuantizedWeight, bo: torch.Tensor) -> torch.Tensor:
     """Self-attention of a batch of sequences laid end to end, q, k, v (N, H*Dh) with sequence i
     `lengths[i]` rows long, each sequence over its own keys alone (no padding, no mask: what the
-    sequence alone computes), through wo, bo, added to x (N, D). A batch of sources of different
-    lengths padded to the longest would spend most of its attention on padding. On the int8 route
-    the attention is computed in float64 (refdec.routes.int8, "Attention in float64")."""
+    sequence alone computes), through wo, bo, added to x (N, D); neighbours of one length in one call
+    (a batch cut from lines sorted by length has many). A batch of sources of different lengths padded
+    to the longest would spend most of its attention on padding. On the int8 route the attention is
+    computed in float64 (refdec.routes.int8, "Attention in float64")."""
     dtype = torch.float64 if isinstance(wo, QuantizedWeight) else q.dtype
-    q, k, v = (y.to(dtype).view(y.shape[0], H, -1).transpose(0, 1) for y in (q, k, v))  # (H, N, Dh)
-    a = x.new_empty(x.shape[0], q.shape[0], q.shape[2])  # (N, H, Dh)
+    q, k, v = (y.to(dtype).view(y.shape[0], H, -1) for y in (q, k, v))  # (N, H, Dh)
+    a = x.new_empty(q.shape)  # (N, H, Dh)
     start = 0
-    for n in lengths:
-        span = slice(start, start + n)
-        a[span] = F.scaled_dot_product_attention(q[None, :, span], k[None, :, span], v[None, :, span])[0].transpose(0, 1)
-        start += n
+    for n, run in itertools.groupby(lengths):
+        span = slice(start, start + n * len(list(run)))  # r sequences of n rows: (r, H, n, Dh) each
+        q_, k_, v_ = (y[span].view(-1, n, *y.shape[1:]).transpose(1, 2) for y in (q, k, v))
+        a[span].view(-1, n, *a.shape[1:]).copy_(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2))
+        start = span.stop
     return residual_linear(x, a.view(x.shape[0], -1), wo, bo)
 
 
