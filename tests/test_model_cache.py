@@ -302,8 +302,8 @@ def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
 @pytest.mark.slow
 def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
     """refdec.commands.stepcost --rows: every call decodes that many rows; the cost per position divides by
-    rows x q, and the encoder is timed over as many sources; --fast and --graphed add those routes'
-    costs; a device torch does not know is refused."""
+    rows x q, and the encoder is timed over as many sources (with --ragged-src of unequal lengths, padded);
+    --fast and --graphed add those routes' costs; a device torch does not know is refused."""
     import json
 
     from refdec.commands.stepcost import main
@@ -320,5 +320,10 @@ def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "decoder call of 3 row(s)" in out and "encoder over 3 source(s) of 5 tokens" in out
     assert "; fast route" in out and "; graphed route" in out and "matrix products alone" in out
+    assert main(["--model", str(trained_tiny / "model.pt"), "--rows", "4", "--q", "1", "--rounds", "1", "--threads", "1",
+                 "--src", "10", "--prefix", "4", "--fast", "--ragged-src", "--report", str(rep)]) == 0
+    r = json.loads(rep.read_text())  # sources of 2, 5, 8 and 10 tokens, padded to 10
+    assert r["ragged_src"] and r["source_tokens"] == 25 and r["encoder_ms"] > 0 and r["fast_encoder_ms"] > 0
+    assert "encoder over 4 source(s) of 1-10 tokens (25 in all, padded to 10)" in capsys.readouterr().out
     assert main(["--model", str(trained_tiny / "model.pt"), "--rows", "0"]) == 2
     assert main(["--model", str(trained_tiny / "model.pt"), "--device", "no-such-device"]) == 2

@@ -5,6 +5,7 @@
     python -m refdec stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
     python -m refdec stepcost --task gec-uk --fast                   # the fast route beside
     python -m refdec stepcost --task gec-uk --rows 32 --fast --int8  # and the int8 route, its calls split
+    python -m refdec stepcost --task gec-uk --rows 32 --q 1 --fast --ragged-src   # the encoder over unequal sources
     python -m refdec stepcost --task mt-en-de --fast --graphed --device cuda   # and the graphed route, on a GPU
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
@@ -22,7 +23,10 @@ and the table adds the cost per decoder position (ms / (B x q)): once a call hol
 positions that cost stops falling, the call is bound by arithmetic, and a decoder that computes more
 positions per output token (a drafted token that is rejected, a padded one) pays for each of them.
 The encoder's cost over B sources of --src tokens is timed in the same rounds: the part of a
-sentence's cost that no decoding algorithm changes.
+sentence's cost that no decoding algorithm changes. With --ragged-src its B sources are of lengths
+spread evenly up to --src, right-padded to the longest, as a batch of lines in input order is (the
+reference route computes the padding; the fast route its real positions alone); the cost per
+source token then counts the real ones.
 
 With --int8 the fast route on int8 products (refdec.routes.int8) is timed beside, and each of its
 calls is split into parts timed alone on the call's shapes (int8_parts): the integer products, the
@@ -136,6 +140,7 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
                                        **({"graphed": [], "graphed replay, q = 1": []} if args.graphed else {}), **({"fast-int8": []} if args.int8 else {})}
     src = torch.full((args.rows, args.src), 11, device=device)
+    enc_src = ragged_sources(src, model.cfg.pad_id) if args.ragged_src else src  # the encoder's timed batch
     print(f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
           f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}", file=sys.stderr, flush=True)
     progress = ProgressLine(args.rounds + 1, "rounds")
@@ -168,9 +173,21 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
             for name in ("reference", "fast", "graphed", "fast-int8"):  # the reference: the encoder as decode.py runs it
                 if name in encoder:
                     t0 = clock(device)
-                    routes.get(name, model).encode(src)
+                    routes.get(name, model).encode(enc_src)
                     encoder[name].append(clock(device) - t0)
     return samples, proj, encoder, parts
+
+
+def source_lengths(B: int, S: int) -> list[int]:
+    """--ragged-src's source lengths: row i of B holds round((i + 1) * S / B) tokens, at least 1."""
+    return [max(1, round((i + 1) * S / B)) for i in range(B)]
+
+
+def ragged_sources(src: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """src (B, S) with each row cut to its source_lengths, the rest padding."""
+    B, S = src.shape
+    lengths = torch.tensor(source_lengths(B, S), device=src.device)
+    return src.masked_fill(torch.arange(S, device=src.device)[None, :] >= lengths[:, None], pad_id)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -178,6 +195,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="mt-en-de", help="task whose shipped checkpoint to load (default mt-en-de)")
     p.add_argument("--model", help="checkpoint path (default: checkpoints/<task>/model.pt)")
     p.add_argument("--src", type=int, default=30, help="source tokens (default 30)")
+    p.add_argument("--ragged-src", action="store_true", help="time the encoder over sources of lengths spread "
+                   "evenly up to --src, padded (a batch of lines in input order), not all of --src tokens")
     p.add_argument("--prefix", type=int, default=30, help="tokens already in the cache (default 30)")
     p.add_argument("--rows", type=int, default=1, help="batch rows per call (default 1)")
     p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
@@ -237,8 +256,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['ms_per_position']:8.4f}     "
               f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}"
               + "".join(f"{r[key]:{len(head)}.{digits}f}" for head, key, digits in columns))
-    print(f"encoder over {B} source(s) of {args.src} tokens: {enc_ms:.3f} ms ({enc_ms / (B * args.src):.4f} ms per "
-          f"source token)" + "".join(f"; {route} route {enc[route]:.3f} ms ({enc[route] / (B * args.src):.4f})"
+    tokens = sum(source_lengths(B, args.src)) if args.ragged_src else B * args.src
+    sources = f"1-{args.src} tokens ({tokens} in all, padded to {args.src})" if args.ragged_src else f"{args.src} tokens"
+    print(f"encoder over {B} source(s) of {sources}: {enc_ms:.3f} ms ({enc_ms / tokens:.4f} ms per "
+          f"source token)" + "".join(f"; {route} route {enc[route]:.3f} ms ({enc[route] / tokens:.4f})"
                                      for route in other_routes))
     if args.fast:
         whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
@@ -259,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
     print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
     if args.report:
         write_report(args.report, {"model": shown_path(path), "threads": args.threads, "device": str(device),
-                                   "rows": B, "src": args.src, "prefix": args.prefix, "calls": rows, "encoder_ms": enc_ms,
+                                   "rows": B, "src": args.src, "ragged_src": args.ragged_src, "source_tokens": tokens,
+                                   "prefix": args.prefix, "calls": rows, "encoder_ms": enc_ms,
                                    **({"fast_encoder_ms": enc["fast"],
                                        "fast_products_ms": enc["fast products, q = 1"]} if args.fast else {}),
                                    **({"graphed_encoder_ms": enc["graphed"],
