@@ -54,6 +54,22 @@ def test_encoder_and_cross_attention_memory_match_the_reference(seed):
             assert (a - b).transpose(1, 2)[real].abs().max() < TOL and not b.transpose(1, 2)[~real].any()
 
 
+def test_the_encoders_two_forms_of_attention_over_padded_sources_agree():
+    """A batch of sources of unequal lengths, each source's attention alone (on a CPU) or the padded
+    batch's, masked (elsewhere): the same states at the real positions (float64), zeros at the padding,
+    and a source of no tokens at all (every position padding) has no rows to attend with."""
+    m = tiny_model(3)
+    f = fast_copy(m)
+    src = random_src(5, 7, 40)
+    src[2] = PAD_ID  # no tokens at all
+    pad = src.eq(PAD_ID)
+    real = (~pad).reshape(-1).nonzero().squeeze(1)
+    with torch.no_grad():
+        each = f.encoder_stack(src, ~pad[:, None, None, :], real, (~pad).sum(1).tolist())
+        padded = f.encoder_stack(src, ~pad[:, None, None, :], real)
+    assert (each - padded)[~pad].abs().max() < TOL and not each[pad].any() and not padded[pad].any()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_decoder_calls_match_the_reference_uniform_and_ragged(seed):
     """One token, k tokens at once, then a ragged cache (per-row lengths) with right-padded rows

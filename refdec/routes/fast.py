@@ -144,7 +144,7 @@ def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list
     q, k, v = (y.to(dtype).view(y.shape[0], H, -1) for y in (q, k, v))  # (N, H, Dh)
     a = x.new_empty(q.shape)  # (N, H, Dh)
     start = 0
-    for n, run in itertools.groupby(lengths):
+    for n, run in itertools.groupby(length for length in lengths if length):  # (an empty one has no rows)
         span = slice(start, start + n * len(list(run)))  # r sequences of n rows: (r, H, n, Dh) each
         q_, k_, v_ = (y[span].view(-1, n, *y.shape[1:]).transpose(1, 2) for y in (q, k, v))
         a[span].view(-1, n, *a.shape[1:]).copy_(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2))
