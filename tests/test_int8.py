@@ -17,7 +17,7 @@ from conftest import (AVX512_FLAGS, TEXTS, ZEN3_FLAGS, adversarial_drafter, asse
                       check_batched_iad, copy_model, error_of, fake_cpu, ragged_src, random_checkpoint, random_heads,
                       random_src, tiny_model)
 from refdec.routes import int8
-from refdec.config import BOS_ID, EOS_ID
+from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy, decode_iad
 from refdec.decoding import gad as gad_module
 from refdec.decoding.bild import decode_bild
@@ -244,6 +244,34 @@ def test_a_ragged_calls_real_positions_do_not_depend_on_its_padding():
             assert torch.equal(m.decode(tgt[b:b + 1, :n], mem, cache)[0], logits4[b, :n])
             used = int(lengths[b]) + n
             assert torch.equal(cache.k[:, 0, :, :used], cache4.k[:, b, :, :used])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_sources_encoding_does_not_depend_on_its_batch_in_float32(threads):
+    """On the fast int8 route in float32, whose encoder attends in float32, each source alone per
+    source (refdec.routes.fast.attend_each): a source's states and cross-attention keys and values
+    alone equal (torch.equal) its own within a batch of sources of other lengths (padded, in input
+    order and sorted by length) and within a batch of sources of its own length, for lengths that
+    cross the attention kernel's blocks, on 1 and 2 threads."""
+    m = on_route(tiny_model(31, max_positions=160).to(torch.float32), "fast", int8=True)
+    src = random_src(31, 9, 40, min_len=1, max_len=140)  # with eos: up to 141 tokens
+    lengths = src.ne(PAD_ID).sum(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            batches = [(torch.arange(9), m.encode(src)), (lengths.argsort(stable=True), None)]
+            batches[1] = (batches[1][0], m.encode(src[batches[1][0]]))
+            for b in range(9):
+                alone, n = m.encode(src[b:b + 1, :int(lengths[b])]), int(lengths[b])
+                same = m.encode(src[b:b + 1, :n].expand(3, n))
+                for order, mem in batches + [(torch.tensor([b, b, b]), same)]:
+                    i = int((order == b).nonzero()[0])
+                    assert torch.equal(mem.states[i, :n], alone.states[0]), (b, n)
+                    for (k, v), (k1, v1) in zip(mem.cross_kv, alone.cross_kv):
+                        assert torch.equal(k[i, :, :n], k1[0]) and torch.equal(v[i, :, :n], v1[0])
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

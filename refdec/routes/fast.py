@@ -138,10 +138,16 @@ def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list
     `lengths[i]` rows long, each sequence over its own keys alone (no padding, no mask: what the
     sequence alone computes), through wo, bo, added to x (N, D); neighbours of one length in one call
     (a batch cut from lines sorted by length has many). A batch of sources of different lengths padded
-    to the longest would spend most of its attention on padding. On the int8 route the attention is
-    computed in float64 (refdec.routes.int8, "Attention in float64")."""
-    dtype = torch.float64 if isinstance(wo, QuantizedWeight) else q.dtype
-    q, k, v = (y.to(dtype).view(y.shape[0], H, -1) for y in (q, k, v))  # (N, H, Dh)
+    to the longest would spend most of its attention on padding.
+
+    A sequence's result depends on its own values and length alone, bitwise, whatever else is in the
+    batch: PyTorch's CPU attention kernel computes each (sequence, head) on its own, in blocks of
+    queries and keys whose sizes follow the sequence's length, with the same operations for the same
+    shapes (tests/test_fast.py holds it to that across batch sizes, lengths and threads). So the int8
+    route computes it in the model's dtype, not in float64 as its decoder's attention is
+    (refdec.routes.int8, "Attention in float64"): the encoder of a source alone and in any batch
+    writes the same states."""
+    q, k, v = (y.view(y.shape[0], H, -1) for y in (q, k, v))  # (N, H, Dh)
     a = x.new_empty(q.shape)  # (N, H, Dh)
     start = 0
     for n, run in itertools.groupby(length for length in lengths if length):  # (an empty one has no rows)
@@ -302,10 +308,11 @@ class FastRoute(Route):
             return self.reference.encode_states(src)
         src = before_source(src, self.cfg.encoder_prefix)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
+        cpu = src.device.type == "cpu"  # then each source's attention alone (attend_each), padding or not
         if not bool(src_pad.any()):
-            return self.encoder_stack(src, None), src_pad
+            return self.encoder_stack(src, None, None, [src.shape[1]] * src.shape[0] if cpu else None), src_pad
         real = (~src_pad).reshape(-1).nonzero().squeeze(1)  # the real positions among the B*S
-        lengths = (~src_pad).sum(1).tolist() if src.device.type == "cpu" else None
+        lengths = (~src_pad).sum(1).tolist() if cpu else None
         return self.encoder_stack(src, ~src_pad[:, None, None, :], real, lengths), src_pad
 
     def encoder_stack(self, src: torch.Tensor, allowed: torch.Tensor | None,

@@ -27,7 +27,8 @@ cross-attention's keys and values are kept in float64) and rounded back to the m
 float64 difference of ~1e-16 changes the float32 result only when it straddles a float32 rounding
 boundary (about 2^-29 of values), and a quantizer boundary after that. Every position's logits are
 bitwise independent of the call's shape in row-invariant mode (`--int8 --invariant`, slower),
-where attention sees exactly its own keys.
+where attention sees exactly its own keys. The fast route's encoder on a CPU needs no float64: each
+source attends over its own positions alone, in a call of its own shape (refdec.routes.fast.attend_each).
 
 The alternative, weight-only int8 (`torch.ops.aten._weight_int8pack_mm`, float activations), was
 measured and left out: its CPU kernel took 3-10x the float32 product's time at one row and 30-50x
