@@ -251,22 +251,25 @@ def test_a_sources_encoding_does_not_depend_on_its_batch_in_float32(threads):
     """On the fast int8 route in float32, whose encoder attends in float32, each source alone per
     source (refdec.routes.fast.attend_each): a source's states and cross-attention keys and values
     alone equal (torch.equal) its own within a batch of sources of other lengths (padded, in input
-    order and sorted by length) and within a batch of sources of its own length, for lengths that
-    cross the attention kernel's blocks, on 1 and 2 threads."""
+    order and sorted by length) and within a batch of sources of its own length, for lengths of 1 to
+    141 tokens on both sides of the attention kernel's blocks and vector widths, on 1 and 2 threads."""
     m = on_route(tiny_model(31, max_positions=160).to(torch.float32), "fast", int8=True)
-    src = random_src(31, 9, 40, min_len=1, max_len=140)  # with eos: up to 141 tokens
-    lengths = src.ne(PAD_ID).sum(1)
+    g = torch.Generator().manual_seed(31)
+    lengths = torch.tensor([33, 1, 141, 16, 2, 65, 17, 128, 31, 64, 15, 32])  # eos included
+    src = torch.full((len(lengths), int(lengths.max())), PAD_ID)
+    for b, n in enumerate(lengths.tolist()):
+        src[b, :n - 1], src[b, n - 1] = torch.randint(5, 40, (n - 1,), generator=g), EOS_ID
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.no_grad():
-            batches = [(torch.arange(9), m.encode(src)), (lengths.argsort(stable=True), None)]
-            batches[1] = (batches[1][0], m.encode(src[batches[1][0]]))
-            for b in range(9):
-                alone, n = m.encode(src[b:b + 1, :int(lengths[b])]), int(lengths[b])
+            order = lengths.argsort(stable=True)
+            batches = [(torch.arange(len(lengths)), m.encode(src)), (order, m.encode(src[order]))]
+            for b, n in enumerate(lengths.tolist()):
+                alone = m.encode(src[b:b + 1, :n])
                 same = m.encode(src[b:b + 1, :n].expand(3, n))
-                for order, mem in batches + [(torch.tensor([b, b, b]), same)]:
-                    i = int((order == b).nonzero()[0])
+                for rows, mem in batches + [(torch.tensor([b, b, b]), same)]:
+                    i = int((rows == b).nonzero()[0])
                     assert torch.equal(mem.states[i, :n], alone.states[0]), (b, n)
                     for (k, v), (k1, v1) in zip(mem.cross_kv, alone.cross_kv):
                         assert torch.equal(k[i, :, :n], k1[0]) and torch.equal(v[i, :, :n], v1[0])
