@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from conftest import (AVX512_FLAGS, TEXTS, ZEN3_FLAGS, adversarial_drafter, assert_rows_equal, batch1_greedy,
+from conftest import (AVX512_FLAGS, TEXTS, ZEN3_FLAGS, adversarial_drafter, alone, assert_rows_equal, batch1_greedy,
                       check_batched_iad, copy_model, error_of, fake_cpu, ragged_src, random_checkpoint, random_heads,
                       random_src, tiny_model)
 from refdec.routes import int8
@@ -266,12 +266,12 @@ def test_a_sources_encoding_does_not_depend_on_its_batch_in_float32(threads):
             order = lengths.argsort(stable=True)
             batches = [(torch.arange(len(lengths)), m.encode(src)), (order, m.encode(src[order]))]
             for b, n in enumerate(lengths.tolist()):
-                alone = m.encode(src[b:b + 1, :n])
-                same = m.encode(src[b:b + 1, :n].expand(3, n))
+                one = m.encode(alone(src, b))
+                same = m.encode(alone(src, b).expand(3, n))
                 for rows, mem in batches + [(torch.tensor([b, b, b]), same)]:
                     i = int((rows == b).nonzero()[0])
-                    assert torch.equal(mem.states[i, :n], alone.states[0]), (b, n)
-                    for (k, v), (k1, v1) in zip(mem.cross_kv, alone.cross_kv):
+                    assert torch.equal(mem.states[i, :n], one.states[0]), (b, n)
+                    for (k, v), (k1, v1) in zip(mem.cross_kv, one.cross_kv):
                         assert torch.equal(k[i, :, :n], k1[0]) and torch.equal(v[i, :, :n], v1[0])
     finally:
         torch.set_num_threads(before)

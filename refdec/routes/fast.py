@@ -143,7 +143,7 @@ def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list
     A sequence's result depends on its own values and length alone, bitwise, whatever else is in the
     batch: PyTorch's CPU attention kernel computes each (sequence, head) on its own, in blocks of
     queries and keys whose sizes follow the sequence's length, with the same operations for the same
-    shapes (tests/test_fast.py holds it to that across batch sizes, lengths and threads). So the int8
+    shapes (tests/test_int8.py holds it to that across batch sizes, lengths and threads). So the int8
     route computes it in the model's dtype, not in float64 as its decoder's attention is
     (refdec.routes.int8, "Attention in float64"): the encoder of a source alone and in any batch
     writes the same states."""
