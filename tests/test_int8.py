@@ -12,11 +12,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import (AVX512_FLAGS, TEXTS, ZEN3_FLAGS, adversarial_drafter, alone, assert_rows_equal, batch1_greedy,
                       check_batched_iad, copy_model, error_of, fake_cpu, ragged_src, random_checkpoint, random_heads,
                       random_src, tiny_model)
-from refdec.routes import int8
+from refdec.routes import fast, int8
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy, decode_iad
 from refdec.decoding import gad as gad_module
@@ -75,10 +76,12 @@ def test_a_row_of_a_product_does_not_depend_on_the_other_rows(dtype, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype):
+def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype, monkeypatch):
     """A product large enough to be computed in blocks of rows (int8.row_blocks: here 64, 64 and 22
     rows) equals (torch.equal) the same product in one integer product and one rescaling, with a bias,
-    with a residual stream and with neither; each row alone, on either side of a block's edge, too."""
+    with a residual stream and with neither; each row alone, on either side of a block's edge, too. The
+    plan is forced to blocks, whatever this machine's probe finds."""
+    monkeypatch.setattr(int8, "plan_for", planned(None, blocks=True))
     g = torch.Generator().manual_seed(5)
     w = torch.randn(8000, 192, generator=g, dtype=dtype)
     b, qw = torch.randn(8000, generator=g, dtype=dtype), QuantizedWeight(w.t(), w)
@@ -99,28 +102,92 @@ def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype):
 fused_here = pytest.mark.skipif(not int8.fused_products(), reason="no oneDNN fused int8 product in this torch build")
 
 
+def planned(fused_from, blocks=False):
+    """A stand-in for int8.plan_for: every shape's plan as given, whatever this machine's probe finds
+    (`fused_from` may be a function of the weight's (k, n))."""
+    return lambda k, n: int8.Plan(fused_from(k, n) if callable(fused_from) else fused_from, blocks)
+
+
 @fused_here
 @pytest.mark.parametrize("k,n", [(16, 12), (192, 576), (768, 192), (192, 8000)])
 def test_onednns_fused_product_equals_the_plain_one(k, n, monkeypatch):
-    """In float32 a large product is oneDNN's fused int8 linear (int8.fused); it equals (torch.equal)
-    torch._int_mm with int8.rescale, with a bias, a residual stream and neither, at 1 to 600 rows, so
-    that a row's values do not depend on which of the two computes it."""
+    """Where a plan takes oneDNN's fused int8 linear (int8.fused), it equals (torch.equal) torch._int_mm
+    with int8.rescale, whole and in blocks of rows, with a bias, a residual stream and neither, at 1 to 600
+    rows, so that a row's values do not depend on which of the two computes it. Both plans are forced,
+    whatever this machine's probe finds (on a CPU where the fused product is slow, fewer rows)."""
     g = torch.Generator().manual_seed(k * n)
     w = torch.randn(n, k, generator=g)
-    b, qw = torch.randn(n, generator=g), QuantizedWeight(w.t(), w)
+    b = torch.randn(n, generator=g)
+    monkeypatch.setattr(int8, "plan_for", planned(1))
+    qw = QuantizedWeight(w.t(), w)
     assert qw.packed is not None
-    for m in (1, 3, 17, 64, 600):
+    slow = int8.probe_plan(k, n).fused_from is None
+    for m in (1, 3, 17, 64, 130 if slow and n > 1000 else 600):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 10
         res = torch.randn(m, n, generator=g)
         for add in (b, res, None):
-            monkeypatch.setattr(int8, "FUSED_ELEMENTS", 0)
+            monkeypatch.setattr(int8, "plan_for", planned(1))
             fused = int8.product(x, qw, add)
             assert int8.fused(int8.quantize_rows(x)[0], qw)
-            monkeypatch.setattr(int8, "FUSED_ELEMENTS", 1 << 62)
-            monkeypatch.setattr(int8, "FUSED_WIDTH", 1 << 62)
-            assert torch.equal(fused, int8.product(x, qw, add)), (m, add is None)
-            monkeypatch.undo()
+            for blocks in (False, True):
+                monkeypatch.setattr(int8, "plan_for", planned(None, blocks))
+                assert not int8.fused(int8.quantize_rows(x)[0], qw)
+                assert torch.equal(fused, int8.product(x, qw, add)), (m, add is None, blocks)
     assert QuantizedWeight(w.t().double(), w.double()).packed is None  # float64 takes the plain product
+    monkeypatch.setattr(int8, "plan_for", planned(None))
+    assert QuantizedWeight(w.t(), w).packed is None  # a plan without the fused product packs nothing
+
+
+def test_the_products_plan_is_the_probes_timing_both_ways(monkeypatch):
+    """int8.probe_plan takes oneDNN's fused product from the first row count from which it was faster at
+    every count timed, never where it was slower, and times it at one row only where it was GIVE_UP
+    times slower there (a CPU where it is a thousand times slower); row blocks where they were faster.
+    The kernels' timings are forced (int8.race), so that every outcome is tested on every machine."""
+    monkeypatch.setattr(int8, "fused_available", lambda: True)
+    monkeypatch.setattr(int8, "fused_products", lambda: True)
+    monkeypatch.setattr(int8, "onednn_packed", lambda q: (None, None))
+
+    def timed(fused_us: dict, blocks_faster: bool):
+        calls = []
+
+        def race(f, g, args, give_up=None):
+            m = args[0].shape[0]
+            calls.append(m)
+            if f.__name__ == "fused_call":
+                return fused_us.get(m, fused_us.get("else")), 100.0
+            return (90.0, 100.0) if blocks_faster else (110.0, 100.0)
+        monkeypatch.setattr(int8, "race", race)
+        return calls
+
+    n, m0 = 768, -(-int8.FUSED_ELEMENTS // 768)  # 86 rows: where the fused product is first tried
+    calls = timed({"else": 50.0}, True)
+    plan = int8.probe_plan(192, n)
+    assert (plan.fused_from, plan.blocks) == (m0, False) and calls == [1, m0, 4 * m0]  # blocks: the fused takes them
+    timed({1: 500.0, m0: 120.0, "else": 50.0}, False)
+    assert int8.probe_plan(192, n).fused_from == 4 * m0  # faster from 4 x m0 on only
+    timed({1: 50.0, m0: 50.0, "else": 120.0}, True)
+    plan = int8.probe_plan(192, n)
+    assert plan.fused_from is None and plan.blocks  # slower at the larger count: never
+    calls = timed({"else": 100.0 * int8.GIVE_UP + 1}, False)
+    plan = int8.probe_plan(192, n)
+    assert plan.fused_from is None and not plan.blocks and calls == [1, 384] and "slower" in plan.why
+    calls = timed({"else": 1.0}, False)
+    assert int8.probe_plan(192, 8000).fused_from == 1 and calls == [1, 4]  # the vocabulary's width: from one row
+    monkeypatch.setattr(int8, "fused_products", lambda: False)
+    timed({"else": 1.0}, False)
+    assert int8.probe_plan(192, n).fused_from is None  # faster, but not bitwise the plain form: never
+    monkeypatch.setattr(int8, "fused_available", lambda: False)
+    calls = timed({}, True)
+    assert int8.probe_plan(192, n).fused_from is None and calls == [384]  # 384 rows: the first with blocks
+
+
+def test_this_machines_plans_are_found_once_and_reported():
+    """int8.plan_for probes a shape once per thread count and keeps the plan; plans_made lists it with
+    the timings it was chosen by (what `refdec machine` and every timing report show)."""
+    plan = int8.plan_for(24, 40)
+    assert int8.plan_for(24, 40) is plan
+    made = int8.plans_made()[f"24 x 40, {torch.get_num_threads()} thread(s)"]
+    assert made["fused_from_rows"] == plan.fused_from and made["row_blocks"] == plan.blocks and made["timings_us"]
 
 
 def test_a_deep_copy_of_the_int8_weights_computes_the_same_products():
@@ -140,9 +207,9 @@ def test_a_deep_copy_of_the_int8_weights_computes_the_same_products():
 @fused_here
 def test_lossless_decoders_on_int8_equal_int8_greedy_on_the_fused_product(monkeypatch):
     """Products of 128 output values or more on oneDNN's fused form, the others on torch._int_mm (a
-    one-row greedy step takes both), float32 on the fast route: batched IAD (drafts uncapped and of
+    one-row greedy step takes both), whatever this machine's plans, float32 on the fast route: batched IAD (drafts uncapped and of
     at most 4), blockwise and speculative decoding write batch-1 int8 greedy's tokens."""
-    monkeypatch.setattr(int8, "FUSED_ELEMENTS", 128)
+    monkeypatch.setattr(int8, "plan_for", planned(lambda k, n: -(-128 // n), blocks=True))
     m = int8_copy(copy_model(), "fast", torch.float32)
     src = random_src(901, 8, 16, min_len=1, max_len=14)
     ref = batch1_greedy(m, src, 30)
@@ -252,7 +319,9 @@ def test_a_sources_encoding_does_not_depend_on_its_batch_in_float32(threads):
     source (refdec.routes.fast.attend_each): a source's states and cross-attention keys and values
     alone equal (torch.equal) its own within a batch of sources of other lengths (padded, in input
     order and sorted by length) and within a batch of sources of its own length, for lengths of 1 to
-    141 tokens on both sides of the attention kernel's blocks and vector widths, on 1 and 2 threads."""
+    141 tokens on both sides of the attention kernel's blocks and vector widths, on 1 and 2 threads,
+    with neighbours of one length in one call where this machine's probe found that it holds
+    (fast.grouping_holds; on an AMD EPYC at 2 threads it does not for odd lengths of 9 to 31)."""
     m = on_route(tiny_model(31, max_positions=160).to(torch.float32), "fast", int8=True)
     g = torch.Generator().manual_seed(31)
     lengths = torch.tensor([33, 1, 141, 16, 2, 65, 17, 128, 31, 64, 15, 32])  # eos included
@@ -275,6 +344,70 @@ def test_a_sources_encoding_does_not_depend_on_its_batch_in_float32(threads):
                         assert torch.equal(k[i, :, :n], k1[0]) and torch.equal(v[i, :, :n], v1[0])
     finally:
         torch.set_num_threads(before)
+
+
+def encode_counting(monkeypatch, held: bool | None, src):
+    """The fast int8 route's encoding (float32) of `src` and of each source alone, with grouping_holds
+    forced to `held` (None: this machine's probe), and the row counts of the attention calls made."""
+    m = on_route(tiny_model(32, max_positions=64).to(torch.float32), "fast", int8=True)
+    if held is not None:
+        monkeypatch.setattr(fast, "grouping_holds", lambda *key: held)
+    calls = []
+    together = fast.attend_together
+
+    def counted(q, k, v, n, out):
+        calls.append(q.shape[0] // n)
+        together(q, k, v, n, out)
+    monkeypatch.setattr(fast, "attend_together", counted)
+    with torch.no_grad():
+        batch = m.encode(src)
+        made = list(calls)
+        ones = [m.encode(alone(src, b)) for b in range(src.shape[0])]
+    return batch, ones, made
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_the_encoders_grouped_attention_follows_the_probe_both_ways(held, monkeypatch):
+    """Where fast.grouping_holds says so, the sources of one length share an attention call; where it
+    does not, each source attends in a call of its own, and its states then equal (torch.equal) its
+    own alone, whatever the machine's kernel does. Both outcomes forced, on every machine; grouped, the
+    states are within float32 rounding of each alone."""
+    lengths = [15, 15, 15, 9, 9, 4]
+    src = torch.full((6, 15), PAD_ID)
+    for b, n in enumerate(lengths):
+        src[b, :n - 1], src[b, n - 1] = torch.arange(5, 4 + n), EOS_ID
+    batch, ones, calls = encode_counting(monkeypatch, held, src)
+    layers = 2
+    assert calls == ([3, 2, 1] if held else [1] * 6) * layers
+    for b, n in enumerate(lengths):
+        if held:
+            assert torch.allclose(batch.states[b, :n], ones[b].states[0], atol=1e-5)
+        else:
+            assert torch.equal(batch.states[b, :n], ones[b].states[0])
+
+
+def test_the_grouping_probe_finds_a_kernel_that_rounds_by_batch_size(monkeypatch):
+    """An attention kernel whose results move with the call's batch size (a last-bit offset per extra
+    sequence) fails fast.grouping_holds; every source then attends alone and equals (torch.equal) its
+    encoding alone. The true kernel's outcome is kept per (length, count, heads, head size, dtype,
+    threads) and reported by fast.groupings_found."""
+    sdpa = F.scaled_dot_product_attention
+
+    def by_batch(q, k, v, **kw):
+        return sdpa(q, k, v, **kw) * (1 + 2 ** -20 * (q.shape[0] - 1))
+    monkeypatch.setattr(fast, "_grouping", {})
+    monkeypatch.setattr(fast.F, "scaled_dot_product_attention", by_batch)
+    assert not fast.grouping_holds(7, 4, 4, 8, torch.float32)  # 4 sources of 7 tokens, 4 heads of 8
+    src = torch.full((4, 7), PAD_ID)
+    src[:, :6], src[:, 6] = torch.arange(5, 29).view(4, 6), EOS_ID
+    batch, ones, calls = encode_counting(monkeypatch, None, src)
+    assert calls == [1] * 8
+    for b in range(4):
+        assert torch.equal(batch.states[b], ones[b].states[0])
+    monkeypatch.undo()
+    held = fast.grouping_holds(7, 3, 4, 8, torch.float32)
+    assert fast.groupings_found()[f"{torch.get_num_threads()} thread(s)"]["tried"] >= 1
+    assert held == fast.grouping_holds(7, 3, 4, 8, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -63,6 +63,8 @@ def test_install_hints_name_the_extra_and_a_command_that_works_where_they_are_re
     extras = {name: {Requirement(r).name for r in reqs}
               for name, reqs in pyproject()["project"]["optional-dependencies"].items() if name != "test"}
     assert extras == {name: set(packages) for name, packages in repo.EXTRAS.items()}
+    # installed (pip install -e .), whether or not this machine's refdec is: the test reads the code alone
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: object())
     monkeypatch.chdir(REPO)
     assert repo.install_hint("html") == 'pip install "refdec[html]", or in this clone pip install -r requirements.txt'
     monkeypatch.chdir(tmp_path)  # elsewhere: the clone's file by its full path
@@ -74,7 +76,7 @@ def test_install_hints_name_the_extra_and_a_command_that_works_where_they_are_re
     assert repo.install_hint("hf") == f"in this clone pip install -r {REPO / 'requirements.txt'}"
     monkeypatch.setattr(repo, "REPO", tmp_path)  # a copied refdec/ folder: no clone around it
     assert repo.install_hint("hf") == "pip install transformers sentencepiece"
-    monkeypatch.undo()
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: object())
     monkeypatch.setattr(repo, "REPO", tmp_path)  # `pip install .`: site-packages, no requirements.txt
     assert repo.install_hint("html") == 'pip install "refdec[html]"'
     # no message of refdec's sends a user to requirements.txt but through install_hint

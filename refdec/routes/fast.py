@@ -136,26 +136,72 @@ def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list
                 x: torch.Tensor, wo: torch.Tensor | QuantizedWeight, bo: torch.Tensor) -> torch.Tensor:
     """Self-attention of a batch of sequences laid end to end, q, k, v (N, H*Dh) with sequence i
     `lengths[i]` rows long, each sequence over its own keys alone (no padding, no mask: what the
-    sequence alone computes), through wo, bo, added to x (N, D); neighbours of one length in one call
-    (a batch cut from lines sorted by length has many). A batch of sources of different lengths padded
-    to the longest would spend most of its attention on padding.
+    sequence alone computes), through wo, bo, added to x (N, D). A batch of sources of different
+    lengths padded to the longest would spend most of its attention on padding.
 
-    A sequence's result depends on its own values and length alone, bitwise, whatever else is in the
-    batch: PyTorch's CPU attention kernel computes each (sequence, head) on its own, in blocks of
-    queries and keys whose sizes follow the sequence's length, with the same operations for the same
-    shapes (tests/test_int8.py holds it to that across batch sizes, lengths and threads). So the int8
-    route computes it in the model's dtype, not in float64 as its decoder's attention is
-    (refdec.routes.int8, "Attention in float64"): the encoder of a source alone and in any batch
-    writes the same states."""
+    A sequence's result must depend on its own values and length alone, bitwise, whatever else is in
+    the batch: the int8 route computes it in the model's dtype, not in float64 as its decoder's
+    attention is (refdec.routes.int8, "Attention in float64"), so that the encoder of a source alone and
+    in any batch writes the same states. Each sequence alone in a call of its own holds that by
+    construction (one call shape per length). Neighbours of one length in one call (a batch cut from
+    lines sorted by length has many) hold it only where PyTorch's CPU attention kernel computes each
+    (sequence, head) of a call the same way whatever the call's batch size, which is a property of the
+    machine: it holds on an Intel Xeon with AVX-512 at 1 and 2 threads, and not on an AMD EPYC with
+    AVX-512 at 2 threads for odd lengths of 9 to 31. So neighbours go in one call only where
+    `grouping_holds` found it on this machine for that length, count and thread count."""
     q, k, v = (y.view(y.shape[0], H, -1) for y in (q, k, v))  # (N, H, Dh)
     a = x.new_empty(q.shape)  # (N, H, Dh)
     start = 0
     for n, run in itertools.groupby(length for length in lengths if length):  # (an empty one has no rows)
-        span = slice(start, start + n * len(list(run)))  # r sequences of n rows: (r, H, n, Dh) each
-        q_, k_, v_ = (y[span].view(-1, n, *y.shape[1:]).transpose(1, 2) for y in (q, k, v))
-        a[span].view(-1, n, *a.shape[1:]).copy_(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2))
-        start = span.stop
+        r = len(list(run))
+        together = r > 1 and grouping_holds(n, r, q.shape[1], q.shape[2], q.dtype)
+        for first in range(start, start + n * r, n * r if together else n):  # r sequences at once, or each alone
+            span = slice(first, first + (n * r if together else n))
+            attend_together(q[span], k[span], v[span], n, a[span])
+        start += n * r
     return residual_linear(x, a.view(x.shape[0], -1), wo, bo)
+
+
+def attend_together(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, out: torch.Tensor) -> None:
+    """Attention of r sequences of n rows each, q, k, v (r*n, H, Dh) laid end to end, each over its own
+    keys, in one call of shape (r, H, n, Dh), written into out (r*n, H, Dh)."""
+    q_, k_, v_ = (y.view(-1, n, *y.shape[1:]).transpose(1, 2) for y in (q, k, v))
+    out.view(-1, n, *out.shape[1:]).copy_(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2))
+
+
+_grouping: dict[tuple, bool] = {}  # (length, count, heads, head size, dtype, threads) -> whether it holds
+
+
+def grouping_holds(n: int, r: int, H: int, Dh: int, dtype: torch.dtype) -> bool:
+    """Whether r sequences of n rows attended in one call (`attend_together`) each come out bitwise as
+    that sequence attended alone, on this machine at the current thread count: tried once per process
+    for each (n, r, H, Dh, dtype, thread count) on random sequences laid out as the encoder's (the values
+    do not change which instructions run; the shapes and the threads do), a few attention calls."""
+    key = (n, r, H, Dh, dtype, torch.get_num_threads())
+    held = _grouping.get(key)
+    if held is None:
+        g = torch.Generator().manual_seed(n * 131 + r)
+        q, k, v = (torch.randn(r * n, H, Dh, generator=g).to(dtype) for _ in range(3))
+        together, alone = torch.empty_like(q), torch.empty_like(q)
+        attend_together(q, k, v, n, together)
+        for i in range(0, r * n, n):
+            attend_together(q[i:i + n], k[i:i + n], v[i:i + n], n, alone[i:i + n])
+        held = _grouping[key] = torch.equal(together, alone)
+    return held
+
+
+def groupings_found() -> dict:
+    """What `grouping_holds` has found in this process, for a report: how many (length, count) shapes
+    it tried and held, per thread count, and the lengths where it did not hold (their sequences then
+    attend alone)."""
+    out: dict = {}
+    for (n, r, H, Dh, dtype, threads), held in sorted(_grouping.items(), key=lambda kv: (kv[0][5], kv[0][0], kv[0][1])):
+        entry = out.setdefault(f"{threads} thread(s)", {"tried": 0, "held": 0, "failed_lengths": []})
+        entry["tried"] += 1
+        entry["held"] += held
+        if not held and n not in entry["failed_lengths"]:
+            entry["failed_lengths"].append(n)
+    return out
 
 
 def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -40,18 +40,23 @@ Products that read the same input (the encoder's queries, keys and values; the c
 keys and values of every layer) are one product of their weights side by side (`linears`): the same
 values, since each output channel keeps its scale and the sums are exact, in fewer operations.
 
-The product itself. Where oneDNN's fused int8 linear is there (`torch.ops.onednn.qlinear_pointwise`, on a
-CPU) and agrees bitwise with the plain form (`fused_products`, checked once per process), a float32 product
-with a large output (many rows, or the vocabulary's width: `fused`) is that one call on weights packed
-for it once: the int32 product, converted and times s_W, written out in float32 in the same pass, and
-several times faster there than torch._int_mm and a separate rescaling. Elsewhere (few rows, float64,
-other devices) the int32 product is torch._int_mm, converted to floating point once and times s_W
-in place (`rescale`): the same operations on each value, so the same values, whichever computes
-it. The work around it, for the same values: a large torch._int_mm product is computed in blocks of rows
-(`row_blocks`: oneDNN's int8 product is faster per row on blocks whose int32 output stays in the
-cache, which its rescaling then reads there); a ReLU between two products is folded into the second
-one's quantization (`quantize_relu_rows`, used by the fast route). A row's values do not depend on
-the block it is computed in, for the same reasons as above (docs/int8.md, "A batched call's parts").
+The product itself. Two kernels compute the same values: torch._int_mm, then the int32 sums converted
+to floating point once and times s_W in place (`rescale`), and oneDNN's fused int8 linear
+(`torch.ops.onednn.qlinear_pointwise`, on a CPU, float32) on weights packed for it once, which writes
+the int32 product, converted and times s_W, in one pass. Which one is faster is a property of the
+machine, not of the code: on an Intel Xeon with AMX the fused one is several times faster from a few
+dozen rows on, on an AMD EPYC with AVX-512 and no AMX it is about a thousand times slower. So each
+weight shape's plan (`plan_for`, a `Plan`) is found on the machine, once per process and thread count,
+by timing both on random operands of that shape (`probe_plan`, tens of milliseconds): the fused
+product is taken from the row count where it is faster (`fused`), where it agrees bitwise with the
+plain form (`fused_products`, checked once), and never where it is not faster; a large plain product
+is computed in blocks of rows (`row_blocks`) where that is faster on this machine (oneDNN's int8
+product can be faster per row on blocks whose int32 output stays in the cache, which its rescaling
+then reads there). None of these choices changes a value: every row's sums are exact and its
+rescaling elementwise, whichever kernel, block or plan computes it, so a timing that varies from run
+to run never changes an output. `python -m refdec machine` prints each plan and its figures. A ReLU
+between two products is folded into the second one's quantization (`quantize_relu_rows`, used by the
+fast route).
 
 Taking the route: `on_route(model, route, int8=True)` (refdec.routes) wraps a model so that its linear
 layers and output projection compute by these products: on the model's own layers (the reference
@@ -70,6 +75,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -78,12 +85,8 @@ from .stamps import stamp
 
 LEVELS = 127  # symmetric int8: values -127 .. 127
 JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds at most this many values
-# From this many output values on, `product` computes its rows in blocks of ROW_BLOCK rows, each block's
-# integer product and rescaling in turn (the same values: every row's sums are exact and its rescaling
-# elementwise). oneDNN's int8 product slows down per row as its int32 output outgrows the cache (on an
-# AVX-512 Xeon the vocabulary projection of a batch's verification call most of all); a block's int32
-# product then stays in the cache for its rescaling (docs/int8.md, "A batched call's parts"). Smaller
-# products lose more to the extra calls than they gain.
+# A plain product of more than this many output values may be computed in blocks of ROW_BLOCK rows, each
+# block's integer product and rescaling in turn, where this machine's plan says it is faster (`row_blocks`).
 BLOCK_ELEMENTS = 1 << 18
 ROW_BLOCK = 64
 
@@ -152,12 +155,12 @@ def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Ten
     residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
     Each output element goes through the same elementwise operations whatever the other rows, and
     whether it is computed by oneDNN's fused product (`fused`), in a block of rows (`row_blocks`) or
-    with all of them."""
+    with all of them: this machine's plan for the weight's shape (`plan_for`) chooses."""
     xq, sx = quantize_rows(x) if rows is None else rows
     if fused(xq, w):
         y = fused_product(xq, w)
         return y.mul_(sx) if add is None else torch.addcmul(add, y, sx, out=y)
-    blocks = row_blocks(xq.shape[0], w.scale.shape[0])
+    blocks = row_blocks(xq.shape[0], w.scale.shape[0], plan_for(*w.q.shape).blocks)
     if len(blocks) == 1:
         return rescale(torch._int_mm(xq, w.q), sx, w.scale, add)
     out = torch.empty(xq.shape[0], w.scale.shape[0], dtype=sx.dtype, device=sx.device)
@@ -166,10 +169,10 @@ def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Ten
     return out
 
 
-def row_blocks(m: int, n: int) -> list[slice]:
-    """The blocks of rows `product` computes an (m, n) result in: all m rows at once, or blocks of
-    ROW_BLOCK rows where the result holds more than BLOCK_ELEMENTS values."""
-    if m * n <= BLOCK_ELEMENTS:
+def row_blocks(m: int, n: int, blocks: bool = True) -> list[slice]:
+    """The blocks of rows `product` computes an (m, n) result in: all m rows at once, or, where `blocks`
+    (the plan's choice) and the result holds more than BLOCK_ELEMENTS values, blocks of ROW_BLOCK rows."""
+    if not blocks or m * n <= BLOCK_ELEMENTS:
         return [slice(0, m)]
     return [slice(i, i + ROW_BLOCK) for i in range(0, m, ROW_BLOCK)]
 
@@ -187,17 +190,13 @@ def rescale(p: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, add: torch.Tens
 
 
 # -- oneDNN's fused product ------------------------------------------------------------------------------
-# A float32 product takes oneDNN's fused form from this many output values on, or for outputs this wide
-# (the vocabulary): below, its call costs more than torch._int_mm and a rescaling (docs/int8.md).
-FUSED_ELEMENTS = 1 << 16
-FUSED_WIDTH = 1 << 12
-
-
 def fused(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> bool:
-    """Whether product() computes xq (M, K) int8 @ w by oneDNN's fused product (w packed for it: a
-    float32 weight on a CPU, `pack`)."""
-    m, n = xq.shape[0], w.scale.shape[0]
-    return w.packed is not None and (m * n >= FUSED_ELEMENTS or n >= FUSED_WIDTH)
+    """Whether product() computes xq (M, K) int8 @ w by oneDNN's fused product: w is packed for it (`pack`)
+    and this machine's plan for w's shape takes it from M rows on."""
+    if w.packed is None:
+        return False
+    start = plan_for(*w.q.shape).fused_from
+    return start is not None and xq.shape[0] >= start
 
 
 def fused_product(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> torch.Tensor:
@@ -221,9 +220,9 @@ def onednn_packed(q_in_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack(q_in_out: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """onednn_packed(q_in_out) where the fused product is used: a float32 weight on a CPU whose oneDNN
-    computes it bitwise as the plain form (`fused_products`); else None."""
-    if scale.dtype != torch.float32 or scale.device.type != "cpu" or not fused_products():
+    """onednn_packed(q_in_out) where the fused product may be taken: a float32 weight on a CPU whose plan
+    for this shape takes it (`plan_for`: faster here, and bitwise the plain form); else None."""
+    if scale.dtype != torch.float32 or scale.device.type != "cpu" or plan_for(*q_in_out.shape).fused_from is None:
         return None
     return onednn_packed(q_in_out)
 
@@ -293,8 +292,9 @@ def weight_levels() -> int:
 def fused_products() -> bool:
     """Whether oneDNN's fused int8 product is there and computes exactly what torch._int_mm and
     `rescale` compute (the int32 sums, converted, times the channel scales), bitwise, on extreme and
-    random operands of a few shapes, weights within +-weight_levels(): found once per process."""
-    if not (hasattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise") and torch.backends.mkldnn.is_available()):
+    random operands of a few shapes, weights within +-weight_levels(): found once per process (and
+    only where a plan would take it: on a CPU where it is slow, these calls take seconds)."""
+    if not fused_available():
         return False
     g, levels = torch.Generator().manual_seed(0), weight_levels()
     try:
@@ -310,6 +310,136 @@ def fused_products() -> bool:
     except RuntimeError:  # a build or CPU whose oneDNN has no such kernel
         return False
     return True
+
+
+def fused_available() -> bool:
+    """Whether this torch build has oneDNN's fused int8 linear at all."""
+    return hasattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise") and torch.backends.mkldnn.is_available()
+
+
+# -- which kernel computes a product fastest on this CPU ---------------------------------------------------
+# The fused product is first tried from this many output values on, or for outputs this wide (the
+# vocabulary): the row counts the probe times it at (below, a call costs more than it could save).
+FUSED_ELEMENTS = 1 << 16
+FUSED_WIDTH = 1 << 12
+PROBE_ROUNDS = 5  # timed calls of each kernel per row count, interleaved; the fastest of each counts
+GIVE_UP = 10  # a fused call this many times slower than the plain one at one row is timed no further
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How this machine computes the int8 products of one weight shape, found by `probe_plan`:
+    `fused_from` the row count from which oneDNN's fused product is taken (None: never), `blocks`
+    whether a large plain product goes in blocks of rows (`row_blocks`), and `timings`, what the probe
+    measured: microseconds per call of each kernel at each row count it tried."""
+
+    fused_from: int | None
+    blocks: bool
+    timings: tuple = ()
+    why: str = ""
+
+
+_plans: dict[tuple[int, int, int], Plan] = {}  # (k, n, threads) -> the plan probed for them
+
+
+def plan_for(k: int, n: int) -> Plan:
+    """This machine's plan for products with a (k, n) int8 weight at the current thread count: probed
+    at the first call of each (shape, thread count) in a process, then kept."""
+    key = (k, n, torch.get_num_threads())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = probe_plan(k, n)
+    return plan
+
+
+def probe_plan(k: int, n: int) -> Plan:
+    """Times both kernels on random int8 operands of the weight's shape (the values do not change which
+    instructions run), interleaved, after a warm-up: the fused product at one row, then at the row counts
+    where product() would first take it (FUSED_ELEMENTS, FUSED_WIDTH) and four times that; it is taken
+    from the smallest of those from which it is faster at every count timed, where it agrees bitwise
+    with the plain form (`fused_products`). Where it is GIVE_UP times slower at one row it is timed no
+    further (on a CPU where it is a thousand times slower, a larger call would take seconds). Then, where
+    a plain product of more than BLOCK_ELEMENTS values is computed by torch._int_mm, one such product
+    whole and in blocks of ROW_BLOCK rows."""
+    g = torch.Generator().manual_seed(k * 8191 + n)
+    levels = weight_levels()
+    q = torch.randint(-levels, levels + 1, (n, k), generator=g, dtype=torch.int8).t()  # laid out as QuantizedWeight's
+    scale = torch.rand(n, generator=g) * 1e-3 + 1e-6
+
+    def operands(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(-LEVELS, LEVELS + 1, (m, k), generator=g, dtype=torch.int8), torch.ones(m, 1)
+
+    def plain(x, ones):
+        return rescale(torch._int_mm(x, q), ones, scale, None)
+
+    timings, fused_from, why = [], None, "this torch build has no oneDNN fused int8 product"
+    if fused_available():
+        packed = onednn_packed(q)
+
+        def fused_call(x, ones):
+            return onednn_product(x, *packed, scale)
+        m0 = 1 if n >= FUSED_WIDTH else -(-FUSED_ELEMENTS // n)
+        t_fused, t_plain = race(fused_call, plain, operands(1), give_up=GIVE_UP)
+        timings.append(("fused", 1, t_fused, "plain", t_plain))
+        faster = {1: t_fused < t_plain}
+        if t_fused > GIVE_UP * t_plain:
+            why = f"{t_fused / t_plain:.0f}x slower than torch._int_mm and a rescaling at one row here"
+        else:
+            for m in (m0, 4 * m0):
+                if m not in faster:
+                    t_fused, t_plain = race(fused_call, plain, operands(m))
+                    timings.append(("fused", m, t_fused, "plain", t_plain))
+                    faster[m] = t_fused < t_plain
+            counts = [m for m in faster if m >= m0]
+            start = next((m for i, m in enumerate(counts) if all(faster[c] for c in counts[i:])), None)
+            if start is None:
+                why = "slower than torch._int_mm and a rescaling here"
+            elif not fused_products():
+                why = "faster here, but not bitwise the plain form"
+            else:
+                fused_from, why = start, f"faster here from {start} row(s) on"
+    mb = max(2 * ROW_BLOCK, -(-(BLOCK_ELEMENTS + 1) // (n * ROW_BLOCK)) * ROW_BLOCK)  # rows from which blocks apply
+    blocks = False
+    if fused_from is None or mb < fused_from:
+        x, ones = operands(mb)
+        t_blocks, t_whole = race(lambda x, ones: [plain(x[b], ones[b]) for b in row_blocks(mb, n)], plain, (x, ones))
+        timings.append(("blocks", mb, t_blocks, "whole", t_whole))
+        blocks = t_blocks < t_whole
+    return Plan(fused_from, blocks, tuple(timings), why)
+
+
+def race(f, g, args: tuple, give_up: float | None = None) -> tuple[float, float]:
+    """Microseconds per call of f(*args) and g(*args): the fastest of PROBE_ROUNDS calls each, interleaved,
+    after one call of each; after the first round, if f took `give_up` times g's time, that round alone."""
+    with torch.inference_mode():
+        f(*args), g(*args)
+        best_f = best_g = float("inf")
+        for i in range(PROBE_ROUNDS):
+            t0 = time.perf_counter()
+            f(*args)
+            t1 = time.perf_counter()
+            g(*args)
+            t2 = time.perf_counter()
+            best_f, best_g = min(best_f, t1 - t0), min(best_g, t2 - t1)
+            if give_up is not None and best_f > give_up * best_g:
+                break
+    return best_f * 1e6, best_g * 1e6
+
+
+def plans_made() -> dict[str, dict]:
+    """Every plan this process has found, for a report: "K x N, T thread(s)" -> its choices and timings."""
+    out = {}
+    for (k, n, threads), plan in sorted(_plans.items()):
+        out[f"{k} x {n}, {threads} thread(s)"] = {
+            "fused_from_rows": plan.fused_from, "row_blocks": plan.blocks, "why": plan.why,
+            "timings_us": [{"kernel": a, "rows": m, "us": round(ta, 1), "against": b, "against_us": round(tb, 1)}
+                           for a, m, ta, b, tb in plan.timings]}
+    return out
+
+
+def plan_cache() -> dict:
+    """The plans probed so far: (k, n, threads) -> Plan (functools.cache keeps no public view of its own)."""
+    return _plans
 
 
 def exact_products(levels: int) -> bool:
