@@ -170,11 +170,22 @@ def environment(threads, device, dtype) -> dict:
     """What every timing report records of the machine it ran on: the CPU by name, the vector instructions
     torch's kernels use there (its CPU capability) and the CPU's flags that decide which kernels run,
     whether int8 products are fast on it, torch's version, the thread count (a list where a command
-    times several), the device and dtype, and the allocator."""
+    times several), the device and dtype, the allocator, and what the routes' probes found in this run
+    (`probes_made`)."""
     return {"cpu": cpu_model(), "cpu_capability": cpu_capability(), "cpu_flags": reported_flags(),
             "cpu_int8_products": "fast" if int8_products_fast() else "slow", "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine(), "threads": threads,
-            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "allocator": allocator()}
+            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "allocator": allocator(),
+            "probes": probes_made()}
+
+
+def probes_made() -> dict:
+    """What the routes' probes of this machine found in this process (none: no run needed one): each int8
+    weight shape's plan with its timings (refdec.routes.int8.plans_made) and where the fast route's encoder
+    may attend over sources of one length in one call (refdec.routes.fast.groupings_found).
+    `python -m refdec machine` runs them all."""
+    from .routes import fast, int8
+    return {"int8_plans": int8.plans_made(), "grouped_attention": fast.groupings_found()}
 
 
 def machine_line(threads) -> str:

@@ -410,6 +410,27 @@ def test_the_grouping_probe_finds_a_kernel_that_rounds_by_batch_size(monkeypatch
     assert held == fast.grouping_holds(7, 3, 4, 8, torch.float32)
 
 
+def test_the_fast_int8_routes_forward_computes_what_its_decoding_computes():
+    """Case: on the fast int8 route in float32, teacher forcing went to the route's `reference`, whose
+    encoder attends in float64 with padding masked, while decoding encodes each source alone in float32:
+    two functions, and the uncached forward wrote another token than the route's own greedy. Now the
+    route's forward encodes as its decoding does (the same states, torch.equal) and its logits on greedy's
+    output pick greedy's tokens; with gradients on it computes the model's floating-point products."""
+    m = int8_copy(copy_model(), "fast", torch.float32)
+    src = random_src(905, 6, 16, min_len=1, max_len=14)
+    with torch.no_grad():
+        for b in range(src.shape[0]):
+            one = alone(src, b)
+            out = decode_greedy(m, one, max_len=20).tokens[0]
+            tgt = torch.cat([torch.tensor([BOS_ID]), out])[None, :-1] if len(out) else torch.tensor([[BOS_ID]])
+            hidden = m.forward_hidden(one, tgt)
+            assert torch.equal(hidden, m.forward_hidden(one, tgt, memory=m.encode(one)))
+            assert torch.equal(m(one, tgt).argmax(-1)[0], out[:tgt.shape[1]]), b
+    logits = m(src[:2], torch.full((2, 3), BOS_ID))
+    assert logits.requires_grad  # gradients on: the model's own layers, float products
+    assert torch.equal(logits, m.model(src[:2], torch.full((2, 3), BOS_ID)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_int8_and_row_invariant_mode_make_every_position_independent_of_the_call(dtype):
     """With row-invariant mode's attention and norms, a verification call of 6 tokens computes

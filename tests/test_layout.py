@@ -96,7 +96,7 @@ THE_MODEL = ["refdec." + m for m in ("config", "errors", "model", "cache", "forc
 # through their own.
 COMMANDS = ["refdec.commands." + m for m in (
     "bench", "ceiling", "ctranslate2", "decode", "distill", "fuzz", "harness", "hfcli", "int8bench",
-    "stepcost", "train", "train_drafters")]
+    "machine", "stepcost", "train", "train_drafters")]
 ENTRIES = ["refdec.__main__"]
 ABOVE_THE_MODEL = ("refdec.decoding", "refdec.app", "refdec.hf", "refdec.training", "refdec.commands", *ENTRIES)
 ROUTES = ("refdec.routes.kernels", "refdec.routes.fast", "refdec.routes.graphed", "refdec.routes.int8", "refdec.routes.stamps",

@@ -12,6 +12,7 @@ repeat is in harness.py. decode.py and train.py at the repository's root run dec
     fuzz.py            every lossless decoder against greedy on random tiny models
     hfcli.py           refdec hf import|export|audit (the audit: refdec.app.hfaudit)
     int8bench.py       the candidate int8 products timed on a model's shapes
+    machine.py         what this machine's probes choose for the routes, with their figures
     stepcost.py        the cost of one decoder call appending q tokens
     train_drafters.py  the mt-en-de drafter and heads on one GPU
 """
@@ -36,6 +37,7 @@ COMMANDS = {
     "fuzz": ("fuzz", "every lossless decoder against greedy on random tiny models"),
     "train-drafters": ("train_drafters", "the mt-en-de drafter and heads on one GPU"),
     "int8bench": ("int8bench", "the candidate int8 products timed on a model's shapes"),
+    "machine": ("machine", "this machine's kernel choices and rounding properties, probed, with their figures"),
 }
 
 

@@ -146,9 +146,10 @@ def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list
     construction (one call shape per length). Neighbours of one length in one call (a batch cut from
     lines sorted by length has many) hold it only where PyTorch's CPU attention kernel computes each
     (sequence, head) of a call the same way whatever the call's batch size, which is a property of the
-    machine: it holds on an Intel Xeon with AVX-512 at 1 and 2 threads, and not on an AMD EPYC with
-    AVX-512 at 2 threads for odd lengths of 9 to 31. So neighbours go in one call only where
-    `grouping_holds` found it on this machine for that length, count and thread count."""
+    machine and of the shapes: on an AMD EPYC with AVX-512 at 2 threads it does not hold for 4 heads of
+    8 dimensions at odd lengths of 9 to 31 (a sequence alone rounds otherwise than beside others), and
+    holds for 4 heads of 48. So neighbours go in one call only where `grouping_holds` found it on this
+    machine for that length, count, shape and thread count (`python -m refdec machine` lists them)."""
     q, k, v = (y.view(y.shape[0], H, -1) for y in (q, k, v))  # (N, H, Dh)
     a = x.new_empty(q.shape)  # (N, H, Dh)
     start = 0
@@ -436,6 +437,29 @@ class FastRoute(Route):
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
         return self.project(self.decode_hidden(tgt_new, memory, cache))
+
+    # -- teacher forcing -------------------------------------------------------------------------------
+    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
+                       memory: Memory | None = None) -> torch.Tensor:
+        """Teacher forcing, final decoder states (B, T, D), computed as decoding on this route computes
+        them: the route's encoder (each source's attention alone, in the model's dtype on the int8
+        route too) and one causal decoder call over the whole target in a fresh cache, the same function
+        a verification call of T tokens computes. Where the route does not apply (gradients on,
+        training) or for a drafter's layout of masks (`self_block`), the model's own layers on the
+        route's kernels (`reference`; with gradients on, its floating-point products): there the two
+        forms differ in rounding, as the reference route's encoder attention (in float64 on the int8
+        route, padding masked) differs from the route's own."""
+        if self_block is not None or not self.applies():
+            return self.reference.forward_hidden(src, tgt, self_block, memory)
+        memory = self.encode(src) if memory is None else memory
+        return self.decode_hidden(tgt, memory, self.new_cache(tgt.shape[0], tgt.shape[1] + len(self.cfg.decoder_prefix)))
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing without a cache of the caller's: src (B, S), tgt (B, T) -> logits (B, T, V), as
+        forward_hidden computes them."""
+        return self.project(self.forward_hidden(src, tgt))
+
+    __call__ = forward
 
     def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
                       open_from: int | torch.Tensor | None = None, layers: int | None = None,
