@@ -48,7 +48,6 @@ from ..config import ModelConfig
 from ..errors import UsageError, run_command
 from ..machine import cpu_capability, cpu_model, environment, reported_flags, usable_cores
 from ..routes import fast, int8, kernels
-from . import as_typed
 from .harness import columns, command_parser, report_option, write_report
 
 ROUNDS = 5  # interleaved timing rounds of the int8 / float32 and few-row comparisons; the median counts
@@ -213,7 +212,7 @@ def run(args) -> int:
         write_report(args.report, {"shapes": what, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "vocab": cfg.vocab_size,
                                    "dec_layers": cfg.dec_layers, "n_heads": cfg.n_heads, "weight_levels": levels,
                                    "by_threads": found, "environment": environment(counts, "cpu", torch.float32)})
-        print(f"\nreport: {args.report} ({as_typed('machine')})")
+        print(f"\nreport: {args.report}")
     return 0
 
 

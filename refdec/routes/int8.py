@@ -324,6 +324,7 @@ FUSED_ELEMENTS = 1 << 16
 FUSED_WIDTH = 1 << 12
 PROBE_ROUNDS = 5  # timed calls of each kernel per row count, interleaved; the fastest of each counts
 GIVE_UP = 10  # a fused call this many times slower than the plain one at one row is timed no further
+BLOCKS_MARGIN = 0.95  # row blocks are taken where they took less than this share of the whole product's time
 
 
 @dataclass(frozen=True)
@@ -360,7 +361,8 @@ def probe_plan(k: int, n: int) -> Plan:
     with the plain form (`fused_products`). Where it is GIVE_UP times slower at one row it is timed no
     further (on a CPU where it is a thousand times slower, a larger call would take seconds). Then, where
     a plain product of more than BLOCK_ELEMENTS values is computed by torch._int_mm, one such product
-    whole and in blocks of ROW_BLOCK rows."""
+    whole and in blocks of ROW_BLOCK rows: blocks where they were clearly faster (BLOCKS_MARGIN), not
+    where the two differ by the timing's noise."""
     g = torch.Generator().manual_seed(k * 8191 + n)
     levels = weight_levels()
     q = torch.randint(-levels, levels + 1, (n, k), generator=g, dtype=torch.int8).t()  # laid out as QuantizedWeight's
@@ -404,7 +406,7 @@ def probe_plan(k: int, n: int) -> Plan:
         x, ones = operands(mb)
         t_blocks, t_whole = race(lambda x, ones: [plain(x[b], ones[b]) for b in row_blocks(mb, n)], plain, (x, ones))
         timings.append(("blocks", mb, t_blocks, "whole", t_whole))
-        blocks = t_blocks < t_whole
+        blocks = t_blocks < BLOCKS_MARGIN * t_whole
     return Plan(fused_from, blocks, tuple(timings), why)
 
 
