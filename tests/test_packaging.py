@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +86,33 @@ def test_install_hints_name_the_extra_and_a_command_that_works_where_they_are_re
     assert not [p for p in sources if "pip install -r requirements.txt" in p.read_text(encoding="utf-8")]
 
 
+def see_this_environment(python: Path) -> None:
+    """Let the virtual environment of `python` import what this interpreter imports (torch, pip, ...),
+    after its own packages. Case: run from a user's own virtual environment, `--system-site-packages`
+    reached the base interpreter's packages, which hold no torch, not the user's environment's. A .pth
+    file naming this interpreter's package folders reaches them wherever this interpreter is."""
+    folders = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if Path(p).is_dir()]
+    own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    (Path(own) / "this-environment.pth").write_text("\n".join(folders) + "\n", encoding="utf-8")
+
+
+def test_the_installed_copys_environment_reaches_this_ones_packages(tmp_path):
+    """The environment the installed-copy test builds imports torch from this interpreter's packages, in a
+    virtual environment or not, and its own packages come first."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    see_this_environment(python)
+    r = subprocess.run([str(python), "-c", "import site, sys, torch; from pathlib import Path\n"
+                        "home = str(Path(torch.__file__).parent.parent)\n"
+                        "print(home, sys.path.index(site.getsitepackages()[0]) < sys.path.index(home))"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    home, own_first = r.stdout.split()
+    assert not home.startswith(str(venv)) and own_first == "True", r.stdout
+
+
 @pytest.mark.slow
 def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trained_tiny):
     """`pip install .` of the repository into a fresh virtual environment: a wheel of refdec/ alone
@@ -111,6 +140,7 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trai
     r = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], **run)
     assert r.returncode == 0, r.stderr
     python, refdec = venv / "bin" / "python", venv / "bin" / "refdec"
+    see_this_environment(python)
     r = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], **run)
     assert r.returncode == 0, r.stderr
     elsewhere = tmp_path / "elsewhere"

@@ -89,7 +89,7 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
             if int8.fused(rows, m):  # oneDNN's fused product, where the route takes it
                 int8.fused_product(rows, m)
                 continue
-            for b in int8.row_blocks(n, m.scale.shape[0], int8.plan_for(*m.q.shape).blocks):  # as the route computes them
+            for b in int8.blocks_for(n, m):  # in the blocks of rows the route computes them in
                 torch._int_mm(rows[b], m.q)
 
     def whole_products():

@@ -155,18 +155,25 @@ def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Ten
     residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
     Each output element goes through the same elementwise operations whatever the other rows, and
     whether it is computed by oneDNN's fused product (`fused`), in a block of rows (`row_blocks`) or
-    with all of them: this machine's plan for the weight's shape (`plan_for`) chooses."""
+    with all of them: on a CPU, this machine's plan for the weight's shape (`plan_for`) chooses (other
+    devices: blocks by size alone)."""
     xq, sx = quantize_rows(x) if rows is None else rows
     if fused(xq, w):
         y = fused_product(xq, w)
         return y.mul_(sx) if add is None else torch.addcmul(add, y, sx, out=y)
-    blocks = row_blocks(xq.shape[0], w.scale.shape[0], plan_for(*w.q.shape).blocks)
+    blocks = blocks_for(xq.shape[0], w)
     if len(blocks) == 1:
         return rescale(torch._int_mm(xq, w.q), sx, w.scale, add)
     out = torch.empty(xq.shape[0], w.scale.shape[0], dtype=sx.dtype, device=sx.device)
     for b in blocks:
         rescale(torch._int_mm(xq[b], w.q), sx[b], w.scale, add if add is None or add.dim() == 1 else add[b], out[b])
     return out
+
+
+def blocks_for(m: int, w: "QuantizedWeight | JoinedWeight") -> list[slice]:
+    """The blocks of rows product() computes an m-row plain product with w in: on a CPU as this machine's
+    plan for w's shape says (`plan_for`), on other devices by size alone."""
+    return row_blocks(m, w.scale.shape[0], w.q.device.type != "cpu" or plan_for(*w.q.shape).blocks)
 
 
 def row_blocks(m: int, n: int, blocks: bool = True) -> list[slice]:
@@ -331,8 +338,9 @@ BLOCKS_MARGIN = 0.95  # row blocks are taken where they took less than this shar
 class Plan:
     """How this machine computes the int8 products of one weight shape, found by `probe_plan`:
     `fused_from` the row count from which oneDNN's fused product is taken (None: never), `blocks`
-    whether a large plain product goes in blocks of rows (`row_blocks`), and `timings`, what the probe
-    measured: microseconds per call of each kernel at each row count it tried."""
+    whether a large plain product goes in blocks of rows (`row_blocks`), `timings`, what the probe
+    measured (kernel, rows, microseconds per call, the kernel it was timed against, its microseconds),
+    and `why`, the fused product's outcome in words."""
 
     fused_from: int | None
     blocks: bool
