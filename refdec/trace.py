@@ -35,7 +35,9 @@ class Step:
     accepted: int = 0
     own: int | None = None
     drafted_by: str = ""  # "source", "drafter", "heads", "small", or "" when nothing is drafted
-    origin: int | None = None  # IAD: the source position the draft was copied from
+    # IAD: where the match ends, as an index into (bos, x_1 .. x_n, eos): the output's last token is x_origin,
+    # and the draft copies the source from x_(origin + 1) on, the source's token origin + 1 counting from 1
+    origin: int | None = None
     rollback: bool = False  # BiLD: the large model rejected some of the small model's tokens
     verified: bool = True  # False: BiLD's final small-model tokens, which no large-model call checked
     beams: tuple[tuple[int, ...], ...] = ()  # beam search: the live beams after this step, best first
@@ -57,10 +59,12 @@ DRAFTED_FROM = {"source": "copied from the source", "drafter": "drafted by the d
 
 
 def how_drafted(s: Step) -> str:
-    """An iteration's draft in words: "4 copied from the source at token 3, 2 accepted"."""
+    """An iteration's draft in words: "4 copied from the source starting at its token 3, 2 accepted",
+    where the copy starts: the source's tokens counted from 1 (its eos after the last), x_3 in the IAD
+    papers' notation (Step.origin is the match before it)."""
     if not s.drafted:
         return "nothing drafted: a greedy step"
-    where = f" at token {s.origin}" if s.origin is not None else ""
+    where = f" starting at its token {s.origin + 1}" if s.origin is not None else ""
     return f"{len(s.drafted)} {DRAFTED_FROM[s.drafted_by]}{where}, {s.accepted} accepted"
 
 
@@ -131,11 +135,14 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
     def own(s: Step) -> str:
         return text([s.own]) if s.own is not None else ""
 
+    piece = token_pieces(tokenizer)
+
+    def tokens(ids, part: str) -> list[str]:  # each token's own text (with the space before it), painted
+        return [paint(part, " " * space + word) for word, space in map(piece, ids)]
+
     head = f"[{index + 1}]"
-    if algo == "greedy":  # each token's own text (with the space before it), a | between tokens
-        pieces = (token_pieces(tokenizer)(s.own) for s in steps)
-        return (f"{head} {iterations(len(steps))}, one token each: "
-                + "|".join(paint("own", " " * space + piece) for piece, space in pieces))
+    if algo == "greedy":  # a | between tokens
+        return f"{head} {iterations(len(steps))}, one token each: " + "|".join(tokens((s.own for s in steps), "own"))
     if algo == "beam":
         best = steps[-1].beams[0] if steps else ()
         return f"{head} {len(steps)} steps; best live beam at the end: " + text(best)
@@ -154,10 +161,8 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
         lines = [f"{head} {iterations(len(steps))}"]
         for it, s in enumerate(steps, 1):
             kept = s.drafted[:s.accepted]
-            full, kept_text = text(s.drafted), text(kept)
-            if not full.startswith(kept_text):  # a character split between the two parts: paint none of it
-                kept_text = ""
-            lines.append(f"  {it:3d} D: {paint('accepted', kept_text)}{paint('rejected', full[len(kept_text):])}")
+            # the block token by token, as greedy's line: a | between tokens, the accepted ones first
+            lines.append(f"  {it:3d} D: " + "|".join(tokens(kept, "accepted") + tokens(s.rejected, "rejected")))
             lines.append(f"      V: {paint('accepted', '[' + text(kept) + ']')} {paint('own', own(s))}"
                          f"    {paint('note', f'({s.accepted} of {len(s.drafted)} drafted tokens accepted)')}")
         return "\n".join(lines)

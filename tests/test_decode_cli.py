@@ -122,6 +122,48 @@ def test_iad_beside_greedy_and_another_checkpoint(trained_tiny, tmp_path):
     assert len(r.stdout.decode().splitlines()) == 6
 
 
+def heads_file(folder, base, weights=None):
+    """Random proposal heads (k = 3) in `folder`/model.pt on the model of checkpoint `base`: stored alone,
+    naming `base` as their frozen base (train.py --freeze-base), or with the model `weights` holds."""
+    from refdec.checkpoint import file_sha256, save_atomic
+    from refdec.proposal import ProposalHeads, proposal_state
+    raw = torch.load(weights or base, weights_only=True)
+    torch.manual_seed(0)
+    raw["proposal"] = proposal_state(ProposalHeads(raw["model_config"]["d_model"], 16, 3))
+    if weights is None:
+        del raw["model"]
+        raw["frozen_base"] = {"path": f"../{base.parent.name}/model.pt", "sha256": file_sha256(base)}
+    folder.mkdir()
+    save_atomic(raw, folder / "model.pt")
+    shutil.copy(base.parent / "tokenizer.json", folder)
+    return folder / "model.pt"
+
+
+def test_every_lossless_compared_run_is_checked_against_greedy_of_its_model(tmp_path, capsys):
+    """Case: `--algo greedy --compare iad,blockwise@HEADS` printed "0 line(s) differ" and a lossless_checks
+    entry for iad alone. Heads stored alone on a frozen base decode with a second load of the base's
+    weights, which greedy reads from the base's file: one model, so blockwise is checked against that
+    greedy too. Heads on other weights, which no greedy run decodes with, get a line saying so."""
+    from conftest import TEXTS, random_checkpoint
+    from refdec.commands import decode as decode_cli
+    base = random_checkpoint(tmp_path / "base")
+    heads = heads_file(tmp_path / "heads", base)
+    other = heads_file(tmp_path / "other", base, weights=random_checkpoint(tmp_path / "weights", seed=1))
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS[:3]) + "\n", encoding="utf-8")
+    assert decode_cli.main(["--task", "mt-en-de", "--model", str(base), "--algo", "greedy", "--compare",
+                            f"iad,blockwise@{heads},blockwise@{other}", "--input", str(tmp_path / "in.txt"),
+                            "--max-len", "8", "--warmup", "0", "--quiet", "--output", str(tmp_path / "out.txt"),
+                            "--report", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    checks = {c["algo"]: c for c in report["lossless_checks"]}
+    assert set(checks) == {"iad@base", "blockwise@heads"} and checks["blockwise@heads"]["greedy"] == "greedy@base"
+    assert checks["blockwise@heads"]["identical"] == 1.0 and checks["blockwise@heads"]["divergences"] == []
+    out = capsys.readouterr().out
+    assert "iad@base vs greedy@base: 1.0000 identical, 0 line(s) differ" in out
+    assert "blockwise@heads vs greedy@base: 1.0000 identical, 0 line(s) differ" in out
+    assert "blockwise@other: not checked against greedy: no greedy run here decodes with its model" in out
+
+
 def test_edit_ratio_buckets_for_gec():
     """On a GEC task a lossless run beside greedy at batch size 1 gets its speedup by edit ratio,
     every sentence in one bucket."""
@@ -234,6 +276,41 @@ def test_divergences_name_position_and_margin():
     assert d["line"] == 1 and d["position"] == 3 and d["greedy_token"] == g[0][3].item()
     assert d["margin_top1_top2"] >= 0 and d["gap_greedy_vs_other"] > 0
     assert divergences(m, src, g, g, "cpu") == []
+
+
+def test_iad_trace_names_the_source_token_the_copy_starts_at():
+    """Case: the IAD trace's "N copied from the source at token i" gave the match before the copy,
+    counting the start token as 0, so the first draft of every sentence read "at token 0". It names
+    where the copy starts, counting the source's tokens from 1 (its eos after the last): the drafted
+    tokens are the source's from that token on."""
+    from conftest import random_src, tiny_model
+    from refdec.decoding import decode_iad
+    from refdec.trace import how_drafted
+    src = random_src(5, 4, 16, min_len=6, max_len=12)
+    r = decode_iad(tiny_model(3, vocab=16), src, max_len=20, trace=True)
+    drafted = 0
+    for b, steps in enumerate(r.trace):
+        source = [t for t in src[b].tolist() if t != 0]  # the source's tokens, its eos last
+        assert how_drafted(steps[0]).startswith(f"{len(source)} copied from the source starting at its token 1, ")
+        for s in (s for s in steps if s.drafted):
+            start = int(re.search(r"starting at its token (\d+),", how_drafted(s)).group(1))
+            assert tuple(source[start - 1:start - 1 + len(s.drafted)]) == s.drafted, (source, how_drafted(s))
+            drafted += 1
+    assert drafted > len(r.trace)  # drafts after the first too
+
+
+def test_gad_trace_separates_the_drafted_tokens():
+    """Case: GAD's D line ran a block's tokens together ("D: thethetheg" for 4 tokens). Its tokens are
+    separated by a | as greedy's are, each with the space before it, the accepted ones first."""
+    from refdec.tokenizer import Tokenizer
+    from refdec.trace import Step, strip_colour, trace_text
+    tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
+    the, g = tok.encode("the")[0], tok.encode("g")[0]
+    house, red = tok.encode("the house is red")[1], tok.encode("the house is red")[3]
+    steps = [Step((the, the, the, g), 2, red, "drafter"), Step((house, tok.eos_id), 2, None, "drafter")]
+    text = trace_text("gad", 0, steps, tok)
+    assert "D: the|the|the|g\n" in text and "D:  house| </s>\n" in text
+    assert strip_colour(trace_text("gad", 0, steps, tok, colour=True)) == text
 
 
 @pytest.mark.slow

@@ -482,7 +482,7 @@ def test_the_terminal_trace_and_the_page_say_a_draft_came_from_the_source_alike(
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     a, b, c, x = tok.encode("the house is red")[:4]
     steps = [Step((a, b, c), 2, x, "source", origin=3), Step(own=x)]
-    assert how_drafted(steps[0]) == f"3 {DRAFTED_FROM['source']} at token 3, 2 accepted"
+    assert how_drafted(steps[0]) == f"3 {DRAFTED_FROM['source']} starting at its token 4, 2 accepted"
     text, page = trace_text("iad", 0, steps, tok), steps_html("iad", steps, token_pieces(tok))
     for step in steps:
         assert how_drafted(step) in text and html.escape(how_drafted(step)) in page

@@ -228,6 +228,37 @@ def test_a_write_that_fails_in_the_out_dir_is_a_one_line_error(tmp_path, monkeyp
     assert err.startswith("error: --out-dir") and "tokenizer.json" in err and "Read-only file system" in err
 
 
+def test_train_py_refuses_an_out_dir_among_its_training_data(tmp_path, capsys):
+    """Case: `train.py --data-dir D --out-dir D/mt-en-de` wrote model.pt, tokenizer.json, log.jsonl and
+    snapshots/ among the train and dev files it read. The folder of the run's data files, a folder inside
+    it and the data folder itself are refused in one line, exit 2, before anything is written (with
+    --overwrite too, and the repository's data/mt-en-de as well); a folder above the data folder and
+    another task's folder pass."""
+    from refdec.errors import UsageError
+    data = tmp_path / "d"
+    (data / "mt-en-de").mkdir(parents=True)
+    for name in ("train.src.gz", "train.tgt.gz", "dev.src.gz", "dev.tgt.gz"):
+        (data / "mt-en-de" / name).write_bytes(b"")
+    before = tree_digest(tmp_path)
+    for out, extra in ((data / "mt-en-de", []), (data / "mt-en-de", ["--overwrite"]), (data, []),
+                       (data / "mt-en-de" / "run", [])):
+        previous = signal.getsignal(signal.SIGINT)  # main() holds Ctrl-C while it imports
+        try:
+            code = train_script().main(["--preset", "tiny", "--threads", "1", "--data-dir", str(data), "--out-dir",
+                                        str(out), *extra])
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: --out-dir {out} "), err
+        assert "training data" in err and "runs/<name>" in err
+    assert tree_digest(tmp_path) == before and not list(data.rglob("*.pt"))
+    from refdec.training import check_out_dir_data as check
+    with pytest.raises(UsageError, match="is the folder of the run's training data"):
+        check(str(REPO / "data" / "mt-en-de"), "", "mt-en-de")  # the default data folder
+    check(str(tmp_path), str(data), "mt-en-de")  # the folder that holds the data folder
+    check(str(data / "gec-uk"), str(data), "mt-en-de")  # another task's folder
+
+
 @pytest.mark.slow
 def test_train_py_logs_the_vocabulary_size_it_trained(tmp_path):
     """Case: train.py logged "tokenizer: 8000 BPE tokens trained" when the vocabulary it trained had

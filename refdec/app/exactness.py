@@ -5,6 +5,8 @@ two kernels' roundings, or a decoding error).
 
 from __future__ import annotations
 
+from dataclasses import is_dataclass, replace
+
 import torch
 
 from .. import data as data_mod
@@ -14,6 +16,25 @@ def identical_rate(a: list, b: list) -> float:
     """The fraction of lines whose outputs are token-for-token equal (lines either side failed left out)."""
     pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
     return sum(torch.equal(x, y) for x, y in pairs) / len(pairs) if pairs else 1.0
+
+
+def same_model(a, b) -> bool:
+    """Whether two runs' models are one model: the same object, or two objects of the same kind on the
+    same kernels with the same shape (dropout aside) and equal parameters. Two loads of one set of
+    weights are one model: proposal heads stored alone on a frozen base (decode.py --compare
+    blockwise@HEADS) decode with the weights of the base's own file, which greedy reads from that file."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not hasattr(a, "parameters"):
+        return False
+    if getattr(a, "kernels", None) != getattr(b, "kernels", None):  # a route's kernels (int8, row-invariant ...)
+        return False
+    shape = [replace(m.cfg, dropout=0.0) if is_dataclass(m.cfg) else m.cfg for m in (a, b)]
+    if shape[0] != shape[1]:
+        return False
+    pa, pb = list(a.parameters()), list(b.parameters())
+    return len(pa) == len(pb) and all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+                                      and torch.equal(x, y) for x, y in zip(pa, pb))
 
 
 @torch.inference_mode()

@@ -22,6 +22,7 @@ import re
 import torch
 
 from . import report, runner
+from .exactness import same_model
 from ..errors import UsageError
 from ..repo import install_hint
 from ..trace import Step, how_drafted, iterations, token_pieces
@@ -64,8 +65,8 @@ def build_page(*, title: str, facts: dict, summary: "report.Summary", sources: l
     run must have been decoded with traces."""
     e = html.escape
     rows, matrix, checks = summary.rows, summary.matrix, summary.checks
-    greedy_of = {id(r): next((g for g in runs if g.algo.name == "greedy" and g is not r
-                              and g.models.model is r.models.model), None) for r in runs}
+    greedy_of = {id(r): next((g for g in runs if g.algo.name == "greedy" and g is not r and g.int8 == r.int8
+                              and same_model(g.models.model, r.models.model)), None) for r in runs}
     charts = [c for c in (chart_quality_speed(rows), chart_edit_buckets(checks), chart_tokens_per_call(runs),
                           chart_module_time(rows)) if c]
     body = [f"<header><h1>{e(title)}</h1><dl>"

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import data as data_mod
-from .exactness import divergences, identical_rate
+from .exactness import divergences, identical_rate, same_model
+from .inputs import shown_path
 from ..metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
 from .runner import Run, texts
 from ..tokenizer import Tokenizer
@@ -177,7 +178,12 @@ def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: lis
     differs from greedy of the same model, with the margin there; for GEC at batch size 1 the
     speedup by edit ratio) and the printed text: `warning` (e.g. that the machine was busy) under the
     table, or, where no line was decoded, that sentence instead of a table of empty figures. Without
-    `matrix_text` the matrix is left out of the text (it stays in `matrix`)."""
+    `matrix_text` the matrix is left out of the text (it stays in `matrix`).
+
+    The same model is the same weights on the same route, in int8 or not alike, whichever file they
+    were loaded from (exactness.same_model): heads stored alone on a frozen base are checked against
+    greedy of the base's own file. A lossless run that no greedy run shares a model with, beside
+    greedy runs of other models, gets a line saying that it was not checked."""
     kind = data_mod.TASKS.get(task)  # None: a Hugging Face folder's text, no task (BLEU and chrF with --ref)
     rows = [{**summary_row(r, scores(kind, lines, texts(tokenizer, r.outputs), refs)), "options": r.options}
             for r in runs]
@@ -190,9 +196,17 @@ def summarise(task: str, runs: list[Run], lines: list[str], refs: list, ids: lis
         matrix, text = speedup_matrix(rows)
         notes += [text] if matrix_text else []
     for fast in runs:
-        base = min((r for r in runs if r.algo.name == "greedy" and r.models.model is fast.models.model),
+        if not fast.algo.is_lossless(fast.options):
+            continue
+        base = min((r for r in runs if r.algo.name == "greedy" and r.int8 == fast.int8
+                    and same_model(r.models.model, fast.models.model)),
                    key=lambda r: r.batch_size or float("inf"), default=None)  # batch-1 greedy where there is one
-        if base is None or fast is base or not fast.algo.is_lossless(fast.options):
+        if fast is base:
+            continue
+        if base is None:
+            if any(r.algo.name == "greedy" for r in runs):  # a check the reader would look for: say why there is none
+                notes.append(f"{fast.name}: not checked against greedy: no greedy run here decodes with its model "
+                             f"({shown_path(fast.models.path)}{', int8' if fast.int8 else ''})")
             continue
         check = divergence_check(fast, base, ids, tokenizer, device, notes)
         if kind == "gec" and fast.batch_size == 1 and base.batch_size == 1:  # how much of the input survives

@@ -9,10 +9,12 @@ Any field of a preset can be overridden (see --help). Output: refdec/training's 
 A run writes into runs/<preset>/ (under the current folder) unless --out-dir says otherwise; the
 shipped models in checkpoints/ (and the data sets in data/) are only ever read: a run goes into
 checkpoints/<name> only when told with --out-dir checkpoints/<name> --overwrite (and --resume
-continues such a run), never into checkpoints/ or data/ themselves. A folder that already holds a
-run is refused unless --resume continues it or --overwrite replaces it. Ctrl-C saves last.pt and
-exits; the same command with --resume continues exactly where it stopped. The paths a preset names
-(its starting checkpoint, vocabulary, data) are the repository's, whatever the current folder.
+continues such a run), never into checkpoints/ or data/ themselves, nor among the run's own
+training data (its --data-dir, or the task's folder in it: refdec.training.check_out_dir_data). A
+folder that already holds a run is refused unless --resume continues it or --overwrite replaces it.
+Ctrl-C saves last.pt and exits; the same command with --resume continues exactly where it stopped.
+The paths a preset names (its starting checkpoint, vocabulary, data) are the repository's, whatever
+the current folder.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from ..repo import check_not_shipped, repo_file
 HELP = {
     "task": "task to train on (data/<task>/)",
     "out_dir": "folder for tokenizer.json and checkpoints (the preset's: runs/<preset>; a folder inside the shipped "
-               "checkpoints/ or data/ only with --overwrite, those folders themselves never)",
+               "checkpoints/ or data/ only with --overwrite, those folders themselves never, nor the folder of the "
+               "run's own training data or its --data-dir)",
     "vocab_size": "BPE vocabulary size (joint source/target)", "d_model": "model width",
     "n_heads": "attention heads", "d_ff": "feed-forward width", "enc_layers": "encoder layers",
     "dec_layers": "decoder layers", "dropout": "dropout rate", "norm_first": "pre-norm (true) or post-norm (false)",
@@ -164,7 +167,7 @@ def out_dir_error(e: OSError, out_dir: str) -> UsageError | None:
 def train(args) -> int:
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if getattr(args, f.name) is not None}
     from ..machine import BusyCores, fit_threads, usable_cores
-    from ..training import PATH_FIELDS, Interrupted, Trainer, log_to_stderr
+    from ..training import PATH_FIELDS, Interrupted, Trainer, check_out_dir_data, log_to_stderr
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     busy = BusyCores()  # other processes' CPU use while the configuration is checked
     cfg = preset_config(args.preset, changes)
@@ -173,6 +176,7 @@ def train(args) -> int:
     if cfg.threads > usable_cores():
         raise UsageError(f"--threads {cfg.threads} is more than the {usable_cores()} cores this machine gives "
                          f"the run (more threads than cores only slows it down)")
+    check_out_dir_data(cfg.out_dir, cfg.data_dir, cfg.task)  # first: --overwrite would not make it right
     check_out_dir_place(cfg.out_dir, overwrite=args.overwrite, resume=args.resume)
     if not cfg.threads and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # (under torchrun the others are its ranks)
         note = fit_threads(busy.others())

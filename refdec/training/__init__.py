@@ -42,7 +42,7 @@ The package, by concern: objectives (the losses of the modes), folder (the run f
 
 from .corpus import TokenCache, encode_pairs, load_data, prepare_tokenizer
 from .folder import (PATH_FIELDS, RESUMABLE_CHANGES, RUN_FILES, Interrupted, Progress, RunFolder, TrainingError,
-                     check_out_dir, claim_out_dir, config_changes, format_scores, remove_run)
+                     check_out_dir, check_out_dir_data, claim_out_dir, config_changes, format_scores, remove_run)
 from .loop import (Trainer, accumulate, build_run_objective, compiles, cpp_compiler, device_pass_tokens,
                    inverse_sqrt, log_to_stderr, stop_on_sigint)
 from .objectives import (CrossEntropyLoss, DistillationLoss, DrafterLoss, EarlyExitLoss, Objective, ProposalHeadsLoss,
@@ -54,7 +54,7 @@ __all__ = [
     "CrossEntropyLoss", "DistillationLoss", "DrafterLoss", "EarlyExitLoss", "Interrupted", "Objective",
     "PATH_FIELDS", "Processes", "Progress", "ProposalHeadsLoss", "RESUMABLE_CHANGES", "RUN_FILES", "RunFolder",
     "TokenCache", "Trainer", "TrainingError", "accumulate", "build_model", "build_objective", "build_run_objective",
-    "check_out_dir", "claim_out_dir", "compiles", "config_changes", "cpp_compiler", "decode_batches", "decoder_from", "dev_batches",
+    "check_out_dir", "check_out_dir_data", "claim_out_dir", "compiles", "config_changes", "cpp_compiler", "decode_batches", "decoder_from", "dev_batches",
     "device_pass_tokens", "encode_pairs", "format_scores", "frozen_model", "inverse_sqrt", "load_data",
     "log_to_stderr", "objective_class", "prepare_tokenizer", "remove_run", "smoothed_loss", "soft_cross_entropy",
     "stop_on_sigint",

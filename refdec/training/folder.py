@@ -17,7 +17,9 @@ import torch
 
 from ..checkpoint import average_states, load_checkpoint, make_checkpoint, save_atomic
 from ..config import TrainConfig
+from ..data import DATA_DIR
 from ..errors import TrainingError
+from ..repo import shown
 from ..tokenizer import Tokenizer
 from .objectives import Objective
 from .processes import Processes
@@ -52,6 +54,26 @@ def check_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     elif present and not overwrite:
         raise TrainingError(f"{out} already holds a training run ({', '.join(present)}); pass --resume to continue "
                             f"it, --overwrite to replace it, or another --out-dir")
+
+
+def check_out_dir_data(out_dir: str, data_dir: str | None, task: str) -> None:
+    """Refuse, before any work, an --out-dir among the run's training data: the folder its data files
+    are read from (<data folder>/<task>/: train.src.gz, train.tgt.gz, dev.src.gz ...) or a folder
+    inside it, and the data folder itself (--data-dir, the repository's data/ by default), which
+    holds the task folders. The run's model.pt, tokenizer.json, log.jsonl and snapshots/ would
+    otherwise lie among the files it reads, and --overwrite deletes those names there. A folder that
+    holds the data folder (a project folder with data/ and runs/ side by side), another task's folder
+    and any other folder pass."""
+    data = Path(data_dir or DATA_DIR).resolve()
+    folder, out = data / task, Path(out_dir).resolve()
+    written, instead = "model.pt, tokenizer.json, log.jsonl and snapshots/ would be written among", \
+        "give a folder of the run's own outside it, such as runs/<name>"
+    if out == folder or folder in out.parents:
+        raise TrainingError(f"--out-dir {out_dir} {'is' if out == folder else 'lies inside'} the folder of the run's "
+                            f"training data ({shown(folder)}, its train and dev files): {written} them; {instead}")
+    if out == data:
+        raise TrainingError(f"--out-dir {out_dir} is the data folder the run reads ({shown(data)}, whose {task}/ "
+                            f"holds its training data): {written} the task folders; {instead}")
 
 
 def remove_run(out: Path, keep: tuple[str, ...] = ()) -> None:
