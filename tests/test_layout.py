@@ -1,12 +1,13 @@
 """The shape of the code a learner reads: refdec's modules import each other in layers (no cycle,
 function-local imports included, and none running back up from the model's layer to the decoders,
 the runner, reporting, the commands or the transformers package), model.py stays the paper's Transformer
-at a readable length, and no function or class grows past what one reading holds. Parses the sources;
-a fraction of a second."""
+at a readable length, no function or class grows past what one reading holds, and docs/layout.md
+names every module. Parses the sources; a fraction of a second."""
 
 from __future__ import annotations
 
 import ast
+import re
 
 from conftest import REPO
 
@@ -86,7 +87,7 @@ def reached(graph: dict[str, set[str]], m: str) -> dict[str, list[str]]:
 # the one-line errors. None of them may import (directly, function-locally or through another module) the
 # layers above.
 MODEL_LAYER = ["refdec." + m for m in (
-    "config", "errors", "model", "cache", "forced", "positions", "variants", "adapters", "checkpoint",
+    "config", "presets", "errors", "model", "cache", "forced", "positions", "variants", "adapters", "checkpoint",
     "tokenizer", "data", "repo", "machine", "interrupt", "progress", "metrics",
     "trace", "drafter", "proposal", "routes", "routes.kernels", "routes.int8", "routes.fast", "routes.graphed")]
 # The paper's model itself: what it is made of, below every route.
@@ -276,3 +277,35 @@ def test_no_command_module_imports_another():
                 borrowed += [f"{path.name}:{node.lineno} {n}" for n in names
                              if n not in ("harness", "as_typed", "command_main", "COMMANDS")]
     assert not borrowed, borrowed
+
+
+def layout_names() -> set[str]:
+    """The paths docs/layout.md's tree names. An entry line starts, after 4 + 2 x depth spaces, with a
+    name or names (comma-separated) ended by two spaces; a name ending in "/" is a folder, and the entries
+    one level deeper below it are inside it. A description's further lines are indented further."""
+    names, folders = set(), [""]
+    for line in (REPO / "docs" / "layout.md").read_text(encoding="utf-8").splitlines():
+        entry = re.match(r"( {4}(?:  )*)(\S.*?)(?: {2}|$)", line)
+        if not entry or len(entry.group(1)) > 12:
+            continue
+        depth = (len(entry.group(1)) - 4) // 2
+        for name in entry.group(2).split(", "):
+            path = folders[depth] + name
+            names.add(path)
+            if name.endswith("/"):
+                folders[depth + 1:] = [path]
+    return names
+
+
+def test_docs_layout_names_every_module_and_no_module_that_is_gone():
+    """Case: docs/layout.md omitted refdec/decoding/ties.py, scripted.py and result.py, and named the
+    presets in config.py after they had a module of their own. Every module of refdec/ and both scripts
+    have a line in its tree (a package's __init__.py may be described on its folder's line), and every
+    .py file the tree names exists."""
+    names = layout_names()
+    sources = [p.relative_to(REPO).as_posix() for p in SOURCES]
+    missing = [s for s in sources if s not in names
+               and not (s.endswith("/__init__.py") and s.removesuffix("__init__.py") in names)]
+    assert not missing, missing
+    gone = sorted(n for n in names if n.endswith(".py") and not (REPO / n).is_file())
+    assert not gone, gone

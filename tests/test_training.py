@@ -176,7 +176,7 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
 def test_base_plus_random_head_loss_always_trains_the_base():
     """Guards the joint fine-tuning loss that keeps the base intact: every batch's loss is the mean of
     the base model's own loss (head 1) and that of one proposal head drawn from 2..k, never two far heads."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.model import Transformer
     from refdec.proposal import ProposalHeads, head_logits, head_targets
     from refdec.training import ProposalHeadsLoss, smoothed_loss
@@ -298,7 +298,7 @@ def test_each_mode_trains_on_its_own_loss(mode):
     on a float64 model in eval mode): the label-smoothed cross-entropy, its mix with the teacher's
     distributions, the mean of the full and the early-exit loss, the mean over proposal heads, and
     the drafter's loss on its block (glancing ratio 0: nothing revealed)."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.proposal import ProposalHeads, head_logits, head_targets
     from refdec.training import (CrossEntropyLoss, DistillationLoss, DrafterLoss, EarlyExitLoss, ProposalHeadsLoss,
                                  build_model, build_objective, smoothed_loss, soft_cross_entropy)
@@ -392,7 +392,7 @@ def test_heads_dev_tokens_per_call_is_per_row():
     """Guards the heads' dev figure: tokens per call per sentence (at most k), as decoding each
     sentence alone gives it, not all rows' tokens over the calls of a 40-row batch (which printed
     14.49 for k = 10)."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.decoding.blockwise import decode_blockwise
     from refdec.proposal import ProposalHeads
     from refdec.training import build_model, build_objective
@@ -413,7 +413,7 @@ def test_drafter_dev_figure_is_gads_tokens_per_call_with_its_verifier(tmp_path):
     """Guards the drafter's dev figure: GAD's tokens per verifier call and row with the verifier
     (whose encoder the drafter reads) on the first speed_sentences dev sentences, as GAD one
     sentence at a time gives it."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.adapters import SharedEncoder
     from refdec.decoding.gad import decode_gad
     from refdec.drafter import Drafter
@@ -438,7 +438,7 @@ def test_drafter_dev_figure_is_gads_tokens_per_call_with_its_verifier(tmp_path):
 def test_best_checkpoint_is_ranked_by_the_runs_pick(tmp_path, pick, best_step):
     """Guards what best.pt (and so model.pt) is: with pick tokens-per-call the evaluation with the
     most tokens per call, though another has the lower dev loss."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.tokenizer import Tokenizer
     from refdec.training import Progress, RunFolder, build_model, build_objective
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
@@ -464,7 +464,7 @@ def test_drafter_starts_from_the_verifier_and_continues_a_drafter(tmp_path):
     layers, final norm and output projection (every parameter equal to the verifier's); init_from a
     drafter on that encoder continues it as it is; a drafter of another encoder is refused."""
     from refdec.checkpoint import file_sha256
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.training import TrainingError, build_model, build_run_objective
     _, tok = _dev_and_vocab(1)
     torch.manual_seed(0)
@@ -496,7 +496,7 @@ def test_heads_continue_from_trained_heads_on_their_base(tmp_path):
     """Guards continuing trained heads: init_from a heads-alone file loads its heads (equal) on its
     base's weights, and the new heads name that base file, not the heads' file, as their base."""
     from refdec.checkpoint import file_sha256
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.proposal import ProposalHeads, proposal_state
     from refdec.training import build_model, build_run_objective
     _, tok = _dev_and_vocab(1)
@@ -520,7 +520,7 @@ def test_two_half_batch_passes_make_the_one_batch_update():
     """Guards gradient accumulation: a batch run as two passes (each loss weighted by its share of
     the target tokens) gives the update of the batch in one pass (float64, the trainer's AdamW), and
     on a CPU the default pass is the whole batch (a preset's optimisation as it was)."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.data import training_tensors
     from refdec.training import accumulate, build_model, build_objective, device_pass_tokens
     cfg = PRESETS["tiny"].replace(dropout=0.0)
@@ -557,7 +557,7 @@ def test_training_ids_are_cached_outside_the_data_and_never_stale(tmp_path, monk
     tokenizing) and gets the same ids; an edited corpus is tokenized anew, never served from the old
     cache; a smoke run (train_limit) writes none."""
     import gzip
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.data import load_split
     from refdec.training import encode_pairs
     _, tok = _dev_and_vocab(1)
@@ -594,7 +594,7 @@ def test_tokens_per_call_pick_needs_a_drafters_verifier():
     """Guards a drafter run told to keep its best tokens per call without a verifier to run GAD with
     (neither --encoder-from nor --init-from a model): one clear error before training, not a run
     whose evaluations lack the figure its model.pt is chosen by."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.training import DrafterLoss, TrainingError, build_model
     cfg = PRESETS["tiny"].replace(drafter_k=3, pick="tokens-per-call")
     with pytest.raises(TrainingError, match="needs the drafter's verifier"):
@@ -642,7 +642,7 @@ def test_compiled_passes_trace_every_mode_to_its_eager_updates(mode):
     only, the random heads, the drafter's blocks and glancing outside): traced by dynamo and run
     as traced (backend "eager", no compiler needed), the losses and weights of a few updates on
     batches of changing shapes, with dropout, are those of the eager objective, bit for bit."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     cfg = PRESETS["tiny"].replace(dec_layers=2, **COMPILE_MODES[mode])
     eager, traced = _steps(cfg, mode, None), _steps(cfg, mode, "eager")
     assert eager[0] == traced[0]
@@ -652,7 +652,7 @@ def test_compiled_passes_trace_every_mode_to_its_eager_updates(mode):
 def test_compile_option_is_on_where_asked_and_needs_a_compiler_on_a_cpu(monkeypatch):
     """Guards the compile option: auto compiles on a GPU only, off never, on always; a bad value,
     or compile on on a CPU without a C++ compiler, is one clear error."""
-    from refdec.config import PRESETS
+    from refdec.presets import PRESETS
     from refdec.training import TrainingError, loop
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     tiny = PRESETS["tiny"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import PRESETS
 from ..errors import UsageError
+from ..presets import PRESETS
 
 
 def train_hint(folder: str, task: str) -> str:

@@ -26,9 +26,10 @@ import sys
 from pathlib import Path
 
 from . import as_typed
-from ..config import PRESETS, TrainConfig
+from ..config import TrainConfig
 from ..errors import UsageError, run_command
 from ..interrupt import hold_sigint, release_sigint
+from ..presets import PRESETS
 from ..repo import check_not_shipped, repo_file
 
 HELP = {

@@ -36,8 +36,9 @@ that figure, not the dev loss against the references, chooses model.pt. With the
 model.pt holds the heads alone and names the init_from file as its base (`frozen_base`: path and
 sha256; refdec.checkpoint loads the weights from there).
 
-The package, by concern: objectives (the losses of the modes), folder (the run folder), corpus
-(the data and its token ids), processes (a run's processes under torchrun) and loop (the Trainer). Every name is importable from refdec.training.
+The package, by concern: models (the models a run starts from), objectives (the losses of the
+modes), folder (the run folder), corpus (the data and its token ids), processes (a run's processes
+under torchrun) and loop (the Trainer). Every name is importable from refdec.training.
 """
 
 from .corpus import TokenCache, encode_pairs, load_data, prepare_tokenizer
@@ -45,9 +46,10 @@ from .folder import (PATH_FIELDS, RESUMABLE_CHANGES, RUN_FILES, Interrupted, Pro
                      check_out_dir, check_out_dir_data, claim_out_dir, config_changes, format_scores, remove_run)
 from .loop import (Trainer, accumulate, build_run_objective, compiles, cpp_compiler, device_pass_tokens,
                    inverse_sqrt, log_to_stderr, stop_on_sigint)
+from .models import build_model, decoder_from, frozen_model
 from .objectives import (CrossEntropyLoss, DistillationLoss, DrafterLoss, EarlyExitLoss, Objective, ProposalHeadsLoss,
-                         build_model, build_objective, decode_batches, decoder_from, dev_batches, frozen_model,
-                         objective_class, smoothed_loss, soft_cross_entropy)
+                         build_objective, decode_batches, dev_batches, objective_class, smoothed_loss,
+                         soft_cross_entropy)
 from .processes import Processes
 
 __all__ = [

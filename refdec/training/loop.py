@@ -23,7 +23,8 @@ from ..config import ModelConfig, TrainConfig
 from ..tokenizer import Tokenizer
 from .corpus import encode_pairs, load_data, prepare_tokenizer
 from .folder import Interrupted, Progress, RunFolder, TrainingError, claim_out_dir, format_scores
-from .objectives import Objective, build_model, frozen_model, objective_class
+from .models import build_model, frozen_model
+from .objectives import Objective, objective_class
 from .processes import Processes
 
 

@@ -1,13 +1,12 @@
 """The training objectives: one loss module per mode (a plain model, word-level distillation, BiLD's
 early exit, blockwise proposal heads, GAD's block drafter), each owning what the mode adds to a run:
 the parts it loads beside the model, its dev evaluation, what its checkpoints carry, how those are
-averaged and what model.pt keeps. Also the models a run starts from (build_model, decoder_from).
+averaged and what model.pt keeps. The models they train and load are built in refdec.training.models.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from .. import data as data_mod
 from ..adapters import SharedEncoder
 from ..checkpoint import average_states, file_sha256, load_checkpoint, referenced_file
-from ..config import ModelConfig, TrainConfig
+from ..config import TrainConfig
 from ..decoding.blockwise import decode_blockwise
 from ..decoding.gad import decode_gad
 from ..decoding.greedy import decode_greedy
@@ -26,6 +25,7 @@ from ..metrics import corpus_bleu
 from ..model import Transformer
 from ..proposal import ProposalHeads, head_logits, head_targets, proposal_state
 from ..tokenizer import Tokenizer
+from .models import frozen_model
 
 
 def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id: int) -> torch.Tensor:
@@ -464,51 +464,3 @@ def build_objective(cfg: TrainConfig, model: Transformer, heads: ProposalHeads |
                     encoder: Transformer | None = None, teacher: Transformer | None = None) -> Objective:
     """The loss of the run's mode over parts already built (a run loads its own: Objective.load)."""
     return objective_class(cfg).of_parts(cfg, model, heads=heads, encoder=encoder, teacher=teacher)
-
-
-def frozen_model(checkpoint: dict, device: torch.device) -> Transformer:
-    """A checkpoint's model in float32 and eval mode, its weights frozen (an encoder or a teacher)."""
-    model = Transformer(ModelConfig.from_dict(checkpoint["model_config"]))
-    model.load_state_dict({k: v.float() for k, v in checkpoint["model"].items()})
-    return model.to(device).eval().requires_grad_(False)
-
-
-def build_model(cfg: TrainConfig, vocab_size: int, base: dict | None = None, encoder: Transformer | None = None,
-                device: torch.device | str = "cpu") -> Transformer:
-    """The model a run trains: a new one of cfg's shape (reading `encoder`'s states, the frozen encoder
-    of encoder_from, if given), or that of the init_from checkpoint `base` with cfg's dropout (on
-    `encoder`: decoder_from)."""
-    if encoder is not None and base is not None:
-        return decoder_from(base, cfg, encoder).to(device)
-    if encoder is not None:
-        return Transformer(cfg.model_config(vocab_size, d_memory=encoder.cfg.d_model)).to(device)
-    if base is not None:
-        model = Transformer(replace(ModelConfig.from_dict(base["model_config"]), dropout=cfg.dropout))
-        model.load_state_dict({k: v.float() for k, v in base["model"].items()})
-        return model.to(device)
-    return Transformer(cfg.model_config(vocab_size)).to(device)
-
-
-def decoder_from(base: dict, cfg: TrainConfig, encoder: Transformer) -> Transformer:
-    """A decoder on the frozen encoder of encoder_from (GAD's drafter), started from the init_from
-    checkpoint `base`: one already on that encoder (a shipped drafter) goes on as it is; a whole model
-    (the verifier) gives its embeddings, its first dec_layers decoder layers, its final norm and its
-    output projection, so the drafter starts as the verifier's early exit."""
-    shape = ModelConfig.from_dict(base["model_config"])
-    state = {k: v.float() for k, v in base["model"].items()}
-    if shape.enc_layers == 0:
-        if shape.memory_dim != encoder.cfg.d_model:
-            raise TrainingError(f"{cfg.init_from} reads encoder states of width {shape.memory_dim}, "
-                                f"{cfg.encoder_from} gives {encoder.cfg.d_model}")
-        model = Transformer(replace(shape, dropout=cfg.dropout))
-    else:
-        differ = [f"{f} {getattr(cfg, f)} (the model's: {getattr(shape, f)})" for f in ("d_model", "n_heads", "d_ff")
-                  if getattr(cfg, f) != getattr(shape, f)]
-        if differ or cfg.dec_layers > shape.dec_layers:
-            raise TrainingError(f"a decoder started from {cfg.init_from} takes its width and at most its "
-                                f"{shape.dec_layers} decoder layers: {', '.join(differ) or f'dec_layers {cfg.dec_layers}'}")
-        model = Transformer(replace(shape, enc_layers=0, dec_layers=cfg.dec_layers, d_memory=encoder.cfg.d_model,
-                                    dropout=cfg.dropout))
-        state = {k: state[k] for k in model.state_dict()}  # the first dec_layers layers; no encoder
-    model.load_state_dict(state)
-    return model
