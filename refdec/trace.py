@@ -16,7 +16,7 @@ Every decoder, asked for a trace (trace=True), returns a list of `Step`s per sen
 The draft-then-verify decoders build theirs from a verification (refdec.decoding.verify.step_of).
 `trace_text` is what `decode.py --trace` prints, one format per algorithm here: plain text, or
 the same text with ANSI colours (`colour_enabled` decides for a stream). The HTML page draws the
-same Steps (refdec.app.htmlreport).
+same Steps (refdec.app.htmlreport), its tokens grouped into words as the trace's (`words`).
 """
 
 from __future__ import annotations
@@ -86,6 +86,16 @@ def token_pieces(tokenizer):
     return piece
 
 
+def words(ids, piece) -> list[range]:
+    """The words that token ids spell, as ranges of positions in ids (piece: token_pieces' function):
+    a token whose text a space leads starts a word, any other (a subword piece, or punctuation written
+    without a space: the "ly" of "unw|it|ting|ly", the "." of "sent|ence|.") continues the word before
+    it. The trace prints a word's tokens with nothing but a | between them and a space before the word;
+    the HTML page draws each word as one, its tokens' boundaries thin lines inside it."""
+    starts = [i for i, t in enumerate(ids) if i == 0 or piece(t)[1]]
+    return [range(a, b) for a, b in zip(starts, starts[1:] + [len(ids)])]
+
+
 # ANSI colours of the trace's parts in a terminal.
 COLOURS = {"accepted": "\x1b[32m", "own": "\x1b[1;36m", "rejected": "\x1b[31m", "note": "\x1b[2m"}
 RESET = "\x1b[0m"
@@ -137,8 +147,10 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
 
     piece = token_pieces(tokenizer)
 
-    def tokens(ids, part: str) -> list[str]:  # each token's own text (with the space before it), painted
-        return [paint(part, " " * space + word) for word, space in map(piece, ids)]
+    def tokens(ids, part: str) -> list[str]:  # each token's own text, painted, a space before each word's first
+        ids = list(ids)
+        return [paint(part, " " * (i == w.start and piece(ids[i])[1]) + piece(ids[i])[0])
+                for w in words(ids, piece) for i in w]
 
     head = f"[{index + 1}]"
     if algo == "greedy":  # a | between tokens

@@ -138,16 +138,19 @@ def tiny_extras(trained_tiny, tmp_path_factory) -> dict:
     return made
 
 
-def first_divergence(a: torch.Tensor, b: torch.Tensor, model=None, src: torch.Tensor | None = None) -> str:
-    """Where greedy's tokens `a` and another decoder's `b` part; given the model and the row's source
-    (1, S), also the model's top-1/top-2 logit margin there (refdec.app.exactness.divergences): a near-tie
-    or a bug."""
-    n = min(len(a), len(b))
-    pos = next((i for i in range(n) if a[i] != b[i]), n)
-    text = f"first divergence at position {pos}: {a[pos:pos + 3].tolist()} vs {b[pos:pos + 3].tolist()}"
-    if model is not None and src is not None and not torch.equal(a, b):
+def first_divergence(expected: torch.Tensor, got: torch.Tensor, model=None, src: torch.Tensor | None = None) -> str:
+    """Where a decoder's tokens `got` part from greedy's `expected`: the first differing position and
+    the tokens from there on, each side named; given the model and the row's source (1, S), also the
+    model's top-1/top-2 logit margin there (refdec.app.exactness.divergences): a near-tie or a bug."""
+    n = min(len(expected), len(got))
+    pos = next((i for i in range(n) if expected[i] != got[i]), n)
+    text = (f"first divergence at position {pos}: expected {expected[pos:pos + 3].tolist()}, "
+            f"got {got[pos:pos + 3].tolist()}")
+    if len(expected) != len(got):
+        text += f" (expected {len(expected)} tokens, got {len(got)})"
+    if model is not None and src is not None and not torch.equal(expected, got):
         ids = [t for t in src[0].tolist() if t != model.cfg.pad_id][:-1]  # the source without its eos
-        d = divergences(model, [ids], [a], [b], src.device)
+        d = divergences(model, [ids], [expected], [got], src.device)
         text += f"; top-1/top-2 logit margin {d[0]['margin_top1_top2']:.3g}" if d else ""
     return text
 
@@ -161,10 +164,15 @@ def batch1_greedy(model, src: torch.Tensor, max_len: int) -> list[torch.Tensor]:
     return [decode_greedy(model, alone(src, b), max_len=max_len).tokens[0] for b in range(src.shape[0])]
 
 
-def assert_rows_equal(got, ref, what: str):
-    assert len(got) == len(ref)
+def assert_rows_equal(got, ref, what: str, model=None, src: torch.Tensor | None = None):
+    """The exactness tests' token comparison, made before any other assertion on a run: a decoder's
+    rows `got` equal the reference rows `ref` (greedy's) with torch.equal, and a failure names the row
+    and the first position where they part (first_divergence; with the model and the source batch,
+    the logit margin there)."""
+    assert len(got) == len(ref), f"{what}: {len(got)} rows, expected {len(ref)}"
     for b, (x, y) in enumerate(zip(got, ref)):
-        assert torch.equal(x, y), f"{what}, row {b}: {first_divergence(x, y)}"
+        row = src[b:b + 1] if src is not None else None
+        assert torch.equal(x, y), f"{what}, row {b}: {first_divergence(y, x, model, row)}"
 
 
 def invariant_copy(model, dtype):

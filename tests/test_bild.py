@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import copy_model, first_divergence, random_src, shared_small, tiny_model
+from conftest import assert_rows_equal, copy_model, random_src, shared_small, tiny_model
 from refdec.decoding import decode_greedy
 from refdec.decoding.bild import decode_bild
 from refdec.decoding.sampling import distribution, nucleus
@@ -21,8 +21,7 @@ def pair(seed: int, vocab: int = 12):
 
 def assert_greedy_of_large(large, out, src, max_len):
     g = decode_greedy(large, src, max_len=max_len)
-    for b, (x, y) in enumerate(zip(g.tokens, out.tokens)):
-        assert torch.equal(x, y), f"row {b}: {first_divergence(x, y)}"
+    assert_rows_equal(out.tokens, g.tokens, "against greedy of the large model", large, src)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import copy_model, first_divergence, random_heads, random_src, tiny_model
+from conftest import assert_rows_equal, copy_model, random_heads, random_src, tiny_model
 from refdec.decoding import decode_greedy
 from refdec.decoding.blockwise import accept_rule, decode_blockwise
 from refdec.proposal import ProposalHeads, head_targets
@@ -38,9 +38,8 @@ def steering_heads(model, k: int, right: bool) -> ProposalHeads:
 def assert_same_as_greedy(model, heads, src, max_len, **kw):
     g = decode_greedy(model, src, max_len=max_len)
     r = decode_blockwise(model, heads, src, max_len=max_len, **kw)
+    assert_rows_equal(r.tokens, g.tokens, f"blockwise {kw} against greedy", model, src)  # the tokens first
     assert r.stats.hit_max_len == g.stats.hit_max_len
-    for b, (x, y) in enumerate(zip(g.tokens, r.tokens)):
-        assert torch.equal(x, y), f"row {b}: {first_divergence(x, y)}"
     return r
 
 

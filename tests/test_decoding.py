@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import first_divergence, random_src, tiny_model
+from conftest import assert_rows_equal, first_divergence, random_src, tiny_model
 from refdec.config import BOS_ID, EOS_ID
 from refdec.decoding import decode_beam, decode_greedy
 
@@ -20,8 +20,7 @@ def test_beam_of_one_is_greedy(seed):
     src = random_src(seed, 5, vocab)
     g = decode_greedy(m, src, max_len=25)
     b = decode_beam(m, src, max_len=25, beam_size=1, length_penalty=1.0)
-    for x, y in zip(g.tokens, b.tokens):
-        assert torch.equal(x, y), first_divergence(x, y)
+    assert_rows_equal(b.tokens, g.tokens, "beam(1) against greedy", m, src)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -33,7 +32,7 @@ def test_batched_greedy_equals_one_at_a_time(seed):
     batched = decode_greedy(m, src, max_len=20)
     for b in range(7):
         alone = decode_greedy(m, src[b:b + 1, : int(src[b].ne(0).sum())], max_len=20)
-        assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(batched.tokens[b], alone.tokens[0])
+        assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(alone.tokens[0], batched.tokens[b])
 
 
 @pytest.mark.parametrize("seed", range(3))  # models whose rows finish at different steps
@@ -57,7 +56,7 @@ def test_batched_greedy_carries_finished_rows_until_a_quarter_has_finished(seed,
     monkeypatch.setattr(KVCache, "select", select)
     for b in range(12):
         alone = decode_greedy(m, src[b:b + 1, : int(src[b].ne(0).sum())], max_len=20, trace=True)
-        assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(batched.tokens[b], alone.tokens[0])
+        assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(alone.tokens[0], batched.tokens[b])
         assert batched.trace[b] == alone.trace[0]
     assert batched.stats.tokens == sum(len(t) + (len(t) < 20) for t in batched.tokens)
     assert drops and all((before - after) * COMPACT >= before for before, after in drops), drops
@@ -143,3 +142,10 @@ def test_first_divergence_gives_the_margin_where_the_outputs_part():
     ids = [t for t in src[0].tolist() if t != m.cfg.pad_id][:-1]
     margin = divergences(m, [ids], [g], [other], src.device)[0]["margin_top1_top2"]
     assert "position 2" in text and f"margin {margin:.3g}" in text
+    a, b = g[2:5].tolist(), other[2:5].tolist()
+    assert text.startswith(f"first divergence at position 2: expected {a}, got {b}")
+    with pytest.raises(AssertionError) as failed:  # the exactness tests' comparison says the same, by row
+        assert_rows_equal([g, other], [g, g], "iad against greedy", m, src.expand(2, -1))
+    assert str(failed.value).startswith(f"iad against greedy, row 1: first divergence at position 2: expected {a}, got {b}")
+    short = first_divergence(g, g[:2])
+    assert short.startswith(f"first divergence at position 2: expected {a}, got []") and "got 2)" in short

@@ -59,3 +59,17 @@ def test_the_quick_starts_outputs_are_ignored_by_git():
         assert written <= ignored
     else:
         assert set(r.stdout.split()) == written
+
+
+def test_the_quick_start_names_the_model_it_decodes_with():
+    """Case: the quick start never said which model it decodes with. It names the task's default
+    checkpoint, the one decode.py loads for its command, and that model's shape."""
+    from refdec.app.algorithms import ALGORITHMS
+    quick = text(REPO / "README.md").split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    command = re.search(r"^    python decode\.py --algo (\w+) --task ([\w-]+)", quick, re.M)
+    algo, task = command.groups()
+    name = ALGORITHMS[algo].checkpoint_dir(task)
+    assert f"`checkpoints/{name}/model.pt`" in quick.split(command.group(0))[0]
+    from refdec.checkpoint import load_checkpoint, model_shape
+    cfg = model_shape(load_checkpoint(REPO / "checkpoints" / name / "model.pt"))
+    assert f"{cfg.enc_layers} encoder layers and {cfg.dec_layers} decoder layers" in quick

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import first_divergence, random_src, tiny_model
+from conftest import assert_rows_equal, random_src, tiny_model
 from refdec.config import BOS_ID, EOS_ID, ModelConfig
 from refdec.decoding import decode_beam, decode_gad, decode_greedy, decode_iad
 from refdec.decoding.blockwise import accept_rule
@@ -43,8 +43,7 @@ def family_model(seed: int, family: str, dtype=torch.float64, vocab: int = 16) -
 
 
 def assert_tokens_equal(got, ref, what: str):
-    for b, (x, y) in enumerate(zip(got, ref)):
-        assert torch.equal(x, y), f"{what}, row {b}: {first_divergence(x, y)}"
+    assert_rows_equal(got, ref, what)
 
 
 # -- one tie rule --------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import first_divergence, random_src, shared_small, tiny_model
+from conftest import assert_rows_equal, random_src, shared_small, tiny_model
 from refdec.config import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 from refdec.decoding import decode_greedy
 from refdec.decoding.gad import decode_gad, gadpp_rule
@@ -19,8 +19,7 @@ from refdec.commands.fuzz import gadpp_rule_at_exact
 
 def assert_greedy(verifier, res, src, max_len):
     g = decode_greedy(verifier, src, max_len=max_len)
-    for b, (x, y) in enumerate(zip(g.tokens, res.tokens)):
-        assert torch.equal(x, y), f"row {b}: {first_divergence(x, y)}"
+    assert_rows_equal(res.tokens, g.tokens, "gad against greedy of the verifier", verifier, src)
     return g
 
 

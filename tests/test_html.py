@@ -487,3 +487,48 @@ def test_the_terminal_trace_and_the_page_say_a_draft_came_from_the_source_alike(
     for step in steps:
         assert how_drafted(step) in text and html.escape(how_drafted(step)) in page
     assert "drafted from source" not in text
+
+
+def page_words(row: str) -> list[tuple[str, str, list[str]]]:
+    """Each word a row of the page draws: (its text, its title, its tokens' parts)."""
+    out = []
+    for m in re.finditer(r'<span class="word"( title="([^"]*)")?>((?:<span class="tok [a-z]+">[^<]*</span>)+)</span>', row):
+        toks = re.findall(r'<span class="tok ([a-z]+)">([^<]*)</span>', m.group(3))
+        out.append(("".join(html.unescape(t) for _, t in toks), html.unescape(m.group(2) or ""), [p for p, _ in toks]))
+    return out
+
+
+def test_the_page_draws_words_as_the_trace_joins_them():
+    """Case: the page drew subword tokens as words on a slide ("unw it ting ly", "sent ence .") where
+    --trace joins them. A token that no space leads continues the word before it on the page as in the
+    trace (refdec.trace.words): the page's words are the trace's, each token keeps its part's colour,
+    and a word's tokens are in its title."""
+    from refdec.app.htmlreport import steps_html
+    from refdec.trace import token_pieces, words
+    tok = Tokenizer.load(REPO / "checkpoints" / "gec-en-9x3" / "tokenizer.json")
+    piece = token_pieces(tok)
+    ids = tok.encode("He unwittingly wrote a sentence.")
+    assert [[piece(ids[i])[0] for i in w] for w in words(ids, piece)] == [
+        ["He"], ["unw", "it", "ting", "ly"], ["wrote"], ["a"], ["sent", "ence", "."]]
+    greedy = [Step(own=t) for t in ids + [tok.eos_id]]
+    drawn = page_words(steps_html("greedy", greedy, piece))
+    printed = trace_text("greedy", 0, greedy, tok).split(": ", 1)[1].split(" ")
+    assert [w for w, _, _ in drawn] == [w.replace("|", "") for w in printed] == tok.decode(ids).split() + ["</s>"]
+    assert [t for _, t, _ in drawn] == ["", "unw|it|ting|ly", "", "", "sent|ence|.", ""]
+    # one IAD iteration: "He unwit" accepted, "ting" the model's own, "ly" drafted and rejected, all one word
+    he, unw, it, ting, ly = ids[:5]
+    drawn = page_words(steps_html("iad", [Step((he, unw, it, ly), 3, ting, "source", origin=0)], piece))
+    assert drawn == [("He", "", ["accepted"]), ("unwittingly", "unw|it|ting|ly", ["accepted", "accepted", "own", "rejected"])]
+    gad = steps_html("gad", [Step((he, unw, it, ly), 3, ting, "drafter")], piece).split('<span class="dv">V</span>')
+    assert [w for w, _, _ in page_words(gad[0])] == ["He", "unwitly"] and [w for w, _, _ in page_words(gad[1])] == ["He", "unwitting"]
+
+
+def test_the_pages_style_script_and_template_are_package_files():
+    """The page's style, script and template are files of refdec/app/assets/ (package data, so that an
+    installed copy has them: test_packaging), inlined in every page; none is a string in the code."""
+    from refdec.app import htmlreport
+    assert not any(hasattr(htmlreport, name) for name in ("STYLE", "SCRIPT", "PAGE"))
+    template = htmlreport.asset("report.html")
+    assert all(f"{{{k}}}" in template for k in ("title", "style", "script", "body")) and template.startswith("<!DOCTYPE html>")
+    assert ".word .tok + .tok" in htmlreport.asset("report.css")
+    assert "getElementById('q')" in htmlreport.asset("report.js")

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import copy_model, first_divergence, random_src, rewrite_target, tiny_model
+from conftest import assert_rows_equal, copy_model, random_src, rewrite_target, tiny_model
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy
 from refdec.decoding.iad import MATCH_POLICIES, find_match, decode_iad
@@ -27,9 +27,8 @@ def src_rows(rows: list[list[int]]) -> torch.Tensor:
 def assert_same_as_greedy(model, src, max_len, **knobs):
     g = decode_greedy(model, src, max_len=max_len)
     r = decode_iad(model, src, max_len=max_len, **knobs)
+    assert_rows_equal(r.tokens, g.tokens, f"iad {knobs} against greedy", model, src)  # the tokens first
     assert r.stats.hit_max_len == g.stats.hit_max_len
-    for b, (x, y) in enumerate(zip(g.tokens, r.tokens)):
-        assert torch.equal(x, y), f"row {b}, {knobs}: {first_divergence(x, y, model, src[b:b + 1])}"
     return g, r
 
 

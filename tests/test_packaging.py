@@ -44,6 +44,16 @@ def test_pyproject_installs_refdec_alone_on_the_pinned_torch():
     assert "index-url" not in (REPO / "pyproject.toml").read_text()
 
 
+def test_the_html_pages_files_are_package_data():
+    """The HTML page's style, script and template (refdec/app/assets/) are declared package data, so that
+    `pip install .` installs them with refdec.app (the installed-copy test writes a page with them)."""
+    from fnmatch import fnmatch
+    patterns = pyproject()["tool"]["setuptools"]["package-data"]["refdec.app"]
+    assets = sorted(p.relative_to(REPO / "refdec" / "app").as_posix() for p in (REPO / "refdec" / "app" / "assets").iterdir())
+    assert assets == ["assets/report.css", "assets/report.html", "assets/report.js"]
+    assert all(any(fnmatch(a, pat) for pat in patterns) for a in assets), (assets, patterns)
+
+
 def test_ci_runs_the_readme_test_command_which_installs_refdec():
     """Guards .ci/run against drifting from the README's test command, which installs the package the
     way the README says before running the tests."""
@@ -132,8 +142,10 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trai
                         "-w", str(tmp_path / "wheel"), str(src)], **run)
     assert r.returncode == 0, r.stderr
     wheel = next((tmp_path / "wheel").glob("refdec-*.whl"))
-    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
     assert tops == {"refdec", wheel.name.split("-py3")[0] + ".dist-info"}, tops
+    assert {f"refdec/app/assets/report.{x}" for x in ("css", "js", "html")} <= set(names), names
     venv = tmp_path / "venv"
     # without a pip and setuptools of its own: the system's run there (the pinned torch asks for a newer
     # setuptools than a venv's own, which pip would fetch from the network)
@@ -169,6 +181,14 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trai
     r = in_elsewhere(refdec, "decode", "--model", trained_tiny / "model.pt", "--input", "-", "--threads", "1",
                      "--quiet", stdin="Das ist gut.\n")
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr
+    # the HTML page, its style, script and template read from the installed package's files
+    r = in_elsewhere(refdec, "decode", "--model", trained_tiny / "model.pt", "--input", "in.txt", "--output",
+                     "out2.txt", "--threads", "1", "--quiet", "--html", "page.html")
+    assert r.returncode == 0, r.stderr
+    page = (elsewhere / "page.html").read_text(encoding="utf-8")
+    assets = venv.glob("lib/python*/site-packages/refdec/app/assets/report.css")
+    assert page.startswith("<!DOCTYPE html>") and next(assets).read_text(encoding="utf-8") in page
+    assert page.count('<section class="sent"') == 2 and '<span class="word"' in page
     for argv, needle in ((["stepcost", "--task", "gec-uk"], "checkpoints/gec-uk/model.pt is in refdec's repository"),
                          (["decode", "--task", "mt-en-de"], "checkpoints/mt-en-de/model.pt is in refdec's repository"),
                          (["decode", "--task", "mt-en-de", "--model", trained_tiny / "model.pt"],

@@ -8,8 +8,14 @@ that were accepted, the verifier's own token at the bifurcation, the drafted tok
 who wrote what (BiLD's small and large model, GAD's draft and verify lines). A text box searches the
 sentences and a menu keeps those where a run's output differs from greedy decoding of its model.
 
-Nothing is loaded from elsewhere: styles, script and figures are all inline. matplotlib is imported
-only here, so the library and decode.py without --html run without it.
+Tokens are drawn as the words they spell, grouped as --trace groups them (refdec.trace.words): a
+word's tokens side by side with a thin line between them (its tokens, split by |, in the word's
+title), each token coloured by its part.
+
+Nothing is loaded from elsewhere: styles, script and figures are all inline in the page. The style,
+the script and the page around them are files of the package (refdec/app/assets/: report.css,
+report.js, report.html), read with importlib.resources, so an installed copy has them. matplotlib is
+imported only here, so the library and decode.py without --html run without it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import html
 import io
 import json
 import re
+from importlib import resources
 
 import torch
 
@@ -25,7 +32,7 @@ from . import report, runner
 from .exactness import same_model
 from ..errors import UsageError
 from ..repo import install_hint
-from ..trace import Step, how_drafted, iterations, token_pieces
+from ..trace import Step, how_drafted, iterations, token_pieces, words
 
 PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
 
@@ -86,7 +93,13 @@ def build_page(*, title: str, facts: dict, summary: "report.Summary", sources: l
     piece = token_pieces(tokenizer)
     for i, line in enumerate(sources):
         body.append(sentence_html(i, line, [r[i] for r in refs], ids[i], runs, greedy_of, tokenizer, piece))
-    return PAGE.format(title=e(title), style=STYLE, script=SCRIPT, body="\n".join(body))
+    return asset("report.html").format(title=e(title), style=asset("report.css"), script=asset("report.js"),
+                                       body="\n".join(body))
+
+
+def asset(name: str) -> str:
+    """The text of one of the page's files in refdec/app/assets/ (its style, script and template)."""
+    return (resources.files(__package__) / "assets" / name).read_text(encoding="utf-8")
 
 
 def summary_html(rows: list[dict], matrix, checks: list[dict]) -> str:
@@ -130,15 +143,28 @@ def legend_html() -> str:
             f"output is produced (GAD: the drafter's block D, then what verification kept V). A drafted token is "
             f"copied from the source (IAD), drafted by the drafter (GAD), proposed by the heads (blockwise) or "
             f"written by the small model S (BiLD, speculative decoding; L marks the large model's own token). "
-            f"Beam search: the token each live beam added at each step, best beam first.</p>")
+            f"Beam search: the token each live beam added at each step, best beam first. Tokens are drawn as the "
+            f"words they spell; a thin line inside a word marks where one token ends and the next begins (the "
+            f"word's tokens are in its tooltip).</p>")
 
 
-def chips(tokens, part: str, piece) -> str:
+def chips(items: list[tuple[int, str]], piece) -> str:
+    """(token, part) pairs drawn as the words they spell (refdec.trace.words, the trace's grouping):
+    one box per word, each token in it a chip coloured by its part (accepted, own, rejected), a thin
+    line where one token ends and the next begins, and the word's tokens, split by |, in its title."""
     out = []
-    for t in tokens:
-        text, space = piece(t)
-        out.append(f'<span class="tok {part}{" sp" if space else ""}">{html.escape(text)}</span>')
+    for w in words([t for t, _ in items], piece):
+        texts = [piece(items[i][0])[0] for i in w]
+        title = f' title="{html.escape("|".join(texts))}"' if len(texts) > 1 else ""
+        out.append(f'<span class="word"{title}>'
+                   + "".join(f'<span class="tok {items[i][1]}">{html.escape(text)}</span>' for i, text in zip(w, texts))
+                   + "</span>")
     return "".join(out)
+
+
+def tagged(tokens, part: str) -> list[tuple[int, str]]:
+    """The (token, part) pairs of chips: every token of `tokens` in one part."""
+    return [(t, part) for t in tokens]
 
 
 def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greedy_of: dict, tokenizer, piece) -> str:
@@ -178,18 +204,19 @@ def steps_html(algo: str, steps: list[Step], piece) -> str:
     """A run's decoding of one sentence, one row per iteration."""
     if algo == "greedy":
         return (f'<div class="steps"><div class="it"><span class="k">{iterations(len(steps))}, one token each</span>'
-                f'<span class="toks">{chips([s.own for s in steps], "own", piece)}</span></div></div>')
+                f'<span class="toks">{chips(tagged((s.own for s in steps), "own"), piece)}</span></div></div>')
     if algo == "beam":
         return beam_html(steps, piece)
     rows = []
     for n, s in enumerate(steps, 1):
-        acc = chips(s.drafted[:s.accepted], "accepted", piece)
-        own = chips([s.own], "own", piece) if s.own is not None else ""
-        rej = chips(s.rejected, "rejected", piece)
+        acc = tagged(s.drafted[:s.accepted], "accepted")
+        own = tagged([s.own], "own") if s.own is not None else []
+        rej = tagged(s.rejected, "rejected")
         if algo == "gad":
             rows.append(f'<div class="it"><span class="k">{n}</span><span class="dv">D</span>'
-                        f'<span class="toks">{acc}{rej}</span></div>'
-                        f'<div class="it"><span class="k"></span><span class="dv">V</span><span class="toks">{acc}{own}</span>'
+                        f'<span class="toks">{chips(acc + rej, piece)}</span></div>'
+                        f'<div class="it"><span class="k"></span><span class="dv">V</span>'
+                        f'<span class="toks">{chips(acc + own, piece)}</span>'
                         f'<span class="how">{s.accepted} of {len(s.drafted)} drafted tokens accepted</span></div>')
             continue
         if algo in ("bild", "speculative"):
@@ -197,11 +224,11 @@ def steps_html(algo: str, steps: list[Step], piece) -> str:
                    else "nothing from S" if s.verified else f"S wrote {len(s.drafted)} after the last L call")
             how += ", rollback" if s.rollback else ""
             how += ", L wrote 1" if s.own is not None else ""
-            body = ((f'<span class="who">S</span>{acc}{rej}' if s.drafted else "")
-                    + (f'<span class="who">L</span>{own}' if own else ""))
+            body = ((f'<span class="who">S</span>{chips(acc + rej, piece)}' if s.drafted else "")
+                    + (f'<span class="who">L</span>{chips(own, piece)}' if own else ""))
         else:
             how = how_drafted(s)
-            body = acc + own + rej
+            body = chips(acc + own + rej, piece)
         rows.append(f'<div class="it"><span class="k">{n}</span><span class="toks">{body}</span>'
                     f'<span class="how">{html.escape(how)}</span></div>')
     return '<div class="steps">' + "".join(rows) + "</div>"
@@ -372,112 +399,3 @@ def chart_module_time(rows: list[dict]) -> str:
     ax.set_xlabel("seconds")
     ax.legend(frameon=False, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 / len(rows)))
     return svg(fig, "modules", "Time per module, summed over the sentences (the rest of a run's time is the loop around them).")
-
-
-# ---------------------------------------------------------------- page
-
-STYLE = """
-:root { --acc: #d7f0da; --acc-t: #17602a; --own: #d6e6ff; --own-t: #0b3f91; --rej: #fbe0e0; --rej-t: #a12121;
-        --line: #e4e4e4; --muted: #6b6b6b; }
-* { box-sizing: border-box; }
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Noto Sans", sans-serif; color: #1d1d1d;
-       margin: 0 auto; max-width: 1180px; padding: 20px 28px 60px; background: #fbfbfa; }
-h1 { font-size: 22px; margin: 0 0 8px; } h2 { font-size: 17px; margin: 28px 0 10px; border-bottom: 1px solid var(--line); padding-bottom: 4px; }
-header dl { display: grid; grid-template-columns: max-content 1fr; gap: 2px 14px; margin: 0; font-size: 13px; }
-header dt { color: var(--muted); } header dd { margin: 0; font-family: ui-monospace, Menlo, Consolas, monospace; word-break: break-all; }
-table { border-collapse: collapse; margin: 8px 0 14px; background: #fff; font-size: 13px; }
-th, td { border: 1px solid var(--line); padding: 3px 8px; }
-thead th { background: #f2f2f0; font-weight: 600; }
-table.num td { text-align: right; font-variant-numeric: tabular-nums; } table.num td:first-child { text-align: left; font-weight: 600; }
-caption { text-align: left; color: var(--muted); padding-bottom: 2px; }
-.check { margin: 6px 0; } .check a { color: var(--own-t); }
-.charts { display: flex; flex-wrap: wrap; gap: 16px; align-items: flex-start; }
-figure { margin: 0; background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 10px; flex: 0 1 auto; max-width: 100%; }
-figure svg { max-width: 100%; height: auto; display: block; }
-figcaption { max-width: 520px; }
-figcaption { color: var(--muted); font-size: 12px; margin-top: 4px; }
-.controls { position: sticky; top: 0; background: #fbfbfa; padding: 8px 0; display: flex; gap: 10px; align-items: center; z-index: 2;
-            border-bottom: 1px solid var(--line); }
-#q { flex: 1; font: inherit; padding: 6px 10px; border: 1px solid #c9c9c9; border-radius: 5px; }
-#only { font: inherit; padding: 5px; } #count { color: var(--muted); font-size: 13px; white-space: nowrap; }
-.legend { font-size: 13px; color: var(--muted); }
-.sent { background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 10px 14px; margin: 10px 0;
-        scroll-margin-top: 64px; }
-.sent.linked { border-color: #e0a800; box-shadow: 0 0 0 2px #f3d36b; }
-.src { font-size: 15px; } .src .n { display: inline-block; min-width: 2.4em; color: var(--muted); text-decoration: none; font-size: 13px; }
-.ref { color: #3d3d3d; font-size: 13px; margin-left: 2.4em; } .lab { color: var(--muted); font-size: 11px; margin-right: 6px; text-transform: uppercase; }
-.run { margin: 6px 0 0 2.4em; border-left: 3px solid var(--line); padding-left: 10px; }
-.run summary { cursor: pointer; } .run summary::marker { color: var(--muted); }
-.runhead { font-size: 13px; }
-.out { display: block; margin: 1px 0 2px; }
-.facts { color: var(--muted); font-size: 12px; margin-left: 6px; }
-.badge { background: #fff1d6; color: #8a5a00; border: 1px solid #f0d399; border-radius: 10px; font-size: 11px; padding: 0 7px; margin-left: 6px; }
-.steps { margin: 4px 0 8px; font-size: 13px; }
-.it { display: flex; align-items: baseline; gap: 8px; padding: 1px 0; }
-.it .k { color: var(--muted); min-width: 2.2em; text-align: right; font-variant-numeric: tabular-nums; font-size: 12px; flex: none; }
-.it .dv, .who { font-weight: 700; color: var(--muted); font-size: 11px; flex: none; }
-.who { margin: 0 3px 0 6px; } .who:first-child { margin-left: 0; }
-.toks { display: flex; flex-wrap: wrap; gap: 2px 0; align-items: baseline; }
-.how { color: var(--muted); font-size: 12px; margin-left: auto; padding-left: 12px; white-space: nowrap; }
-.tok { display: inline-block; padding: 0 2px; margin-right: 1px; border-radius: 2px; white-space: pre; font-size: 13px; line-height: 1.5; }
-.tok.sp { margin-left: 6px; }
-.tok.accepted { background: var(--acc); color: var(--acc-t); }
-.tok.own { background: var(--own); color: var(--own-t); font-weight: 700; box-shadow: inset 0 0 0 1px #9dbdf0; }
-.tok.rejected { background: var(--rej); color: var(--rej-t); text-decoration: line-through; opacity: .85; }
-.legend .tok.sp { margin-left: 0; }
-.beam { overflow-x: auto; } .beam table { margin: 4px 0; } .beam th, .beam td { padding: 1px 5px; font-size: 12px; white-space: pre; }
-.beam th { color: var(--muted); font-weight: 500; background: #f7f7f5; } .beam td.own { background: var(--own); color: var(--own-t); font-weight: 600; }
-.hidden { display: none; }
-"""
-
-SCRIPT = """
-(function () {
-  var q = document.getElementById('q'), only = document.getElementById('only'), count = document.getElementById('count');
-  var sents = Array.prototype.slice.call(document.querySelectorAll('.sent'));
-  var texts = sents.map(function (s) {
-    return Array.prototype.map.call(s.querySelectorAll('.src, .ref, .out'), function (x) { return x.textContent; })
-      .join('\\n').toLowerCase();
-  });
-  var differs = sents.map(function (s) { return JSON.parse(s.getAttribute('data-differs')); });
-  function update() {
-    var words = q.value.toLowerCase().split(/\\s+/).filter(Boolean), want = only.value, shown = 0;
-    sents.forEach(function (s, i) {
-      var ok = words.every(function (w) { return texts[i].indexOf(w) >= 0; }) &&
-               (!want || (want === '*' ? differs[i].length > 0 : differs[i].indexOf(want) >= 0));
-      s.classList.toggle('hidden', !ok);
-      if (ok) shown++;
-    });
-    count.textContent = shown + ' of ' + sents.length + ' sentences';
-  }
-  // A link to a sentence (#s78, the lossless checks' "line 78"): clear a search or menu that hides
-  // it, open every run's decoding, mark it, and bring it into view below the sticky search bar.
-  function reveal() {
-    var m = /^#s(\\d+)$/.exec(location.hash), target = m && document.getElementById('s' + m[1]);
-    sents.forEach(function (s) { s.classList.toggle('linked', s === target); });
-    if (!target) return;
-    if (target.classList.contains('hidden')) { q.value = ''; only.value = ''; update(); }
-    Array.prototype.forEach.call(target.querySelectorAll('details'), function (d) { d.open = true; });
-    target.scrollIntoView();
-  }
-  q.addEventListener('input', update);
-  only.addEventListener('change', update);
-  window.addEventListener('hashchange', reveal);
-  update();
-  reveal();
-})();
-"""
-
-PAGE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title}</title>
-<style>{style}</style>
-</head>
-<body>
-{body}
-<script>{script}</script>
-</body>
-</html>
-"""
