@@ -201,16 +201,22 @@ class KVCache:
             self.k, self.v = self.k[:, :n], self.v[:, :n]
         else:  # rows reordered or repeated (beam search): gathered first, then written
             k, v = self.k[:, :, :, :used].index_select(1, rows), self.v[:, :, :, :used].index_select(1, rows)
-            if n > self.batch:
-                L, _, H, capacity, Dh = self.k.shape
-                self.k, self.v = self.k.new_empty((L, n, H, capacity, Dh)), self.v.new_empty((L, n, H, capacity, Dh))
-                self._zeroed = used
-            else:
-                self.k, self.v = self.k[:, :n], self.v[:, :n]
+            self._hold_rows(n, used)
             self.k[:, :, :, :used] = k
             self.v[:, :, :, :used] = v
         if self._lengths is not None:
             self._set_lengths(self._lengths.index_select(0, rows))
+
+    def _hold_rows(self, n: int, used: int) -> None:
+        """Make self.k, self.v n rows of storage, the cache's current rows first where n is no more
+        (select writes the first `used` positions of every row next): new storage only past the rows
+        the storage has."""
+        if n > self.batch:
+            L, _, H, capacity, Dh = self.k.shape
+            self.k, self.v = self.k.new_empty((L, n, H, capacity, Dh)), self.v.new_empty((L, n, H, capacity, Dh))
+            self._zeroed = used
+        else:
+            self.k, self.v = self.k[:, :n], self.v[:, :n]
 
     def clone(self) -> "KVCache":
         other = KVCache.__new__(KVCache)

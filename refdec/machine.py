@@ -49,8 +49,7 @@ def available_memory() -> int | None:
 def decode_bytes(cfg, rows: int, src_len: int, out_len: int, itemsize: int) -> int:
     """A rough peak of the memory decoding `rows` rows at once takes (beams count as rows): per row,
     every decoder layer's self-attention keys and values over the output and cross-attention ones
-    over the source, the encoder's activations, and a few vocabulary-wide score rows. Within ~10% of
-    the measured peak for a whole UA-GEC test set in one batch."""
+    over the source, the encoder's activations, and a few vocabulary-wide score rows."""
     per_row = (cfg.dec_layers * 2 * (out_len + src_len) * cfg.d_model
                + 2 * src_len * max(cfg.d_ff, 4 * cfg.d_model) + 4 * cfg.vocab_size)
     return rows * per_row * itemsize
@@ -200,10 +199,10 @@ def machine_line(threads) -> str:
 # torch._int_mm on a CPU is oneDNN's gemm_s8s8s32. oneDNN runs it with its own int8 kernel straight away
 # only where the CPU has AVX-512 (avx512f, avx512bw, avx512vl, avx512dq: oneDNN's "avx512_core", the set
 # torch reports as the AVX512 capability); VNNI (one instruction per 4 products) and AMX make that kernel
-# faster still. On an AMD EPYC reporting AVX2 a (17, 256) x (256, 1024) int8 product took about 14.5 ms
-# against 32 us in float32, and IAD on the int8 route ran 7-8x slower than in float32 (docs/int8.md,
-# "Which CPUs it pays on"). torch's capability alone is not enough where ATEN_CPU_CAPABILITY holds torch's
-# own kernels below what the CPU has: oneDNN still uses AVX-512 then, so the CPU's flags decide.
+# faster still; without AVX-512 the int8 product is many times slower than float32's (docs/int8.md, "Which
+# CPUs it pays on", gives the commands and their figures). torch's capability alone is not enough where
+# ATEN_CPU_CAPABILITY holds torch's own kernels below what the CPU has: oneDNN still uses AVX-512 then, so
+# the CPU's flags decide.
 AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 REPORTED_FLAGS = ("avx2", "fma", *AVX512_CORE, *INT8_DOT_FLAGS, "avx512_bf16", "amx_bf16")
@@ -277,9 +276,9 @@ def warn_if_int8_slow(device, instead: str) -> str | None:
 # every buffer of a decoding call (a batch's logits, a verification call's attention, a KV cache the
 # finished rows leave) is then faulted in, page by page, again at every call. `keep` sets the threshold
 # to its largest value and stops the trimming, so freed memory stays in the heap for later buffers: the
-# same values, fewer page faults (buffers over 32 MB are still mapped fresh). Batched IAD on the int8 route (its float64 cache and attention make the largest
-# buffers) ran 1.23x faster with it, float32 no faster (docs/int8.md, "The allocator"). What the
-# process keeps is at most its peak, which it had already reached.
+# same values, fewer page faults (buffers over 32 MB are still mapped fresh). It pays most on the int8
+# route, whose float64 cache and attention make the largest buffers (docs/int8.md, "The allocator", gives
+# the runs that measure it). What the process keeps is at most its peak, which it had already reached.
 ALLOCATORS = ("keep", "system")
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters (malloc.h)
 KEEP = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))

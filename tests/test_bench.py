@@ -224,6 +224,36 @@ def test_stepcost_times_the_int8_route_and_splits_its_call(tmp_path, capsys):
         assert abs(total - parts["call_ms"][q]) < 1e-9 and parts["products_ms"][q] > 0
 
 
+def test_stepcost_times_a_family_the_fast_route_does_not_write(tmp_path, capsys):
+    """Was: stepcost timed `on_route(model, "fast").reference`, which a family the fast route does not
+    write (here RMS norm and a gated feed-forward, as T5 v1.1's) got as a KernelRoute without
+    `reference`: an AttributeError. Its layers are timed on the few-row and the plain product, and
+    --fast, which has no route to time there, is refused in one line."""
+    import dataclasses
+    from conftest import TEXTS, tiny_model
+    from refdec.checkpoint import make_checkpoint, save_atomic
+    from refdec.commands import stepcost
+    from refdec.model import Transformer
+    from refdec.routes import applies_to
+    from refdec.tokenizer import Tokenizer
+    tok = Tokenizer.train(TEXTS * 5, vocab_size=300, min_frequency=1)
+    cfg = dataclasses.replace(tiny_model(0, tok.vocab_size, d_model=16, n_heads=2).cfg, norm="rms", gated_ff=True)
+    assert not applies_to(cfg)
+    (tmp_path / "m").mkdir()
+    save_atomic(make_checkpoint(Transformer(cfg).eval(), "mt-en-de", tok, step=1), tmp_path / "m" / "model.pt")
+    tok.save(tmp_path / "m" / "tokenizer.json")
+    common = ["--task", "mt-en-de", "--model", str(tmp_path / "m" / "model.pt"), "--rows", "2", "--q", "1,4",
+              "--src", "5", "--prefix", "4", "--rounds", "1", "--threads", "1"]
+    report = tmp_path / "cost.json"
+    assert stepcost.main([*common, "--report", str(report)]) == 0
+    calls = json.loads(report.read_text())["calls"]
+    assert [c["q"] for c in calls] == [1, 4] and all(c["ms"] > 0 and c["plain_ms"] > 0 for c in calls)
+    capsys.readouterr()
+    assert stepcost.main([*common, "--fast"]) == 2
+    err = capsys.readouterr().err
+    assert "--fast: the fast route does not write this model's layers" in err and "Traceback" not in err
+
+
 def test_route_tables_say_faster_for_a_run_that_took_less_time():
     """A run that took a third of greedy's time is "3.00x faster" than greedy in the per-route
     table, as in its JSON (speed_vs_greedy 3.0): the words once read the ratio upside down."""

@@ -104,6 +104,32 @@ def test_two_pass_argmax_is_torch_argmax_ties_nan_and_infinities_included(dtype,
             assert torch.equal(ties.argmax(x), x.argmax(dim=-1)), (shape, case)
 
 
+def test_argmax_takes_its_two_passes_on_a_cpu_alone_and_both_paths_agree(monkeypatch):
+    """Guards where ties.argmax takes its two passes: on a CPU for many logits (where they pay), never
+    off it (a meta tensor stands in for a GPU's here: one torch.argmax, whose documented rule, the first
+    of equal maxima, is the tie rule) nor for few logits; and the two paths give the same index on rows
+    full of exact ties (NaN-free), within a block, across blocks and in a short last block."""
+    taken = []
+
+    def two_passes(x):
+        taken.append(x.device.type)
+        return x.argmax(dim=-1)
+    with monkeypatch.context() as patched:
+        patched.setattr(ties, "two_passes", two_passes)
+        ties.argmax(torch.empty(600, 8000, device="meta"))
+        ties.argmax(torch.zeros(2, 8000))  # under DIRECT logits
+        assert taken == []
+        ties.argmax(torch.zeros(600, 8000))
+        assert taken == ["cpu"]
+    g = torch.Generator().manual_seed(1)
+    for shape in [(600, 8000), (300, 64 * 40 + 9), (1200, 130)]:
+        x = torch.randint(0, 4, shape, generator=g).float()  # four distinct values: ties in every row
+        x[::5, -3:] = 9  # the row's maximum in its short last block only
+        assert x.numel() >= ties.DIRECT
+        assert torch.equal(ties.argmax(x), torch.argmax(x, dim=-1)), shape
+        assert torch.equal(ties.two_passes(x), torch.argmax(x, dim=-1)), shape
+
+
 def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
     """Guards GAD++'s top-beta rule (and blockwise's top-k) on ties: a drafted token equal in logit
     to the argmax but with a higher id is not greedy's token, so top_beta 1 refuses it (topk put

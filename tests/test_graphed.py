@@ -398,10 +398,10 @@ def test_decode_graphed_runs_every_algorithm_on_a_shipped_checkpoint(algo, tmp_p
 
 
 def test_time_replay_times_the_step_that_the_call_runs(monkeypatch):
-    """Guards stepcost's graphed replay timing (refdec.app.timing.time_replay): the step it times is
+    """Guards stepcost's graphed replay timing (refdec.commands.harness.time_replay): the step it times is
     the one the route's call of that shape ran (step_of finds it, made once), and running it alone
     writes the call's final states again (the same inputs, the same outputs)."""
-    from refdec.app import timing
+    from refdec.commands import harness as timing
     m = tiny_model(0)
     route = on_route(m, "graphed")
     src = random_src(0, 2, 7)

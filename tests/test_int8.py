@@ -99,7 +99,7 @@ def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype, monkeypatch):
             assert torch.equal(alone, blocked[i:i + 1])
 
 
-fused_here = pytest.mark.skipif(not int8.fused_products(), reason="no oneDNN fused int8 product in this torch build")
+fused_here = pytest.mark.skipif(not int8.fused_kernel_exact(), reason="no oneDNN fused int8 kernel in this torch build")
 
 
 def planned(fused_from, blocks=False):
@@ -111,7 +111,7 @@ def planned(fused_from, blocks=False):
 @fused_here
 @pytest.mark.parametrize("k,n", [(16, 12), (192, 576), (768, 192), (192, 8000)])
 def test_onednns_fused_product_equals_the_plain_one(k, n, monkeypatch):
-    """Where a plan takes oneDNN's fused int8 linear (int8.fused), it equals (torch.equal) torch._int_mm
+    """Where a plan takes oneDNN's fused int8 linear (int8.takes_fused), it equals (torch.equal) torch._int_mm
     with int8.rescale, whole and in blocks of rows, with a bias, a residual stream and neither, at 1 to 600
     rows, so that a row's values do not depend on which of the two computes it. Both plans are forced,
     whatever this machine's probe finds (on a CPU where the fused product is slow, fewer rows)."""
@@ -128,10 +128,10 @@ def test_onednns_fused_product_equals_the_plain_one(k, n, monkeypatch):
         for add in (b, res, None):
             monkeypatch.setattr(int8, "plan_for", planned(1))
             fused = int8.product(x, qw, add)
-            assert int8.fused(int8.quantize_rows(x)[0], qw)
+            assert int8.takes_fused(int8.quantize_rows(x)[0], qw)
             for blocks in (False, True):
                 monkeypatch.setattr(int8, "plan_for", planned(None, blocks))
-                assert not int8.fused(int8.quantize_rows(x)[0], qw)
+                assert not int8.takes_fused(int8.quantize_rows(x)[0], qw)
                 assert torch.equal(fused, int8.product(x, qw, add)), (m, add is None, blocks)
     assert QuantizedWeight(w.t().double(), w.double()).packed is None  # float64 takes the plain product
     monkeypatch.setattr(int8, "plan_for", planned(None))
@@ -144,7 +144,7 @@ def test_the_products_plan_is_the_probes_timing_both_ways(monkeypatch):
     times slower there (a CPU where it is a thousand times slower); row blocks where they were faster.
     The kernels' timings are forced (int8.race), so that every outcome is tested on every machine."""
     monkeypatch.setattr(int8, "fused_available", lambda: True)
-    monkeypatch.setattr(int8, "fused_products", lambda: True)
+    monkeypatch.setattr(int8, "fused_kernel_exact", lambda: True)
     monkeypatch.setattr(int8, "onednn_packed", lambda q: (None, None))
 
     def timed(fused_us: dict, blocks_faster: bool):
@@ -173,7 +173,7 @@ def test_the_products_plan_is_the_probes_timing_both_ways(monkeypatch):
     assert plan.fused_from is None and not plan.blocks and calls == [1, 384] and "slower" in plan.why
     calls = timed({"else": 1.0}, False)
     assert int8.probe_plan(192, 8000).fused_from == 1 and calls == [1, 4]  # the vocabulary's width: from one row
-    monkeypatch.setattr(int8, "fused_products", lambda: False)
+    monkeypatch.setattr(int8, "fused_kernel_exact", lambda: False)
     timed({"else": 1.0}, False)
     assert int8.probe_plan(192, n).fused_from is None  # faster, but not bitwise the plain form: never
     monkeypatch.setattr(int8, "fused_available", lambda: False)
@@ -246,19 +246,16 @@ def test_products_of_one_input_side_by_side_equal_the_products_one_by_one(rows):
     x = torch.randn(rows, 48, generator=g) * 3
     kept: dict = {}  # a route's
 
-    def side_by_side():
-        return int8.joined(kept, "qkv", qs)
-
-    together = int8.linears(x, qs, bs, side_by_side)
+    together = int8.linears(x, qs, bs, kept, "qkv")
     for y, q, b in zip(together, qs, bs):
         assert torch.equal(y, int8.linear(x, q, b))
     for i in {0, rows // 2, rows - 1}:
-        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(int8.linears(x[i:i + 1], qs, bs, side_by_side), together))
-    first = side_by_side()
-    assert side_by_side() is first
+        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(int8.linears(x[i:i + 1], qs, bs, kept, "qkv"), together))
+    first = int8.joined(kept, "qkv", qs)
+    assert int8.joined(kept, "qkv", qs) is first
     qs[1] = QuantizedWeight(ws[1].t() * 2, ws[1])
-    assert side_by_side() is not first
-    assert torch.equal(int8.linears(x, qs, bs, side_by_side)[1], int8.linear(x, qs[1], bs[1]))
+    assert int8.joined(kept, "qkv", qs) is not first
+    assert torch.equal(int8.linears(x, qs, bs, kept, "qkv")[1], int8.linear(x, qs[1], bs[1]))
 
 
 # -- the model -----------------------------------------------------------------------------------------

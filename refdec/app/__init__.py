@@ -4,6 +4,6 @@ resolved to runs before anything loads), hints (the one-line errors for a checkp
 (input and output paths checked, source ids), loading (every checkpoint of a run loaded once, on its
 route), runner/ (the interleaved timing loop and the output lines), exactness (identical rate and
 divergences with their margins), report (the summary table and the JSON report), htmlreport
-(decode.py --html), timing (one decoder call timed, for the measuring commands) and hfaudit (the audit
-of transformers' decoders against refdec's). Nothing below it (the model, its routes, the decoders, training) imports it.
+(decode.py --html) and hfaudit (the audit of transformers' decoders against refdec's). Nothing below it
+(the model, its routes, the decoders, training) imports it.
 """

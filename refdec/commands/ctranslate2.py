@@ -52,19 +52,16 @@ from ..data import source_rows, source_tensor
 from ..decoding.result import DecodeResult, DecodeStats, result_of
 from ..errors import UsageError, run_command
 from ..routes import on_route
-from ..routes.fast import FastRoute
 from ..hf import PEGASUS, check_export, export_route, write_folder
 from ..repo import cache_folder, check_not_shipped, repo_file
-from ..routes.kernels import is_int8
 from ..app.inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
 from ..app.loading import Models
 from ..machine import allocator_option, environment, machine_line, set_allocator, usable_cores, warn_if_int8_slow
 from ..progress import ProgressLine
 from ..app.report import format_table, summary_row, write_report
 from ..app.runner import Run, decode_lines
-from ..app.timing import time_decode, time_products
 from . import as_typed
-from .harness import report_option
+from .harness import report_option, time_decode, time_products
 
 PINNED = "4.8.5"  # the version requirements.txt pins
 COMPUTE_TYPES = ("float32", "int8")
@@ -191,7 +188,7 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
     if fast is not None:
         methods += [(algo, options, f"{label}-fast", fast) for algo, options, label in refdec]
     if int8 is not None:
-        route = "-fast-int8" if isinstance(int8.model, FastRoute) else "-int8"
+        route = "-fast-int8" if args.fast else "-int8"  # --int8 puts it on the fast route with --fast
         methods += [(algo, options, f"{label}{route}", int8) for algo, options, label in refdec]
     runs = []
     batchings = [(size, 0, f"b{size}") for size in args.batch_sizes] + [(0, n, f"t{n}") for n in args.batch_tokens]
@@ -241,24 +238,24 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
     steps = None
     if args.step_cost and finished:
         routes = ([("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])
-                  + ([("refdec" + ("-fast" if isinstance(int8.model, FastRoute) else "") + "-int8", int8.model)] if int8 is not None else []))
-        steps = step_costs(routes, ct2, tokens)
+                  + ([("refdec" + "-fast" * args.fast + "-int8", int8.model)] if int8 is not None else []))
+        steps = step_costs(routes, ct2, tokens, None if fast is None else fast.model)
     return rows, done, steps
 
 
 def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object], tokens: list[str],
-               prefix: int = 30, src_len: int = 30, more: int = 20, rounds: int = 15) -> dict[str, float]:
+               fast=None, prefix: int = 30, src_len: int = 30, more: int = 20, rounds: int = 15) -> dict[str, float]:
     """Milliseconds of one decoder step (one row, a cache of about `prefix` tokens, a source of
-    `src_len`) for each refdec route (`models`: name, model; refdec.app.timing.time_decode, the
+    `src_len`) for each refdec route (`models`: name, model; refdec.commands.harness.time_decode, the
     vocabulary projection included) and each CTranslate2 compute type: translate_batch forced to
     write prefix + `more` tokens against prefix tokens (min_decoding_length), the difference over
-    `more` (its steps include its search bookkeeping, refdec's do not include the argmax). With the
-    fast route, also its step's matrix products alone (refdec.app.timing.time_products): the floor
-    of that step in PyTorch's products. Medians over interleaved rounds after one warm-up round."""
+    `more` (its steps include its search bookkeeping, refdec's do not include the argmax). With `fast`
+    (the float fast route, one of `models`), also its step's matrix products alone
+    (refdec.commands.harness.time_products): the floor of that step in PyTorch's products. Medians over
+    interleaved rounds after one warm-up round."""
     src = torch.full((1, src_len - 1), 11)
     src = torch.cat([src, torch.full((1, 1), models[0][1].cfg.eos_id)], 1)
-    fast = [m for _, m in models if isinstance(m, FastRoute) and not is_int8(m)]
-    names = [n for n, _ in models] + (["refdec-fast-products"] if fast else []) + [f"ct2-{c}" for c in ct2]
+    names = [n for n, _ in models] + (["refdec-fast-products"] if fast is not None else []) + [f"ct2-{c}" for c in ct2]
     times: dict[str, list[float]] = {name: [] for name in names}
     progress = ProgressLine(rounds + 1, "rounds of one decoder step")
     with torch.inference_mode():
@@ -268,8 +265,8 @@ def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object]
             for name, m in models:
                 cost = time_decode(m, memories[name], prefix, 1, 5)
                 times[name].append(cost)
-            if fast:
-                times["refdec-fast-products"].append(time_products(fast[0], 5))
+            if fast is not None:
+                times["refdec-fast-products"].append(time_products(fast, 5))
             for c, translator in ct2.items():
                 ends = []
                 for n in (prefix, prefix + more):

@@ -49,16 +49,16 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..routes import int8, on_route
+from ..routes import applies_to, int8, on_route
 from ..routes.kernels import FEW_ROWS
 from ..checkpoint import load_model
 from ..errors import UsageError, run_command
 from ..repo import repo_file
 from ..app.inputs import check_outputs, checkpoint_files, shown_path
-from ..app.timing import time_decode, time_products, time_replay
 from ..machine import clock, environment, machine_line
 from ..progress import ProgressLine
-from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
+from .harness import (command_parser, machine_options, report_option, set_up_machine, time_decode, time_products,
+                      time_replay, write_report)
 
 
 def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float]:
@@ -84,13 +84,9 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
     src_allowed = getattr(memory, "src_allowed", None)
 
     def products():
-        for m in mats:
-            rows = xq[m.q.shape[0]]
-            if int8.fused(rows, m):  # oneDNN's fused product, where the route takes it
-                int8.fused_product(rows, m)
-                continue
-            for b in int8.blocks_for(n, m):  # in the blocks of rows the route computes them in
-                torch._int_mm(rows[b], m.q)
+        for m in mats:  # each as the route computes it: oneDNN's fused kernel, or torch._int_mm in blocks
+            for _ in int8.integer_products(xq[m.q.shape[0]], m):
+                pass
 
     def whole_products():
         for m in mats:
@@ -123,7 +119,8 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures), and
     with --graphed the graphed route (refdec.routes.graphed) wrapping it too, and the step of its q = 1
     call alone (time_replay: on a GPU the replay of its graph, without the Python around it)."""
-    # the fast route's reference: the model's own layers on the few-row product
+    # the model's own layers on the few-row product: the fast route's `reference` (for a family the fast
+    # route does not write, on_route gives that KernelRoute itself, whose `reference` it is)
     routes = {"few-row": on_route(model, "fast").reference, "plain": model}
     for name in ("fast", "graphed"):
         if getattr(args, name):
@@ -228,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
     path = args.model or repo_file("checkpoints", args.task, "model.pt", flag="--model")
     check_outputs({"--report": args.report}, checkpoint_files("the model", path))
     model, _, _ = load_model(path, task=args.task, device=device)
+    chosen = [f"--{name}" for name in ("fast", "graphed", "int8") if getattr(args, name)]
+    if chosen and not applies_to(model.cfg):
+        raise UsageError(f"{'/'.join(chosen)}: the fast route does not write this model's layers (its family's "
+                         f"norm, feed-forward or positions: refdec.routes.fast.applies_to), so there is no such "
+                         f"route to time; without them stepcost times its layers on the few-row and plain products")
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
         raise UsageError(f"--src/--prefix/--q exceed the model's {model.cfg.max_positions} positions")
     samples, proj, encoder, parts = measure(model, args, qs)

@@ -5,8 +5,8 @@ that ranks tokens follows the same order, (logit descending, id ascending), so t
 lossless form picks exactly greedy's token when two logits are equal (a model whose output
 projection has two equal rows ties at every position):
 
-    argmax(logits)                  greedy's token: torch.argmax's result, found in two passes
-                                    that cost a CPU less on a verification call's many rows
+    argmax(logits)                  greedy's token: torch.argmax's result, on a CPU found in two
+                                    passes that cost less on a verification call's many rows
     rank(logits, tokens)            how many tokens come before each given token in that order:
                                     GAD++'s top-beta and blockwise's top-k accept rank < beta / k
     best_candidates(scores, n, by)  beam search's n best candidates, ordered by score, then by the
@@ -28,20 +28,29 @@ DIRECT = 1 << 16  # argmax: fewer logits than this take torch.argmax itself
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) -> (...): the index of each row's maximum, the lowest among equal maxima (NaN counts
-    as the largest, as in torch.argmax): bitwise torch.argmax's answer, found in two passes.
+    as the largest, as in torch.argmax): torch.argmax's answer, bitwise, on every device.
 
-    On a CPU torch.argmax reads a row one value at a time, keeping an index beside the running
-    maximum; a maximum alone (amax) is read many values at a time, several times faster. So each block
-    of BLOCK ids gets its maximum first, the first block holding the row's maximum is found among
-    V / BLOCK block maxima, and the argmax of that block alone gives the id. A block before it holds
+    torch.argmax documents that rule: where several values are maximal it returns the index of the
+    first, on every device (its CUDA kernel included); a NaN is the largest value. So one
+    torch.argmax gives the tie rule everywhere, and it is what this returns off the CPU and for few
+    logits. On a CPU with many logits (a batch verifying drafts: hundreds of rows of thousands of ids)
+    the same index costs less in two passes (`two_passes`), which return the first maximum too."""
+    if logits.device.type != "cpu" or logits.numel() < DIRECT or logits.shape[-1] // BLOCK < 2:
+        return logits.argmax(dim=-1)
+    return two_passes(logits)
+
+
+def two_passes(logits: torch.Tensor) -> torch.Tensor:
+    """argmax(logits) on a CPU, for rows of at least two blocks: torch.argmax reads a row one value
+    at a time there, keeping an index beside the running maximum; a maximum alone (amax) is read many
+    values at a time, several times faster. So each block of BLOCK ids gets its maximum first, the
+    first block holding the row's maximum is found among V / BLOCK block maxima (torch.argmax: the
+    first), and the argmax of that block alone gives the id (the first in it). A block before it holds
     no value equal to the maximum (else it would be the first block holding it), so the id is the
-    row's first maximum. On the logits of a batch verifying drafts (hundreds of rows of thousands of
-    ids) the two passes take a fraction of torch.argmax's time on a CPU; a few rows take torch.argmax
-    directly (DIRECT), where the passes cost more than they save."""
+    row's first maximum: torch.argmax's. A NaN is the maximum of its block and of the block maxima,
+    as in torch.argmax. Below DIRECT logits the passes cost more than they save."""
     V = logits.shape[-1]
     n = V // BLOCK
-    if logits.numel() < DIRECT or n < 2:
-        return logits.argmax(dim=-1)
     rows = logits.reshape(-1, V)
     maxima = rows[:, :n * BLOCK].view(-1, n, BLOCK).amax(dim=-1)  # (N, n) each block's maximum
     if n * BLOCK < V:  # the last ids, fewer than a block

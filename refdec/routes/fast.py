@@ -89,8 +89,7 @@ def linears(x: torch.Tensor, layers: list[nn.Linear], joined: dict) -> list[torc
     weights side by side are kept in `joined` (the route's)."""
     weights, biases = [in_out(m) for m in layers], [m.bias for m in layers]
     if isinstance(weights[0], QuantizedWeight):
-        key = tuple(id(m) for m in layers)
-        return int8.linears(x, weights, biases, lambda: int8.joined(joined, key, weights))
+        return int8.linears(x, weights, biases, joined, tuple(id(m) for m in layers))
     return [torch.addmm(b, x, w) for w, b in zip(weights, biases)]
 
 
@@ -101,16 +100,9 @@ def residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor | Quantize
     return torch.addmm(x, h, w).add_(b)
 
 
-def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-
-
-def sublayer(x: torch.Tensor, sub, f) -> torch.Tensor:
-    """refdec.model.Sublayer without dropout: pre-norm x + f(norm(x)), post-norm norm(x + f(x)), where
-    `f(h, x)` returns x + f(h) itself."""
-    if sub.norm_first:
-        return f(layer_norm(x, sub.norm), x)
-    return layer_norm(f(x, x), sub.norm)
+def norm_args(norm: nn.LayerNorm) -> tuple:
+    """A layer norm's arguments after the input, as F.layer_norm takes them: F.layer_norm(x, *norm_args(norm))."""
+    return norm.normalized_shape, norm.weight, norm.bias, norm.eps
 
 
 def heads(x: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
@@ -154,10 +146,10 @@ def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list
     a = x.new_empty(q.shape)  # (N, H, Dh)
     start = 0
     for n, run in itertools.groupby(length for length in lengths if length):  # (an empty one has no rows)
-        r = len(list(run))
-        together = r > 1 and grouping_holds(n, r, q.shape[1], q.shape[2], q.dtype)
-        for first in range(start, start + n * r, n * r if together else n):  # r sequences at once, or each alone
-            span = slice(first, first + (n * r if together else n))
+        r = len(list(run))  # r neighbours of n rows each: in one call, or each alone
+        step = n * r if r > 1 and grouping_holds(n, r, q.shape[1], q.shape[2], q.dtype) else n
+        for first in range(start, start + n * r, step):
+            span = slice(first, first + step)
             attend_together(q[span], k[span], v[span], n, a[span])
         start += n * r
     return residual_linear(x, a.view(x.shape[0], -1), wo, bo)
@@ -196,7 +188,7 @@ def groupings_found() -> dict:
     it tried and held, per thread count, and the lengths where it did not hold (their sequences then
     attend alone)."""
     out: dict = {}
-    for (n, r, H, Dh, dtype, threads), held in sorted(_grouping.items(), key=lambda kv: (kv[0][5], kv[0][0], kv[0][1])):
+    for threads, n, held in sorted((key[5], key[0], held) for key, held in _grouping.items()):  # by threads, length
         entry = out.setdefault(f"{threads} thread(s)", {"tried": 0, "held": 0, "failed_lengths": []})
         entry["tried"] += 1
         entry["held"] += held
@@ -271,8 +263,7 @@ class DecoderWeights:
                      "o": self.place([sa.wo], "weight"), "cq": self.place([ca.wq], "weight"),
                      "co": self.place([ca.wo], "weight"), "w1": self.place([ff.w1], "weight"),
                      "w2": self.place([ff.w2], "weight")}
-                norms = [(s.norm.normalized_shape, s.norm.weight, s.norm.bias, s.norm.eps)
-                         for s in (layer.sub1, layer.sub2, layer.sub3)]  # the parameters themselves
+                norms = [norm_args(s.norm) for s in (layer.sub1, layer.sub2, layer.sub3)]  # the parameters themselves
                 self.layers.append({**w, "o_b": sa.wo.bias, "cq_b": ca.wq.bias, "co_b": ca.wo.bias, "b1": ff.w1.bias,
                                     "b2": ff.w2.bias, "act": ff.act, "norms": norms})
             # The output embedding (V, D), tied or not, as (D, V): a step's logits are hidden @ vocab.
@@ -365,27 +356,32 @@ class FastRoute(Route):
     def encoder_stack(self, src: torch.Tensor, allowed: torch.Tensor | None,
                       rows: torch.Tensor | None = None, lengths: list[int] | None = None) -> torch.Tensor:
         """The encoder over src (B, S), its forced tokens in, with `allowed` (B, 1, 1, S) True at the
-        keys that are not padding (None: every key) -> states (B, S, D). `rows` (N,): the real
-        positions among the B*S; then every linear map and norm reads those N rows alone (a batch of
-        sources of different lengths is mostly padding), and the padding's states are zeros.
+        keys that are not padding (None: every key) -> states (B, S, D), computed as `decoder_stack`
+        computes the decoder's layers: pre-norm x + f(norm(x)), else post-norm norm(x + f(x)). `rows`
+        (N,): the real positions among the B*S; then every linear map and norm reads those N rows alone
+        (a batch of sources of different lengths is mostly padding), and the padding's states are zeros.
         Attention then takes each source alone (`attend_each`) given `lengths` (B,), each source's
         real positions (on a CPU: many small calls cost less there than one call mostly over padding),
         else the queries, keys and values laid out (B, S) with zeros at the padding, masked."""
         B, S = src.shape
-        H, ref = self.cfg.n_heads, self.reference.starting()
+        H, ref, pre = self.cfg.n_heads, self.reference.starting(), self.cfg.norm_first
         x = self.model.embed_source(src).reshape(B * S, -1)
         x = x if rows is None else x.index_select(0, rows)
         for layer in ref.encoder:  # once per source, many rows: the parameters as they are, no copy
-            def self_attn(h, x, a=layer.attn):
-                qkv = linears(h, [a.wq, a.wk, a.wv], self.joined)
-                if lengths is not None:
-                    return attend_each(*qkv, lengths, H, x, in_out(a.wo), a.wo.bias)
-                q, k, v = (heads(spread(y, rows, B * S), B, S, H) for y in qkv)
-                return attend(q, k, v, allowed, x, in_out(a.wo), a.wo.bias, rows)
-            ff = {"w1": in_out(layer.ff.w1), "b1": layer.ff.w1.bias, "w2": in_out(layer.ff.w2), "b2": layer.ff.w2.bias,
-                  "act": layer.ff.act}
-            x = sublayer(x, layer.sub1, self_attn)
-            x = sublayer(x, layer.sub2, lambda h, x, ff=ff: feed_forward(ff, h, x))
+            a, ff = layer.attn, layer.ff
+            n1, n2 = norm_args(layer.sub1.norm), norm_args(layer.sub2.norm)
+            w = {"w1": in_out(ff.w1), "b1": ff.w1.bias, "w2": in_out(ff.w2), "b2": ff.w2.bias, "act": ff.act}
+            h = F.layer_norm(x, *n1) if pre else x  # self-attention
+            q_, k, v = linears(h, [a.wq, a.wk, a.wv], self.joined)
+            if lengths is not None:  # each source over its own positions alone
+                x = attend_each(q_, k, v, lengths, H, x, in_out(a.wo), a.wo.bias)
+            else:
+                q_, k, v = (heads(spread(y, rows, B * S), B, S, H) for y in (q_, k, v))
+                x = attend(q_, k, v, allowed, x, in_out(a.wo), a.wo.bias, rows)
+            x = x if pre else F.layer_norm(x, *n1)
+            h = F.layer_norm(x, *n2) if pre else x  # the feed-forward network
+            x = feed_forward(w, h, x)
+            x = x if pre else F.layer_norm(x, *n2)
         return spread(ref.enc_norm(x), rows, B * S).view(B, S, -1)
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:

@@ -156,7 +156,7 @@ class StaticKVCache(KVCache):
     """A KVCache (the same verbs, lengths and hidden prefix: refdec.cache) whose storage stays where
     it is while the cache lives, so that a captured step reads and writes it in place: a Slab of a
     power-of-two batch and capacity, with MAX_STEP positions to spare for a padded call. `select`
-    gathers the rows it keeps into the leading rows of the same storage; growing past the capacity
+    (KVCache's) keeps its rows in the leading rows of the same storage; growing past the capacity
     or the rows (a rare call) moves the cache to a larger slab."""
 
     def __init__(self, pool: Pool, n_layers: int, batch: int, n_heads: int, head_dim: int, capacity: int = 64,
@@ -183,17 +183,12 @@ class StaticKVCache(KVCache):
         self.k[:, :, :, :used] = k[:, :, :, :used]
         self.v[:, :, :, :used] = v[:, :, :, :used]
 
-    def select(self, rows: torch.Tensor) -> None:
-        used, n = self.prefix + self._end, len(rows)
-        k, v = self.k[:, :, :, :used].index_select(1, rows), self.v[:, :, :, :used].index_select(1, rows)
+    def _hold_rows(self, n: int, used: int) -> None:
+        """KVCache.select's storage of n rows: the slab's leading rows, a larger slab past its rows."""
         if n > self.slab.k.shape[1]:
             self._move(bucket(n), self.capacity, n)
         else:
             self.k, self.v = self.slab.k[:, :n], self.slab.v[:, :n]
-        self.k[:, :, :, :used] = k
-        self.v[:, :, :, :used] = v
-        if self._lengths is not None:
-            self._set_lengths(self._lengths.index_select(0, rows))
 
     def clone(self) -> "StaticKVCache":
         L, H, Dh = self.shape  # a slab of this one's capacity (a power of two: MAX_STEP to spare already)
@@ -314,7 +309,7 @@ class GraphedRoute(FastRoute):
 
     def step_of(self, memory: Memory, cache: StaticKVCache, q: int) -> Step:
         """The step a call of q new tokens per row over this memory and cache runs (a measuring
-        tool's handle on the replay alone: refdec.app.timing.time_replay)."""
+        tool's handle on the replay alone: refdec.commands.harness.time_replay)."""
         return self._decoder_step(memory, cache, bucket(q))
 
     def _decoder_step(self, memory: Memory, cache: StaticKVCache, width: int) -> Step:

@@ -31,32 +31,34 @@ where attention sees exactly its own keys. The fast route's encoder on a CPU nee
 source attends over its own positions alone, in a call of its own shape (refdec.routes.fast.attend_each).
 
 The alternative, weight-only int8 (`torch.ops.aten._weight_int8pack_mm`, float activations), was
-measured and left out: its CPU kernel took 3-10x the float32 product's time at one row and 30-50x
-at 32 rows on the model's shapes (docs/int8.md). The per-row quantization above costs a handful of
-elementwise operations per product, a few microseconds each; from a few rows up (a verification
-call, an encoder pass, a batch) the integer product saves more than they cost.
+measured and left out: its CPU kernel was several times slower than the float32 product on the
+model's shapes (`python -m refdec int8bench` times it beside the others; docs/int8.md). The per-row
+quantization above costs a handful of elementwise operations per product; from a few rows up (a
+verification call, an encoder pass, a batch) the integer product saves more than they cost.
 
 Products that read the same input (the encoder's queries, keys and values; the cross-attention's
 keys and values of every layer) are one product of their weights side by side (`linears`): the same
 values, since each output channel keeps its scale and the sums are exact, in fewer operations.
 
-The product itself. Two kernels compute the same values: torch._int_mm, then the int32 sums converted
-to floating point once and times s_W in place (`rescale`), and oneDNN's fused int8 linear
-(`torch.ops.onednn.qlinear_pointwise`, on a CPU, float32) on weights packed for it once, which writes
-the int32 product, converted and times s_W, in one pass. Which one is faster is a property of the
-machine, not of the code: on an Intel Xeon with AMX the fused one is several times faster from a few
-dozen rows on, on an AMD EPYC with AVX-512 and no AMX it is about a thousand times slower. So each
-weight shape's plan (`plan_for`, a `Plan`) is found on the machine, once per process and thread count,
-by timing both on random operands of that shape (`probe_plan`, tens of milliseconds): the fused
-product is taken from the row count where it is faster (`fused`), where it agrees bitwise with the
-plain form (`fused_products`, checked once), and never where it is not faster; a large plain product
-is computed in blocks of rows (`row_blocks`) where that is faster on this machine (oneDNN's int8
-product can be faster per row on blocks whose int32 output stays in the cache, which its rescaling
-then reads there). None of these choices changes a value: every row's sums are exact and its
+The product itself (`integer_products`, what product() computes the integer part by). Two kernels
+compute the same values: torch._int_mm, then the int32 sums converted to floating point once and
+times s_W in place (`rescale`), and oneDNN's fused int8 linear (`fused_kernel`,
+`torch.ops.onednn.qlinear_pointwise`, on a CPU, float32) on weights packed for it once, which writes
+the int32 product, converted and times s_W, in one pass; the rows' scales and the bias or residual
+stream come after either, in one pass (`rescale` again). Which kernel is faster is a property of the
+machine, not of the code (on some CPUs the fused one is several times faster, on others far slower:
+`python -m refdec machine` prints what it finds here). So each weight shape's plan (`plan_for`, a
+`Plan`) is found on the machine, once per process and thread count, by timing both on random
+operands of that shape (`probe_plan`): the fused kernel is taken from the row count where it is
+faster (`takes_fused`), where it agrees bitwise with the plain form (`fused_kernel_exact`, checked
+once), and never where it is not faster. A plain product too large for the cache may be computed in
+blocks of rows (`row_blocks`), each block rescaled while its int32 sums are still in the cache: where
+the fused kernel is not taken at that size (a CPU or a torch build without it, a CPU where it is
+slower, float64 weights) and the probe found the blocks faster on this machine, and on other
+devices by size alone. None of these choices changes a value: every row's sums are exact and its
 rescaling elementwise, whichever kernel, block or plan computes it, so a timing that varies from run
-to run never changes an output. `python -m refdec machine` prints each plan and its figures. A ReLU
-between two products is folded into the second one's quantization (`quantize_relu_rows`, used by the
-fast route).
+to run never changes an output. A ReLU between two products is folded into the second one's
+quantization (`quantize_relu_rows`, used by the fast route).
 
 Taking the route: `on_route(model, route, int8=True)` (refdec.routes) wraps a model so that its linear
 layers and output projection compute by these products: on the model's own layers (the reference
@@ -77,7 +79,7 @@ import copy
 import functools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Iterator
 
 import torch
 
@@ -86,7 +88,7 @@ from .stamps import stamp
 LEVELS = 127  # symmetric int8: values -127 .. 127
 JOIN_ELEMENTS = 1 << 17  # `linears` joins its products while their output holds at most this many values
 # A plain product of more than this many output values may be computed in blocks of ROW_BLOCK rows, each
-# block's integer product and rescaling in turn, where this machine's plan says it is faster (`row_blocks`).
+# block's integer product and rescaling in turn, where this machine's plan says so (`row_blocks`).
 BLOCK_ELEMENTS = 1 << 18
 ROW_BLOCK = 64
 
@@ -99,8 +101,8 @@ class QuantizedWeight:
     def __init__(self, w_in_out: torch.Tensor, source: torch.Tensor):
         w = w_in_out.detach()
         self.scale = (w.abs().amax(0) / weight_levels()).clamp_min(torch.finfo(w.dtype).tiny)  # (out,)
-        # (in, out), a view of an (out, in) contiguous matrix: oneDNN's int8 product reads it fastest
-        # that way (2-3x faster than a contiguous (in, out) one for the vocabulary, 192 x 8000)
+        # (in, out), a view of an (out, in) contiguous matrix: oneDNN's int8 product reads it faster
+        # that way than a contiguous (in, out) one
         self.q = torch.round(w / self.scale).to(torch.int8).t().contiguous().t()
         self.packed = pack(self.q, self.scale)
         self.key = stamp(source)
@@ -154,30 +156,46 @@ def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Ten
     times each output's scale, times each row's scale, plus `add` ((N,) a bias, or (M, N) the
     residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
     Each output element goes through the same elementwise operations whatever the other rows, and
-    whether it is computed by oneDNN's fused product (`fused`), in a block of rows (`row_blocks`) or
-    with all of them: on a CPU, this machine's plan for the weight's shape (`plan_for`) chooses (other
-    devices: blocks by size alone)."""
+    whichever kernel computes its integer product, with all the rows or in a block of them
+    (`integer_products`)."""
     xq, sx = quantize_rows(x) if rows is None else rows
-    if fused(xq, w):
-        y = fused_product(xq, w)
-        return y.mul_(sx) if add is None else torch.addcmul(add, y, sx, out=y)
-    blocks = blocks_for(xq.shape[0], w)
-    if len(blocks) == 1:
-        return rescale(torch._int_mm(xq, w.q), sx, w.scale, add)
-    out = torch.empty(xq.shape[0], w.scale.shape[0], dtype=sx.dtype, device=sx.device)
-    for b in blocks:
-        rescale(torch._int_mm(xq[b], w.q), sx[b], w.scale, add if add is None or add.dim() == 1 else add[b], out[b])
+    out = None
+    for b, p in integer_products(xq, w):
+        if b is None:  # all the rows at once
+            return rescale(p, sx, w.scale, add)
+        if out is None:
+            out = torch.empty(xq.shape[0], w.scale.shape[0], dtype=sx.dtype, device=sx.device)
+        rescale(p, sx[b], w.scale, add if add is None or add.dim() == 1 else add[b], out[b])
     return out
 
 
+def integer_products(xq: torch.Tensor,
+                     w: "QuantizedWeight | JoinedWeight") -> Iterator[tuple[slice | None, torch.Tensor]]:
+    """The integer product of xq (M, K) int8 and w as product() computes it, one block of rows at a
+    time: yields (rows, their product), rows None for all M at once. oneDNN's fused kernel where this
+    machine's plan takes it (`takes_fused`): all M rows, the int32 sums already converted and times the
+    channel scales (float32); else torch._int_mm's int32 sums, all M rows or, where `blocks_for` says,
+    blocks of ROW_BLOCK rows, the next block computed only once the caller has rescaled this one (while
+    it is in the cache). `python -m refdec stepcost --int8` times these calls alone."""
+    if takes_fused(xq, w):
+        yield None, fused_kernel(xq, *w.packed, w.scale)
+        return
+    blocks = blocks_for(xq.shape[0], w)
+    if len(blocks) == 1:
+        yield None, torch._int_mm(xq, w.q)
+        return
+    for b in blocks:
+        yield b, torch._int_mm(xq[b], w.q)
+
+
 def blocks_for(m: int, w: "QuantizedWeight | JoinedWeight") -> list[slice]:
-    """The blocks of rows product() computes an m-row plain product with w in: on a CPU as this machine's
-    plan for w's shape says (`plan_for`), on other devices by size alone."""
+    """The blocks of rows an m-row plain product with w is computed in: on a CPU as this machine's plan
+    for w's shape says (`plan_for`), on other devices by size alone."""
     return row_blocks(m, w.scale.shape[0], w.q.device.type != "cpu" or plan_for(*w.q.shape).blocks)
 
 
 def row_blocks(m: int, n: int, blocks: bool = True) -> list[slice]:
-    """The blocks of rows `product` computes an (m, n) result in: all m rows at once, or, where `blocks`
+    """The blocks of rows an (m, n) plain product is computed in: all m rows at once, or, where `blocks`
     (the plan's choice) and the result holds more than BLOCK_ELEMENTS values, blocks of ROW_BLOCK rows."""
     if not blocks or m * n <= BLOCK_ELEMENTS:
         return [slice(0, m)]
@@ -186,19 +204,20 @@ def row_blocks(m: int, n: int, blocks: bool = True) -> list[slice]:
 
 def rescale(p: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, add: torch.Tensor | None,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    """`add` + the int32 product p (M, N) times the channel scales sw (N,) and the row scales sx (M, 1),
-    in sx's dtype, into `out` (M, N) (none: a new tensor): float(p) * sw first, as oneDNN's fused
-    product computes it. The int32 values are converted once and then scaled in place: `int32 *
-    float` would convert them inside the multiply on a slower path, and a fresh buffer per
-    operation is paid for in page faults and cache misses."""
-    y = p.to(sx.dtype) if out is None else out.copy_(p)
-    y.mul_(sw)
-    return y.mul_(sx) if add is None else torch.addcmul(add, y, sx, out=y)
+    """`add` + the product p (M, N) times the channel scales sw (N,) and the row scales sx (M, 1), in
+    sx's dtype, into `out` (M, N) (none: a new tensor, or p itself where p is the fused kernel's):
+    float(p) * sw first, as oneDNN's fused kernel computes it, which hands over p already so (float32,
+    not int32: only the rows' scales and `add` are left). The int32 values are converted once and then
+    scaled in place: `int32 * float` would convert them inside the multiply on a slower path, and a
+    fresh buffer per operation is paid for in page faults and cache misses."""
+    if p.dtype == torch.int32:
+        p = (p.to(sx.dtype) if out is None else out.copy_(p)).mul_(sw)
+    return p.mul_(sx) if add is None else torch.addcmul(add, p, sx, out=p)
 
 
 # -- oneDNN's fused product ------------------------------------------------------------------------------
-def fused(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> bool:
-    """Whether product() computes xq (M, K) int8 @ w by oneDNN's fused product: w is packed for it (`pack`)
+def takes_fused(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> bool:
+    """Whether product() computes xq (M, K) int8 @ w by oneDNN's fused kernel: w is packed for it (`pack`)
     and this machine's plan for w's shape takes it from M rows on."""
     if w.packed is None:
         return False
@@ -206,15 +225,11 @@ def fused(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> bool:
     return start is not None and xq.shape[0] >= start
 
 
-def fused_product(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> torch.Tensor:
-    """float(xq @ w.q) * w.scale (M, N) in float32, in one oneDNN call on w's packed weight."""
-    return onednn_product(xq, *w.packed, w.scale)
-
-
-def onednn_product(xq: torch.Tensor, packed: torch.Tensor, zero_points: torch.Tensor,
-                   scale: torch.Tensor) -> torch.Tensor:
-    """oneDNN's int8 linear with no input scale (1.0), no bias and zero points of zero, so that each
-    value is the int32 sum converted and times its channel's scale, as `rescale` computes it."""
+def fused_kernel(xq: torch.Tensor, packed: torch.Tensor, zero_points: torch.Tensor,
+                 scale: torch.Tensor) -> torch.Tensor:
+    """float(xq @ W_q) * scale (M, N) in float32, in one call of oneDNN's int8 linear on W_q packed for it
+    (`onednn_packed`), with no input scale (1.0), no bias and zero points of zero, so that each value is
+    the int32 sum converted and times its channel's scale, as `rescale` computes it."""
     return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, torch.float32,
                                               "none", [], "")
 
@@ -241,17 +256,18 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> to
 
 
 def linears(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor],
-            side_by_side: Callable[[], JoinedWeight]) -> list[torch.Tensor]:
+            holder: dict, key) -> list[torch.Tensor]:
     """[linear(x, w, b) for each weight] for x (M, K), as one product of the weights side by side
-    (`side_by_side()`, the caller's JoinedWeight of them): bitwise the same outputs, since the int32 sums are exact and every output channel
-    keeps its own scale and bias, in one integer product and one rescaling instead of one per weight.
-    Each result is a column block of that product (a view). Many rows (a batch's encoder pass) take
-    one product per weight, x quantized once: their outputs stay small enough for the cache."""
+    (their JoinedWeight, kept in `holder` as `key`: `joined`): bitwise the same outputs, since the int32
+    sums are exact and every output channel keeps its own scale and bias, in one integer product and one
+    rescaling instead of one per weight. Each result is a column block of that product (a view). Many
+    rows (a batch's encoder pass) take one product per weight, x quantized once: their outputs stay
+    small enough for the cache."""
     outs = sum(w.scale.shape[0] for w in weights)
     if len(weights) == 1 or any(b is None for b in biases) or x.shape[0] * outs > JOIN_ELEMENTS:
         rows = quantize_rows(x)
         return [product(x, w, b, rows) for w, b in zip(weights, biases)]
-    y = product(x, side_by_side(), torch.cat(biases))
+    y = product(x, joined(holder, key, weights), torch.cat(biases))
     return list(y.split([w.scale.shape[0] for w in weights], 1))
 
 
@@ -296,8 +312,8 @@ def weight_levels() -> int:
 
 
 @functools.cache
-def fused_products() -> bool:
-    """Whether oneDNN's fused int8 product is there and computes exactly what torch._int_mm and
+def fused_kernel_exact() -> bool:
+    """Whether oneDNN's fused int8 kernel is there and computes exactly what torch._int_mm and
     `rescale` compute (the int32 sums, converted, times the channel scales), bitwise, on extreme and
     random operands of a few shapes, weights within +-weight_levels(): found once per process (and
     only where a plan would take it: on a CPU where it is slow, these calls take seconds)."""
@@ -311,7 +327,7 @@ def fused_products() -> bool:
             x[0], q[:, 0] = LEVELS, -levels  # the largest sums
             x[-1, ::2], x[-1, 1::2] = -LEVELS, LEVELS
             scale = torch.rand(n, generator=g) * 1e-3 + 1e-6
-            got = onednn_product(x, *onednn_packed(q), scale)
+            got = fused_kernel(x, *onednn_packed(q), scale)
             if not torch.equal(got, rescale(torch._int_mm(x, q), torch.ones(m, 1), scale, None)):
                 return False
     except RuntimeError:  # a build or CPU whose oneDNN has no such kernel
@@ -366,7 +382,7 @@ def probe_plan(k: int, n: int) -> Plan:
     instructions run), interleaved, after a warm-up: the fused product at one row, then at the row counts
     where product() would first take it (FUSED_ELEMENTS, FUSED_WIDTH) and four times that; it is taken
     from the smallest of those from which it is faster at every count timed, where it agrees bitwise
-    with the plain form (`fused_products`). Where it is GIVE_UP times slower at one row it is timed no
+    with the plain form (`fused_kernel_exact`). Where it is GIVE_UP times slower at one row it is timed no
     further (on a CPU where it is a thousand times slower, a larger call would take seconds). Then, where
     a plain product of more than BLOCK_ELEMENTS values is computed by torch._int_mm, one such product
     whole and in blocks of ROW_BLOCK rows: blocks where they were clearly faster (BLOCKS_MARGIN), not
@@ -387,7 +403,7 @@ def probe_plan(k: int, n: int) -> Plan:
         packed = onednn_packed(q)
 
         def fused_call(x, ones):
-            return onednn_product(x, *packed, scale)
+            return fused_kernel(x, *packed, scale)
         m0 = 1 if n >= FUSED_WIDTH else -(-FUSED_ELEMENTS // n)
         t_fused, t_plain = race(fused_call, plain, operands(1), give_up=GIVE_UP)
         timings.append(("fused", 1, t_fused, "plain", t_plain))
@@ -404,7 +420,7 @@ def probe_plan(k: int, n: int) -> Plan:
             start = next((m for i, m in enumerate(counts) if all(faster[c] for c in counts[i:])), None)
             if start is None:
                 why = "slower than torch._int_mm and a rescaling here"
-            elif not fused_products():
+            elif not fused_kernel_exact():
                 why = "faster here, but not bitwise the plain form"
             else:
                 fused_from, why = start, f"faster here from {start} row(s) on"

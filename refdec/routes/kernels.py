@@ -273,6 +273,13 @@ class KernelRoute(Route):
         (refdec.routes.stamps), its int8 forms are made anew from the weights as they are."""
         self.twin, self.made_for = twin(self.model, self.kernels), placement(self.model)
 
+    @property
+    def reference(self) -> "KernelRoute":
+        """Where this route computes a call on the model's own layers: every call, so itself (a
+        FastRoute's `reference` is the KernelRoute it hands the calls it does not take; a family the
+        fast route does not write gets a KernelRoute from on_route(model, "fast"), whose own is this)."""
+        return self
+
     def computing(self) -> nn.Module:
         """The module that computes a call: the model itself in training mode, else the twin."""
         return self.model if self.model.training else self.twin
