@@ -177,10 +177,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, new: NewPositions, memory: Memory, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, q, D): the states of the new positions `new` (refdec.cache.NewPositions: their
-        masks, and the cache their keys and values go into); `bias` T5's relative position bias. In a
-        right-padded ragged batch the feed-forward sublayer, position by position, runs on the real
-        positions alone (a padded position's state is never read: causal attention keeps it out of
-        every real one, and the caller cuts it)."""
+        masks, and the cache their keys and values go into); `bias` T5's relative position bias. Every
+        position takes every sublayer, as the paper writes it, a right-padded ragged batch's padding
+        too (its states are never read: causal attention keeps them out of every real position, and
+        the caller cuts them; the fast route skips the padding's feed-forward, refdec.routes.fast)."""
         def self_attn(h):  # over the cache's keys and values, these positions' own appended
             k, v = new.keys_values(self.index, *self.self_attn.project_kv(h))
             return self.self_attn.attend(h, k, v, new.self_block, bias)
@@ -189,14 +189,7 @@ class DecoderLayer(nn.Module):
             k, v = memory.cross_kv[self.index]
             return self.cross_attn.attend(h, k, v, memory.src_block)
 
-        def feed_forward(h):
-            if new.is_real is None:
-                return self.ff(h)
-            out = torch.zeros_like(h)
-            out[new.is_real] = self.ff(h[new.is_real])
-            return out
-
-        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), feed_forward)
+        return self.sub3(self.sub2(self.sub1(x, self_attn), cross_attn), self.ff)
 
 
 class OutputProduct(nn.Module):
