@@ -415,7 +415,7 @@ class Lexicon:
         for sg, pl in IRREGULAR_NOUNS.items():
             self.noun_other[sg] = pl
             self.noun_other[pl] = sg
-        for w, c in sorted(tags.items()):
+        for w, _count in sorted(tags.items()):
             if self.major.get(w) != "nn" or not w.isalpha() or w in self.noun_other:
                 continue
             if re.search(r"(s|x|z|ch|sh)$", w):

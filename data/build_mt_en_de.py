@@ -563,7 +563,7 @@ def collect_pairs(readers):
 def ding_heldout(all_pairs):
     """The Ding held-out sample: whole dictionary entries, fixed seed; doc -> "test" or "dev"."""
     ding_docs = OrderedDict()
-    for i, (doc, en, de) in enumerate(all_pairs):
+    for i, (doc, _en, _de) in enumerate(all_pairs):
         if doc.startswith("ding/"):
             ding_docs.setdefault(doc, []).append(i)
     order = sorted(ding_docs, key=lambda d: int(d.split("/")[1]))

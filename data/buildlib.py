@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import urllib.parse
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 # Characters that str.splitlines() treats as line breaks, plus tab: a sentence containing one
 # would break the one-sentence-per-line format or a tab-separated consumer.

@@ -43,8 +43,8 @@ keys and values, computed once per source by `Transformer.encode`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -218,7 +218,7 @@ class KVCache:
         else:
             self.k, self.v = self.k[:, :n], self.v[:, :n]
 
-    def clone(self) -> "KVCache":
+    def clone(self) -> KVCache:
         other = KVCache.__new__(KVCache)
         other.k, other.v, other._end, other._lengths = self.k.clone(), self.v.clone(), self._end, self._lengths
         other._zeroed = self._zeroed
@@ -226,7 +226,7 @@ class KVCache:
         return other
 
     def place(self, tgt_new: torch.Tensor, prefix: tuple[int, ...] = (), open_from: int | torch.Tensor | None = None,
-              real: torch.Tensor | None = None) -> "NewPositions":
+              real: torch.Tensor | None = None) -> NewPositions:
         """Open a decoder call of tgt_new (B, q) on this cache: the model's forced decoder tokens
         `prefix` put in (forced_tokens), their positions, the self-attention mask (causal_block, or
         ragged_block per row; with `open_from` = j, new positions j .. q-1 see every new position of
@@ -284,7 +284,7 @@ class Memory:
     def batch(self) -> int:
         return self.states.shape[0]
 
-    def select(self, rows: torch.Tensor) -> "Memory":
+    def select(self, rows: torch.Tensor) -> Memory:
         """The memory of batch rows `rows` (repeats allowed: beam search expands each source)."""
         return Memory(
             self.states.index_select(0, rows),

@@ -16,12 +16,12 @@ replacement match a gold edit exactly.
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import sacrebleu
 
 Edit = tuple[int, int, tuple[str, ...]]
-Refs = Union[Sequence[str], Sequence[Sequence[str]]]
+Refs = Sequence[str] | Sequence[Sequence[str]]
 
 # A token is either a word (a run of \w characters, optionally joined by internal
 # apostrophes or hyphens, so "don't", "м'ясо" and "будь-який" stay one token) or a
@@ -101,13 +101,17 @@ def align(src: Sequence[str], tgt: Sequence[str]) -> list[str]:
     while i > 0 or j > 0:
         diag = d[i - 1][j - 1] if i > 0 and j > 0 else None
         if diag is not None and src[i - 1] == tgt[j - 1] and d[i][j] == diag:
-            ops.append("M"); i -= 1; j -= 1
+            ops.append("M")
+            i, j = i - 1, j - 1
         elif diag is not None and d[i][j] == diag + 1:
-            ops.append("S"); i -= 1; j -= 1
+            ops.append("S")
+            i, j = i - 1, j - 1
         elif i > 0 and d[i][j] == d[i - 1][j] + 1:
-            ops.append("D"); i -= 1
+            ops.append("D")
+            i -= 1
         else:
-            ops.append("I"); j -= 1
+            ops.append("I")
+            j -= 1
     return ops[::-1]
 
 

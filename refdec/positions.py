@@ -9,7 +9,7 @@ table; `FAMILY_TABLES` maps each name other than "sinusoidal" to its builder.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -41,7 +41,7 @@ class Tokenizer:
         self.byte_level = True
 
     @classmethod
-    def foreign(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int) -> "Tokenizer":
+    def foreign(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int) -> Tokenizer:
         """Another model's tokenizer.json with that model's special ids (unk: its model's unk_token);
         its special tokens (those ids and the file's special added tokens: language codes, mask)
         never appear in decoded text."""
@@ -56,7 +56,7 @@ class Tokenizer:
         return self
 
     @classmethod
-    def for_model(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int) -> "Tokenizer":
+    def for_model(cls, json_text: str, *, pad_id: int, bos_id: int, eos_id: int) -> Tokenizer:
         """A tokenizer.json with a model's special ids: refdec's own kind when it is one with these ids
         (a refdec model, exported or not), else wrapped as another model's (`foreign`)."""
         try:
@@ -68,7 +68,7 @@ class Tokenizer:
         return cls.foreign(json_text, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
         tok = HFTokenizer(models.BPE(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
@@ -86,7 +86,7 @@ class Tokenizer:
         return cls(HFTokenizer.from_str(text), text)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer":
+    def load(cls, path: str | Path) -> Tokenizer:
         text = Path(path).read_text(encoding="utf-8")
         return cls(HFTokenizer.from_str(text), text)
 

@@ -17,7 +17,7 @@ The families' fixed position tables (Marian's, M2M100's) are in refdec.positions
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from refdec.adapters import SharedEncoder
+from refdec.app.exactness import divergences
 from refdec.checkpoint import make_checkpoint, save_atomic
 from refdec.config import EOS_ID, PAD_ID, ModelConfig
 from refdec.decoding import decode_bild, decode_blockwise, decode_gad, decode_greedy, decode_iad, decode_speculative
 from refdec.decoding import gad as gad_module
 from refdec.drafter import Drafter
-from refdec.app.exactness import divergences
-from refdec.routes import on_route
 from refdec.model import Transformer
 from refdec.proposal import ProposalHeads
+from refdec.routes import on_route
 from refdec.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ LANGS = ["__en__", "__de__"]
 def word_tokenizer_json() -> str:
     """An M2M100-like vocabulary: <s> 0, <pad> 1, </s> 2, <unk> 3, words, then language codes."""
     from tokenizers import Tokenizer as Tok
-    from tokenizers import models, pre_tokenizers, decoders
+    from tokenizers import decoders, models, pre_tokenizers
     vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>"] + WORDS)}
     tok = Tok(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -3,11 +3,10 @@ ragged batch, and batched IAD equal to batch-1 greedy row by row."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from conftest import alone, check_batched_iad, copy_model, invariant_copy, random_src, tiny_model
+
 from refdec.cache import KVCache
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy
@@ -30,7 +29,7 @@ def test_cache_per_row_append_truncate_select():
     c.truncate([2, 5, 0])
     assert c.ragged and c.lengths.tolist() == [2, 5, 0] and c.end == 5
     with pytest.raises(ValueError, match="lengths"):
-        c.length
+        _ = c.length
     d = c.clone()
     new = torch.full((3, 2, 3, 4), -1.0, dtype=torch.float64)
     K, V = c.append(0, new, new)  # grows capacity 5 -> 10 while ragged

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
 
 from refdec import machine
@@ -210,6 +209,7 @@ def test_stepcost_times_the_int8_route_and_splits_its_call(tmp_path, capsys):
     the integer products, the quantization around them, attention and the rest, which add up to the
     call, in the printout and the report."""
     from conftest import random_checkpoint
+
     from refdec.commands import stepcost
     path = random_checkpoint(tmp_path / "m")
     report = tmp_path / "cost.json"
@@ -230,7 +230,9 @@ def test_stepcost_times_a_family_the_fast_route_does_not_write(tmp_path, capsys)
     `reference`: an AttributeError. Its layers are timed on the few-row and the plain product, and
     --fast, which has no route to time there, is refused in one line."""
     import dataclasses
+
     from conftest import TEXTS, tiny_model
+
     from refdec.checkpoint import make_checkpoint, save_atomic
     from refdec.commands import stepcost
     from refdec.model import Transformer
@@ -258,6 +260,7 @@ def test_route_tables_say_faster_for_a_run_that_took_less_time():
     """A run that took a third of greedy's time is "3.00x faster" than greedy in the per-route
     table, as in its JSON (speed_vs_greedy 3.0): the words once read the ratio upside down."""
     from types import SimpleNamespace
+
     from refdec.commands.bench import ROUTES, route_tables
     out = [torch.tensor([5, 6])]
     runs, rows = [], []
@@ -278,6 +281,7 @@ def test_warm_all_decodes_every_batch_once_before_the_timed_runs(monkeypatch):
     whole and untimed, before the timed loop decodes each again; without it, the first rows of the
     first `warmup` chunks only."""
     from types import SimpleNamespace
+
     from refdec.app.runner import loop
     calls = []
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_rows_equal, copy_model, random_src, shared_small, tiny_model
+
 from refdec.decoding import decode_greedy
 from refdec.decoding.bild import decode_bild
 from refdec.decoding.sampling import distribution, nucleus
@@ -206,8 +206,8 @@ def test_bild_and_speculative_with_a_shared_encoder_small_model_are_greedy_of_th
 
 
 def test_a_shared_encoder_needs_a_decoder_of_the_encoders_width():
-    from refdec.config import ModelConfig
     from refdec.adapters import SharedEncoder
+    from refdec.config import ModelConfig
     from refdec.model import Transformer
     large = tiny_model(1, vocab=12)
     with pytest.raises(ValueError, match="width"):

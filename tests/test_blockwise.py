@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import assert_rows_equal, copy_model, random_heads, random_src, tiny_model
+
 from refdec.decoding import decode_greedy
 from refdec.decoding.blockwise import accept_rule, decode_blockwise
 from refdec.proposal import ProposalHeads, head_targets

@@ -7,11 +7,11 @@ import json
 import random
 
 import pytest
-
 from conftest import random_src, tiny_model
+
 from refdec.commands.ceiling import main
-from refdec.decoding.scripted import greedy_output, scripted_draft, scripted_gad
 from refdec.config import EOS_ID
+from refdec.decoding.scripted import greedy_output, scripted_draft, scripted_gad
 
 
 def test_scripted_draft_keeps_tokens_until_the_first_one_it_changes():

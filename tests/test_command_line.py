@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, random_checkpoint, run_py
+
 from refdec.commands import COMMANDS, as_typed, main
 
 

@@ -14,13 +14,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import TEXTS, random_checkpoint, run_py
 
 from refdec.checkpoint import load_model
 from refdec.data import source_tensor
-from refdec.machine import int8_products_fast, usable_cores
 from refdec.decoding import decode_greedy
+from refdec.machine import int8_products_fast, usable_cores
 
 pytestmark = pytest.mark.slow  # transformers, CTranslate2 and a command in a subprocess
 

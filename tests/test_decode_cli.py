@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import REPO, fake_models, one_line_error, run_py
 
 DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet"]
@@ -38,7 +37,7 @@ def test_stdin_and_output_file(trained_tiny, tmp_path):
     """Guards against --input - and --output being parsed but not honoured."""
     out = tmp_path / "out.txt"
     r = decode(trained_tiny, "--algo", "greedy", "--input", "-", "--output", str(out), "--max-len", "4",
-               stdin="One.\nTwo.\n".encode())
+               stdin=b"One.\nTwo.\n")
     assert r.returncode == 0, r.stderr.decode()
     assert len(out.read_text(encoding="utf-8").splitlines()) == 2
     assert b"greedy" in r.stdout  # the table goes to stdout when outputs go to a file
@@ -145,6 +144,7 @@ def test_every_lossless_compared_run_is_checked_against_greedy_of_its_model(tmp_
     weights, which greedy reads from the base's file: one model, so blockwise is checked against that
     greedy too. Heads on other weights, which no greedy run decodes with, get a line saying so."""
     from conftest import TEXTS, random_checkpoint
+
     from refdec.commands import decode as decode_cli
     base = random_checkpoint(tmp_path / "base")
     heads = heads_file(tmp_path / "heads", base)
@@ -263,10 +263,10 @@ def test_divergences_name_position_and_margin():
     """Guards the float32 audit: a differing line is reported with its first divergent position and
     the model's top-1/top-2 margin there, computed along the greedy prefix."""
     import torch
-
     from conftest import tiny_model
-    from refdec.decoding import decode_greedy
+
     from refdec.app.exactness import divergences
+    from refdec.decoding import decode_greedy
     m = tiny_model(1, vocab=40)
     src = [[7, 8, 9]]
     g = decode_greedy(m, torch.tensor([[7, 8, 9, 2]]), max_len=8).tokens
@@ -284,6 +284,7 @@ def test_iad_trace_names_the_source_token_the_copy_starts_at():
     where the copy starts, counting the source's tokens from 1 (its eos after the last): the drafted
     tokens are the source's from that token on."""
     from conftest import random_src, tiny_model
+
     from refdec.decoding import decode_iad
     from refdec.trace import how_drafted
     src = random_src(5, 4, 16, min_len=6, max_len=12)

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import assert_rows_equal, first_divergence, random_src, tiny_model
+
 from refdec.config import BOS_ID, EOS_ID
 from refdec.decoding import decode_beam, decode_greedy
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_py
-from refdec.data import load_split
+
 from refdec.commands.distill import distill, write_gz
+from refdec.data import load_split
 
 pytestmark = pytest.mark.slow  # every test trains a tiny model and runs the distill command
 

@@ -8,7 +8,6 @@ import re
 import shutil
 
 import pytest
-
 from conftest import REPO, error_of
 
 

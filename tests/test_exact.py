@@ -7,20 +7,20 @@ import copy
 
 import pytest
 import torch
-
 from conftest import assert_rows_equal, random_src, tiny_model
+
+from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, make_family
+from refdec.commands.fuzz import main as fuzz_main
 from refdec.config import BOS_ID, EOS_ID, ModelConfig
-from refdec.decoding import decode_beam, decode_gad, decode_greedy, decode_iad
-from refdec.decoding.blockwise import accept_rule
+from refdec.decoding import decode_beam, decode_gad, decode_greedy, decode_iad, ties
 from refdec.decoding import gad as gad_module
+from refdec.decoding.blockwise import accept_rule
 from refdec.decoding.gad import gadpp_rule
-from refdec.decoding import ties
 from refdec.decoding.ties import best_candidates, rank
 from refdec.drafter import Drafter
-from refdec.commands.fuzz import FAMILIES, comparisons, draw_case, gadpp_rule_at_exact, main as fuzz_main, make_family
+from refdec.model import Transformer, sinusoidal_positions
 from refdec.routes import on_route
 from refdec.routes.kernels import is_row_invariant
-from refdec.model import Transformer, sinusoidal_positions
 
 DTYPES = [torch.float32, torch.float64]
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_rows_equal, check_lossless_decoders, random_src, tiny_model
+
+from refdec.adapters import EarlyExit
+from refdec.app.loading import Models, routed
 from refdec.config import BOS_ID, PAD_ID
 from refdec.decoding import decode_beam, decode_greedy, decode_iad
-from refdec.adapters import EarlyExit
 from refdec.model import Transformer
-from refdec.app.loading import Models, routed
 from refdec.routes import on_route
 from refdec.routes.fast import FastRoute, applies_to
 from refdec.routes.kernels import KernelRoute, Kernels

@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import alone, random_src, tiny_model
+
 from refdec.config import BOS_ID
 from refdec.decoding import decode_bild, decode_gad, decode_greedy
 from refdec.drafter import Drafter, draft_blocks
-from refdec.routes import on_route
 from refdec.model import Transformer
+from refdec.routes import on_route
 
 
 def prefixed(seed: int, prefix: tuple[int, ...], **shape) -> Transformer:

@@ -6,15 +6,14 @@ import math
 
 import pytest
 import torch
-
 from conftest import assert_rows_equal, random_src, shared_small, tiny_model
+
+from refdec.commands.fuzz import gadpp_rule_at_exact
 from refdec.config import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 from refdec.decoding import decode_greedy
-from refdec.decoding.gad import decode_gad, gadpp_rule
 from refdec.decoding import gad as gad_module
+from refdec.decoding.gad import decode_gad, gadpp_rule
 from refdec.drafter import Drafter, block_batch, draft_block, glance, glancing_ratio
-from refdec.commands.fuzz import gadpp_rule_at_exact
-
 
 
 def assert_greedy(verifier, res, src, max_len):

@@ -13,18 +13,26 @@ import json
 
 import pytest
 import torch
+from conftest import (
+    REPO,
+    assert_rows_equal,
+    batch1_greedy,
+    check_batched_iad,
+    check_lossless_decoders,
+    copy_model,
+    random_src,
+    run_py,
+    tiny_model,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import (REPO, assert_rows_equal, batch1_greedy, check_batched_iad, check_lossless_decoders,
-                      copy_model, random_src, run_py, tiny_model)
-from refdec.routes import graphed
 from refdec.cache import KVCache
 from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy
-from refdec.routes import on_route
+from refdec.model import Transformer
+from refdec.routes import graphed, on_route
 from refdec.routes.fast import FastRoute
 from refdec.routes.graphed import GraphedRoute, Replay, StaticKVCache
-from refdec.model import Transformer
 
 TOL = 1e-12  # float64: the routes sum in different orders
 
@@ -206,7 +214,7 @@ def test_static_cache_keeps_the_verbs_of_kvcache_in_storage_that_does_not_move()
     same()
     assert got.k.data_ptr() != where and got.capacity >= got.end + got.prefix + graphed.MAX_STEP
     moved = got.slab
-    del got
+    got = None  # the closures above share this name: the cache itself is gone
     again = StaticKVCache(pool, 2, 3, 2, 4, capacity=6, dtype=torch.float64)
     assert again.k.data_ptr() == where  # the first slab, free since the cache moved off it
     assert StaticKVCache(pool, 2, 4, 2, 4, capacity=moved.k.shape[3] - graphed.MAX_STEP,

@@ -21,10 +21,10 @@ from hf_helpers import LANGS, WORDS, m2m_folder, sources  # noqa: E402
 
 from refdec import hf  # noqa: E402
 from refdec.checkpoint import make_checkpoint, save_atomic  # noqa: E402
-from refdec.config import ModelConfig  # noqa: E402
-from refdec.decoding import decode_beam, decode_greedy, decode_iad, decode_speculative  # noqa: E402
 from refdec.commands.decode import main as decode_command  # noqa: E402
 from refdec.commands.hfcli import main as hf_main  # noqa: E402
+from refdec.config import ModelConfig  # noqa: E402
+from refdec.decoding import decode_beam, decode_greedy, decode_iad, decode_speculative  # noqa: E402
 from refdec.model import Transformer  # noqa: E402
 from refdec.tokenizer import Tokenizer  # noqa: E402
 
@@ -167,6 +167,7 @@ def test_imported_m2m100_exports_as_m2m100_and_round_trips_bitwise(folder, tmp_p
 
 def test_pytorch_model_bin_imports_as_safetensors_does(folder, tmp_path):
     import shutil
+
     from safetensors.torch import load_file
     shutil.copytree(folder, tmp_path / "bin")
     torch.save(load_file(str(folder / "model.safetensors")), tmp_path / "bin" / "pytorch_model.bin")

@@ -240,6 +240,7 @@ def test_audit_records_a_method_that_fails_in_its_warm_up_and_goes_on(folders, t
     Such a line now fails in the warm-up as in the timed loop: the audit goes on (exit 0), and every
     method and line that failed is in the table and the report."""
     import re
+
     from refdec.commands.hfcli import main as hf_main
     large, small = folders("bart")
     g = torch.Generator().manual_seed(3)
@@ -278,7 +279,7 @@ def test_banned_tokens_never_written(folders, tmp_path):
     model, _, _ = hf.load_folder(tmp_path / "large", dtype=torch.float64)
     drafter, _, _ = hf.load_folder(tmp_path / "small", dtype=torch.float64)
     assert model.logits_bias[banned] == float("-inf")
-    for src, before in zip(srcs, first):
+    for src in srcs:
         want = hf.hf_generate(theirs, model.cfg, src, 20)
         assert banned not in want.tolist()
         for out in (decode_greedy(model, padded([src]), max_len=20), decode_iad(model, padded([src]), max_len=20),
@@ -444,6 +445,7 @@ def test_import_of_a_model_with_more_embeddings_than_tokens_and_its_refusals(fol
     reads its sentencepiece model but cannot write it as one), a folder that is not one, an --out that is
     not empty or lies in the shipped checkpoints/."""
     from conftest import error_of
+
     from refdec.checkpoint import load_model
     from refdec.commands.hfcli import main as hf_main
     torch.manual_seed(0)
@@ -487,6 +489,7 @@ def test_a_folder_that_breaks_the_tokenizer_contract_is_refused_in_one_line(chan
     it (decode.py, hf import): an end or padding token the tokenizer names at another id than config.json's,
     a named token the tokenizer lacks, a start token that is no token of it."""
     from conftest import error_of
+
     from refdec.commands.decode import main as decode_main
     from refdec.commands.hfcli import main as hf_main
     large, _ = folders("bart")

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, copy_model, random_src, run_py, tiny_model
+
 from refdec.config import EOS_ID
 from refdec.decoding import decode_bild, decode_greedy, decode_iad, decode_speculative
-from refdec.tokenizer import Tokenizer
 from refdec.decoding.verify import Verified, step_of
+from refdec.tokenizer import Tokenizer
 from refdec.trace import COLOURS, Step, colour_enabled, strip_colour, trace_text
 
 DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet", "--warmup", "0"]

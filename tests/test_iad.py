@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import assert_rows_equal, copy_model, random_src, rewrite_target, tiny_model
+
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy
-from refdec.decoding.iad import MATCH_POLICIES, find_match, decode_iad
+from refdec.decoding.iad import MATCH_POLICIES, decode_iad, find_match
 from refdec.decoding.verify import verify
 
 SETTINGS = list(itertools.product(MATCH_POLICIES, (0, 1, 3), (0, 2)))  # match, max_draft, max_suffix

@@ -13,11 +13,26 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    AVX512_FLAGS,
+    TEXTS,
+    ZEN3_FLAGS,
+    adversarial_drafter,
+    alone,
+    assert_rows_equal,
+    batch1_greedy,
+    check_batched_iad,
+    copy_model,
+    error_of,
+    fake_cpu,
+    ragged_src,
+    random_checkpoint,
+    random_heads,
+    random_src,
+    tiny_model,
+)
 
-from conftest import (AVX512_FLAGS, TEXTS, ZEN3_FLAGS, adversarial_drafter, alone, assert_rows_equal, batch1_greedy,
-                      check_batched_iad, copy_model, error_of, fake_cpu, ragged_src, random_checkpoint, random_heads,
-                      random_src, tiny_model)
-from refdec.routes import fast, int8
+from refdec.app.plan import parse_compare
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_greedy, decode_iad
 from refdec.decoding import gad as gad_module
@@ -27,10 +42,9 @@ from refdec.decoding.gad import decode_gad
 from refdec.decoding.speculative import decode_speculative
 from refdec.drafter import Drafter
 from refdec.errors import UsageError
-from refdec.routes import on_route
+from refdec.routes import fast, int8, on_route
 from refdec.routes.int8 import QuantizedWeight
 from refdec.routes.kernels import is_int8
-from refdec.app.plan import parse_compare
 
 ROUTES = ["reference", "fast"]
 
@@ -633,9 +647,9 @@ def test_int8bench_finds_the_routes_product_row_invariant():
 
 def test_int8_and_the_graphed_route_are_refused_together_in_one_line():
     """Guards against an int8 run silently taking the graphed route, which has no int8 form."""
-    from refdec.errors import UsageError
     from refdec.app.loading import load_models
     from refdec.app.plan import plan_runs
+    from refdec.errors import UsageError
     specs = plan_runs("greedy", "gec-en", model=None, given={}, compares=[], batch_size=None, sizes=None,
                       batch_tokens=None, int8=True)
     with pytest.raises(UsageError, match="graphed route has no int8 form"):

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, fake_models, run_py
 
 TINY = ["train.py", "--preset", "tiny", "--train-limit", "400", "--threads", "1", "--dev-limit", "16"]
@@ -212,6 +211,7 @@ def test_a_write_that_fails_in_the_out_dir_is_a_one_line_error(tmp_path, monkeyp
     """Case: a write into --out-dir that failed (a read-only disk, a full one, or a folder made
     read-only once the run had started; also for root) ended in a bare OSError and exit 1."""
     import errno
+
     from refdec import training
     out = tmp_path / "run"
 
@@ -426,10 +426,10 @@ def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
     assert "GiB" in one_line_error(r) and "use at most" in r.stderr.decode()
     assert "cores" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--threads", "10000"))
     from refdec.app import runner
-    from refdec.errors import UsageError
     from refdec.app.algorithms import ALGORITHMS
-    from refdec.checkpoint import load_model
     from refdec.app.loading import Models
+    from refdec.checkpoint import load_model
+    from refdec.errors import UsageError
     model, _, _ = load_model(trained_tiny / "model.pt")
     run = runner.Run(ALGORITHMS["greedy"], {}, Models(model, trained_tiny / "model.pt"), batch_size=100000)
     ids = [[7] * 50 for _ in range(4000)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import REPO, random_src, tiny_model
+
 from refdec.cache import KVCache
 from refdec.config import BOS_ID, EOS_ID
 

@@ -10,8 +10,7 @@ import pytest
 DATA = Path(__file__).resolve().parent.parent / "data"
 sys.path.insert(0, str(DATA))
 
-from build_mono_en import (RoffProse, SphinxProse, is_prose, overlap_key,  # noqa: E402
-                           prose_sentences, read_sources)
+from build_mono_en import RoffProse, SphinxProse, is_prose, overlap_key, prose_sentences, read_sources  # noqa: E402
 
 PAGE = r""".\" SPDX-License-Identifier: Linux-man-pages-copyleft
 .TH open 2 2023-02-05 "Linux man-pages 6.03"

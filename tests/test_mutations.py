@@ -17,8 +17,8 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from conftest import alone, batch1_greedy, random_src, tiny_model
+
 from refdec.config import BOS_ID, EOS_ID, PAD_ID
 from refdec.decoding import decode_gad, decode_iad, decode_speculative
 from refdec.decoding import gad as gad_module
@@ -148,7 +148,9 @@ def test_accept_row_cuts_at_eos_and_at_the_budget():
     argmax at last, d_1 .. d_4 is 4 eos 6 7 8."""
     argmax = [4, EOS_ID, 6, 7, 8]
     logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).double()
-    cut = lambda draft, budget=20: accept_row(draft, logits, argmax, budget=budget, eos_id=EOS_ID)
+    def cut(draft, budget=20):
+        return accept_row(draft, logits, argmax, budget=budget, eos_id=EOS_ID)
+
     assert cut([4, EOS_ID, 6, 7]) == ([4, EOS_ID], 4)  # a drafted eos passes; the rest passes but is cut
     assert cut([4, 9]) == ([4, EOS_ID], 1)  # the verifier's own token is eos
     assert cut([4, EOS_ID, 6, 7], budget=1) == ([4], 4)

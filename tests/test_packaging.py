@@ -14,7 +14,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 tomllib = pytest.importorskip("tomllib")
@@ -70,7 +69,9 @@ def test_install_hints_name_the_extra_and_a_command_that_works_where_they_are_re
     `pip install "refdec[EXTRA]"` where refdec is installed, adds the clone's requirements.txt (relative to
     the current folder inside the clone, else its full path) in a clone, and names the packages where neither holds."""
     import importlib.metadata
+
     from packaging.requirements import Requirement
+
     from refdec import repo
     extras = {name: {Requirement(r).name for r in reqs}
               for name, reqs in pyproject()["project"]["optional-dependencies"].items() if name != "test"}

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import AVX512_FLAGS, REPO, ZEN3_FLAGS, fake_cpu, fake_models, run_py
 
 

@@ -10,8 +10,8 @@ import gc
 
 import pytest
 import torch
-
 from conftest import random_src, tiny_model
+
 from refdec.config import BOS_ID
 from refdec.decoding import decode_greedy
 from refdec.routes import on_route

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from conftest import random_src, tiny_model
+
 from refdec.config import EOS_ID
 from refdec.decoding.gad import PARTS, decode_gad
 from refdec.decoding.result import DecodeStats
@@ -49,8 +49,12 @@ def test_accept_row_takes_the_rules_test_and_choice():
         seen.append((n, rejected))
         return 8
 
-    always = lambda logits, draft: torch.ones(len(draft), dtype=torch.bool)
-    never = lambda logits, draft: torch.zeros(len(draft), dtype=torch.bool)
+    def always(logits, draft):
+        return torch.ones(len(draft), dtype=torch.bool)
+
+    def never(logits, draft):
+        return torch.zeros(len(draft), dtype=torch.bool)
+
     assert accept_row([6, 7], logits_for(argmax), argmax, budget=9, eos_id=EOS_ID, accept=always) == ([6, 7, 9], 2)
     assert accept_row([6, 7], logits_for(argmax), argmax, budget=9, eos_id=EOS_ID, accept=never,
                       choose=choose) == ([8], 0)

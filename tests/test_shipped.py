@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from refdec.checkpoint import load_checkpoint, load_model
 from refdec.data import TASKS, load_split, source_tensor
 from refdec.decoding import decode_beam, decode_greedy, decode_iad

@@ -14,8 +14,8 @@ import importlib
 import re
 
 import pytest
-
 from conftest import REPO, error_of, run_py
+
 from refdec.commands import COMMANDS
 from refdec.errors import UsageError
 from refdec.repo import check_not_shipped

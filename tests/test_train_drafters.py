@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from refdec.checkpoint import load_checkpoint
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, run_py, tiny_model
+
 from refdec.checkpoint import CheckpointError, average_states, load_checkpoint, load_model, save_atomic
 from refdec.training import cpp_compiler, inverse_sqrt
 
@@ -176,8 +176,8 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
 def test_base_plus_random_head_loss_always_trains_the_base():
     """Guards the joint fine-tuning loss that keeps the base intact: every batch's loss is the mean of
     the base model's own loss (head 1) and that of one proposal head drawn from 2..k, never two far heads."""
-    from refdec.presets import PRESETS
     from refdec.model import Transformer
+    from refdec.presets import PRESETS
     from refdec.proposal import ProposalHeads, head_logits, head_targets
     from refdec.training import ProposalHeadsLoss, smoothed_loss
     torch.manual_seed(0)
@@ -300,8 +300,17 @@ def test_each_mode_trains_on_its_own_loss(mode):
     the drafter's loss on its block (glancing ratio 0: nothing revealed)."""
     from refdec.presets import PRESETS
     from refdec.proposal import ProposalHeads, head_logits, head_targets
-    from refdec.training import (CrossEntropyLoss, DistillationLoss, DrafterLoss, EarlyExitLoss, ProposalHeadsLoss,
-                                 build_model, build_objective, smoothed_loss, soft_cross_entropy)
+    from refdec.training import (
+        CrossEntropyLoss,
+        DistillationLoss,
+        DrafterLoss,
+        EarlyExitLoss,
+        ProposalHeadsLoss,
+        build_model,
+        build_objective,
+        smoothed_loss,
+        soft_cross_entropy,
+    )
     changes = {"plain": {}, "distillation": {"kd_from": "teacher.pt", "kd_weight": 0.3}, "early-exit": {"early_exit": 1},
                "heads": {"proposal_k": 3, "head_loss": "mean"},
                "drafter": {"drafter_k": 3, "glancing_start": 0.0, "glancing_end": 0.0}}[mode]
@@ -392,8 +401,8 @@ def test_heads_dev_tokens_per_call_is_per_row():
     """Guards the heads' dev figure: tokens per call per sentence (at most k), as decoding each
     sentence alone gives it, not all rows' tokens over the calls of a 40-row batch (which printed
     14.49 for k = 10)."""
-    from refdec.presets import PRESETS
     from refdec.decoding.blockwise import decode_blockwise
+    from refdec.presets import PRESETS
     from refdec.proposal import ProposalHeads
     from refdec.training import build_model, build_objective
     dev, tok = _dev_and_vocab(40)
@@ -413,10 +422,10 @@ def test_drafter_dev_figure_is_gads_tokens_per_call_with_its_verifier(tmp_path):
     """Guards the drafter's dev figure: GAD's tokens per verifier call and row with the verifier
     (whose encoder the drafter reads) on the first speed_sentences dev sentences, as GAD one
     sentence at a time gives it."""
-    from refdec.presets import PRESETS
     from refdec.adapters import SharedEncoder
     from refdec.decoding.gad import decode_gad
     from refdec.drafter import Drafter
+    from refdec.presets import PRESETS
     from refdec.training import build_model, build_objective
     dev, tok = _dev_and_vocab(30)
     from refdec.checkpoint import make_checkpoint
@@ -520,8 +529,8 @@ def test_two_half_batch_passes_make_the_one_batch_update():
     """Guards gradient accumulation: a batch run as two passes (each loss weighted by its share of
     the target tokens) gives the update of the batch in one pass (float64, the trainer's AdamW), and
     on a CPU the default pass is the whole batch (a preset's optimisation as it was)."""
-    from refdec.presets import PRESETS
     from refdec.data import training_tensors
+    from refdec.presets import PRESETS
     from refdec.training import accumulate, build_model, build_objective, device_pass_tokens
     cfg = PRESETS["tiny"].replace(dropout=0.0)
     g = torch.Generator().manual_seed(0)
@@ -557,8 +566,9 @@ def test_training_ids_are_cached_outside_the_data_and_never_stale(tmp_path, monk
     tokenizing) and gets the same ids; an edited corpus is tokenized anew, never served from the old
     cache; a smoke run (train_limit) writes none."""
     import gzip
-    from refdec.presets import PRESETS
+
     from refdec.data import load_split
+    from refdec.presets import PRESETS
     from refdec.training import encode_pairs
     _, tok = _dev_and_vocab(1)
     folder = tmp_path / "data" / "mt-en-de"
@@ -605,6 +615,7 @@ def _steps(cfg, mode: str, backend: str | None, steps: int = 3) -> tuple[list[fl
     """`steps` AdamW updates of a tiny float32 objective of `mode` (its passes compiled with `backend`,
     or eager) on batches of varying shapes: the losses and the final weights."""
     import torch._dynamo
+
     from refdec.data import training_tensors
     from refdec.proposal import ProposalHeads
     from refdec.training import build_model, build_objective

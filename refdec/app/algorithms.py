@@ -16,14 +16,22 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 import torch
 
-from ..decoding import (DecodeResult, decode_beam, decode_bild, decode_blockwise, decode_gad, decode_greedy,
-                       decode_iad, decode_speculative)
+from ..decoding import (
+    DecodeResult,
+    decode_beam,
+    decode_bild,
+    decode_blockwise,
+    decode_gad,
+    decode_greedy,
+    decode_iad,
+    decode_speculative,
+)
 from ..decoding.blockwise import BLOCK_RULES
 from ..decoding.iad import MATCH_POLICIES
 from .loading import Models

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from .algorithms import Algorithm
 from ..checkpoint import load_model
 from ..data import source_rows
 from ..decoding.result import DecodeResult, DecodeStats, result_of
@@ -29,6 +28,7 @@ from ..hf.common import HFError, first_line, is_hf_folder, require_transformers
 from ..hf.compare import hf_from_pretrained, hf_generate
 from ..hf.export import write_folder
 from ..hf.importing import load_folder
+from .algorithms import Algorithm
 
 
 def _load_pair(path: str, *, task: str, src_lang, tgt_lang, workdir: Path, name: str, device="cpu"):
@@ -87,12 +87,12 @@ def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
 
 
 def _audit(args, lines: list[str], tmp: Path) -> dict:
+    from ..data import TASKS
+    from ..machine import device_name, environment
     from . import inputs
     from .algorithms import ALGORITHMS
-    from ..data import TASKS
     from .exactness import divergences
     from .inputs import shown_path
-    from ..machine import device_name, environment
     from .loading import Models
     from .runner import Run, decode_lines
 

@@ -28,11 +28,11 @@ from importlib import resources
 
 import torch
 
-from . import report, runner
-from .exactness import same_model
 from ..errors import UsageError
 from ..repo import install_hint
 from ..trace import Step, how_drafted, iterations, token_pieces, words
+from . import report, runner
+from .exactness import same_model
 
 PARTS = {"accepted": "drafted, accepted", "own": "the verifier's own token", "rejected": "drafted, rejected"}
 
@@ -50,7 +50,7 @@ def write_page(path: str, **kw) -> None:
         f.write(build_page(**kw))
 
 
-def write_run_page(path: str, summary: "report.Summary", runs: list, tokenizer, sources: list[str], refs: list[list[str]],
+def write_run_page(path: str, summary: report.Summary, runs: list, tokenizer, sources: list[str], refs: list[list[str]],
                    ids: list, *, task: str | None, model: str, input: str, interrupted: bool, device: str,
                    batch_size: int | None, batch_tokens: int | None, command: str) -> None:
     """decode.py's page of a run: a header of what ran (task, model, input, batches, device, the
@@ -64,7 +64,7 @@ def write_run_page(path: str, summary: "report.Summary", runs: list, tokenizer, 
                summary=summary, sources=sources, refs=refs, ids=ids, runs=runs, tokenizer=tokenizer)
 
 
-def build_page(*, title: str, facts: dict, summary: "report.Summary", sources: list[str], refs: list[list[str]],
+def build_page(*, title: str, facts: dict, summary: report.Summary, sources: list[str], refs: list[list[str]],
                ids: list, runs: list, tokenizer) -> str:
     """The page for runs decoded on `sources` (`ids` their token ids, None for an empty line), with
     the figures of report.summarise; a sentence's time is its own at batch size 1, its batch's

@@ -23,8 +23,8 @@ from ..adapters import EarlyExit, SharedEncoder
 from ..checkpoint import CheckpointError, file_sha256, load_model
 from ..drafter import Drafter
 from ..errors import UsageError
-from ..routes import on_route
 from ..proposal import load_proposal
+from ..routes import on_route
 from ..tokenizer import Tokenizer
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
 from ..errors import UsageError
 from ..repo import REPO, repo_file, shown
+from .algorithms import ALGORITHMS, OPTIONS, Algorithm, check_options, option_defaults, parse_value
 from .hints import check_checkpoint_path, train_hint
 from .inputs import checkpoint_files
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import data as data_mod
+from ..metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
+from ..tokenizer import Tokenizer
 from .exactness import divergences, identical_rate, same_model
 from .inputs import shown_path
-from ..metrics import corpus_bleu, corpus_chrf, edit_ratio, gec_scores
 from .runner import Run, texts
-from ..tokenizer import Tokenizer
 
 NOTHING_DECODED = ("nothing was decoded: no line with text was finished (an empty input, blank lines only, or an "
                    "interruption before the first); no figures to report")
@@ -149,7 +149,7 @@ def build_report(task: str, rows: list[dict], runs: list[Run], *, n_lines: int, 
     return report
 
 
-def run_report(task: str, summary: "Summary", runs: list[Run], *, n_lines: int, model: str, model_step, input: str,
+def run_report(task: str, summary: Summary, runs: list[Run], *, n_lines: int, model: str, model_step, input: str,
                settings: dict, interrupted: bool, environment: dict) -> dict:
     """decode.py's JSON report of a run: its model, input and settings (batches, max_len, route), every
     run's row, the speedup matrix and the lossless checks, and the machine it ran on. `n_lines`: the

@@ -70,11 +70,11 @@ from pathlib import Path
 import torch
 
 from ..app import inputs, loading, plan, report, runner
-from ..repo import REPO, check_files, install_hint, list_files
-from ..errors import CheckpointError, UsageError, first_line, run_command
 from ..app.exactness import divergences, identical_rate
+from ..errors import CheckpointError, UsageError, first_line, run_command
 from ..machine import device_name, environment
 from ..progress import duration
+from ..repo import REPO, check_files, install_hint, list_files
 from . import as_typed
 from .harness import columns, command_parser, invocation, machine_options, set_up_machine, write_report
 

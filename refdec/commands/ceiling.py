@@ -49,13 +49,13 @@ from pathlib import Path
 import torch
 
 from .. import data as data_mod
-from ..decoding.scripted import greedy_output, scripted_gad
-from ..errors import UsageError, first_line, run_command
-from ..repo import REPO, repo_file
 from ..app.inputs import check_outputs, checkpoint_files, input_files, max_len_for, shown_path, source_ids
 from ..app.loading import Models, RunLoader, routed
+from ..decoding.scripted import greedy_output, scripted_gad
+from ..errors import UsageError, first_line, run_command
 from ..machine import clock, device_name, environment, machine_line
 from ..progress import ProgressLine
+from ..repo import REPO, repo_file
 from ..tokenizer import Tokenizer
 from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
 

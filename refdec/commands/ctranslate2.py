@@ -47,19 +47,19 @@ import torch
 
 from ..app import exactness
 from ..app.algorithms import ALGORITHMS, Algorithm
+from ..app.inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
+from ..app.loading import Models
+from ..app.report import format_table, summary_row, write_report
+from ..app.runner import Run, decode_lines
 from ..checkpoint import file_sha256, load_model
 from ..data import source_rows, source_tensor
 from ..decoding.result import DecodeResult, DecodeStats, result_of
 from ..errors import UsageError, run_command
-from ..routes import on_route
 from ..hf import PEGASUS, check_export, export_route, write_folder
-from ..repo import cache_folder, check_not_shipped, repo_file
-from ..app.inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
-from ..app.loading import Models
 from ..machine import allocator_option, environment, machine_line, set_allocator, usable_cores, warn_if_int8_slow
 from ..progress import ProgressLine
-from ..app.report import format_table, summary_row, write_report
-from ..app.runner import Run, decode_lines
+from ..repo import cache_folder, check_not_shipped, repo_file
+from ..routes import on_route
 from . import as_typed
 from .harness import report_option, time_decode, time_products
 

@@ -39,9 +39,9 @@ from . import as_typed
 
 def build_parser() -> argparse.ArgumentParser:
     from refdec.app.algorithms import ALGORITHMS
-    from refdec.data import TASKS
     from refdec.app.inputs import add_machine_flags
     from refdec.app.plan import add_option_flags, add_route_flags
+    from refdec.data import TASKS
     algos = "\n".join(f"  {a.name:12s}{a.summary}" for a in ALGORITHMS.values())
     command = as_typed("decode")  # the examples read as the user typed the command
     p = argparse.ArgumentParser(prog=command, description=__doc__.replace("python decode.py", command) + "\nalgorithms:\n"
@@ -121,10 +121,10 @@ def run(args) -> int:
 
     from refdec.app import inputs, plan, report, runner
     from refdec.app.algorithms import OPTIONS
+    from refdec.app.loading import load_models
     from refdec.data import DATA_DIR
     from refdec.errors import UsageError
     from refdec.interrupt import release_sigint, stopped_by
-    from refdec.app.loading import load_models
     from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores, warn_if_int8_slow
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load

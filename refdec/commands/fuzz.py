@@ -42,10 +42,10 @@ import torch
 
 from ..config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
 from ..errors import UsageError, run_command
-from ..routes import on_route
 from ..machine import clock, device_name
 from ..model import Transformer
 from ..progress import ProgressLine
+from ..routes import on_route
 from .harness import command_parser, machine_options, set_up_machine
 
 FAMILIES = ("random", "exact", "near", "constant")
@@ -138,7 +138,15 @@ def draw_case(seed: int, dtype: torch.dtype, family: str | None = None, invarian
 
 def comparisons(case: dict):
     """Yield (decoder label, its tokens, greedy's tokens) for every lossless decoder on `case`."""
-    from ..decoding import decode_beam, decode_bild, decode_blockwise, decode_gad, decode_greedy, decode_iad, decode_speculative
+    from ..decoding import (
+        decode_beam,
+        decode_bild,
+        decode_blockwise,
+        decode_gad,
+        decode_greedy,
+        decode_iad,
+        decode_speculative,
+    )
     from ..decoding.iad import MATCH_POLICIES
     from ..drafter import Drafter
     large, src, max_len, g = case["large"], case["src"], case["max_len"], case["g"]

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from . import COMMANDS, as_typed
+from ..app.report import columns, write_report
 from ..errors import UsageError
 from ..machine import allocator_option, check_device, clock, set_allocator
-from ..app.report import columns, write_report
+from . import COMMANDS, as_typed
 
 __all__ = ["columns", "command_parser", "invocation", "machine_options", "report_option", "set_up_machine",
            "time_decode", "time_products", "time_replay", "write_report"]

@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..app.hfaudit import audit, audit_table
+from ..app.inputs import check_outputs, checkpoint_files, input_files
 from ..data import TASKS
 from ..errors import run_command
 from ..hf.common import HFError, is_hf_folder
 from ..hf.convert import import_folder
 from ..hf.export import export
 from . import as_typed
-from ..app.hfaudit import audit, audit_table
-from ..app.inputs import check_outputs, checkpoint_files, input_files
 from .harness import machine_options, report_option, set_up_machine, write_report
 
 

@@ -23,11 +23,11 @@ import warnings
 
 import torch
 
-from ..routes import int8
+from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..checkpoint import load_model
 from ..errors import run_command
-from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..machine import environment, machine_line, warn_if_int8_slow
+from ..routes import int8
 from . import as_typed
 from .harness import columns, report_option, write_report
 

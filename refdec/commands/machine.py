@@ -125,7 +125,8 @@ def int8_against_float32(shapes, levels_rows=(1, 32)) -> list[dict]:
                 continue
             w, b = torch.randn(n, k, generator=g) * k ** -0.5, torch.randn(n, generator=g) * 0.1
             qw, w_in_out, x = int8.QuantizedWeight(w.t(), w), w.t().contiguous(), torch.randn(m, k, generator=g)
-            a, f = timed(lambda x: int8.product(x, qw, b)), timed(lambda x: torch.addmm(b, x, w_in_out))
+            # each lambda runs within this iteration only, so its loop variables are this iteration's
+            a, f = timed(lambda x: int8.product(x, qw, b)), timed(lambda x: torch.addmm(b, x, w_in_out))  # noqa: B023
             a(x), f(x)  # warm-up
             pairs = [(a(x), f(x)) for _ in range(ROUNDS)]
             t8 += count * statistics.median(p[0] for p in pairs)
@@ -157,7 +158,7 @@ def few_rows(shapes) -> list[dict]:
                 if not count:
                     continue
                 w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
-                a, f = timed(lambda x: kernels.linear(x, w, None, True)), timed(lambda x: F.linear(x, w))
+                a, f = timed(lambda x: kernels.linear(x, w, None, True)), timed(lambda x: F.linear(x, w))  # noqa: B023
                 a(x), f(x)
                 pairs = [(a(x), f(x)) for _ in range(ROUNDS)]
                 t_few += count * statistics.median(p[0] for p in pairs)

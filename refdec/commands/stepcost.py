@@ -49,16 +49,24 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..routes import applies_to, int8, on_route
-from ..routes.kernels import FEW_ROWS
+from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..checkpoint import load_model
 from ..errors import UsageError, run_command
-from ..repo import repo_file
-from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..machine import clock, environment, machine_line
 from ..progress import ProgressLine
-from .harness import (command_parser, machine_options, report_option, set_up_machine, time_decode, time_products,
-                      time_replay, write_report)
+from ..repo import repo_file
+from ..routes import applies_to, int8, on_route
+from ..routes.kernels import FEW_ROWS
+from .harness import (
+    command_parser,
+    machine_options,
+    report_option,
+    set_up_machine,
+    time_decode,
+    time_products,
+    time_replay,
+    write_report,
+)
 
 
 def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float]:
@@ -252,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     columns = []  # (header, key, decimals) of each route beside the reference
     for route in other_routes:
         columns += [(f"   {route} ms/call", f"{route}_ms", 3), (f"   {route} cost(q)/cost(q={qs[0]})", f"{route}_ratio", 2)]
-    print("    q   ms/call   cost(q)/cost(q=%d)   ms/position   plain ms/call   plain cost(q)/cost(q=%d)" % (qs[0], qs[0])
+    print(f"    q   ms/call   cost(q)/cost(q={qs[0]})   ms/position   plain ms/call   plain cost(q)/cost(q={qs[0]})"
           + "".join(head for head, _, _ in columns))
     for r in rows:
         print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['ms_per_position']:8.4f}     "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -40,7 +40,7 @@ class DecodeStats:
         """Tokens committed per verifier call and row."""
         return sum(self.committed) / len(self.committed) if self.committed else 0.0
 
-    def merge(self, other: "DecodeStats") -> None:
+    def merge(self, other: DecodeStats) -> None:
         for name in ("sentences", "tokens", "verifier_calls", "drafter_calls", "encoder_calls",
                      "fallbacks", "rollbacks", "hit_max_len"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-
 BLOCK = 64  # argmax: the vocabulary read in blocks of this many ids
 DIRECT = 1 << 16  # argmax: fewer logits than this take torch.argmax itself
 

@@ -39,8 +39,8 @@ it, rows leaving the batch as they finish, is refdec.decoding.rows.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

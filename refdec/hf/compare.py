@@ -10,6 +10,7 @@ from ..config import ModelConfig
 from ..model import Transformer
 from .common import HFError, first_line, require_transformers
 
+
 def hf_from_pretrained(folder: str | Path, dtype: torch.dtype = torch.float32):
     """Stock transformers' model for a folder (eval mode), as any user would load it."""
     transformers = require_transformers()

@@ -41,6 +41,7 @@ from .compare import compare_with_folder
 from .importing import M2M100, MODEL_TYPES, PEGASUS
 from .layout import half_split, hf_names, permute_state
 
+
 def export_route(cfg: ModelConfig) -> str:
     """The stock architecture that holds `cfg` exactly (module docstring), or one line on why none does."""
     if not cfg.norm_first:

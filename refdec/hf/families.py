@@ -22,8 +22,8 @@ config.json leaves one out), so a folder means here what it means to transformer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..config import ACTIVATIONS, ModelConfig
 from .common import HFError

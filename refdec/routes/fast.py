@@ -289,14 +289,14 @@ class LaidOutMemory(Memory):
     padding), and the graphed route's slot (refdec.routes.graphed)."""
 
     route: object = None
-    weights: "DecoderWeights | Int8Layout | None" = None
+    weights: DecoderWeights | Int8Layout | None = None
     slot: object = None
 
     def __post_init__(self):
         super().__post_init__()
         self.src_allowed = None if self.src_block is None else ~self.src_block
 
-    def select(self, rows: torch.Tensor) -> "LaidOutMemory":
+    def select(self, rows: torch.Tensor) -> LaidOutMemory:
         chosen = super().select(rows)
         return LaidOutMemory(chosen.states, chosen.src_pad, chosen.cross_kv, self.route, self.weights)
 
@@ -322,7 +322,7 @@ class FastRoute(Route):
         self.joined: dict = {}  # int8: weights of one input side by side (refdec.routes.int8.joined)
 
     # -- what the route hands to the model: cfg, training, eval, parameters (Route) -------------------------
-    def __deepcopy__(self, memo: dict) -> "FastRoute":
+    def __deepcopy__(self, memo: dict) -> FastRoute:
         """A route of a copy of the model; layouts and steps are made again at first use."""
         return FastRoute(copy.deepcopy(self.model, memo), self.int8, few_rows=self.kernels.few_rows)
 

@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -190,7 +190,7 @@ class StaticKVCache(KVCache):
         else:
             self.k, self.v = self.slab.k[:, :n], self.slab.v[:, :n]
 
-    def clone(self) -> "StaticKVCache":
+    def clone(self) -> StaticKVCache:
         L, H, Dh = self.shape  # a slab of this one's capacity (a power of two: MAX_STEP to spare already)
         other = StaticKVCache(self.pool, L, self.batch, H, Dh, self.capacity - MAX_STEP, device=self.device,
                               dtype=self.dtype)
@@ -239,7 +239,7 @@ class GraphedRoute(FastRoute):
         super().__init__(model, few_rows=few_rows)
         self.state: RouteState | None = None  # the captured steps and static storage (made at first use)
 
-    def __deepcopy__(self, memo: dict) -> "GraphedRoute":
+    def __deepcopy__(self, memo: dict) -> GraphedRoute:
         return GraphedRoute(copy.deepcopy(self.model, memo), few_rows=self.kernels.few_rows)
 
     def _state(self) -> RouteState:

@@ -78,8 +78,8 @@ from __future__ import annotations
 import copy
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -110,7 +110,7 @@ class QuantizedWeight:
     def current(self, source: torch.Tensor) -> bool:
         return self.key == stamp(source)
 
-    def __deepcopy__(self, memo: dict) -> "QuantizedWeight":
+    def __deepcopy__(self, memo: dict) -> QuantizedWeight:
         return copied(self, memo)
 
 
@@ -150,7 +150,7 @@ def quantize_relu_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(y, scale).round_().clamp_min_(0).to(torch.int8), scale
 
 
-def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Tensor | None = None,
+def product(x: torch.Tensor, w: QuantizedWeight | JoinedWeight, add: torch.Tensor | None = None,
             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`add` + x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact,
     times each output's scale, times each row's scale, plus `add` ((N,) a bias, or (M, N) the
@@ -170,7 +170,7 @@ def product(x: torch.Tensor, w: "QuantizedWeight | JoinedWeight", add: torch.Ten
 
 
 def integer_products(xq: torch.Tensor,
-                     w: "QuantizedWeight | JoinedWeight") -> Iterator[tuple[slice | None, torch.Tensor]]:
+                     w: QuantizedWeight | JoinedWeight) -> Iterator[tuple[slice | None, torch.Tensor]]:
     """The integer product of xq (M, K) int8 and w as product() computes it, one block of rows at a
     time: yields (rows, their product), rows None for all M at once. oneDNN's fused kernel where this
     machine's plan takes it (`takes_fused`): all M rows, the int32 sums already converted and times the
@@ -188,7 +188,7 @@ def integer_products(xq: torch.Tensor,
         yield b, torch._int_mm(xq[b], w.q)
 
 
-def blocks_for(m: int, w: "QuantizedWeight | JoinedWeight") -> list[slice]:
+def blocks_for(m: int, w: QuantizedWeight | JoinedWeight) -> list[slice]:
     """The blocks of rows an m-row plain product with w is computed in: on a CPU as this machine's plan
     for w's shape says (`plan_for`), on other devices by size alone."""
     return row_blocks(m, w.scale.shape[0], w.q.device.type != "cpu" or plan_for(*w.q.shape).blocks)
@@ -216,7 +216,7 @@ def rescale(p: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, add: torch.Tens
 
 
 # -- oneDNN's fused product ------------------------------------------------------------------------------
-def takes_fused(xq: torch.Tensor, w: "QuantizedWeight | JoinedWeight") -> bool:
+def takes_fused(xq: torch.Tensor, w: QuantizedWeight | JoinedWeight) -> bool:
     """Whether product() computes xq (M, K) int8 @ w by oneDNN's fused kernel: w is packed for it (`pack`)
     and this machine's plan for w's shape takes it from M rows on."""
     if w.packed is None:
@@ -281,7 +281,7 @@ class JoinedWeight:
         self.q = torch.cat([w.q.t() for w in weights]).t()  # each part (out, in) contiguous: so is their stack
         self.packed = pack(self.q, self.scale)
 
-    def __deepcopy__(self, memo: dict) -> "JoinedWeight":
+    def __deepcopy__(self, memo: dict) -> JoinedWeight:
         return copied(self, memo)
 
     def of(self, weights: list[QuantizedWeight]) -> bool:
@@ -440,7 +440,7 @@ def race(f, g, args: tuple, give_up: float | None = None) -> tuple[float, float]
     with torch.inference_mode():
         f(*args), g(*args)
         best_f = best_g = float("inf")
-        for i in range(PROBE_ROUNDS):
+        for _ in range(PROBE_ROUNDS):
             t0 = time.perf_counter()
             f(*args)
             t1 = time.perf_counter()

@@ -264,7 +264,7 @@ class KernelRoute(Route):
         self.model, self.kernels = model, kernels
         self.twin, self.made_for = twin(model, kernels), placement(model)
 
-    def __deepcopy__(self, memo: dict) -> "KernelRoute":
+    def __deepcopy__(self, memo: dict) -> KernelRoute:
         """A route of a copy of the model."""
         return KernelRoute(copy.deepcopy(self.model, memo), self.kernels)
 
@@ -274,7 +274,7 @@ class KernelRoute(Route):
         self.twin, self.made_for = twin(self.model, self.kernels), placement(self.model)
 
     @property
-    def reference(self) -> "KernelRoute":
+    def reference(self) -> KernelRoute:
         """Where this route computes a call on the model's own layers: every call, so itself (a
         FastRoute's `reference` is the KernelRoute it hands the calls it does not take; a family the
         fast route does not write gets a KernelRoute from on_route(model, "fast"), whose own is this)."""

@@ -42,14 +42,47 @@ under torchrun) and loop (the Trainer). Every name is importable from refdec.tra
 """
 
 from .corpus import TokenCache, encode_pairs, load_data, prepare_tokenizer
-from .folder import (PATH_FIELDS, RESUMABLE_CHANGES, RUN_FILES, Interrupted, Progress, RunFolder, TrainingError,
-                     check_out_dir, check_out_dir_data, claim_out_dir, config_changes, format_scores, remove_run)
-from .loop import (Trainer, accumulate, build_run_objective, compiles, cpp_compiler, device_pass_tokens,
-                   inverse_sqrt, log_to_stderr, stop_on_sigint)
+from .folder import (
+                     PATH_FIELDS,
+                     RESUMABLE_CHANGES,
+                     RUN_FILES,
+                     Interrupted,
+                     Progress,
+                     RunFolder,
+                     TrainingError,
+                     check_out_dir,
+                     check_out_dir_data,
+                     claim_out_dir,
+                     config_changes,
+                     format_scores,
+                     remove_run,
+)
+from .loop import (
+                     Trainer,
+                     accumulate,
+                     build_run_objective,
+                     compiles,
+                     cpp_compiler,
+                     device_pass_tokens,
+                     inverse_sqrt,
+                     log_to_stderr,
+                     stop_on_sigint,
+)
 from .models import build_model, decoder_from, frozen_model
-from .objectives import (CrossEntropyLoss, DistillationLoss, DrafterLoss, EarlyExitLoss, Objective, ProposalHeadsLoss,
-                         build_objective, decode_batches, dev_batches, objective_class, smoothed_loss,
-                         soft_cross_entropy)
+from .objectives import (
+                     CrossEntropyLoss,
+                     DistillationLoss,
+                     DrafterLoss,
+                     EarlyExitLoss,
+                     Objective,
+                     ProposalHeadsLoss,
+                     build_objective,
+                     decode_batches,
+                     dev_batches,
+                     objective_class,
+                     smoothed_loss,
+                     soft_cross_entropy,
+)
 from .processes import Processes
 
 __all__ = [

@@ -86,14 +86,14 @@ class Objective(torch.nn.Module):
 
     @classmethod
     def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> "Objective":
+             encoder: Transformer | None = None) -> Objective:
         """The mode's loss on `model`, with whatever else the mode loads or creates (after the model:
         new weights draw from torch's generator in that order)."""
         return cls.of_parts(cfg, model, encoder=encoder)
 
     @classmethod
     def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> "Objective":
+                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> Objective:
         """The mode's loss over parts already built (those the mode does not use are ignored)."""
         return cls(model, cfg, encoder)
 
@@ -214,7 +214,7 @@ class DistillationLoss(Objective):
 
     @classmethod
     def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> "DistillationLoss":
+             encoder: Transformer | None = None) -> DistillationLoss:
         """The teacher of kd_from, frozen; it must be on the run's task and vocabulary."""
         checkpoint = load_checkpoint(cfg.kd_from)
         if checkpoint.get("tokenizer_sha256") != tok.sha256 or checkpoint.get("task") != cfg.task:
@@ -223,7 +223,7 @@ class DistillationLoss(Objective):
 
     @classmethod
     def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> "DistillationLoss":
+                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> DistillationLoss:
         return cls(model, cfg, teacher, encoder)
 
     def describe(self) -> str:
@@ -243,7 +243,7 @@ class EarlyExitLoss(Objective):
 
     @classmethod
     def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> "EarlyExitLoss":
+             encoder: Transformer | None = None) -> EarlyExitLoss:
         if not cfg.early_exit < model.cfg.dec_layers:
             raise ValueError(f"early_exit={cfg.early_exit} needs more than {cfg.early_exit} decoder layers")
         return cls(model, cfg)
@@ -277,7 +277,7 @@ class ProposalHeadsLoss(Objective):
 
     @classmethod
     def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> "ProposalHeadsLoss":
+             encoder: Transformer | None = None) -> ProposalHeadsLoss:
         """Heads of cfg's shape on the model, whose weights are frozen with freeze_base: new ones, or
         those of init_from when it has heads of that shape (trained heads continued)."""
         heads = ProposalHeads(model.cfg.d_model, cfg.proposal_d_ff or model.cfg.d_ff, cfg.proposal_k).to(device)
@@ -297,7 +297,7 @@ class ProposalHeadsLoss(Objective):
 
     @classmethod
     def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> "ProposalHeadsLoss":
+                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> ProposalHeadsLoss:
         return cls(model, heads, cfg)
 
     def compile(self, backend: str = "inductor") -> None:
@@ -366,7 +366,7 @@ class DrafterLoss(Objective):
 
     @classmethod
     def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> "DrafterLoss":
+             encoder: Transformer | None = None) -> DrafterLoss:
         verifier = encoder
         if verifier is None and cfg.init_from:
             checkpoint = load_checkpoint(cfg.init_from)
@@ -378,7 +378,7 @@ class DrafterLoss(Objective):
 
     @classmethod
     def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> "DrafterLoss":
+                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> DrafterLoss:
         return cls(model, cfg, encoder, encoder)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:

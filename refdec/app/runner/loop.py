@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ... import data as data_mod
 from ...decoding import DecodeStats
 from ...errors import first_line
-from ..inputs import max_len_for, warn
 from ...interrupt import sigint_deferred
 from ...machine import clock
+from ..inputs import max_len_for, warn
 from .buckets import batches, length_chunks
 from .record import Run
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import UsageError
-from ..inputs import max_len_for
 from ...machine import available_memory, decode_bytes
+from ..inputs import max_len_for
 from .buckets import length_chunks
 from .record import Run
 

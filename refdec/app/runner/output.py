@@ -5,14 +5,14 @@ to the lines an interruption left written."""
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..inputs import warn
 from ...interrupt import sigint_deferred, stopped_by
 from ...machine import BusyCores, busy_warning, usable_cores
 from ...tokenizer import Tokenizer
+from ..inputs import warn
 from .loop import decode_lines
 from .record import Run
 

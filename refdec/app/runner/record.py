@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..algorithms import Algorithm
 from ...decoding import DecodeStats
+from ..algorithms import Algorithm
 from ..loading import Models
 
 
