@@ -17,8 +17,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = {"mt-en-de": "build_mt_en_de.py", "gec-uk": "build_gec_uk.py", "gec-en": "build_gec_en.py",
-           "mono-en": "build_mono_en.py"}
+SCRIPTS = {
+    "mt-en-de": "build_mt_en_de.py",
+    "gec-uk": "build_gec_uk.py",
+    "gec-en": "build_gec_en.py",
+    "mono-en": "build_mono_en.py",
+}
 
 
 def main() -> int:

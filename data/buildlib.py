@@ -40,8 +40,7 @@ def verify_sha256(path: str, expected: str) -> None:
     """Exit with an error message when the file at `path` does not have SHA-256 `expected`."""
     digest = sha256_of(path)
     if digest != expected:
-        sys.exit(f"error: {path} has sha256 {digest}, expected {expected}; "
-                 "delete it and run again")
+        sys.exit(f"error: {path} has sha256 {digest}, expected {expected}; delete it and run again")
 
 
 def find_deb(cache: str, pkg: str) -> str | None:
@@ -52,7 +51,7 @@ def find_deb(cache: str, pkg: str) -> str | None:
 
 def deb_version(path: str) -> str:
     """Package version from a .deb file name as apt-get download writes it (`pkg_1%3a2.0_all.deb`)."""
-    name = os.path.basename(path)[:-len(".deb")]
+    name = os.path.basename(path)[: -len(".deb")]
     return urllib.parse.unquote(name.split("_")[1])
 
 
@@ -75,14 +74,13 @@ def ensure_debs(cache: str, packages: Iterable[str]) -> dict:
 def extract(deb: str, dest_root: str, patterns: Sequence[str]) -> str:
     """Extract the members matching the tar wildcards `patterns` of `deb` into
     `dest_root/<deb name>/` (once: a `.extracted` marker is left) and return that folder."""
-    dest = os.path.join(dest_root, os.path.basename(deb)[:-len(".deb")])
+    dest = os.path.join(dest_root, os.path.basename(deb)[: -len(".deb")])
     marker = os.path.join(dest, ".extracted")
     if os.path.exists(marker):
         return dest
     os.makedirs(dest, exist_ok=True)
     deb_p = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
-    tar = subprocess.run(["tar", "-x", "-C", dest, "--wildcards", "--no-same-owner", *patterns],
-                         stdin=deb_p.stdout)
+    tar = subprocess.run(["tar", "-x", "-C", dest, "--wildcards", "--no-same-owner", *patterns], stdin=deb_p.stdout)
     deb_p.stdout.close()
     if deb_p.wait() != 0 or tar.returncode != 0:
         sys.exit(f"extracting {deb} failed")
@@ -113,8 +111,7 @@ def write_gz(path: str, lines: Iterable[str]) -> None:
             gz.write(data)
 
 
-def edit_stats(src: Sequence[str], tgt: Sequence[str], *,
-               spacing_only_counts: bool = False) -> dict:
+def edit_stats(src: Sequence[str], tgt: Sequence[str], *, spacing_only_counts: bool = False) -> dict:
     """Unchanged rate, token similarity and edit counts over aligned source/target pairs.
 
     Tokens are whitespace-split words; edits are the non-equal difflib opcodes between the

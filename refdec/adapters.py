@@ -33,10 +33,18 @@ class EarlyExit(nn.Module):
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         p = next(self.base.parameters())  # the target embedding's: the model's device and dtype (a route's too)
-        return KVCache(self.layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype)
+        return KVCache(
+            self.layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype
+        )
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,
-                      real: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(
+        self,
+        tgt_new: torch.Tensor,
+        memory: Memory,
+        cache: KVCache,
+        open_from: int | torch.Tensor | None = None,
+        real: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.base.decode_hidden(tgt_new, memory, cache, open_from=open_from, layers=self.layers, real=real)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -61,7 +69,9 @@ class SharedEncoder(nn.Module):
         if small.cfg.enc_layers:
             raise ValueError("SharedEncoder takes a decoder without an encoder (enc_layers 0)")
         if small.cfg.memory_dim != base.cfg.d_model:
-            raise ValueError(f"the decoder reads states of width {small.cfg.memory_dim}, the encoder gives {base.cfg.d_model}")
+            raise ValueError(
+                f"the decoder reads states of width {small.cfg.memory_dim}, the encoder gives {base.cfg.d_model}"
+            )
         self.small, self.base, self.cfg = small, base, small.cfg
         self.train(small.training)
 
@@ -75,8 +85,14 @@ class SharedEncoder(nn.Module):
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         return self.small.new_cache(batch, capacity)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from: int | torch.Tensor | None = None,
-                      real: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(
+        self,
+        tgt_new: torch.Tensor,
+        memory: Memory,
+        cache: KVCache,
+        open_from: int | torch.Tensor | None = None,
+        real: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.small.decode_hidden(tgt_new, memory, cache, open_from=open_from, real=real)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

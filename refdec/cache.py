@@ -19,15 +19,13 @@ append their keys and values through it, and its `commit` advances the cache.
 Storage is preallocated, (layers, B, H, capacity, Dh), zeroed as calls reach it, and grows by
 doubling, so appending a token never copies the cache.
 
-Lengths. While every row holds the same number of positions (greedy and beam advance all rows
-together) the cache is uniform: `length` is that one number and append writes one slice. A batched verification step commits a different number of tokens per row; truncating
-to per-row lengths makes the cache ragged: `lengths` (B,) holds each row's own length, `end` the
-longest, and `length` refuses to answer (a caller that wants one offset for every row would read a
-wrong one). Row b's storage past lengths[b] is stale, a rejected tail or nothing at all, and is
-never attended: the model blocks every key past lengths[b] + i for new query i of row b
-(ragged_block).
-The cache becomes uniform again as soon as its rows agree (a truncate or select that leaves equal
-lengths), so a batch of one is never ragged.
+Lengths. While every row holds the same number of positions (greedy and beam advance all rows together) the cache is
+uniform: `length` is that one number and append writes one slice. A batched verification step commits a different number
+of tokens per row; truncating to per-row lengths makes the cache ragged: `lengths` (B,) holds each row's own length,
+`end` the longest, and `length` refuses to answer (a caller that wants one offset for every row would read a wrong one).
+Row b's storage past lengths[b] is stale, a rejected tail or nothing at all, and is never attended: the model blocks
+every key past lengths[b] + i for new query i of row b (ragged_block). The cache becomes uniform again as soon as its
+rows agree (a truncate or select that leaves equal lengths), so a batch of one is never ragged.
 
 Hidden prefix. A model with forced decoder tokens (refdec.config.ModelConfig.decoder_prefix) keeps
 them in storage positions [0, prefix) of every row, below position 0 as decoders count it: lengths,
@@ -52,8 +50,17 @@ from .forced import after_start
 
 
 class KVCache:
-    def __init__(self, n_layers: int, batch: int, n_heads: int, head_dim: int, capacity: int = 64,
-                 *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_heads: int,
+        head_dim: int,
+        capacity: int = 64,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         shape = (n_layers, batch, n_heads, max(1, capacity), head_dim)
         self.k = torch.empty(shape, device=device, dtype=dtype)  # zeroed as the calls reach it (_reserve)
         self.v = torch.empty(shape, device=device, dtype=dtype)
@@ -123,8 +130,8 @@ class KVCache:
                 setattr(self, name, new)
             self._zeroed = used
         if needed > self._zeroed:
-            self.k[:, :, :, self._zeroed:needed] = 0
-            self.v[:, :, :, self._zeroed:needed] = 0
+            self.k[:, :, :, self._zeroed : needed] = 0
+            self.v[:, :, :, self._zeroed : needed] = 0
             self._zeroed = needed
 
     # -- verbs ----------------------------------------------------------------------------------
@@ -144,7 +151,9 @@ class KVCache:
         else:
             k, v = k.to(self.k.dtype), v.to(self.v.dtype)
             B, H, _, Dh = k.shape
-            pos = self.prefix + self._lengths[:, None] + torch.arange(q, device=k.device)  # (B, q) each row's own offsets
+            pos = (
+                self.prefix + self._lengths[:, None] + torch.arange(q, device=k.device)
+            )  # (B, q) each row's own offsets
             index = pos[:, None, :, None].expand(B, H, q, Dh)
             self.k[layer].scatter_(2, index, k)  # self.k[layer] is a view: written in place
             self.v[layer].scatter_(2, index, v)
@@ -225,8 +234,13 @@ class KVCache:
         other.prefix = self.prefix
         return other
 
-    def place(self, tgt_new: torch.Tensor, prefix: tuple[int, ...] = (), open_from: int | torch.Tensor | None = None,
-              real: torch.Tensor | None = None) -> NewPositions:
+    def place(
+        self,
+        tgt_new: torch.Tensor,
+        prefix: tuple[int, ...] = (),
+        open_from: int | torch.Tensor | None = None,
+        real: torch.Tensor | None = None,
+    ) -> NewPositions:
         """Open a decoder call of tgt_new (B, q) on this cache: the model's forced decoder tokens
         `prefix` put in (forced_tokens), their positions, the self-attention mask (causal_block, or
         ragged_block per row; with `open_from` = j, new positions j .. q-1 see every new position of
@@ -240,7 +254,9 @@ class KVCache:
         else:  # one new token in a uniform cache sees every cached key: no mask, the greedy step stays lean
             offset = self.prefix + self._end
             block = causal_block(q, offset, tokens.device, open_from) if q > 1 else None
-        is_real = None if real is None else torch.arange(q, device=tokens.device)[None, :] < real.to(tokens.device)[:, None]
+        is_real = (
+            None if real is None else torch.arange(q, device=tokens.device)[None, :] < real.to(tokens.device)[:, None]
+        )
         return NewPositions(tokens, offset, block, is_real, real, keys, forced, self)
 
     def __repr__(self) -> str:
@@ -329,10 +345,12 @@ class NewPositions:
             self.cache.advance(self.tokens.shape[1])
             if self.forced:
                 self.cache.hide(self.forced)
-        return x[:, self.forced:]
+        return x[:, self.forced :]
 
 
-def teacher_forced(tgt: torch.Tensor, prefix: tuple[int, ...] = (), self_block: torch.Tensor | None = None) -> NewPositions:
+def teacher_forced(
+    tgt: torch.Tensor, prefix: tuple[int, ...] = (), self_block: torch.Tensor | None = None
+) -> NewPositions:
     """A whole target sequence tgt (B, T), starting with the start token, fed at once without a cache
     (training): the forced tokens `prefix` after the start token, causal attention unless
     `self_block` (T, T) or (B, 1, T, T) replaces it."""
@@ -355,8 +373,13 @@ def causal_block(q_len: int, offset: int, device: torch.device, open_from: int |
     return blocked
 
 
-def ragged_block(offset: torch.Tensor, q_len: int, keys: int, open_from: int | torch.Tensor | None = None,
-                 real: torch.Tensor | None = None) -> torch.Tensor:
+def ragged_block(
+    offset: torch.Tensor,
+    q_len: int,
+    keys: int,
+    open_from: int | torch.Tensor | None = None,
+    real: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(B, 1, q, keys) mask, True = blocked, for rows whose new queries start at different positions
     offset (B,): query i of row b sees keys 0 .. offset[b] + i and nothing else, since past them lie
     another row's longer history or this row's rejected tail, which must not enter its softmax. With
@@ -371,8 +394,13 @@ def ragged_block(offset: torch.Tensor, q_len: int, keys: int, open_from: int | t
     return (torch.arange(keys, device=offset.device) > last_key[:, :, None])[:, None]
 
 
-def forced_tokens(prefix: tuple[int, ...], tgt_new: torch.Tensor, cache: KVCache,
-                  open_from: int | torch.Tensor | None, real: torch.Tensor | None):
+def forced_tokens(
+    prefix: tuple[int, ...],
+    tgt_new: torch.Tensor,
+    cache: KVCache,
+    open_from: int | torch.Tensor | None,
+    real: torch.Tensor | None,
+):
     """A decoder call's input with the model's forced decoder tokens `prefix` (P of them, an imported
     model's language code) where they belong -> (tgt_new, forced, open_from, real), `forced` the
     positions to hide in the cache after the call (refdec.forced).

@@ -50,25 +50,34 @@ def save_atomic(obj: dict, path: str | Path) -> None:
 def load_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():  # train.py's output folder given for the model.pt in it
-        inside = f": give the checkpoint in it, {path / 'model.pt'}" if (path / "model.pt").is_file() else \
-            " with no model.pt in it: give a checkpoint file (a model.pt written by train.py)"
+        inside = (
+            f": give the checkpoint in it, {path / 'model.pt'}"
+            if (path / "model.pt").is_file()
+            else " with no model.pt in it: give a checkpoint file (a model.pt written by train.py)"
+        )
         raise CheckpointError(f"{path} is a folder{inside}")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found")
     with open(path, "rb") as f:
         head = f.read(4)
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a legacy pickle
-        raise CheckpointError(f"{path} is not a checkpoint (a model.pt written by train.py); "
-                              f"give the model.pt file of a checkpoint folder")
+        raise CheckpointError(
+            f"{path} is not a checkpoint (a model.pt written by train.py); "
+            f"give the model.pt file of a checkpoint folder"
+        )
     size = path.stat().st_size
     if head.startswith(b"PK") and not zipfile.is_zipfile(path):  # a zip's directory is at its end: cut off
-        raise CheckpointError(f"{path} is truncated or not a checkpoint ({size:,} bytes, and no zip directory at "
-                              f"its end, where a whole checkpoint file has one): copy or download it again")
+        raise CheckpointError(
+            f"{path} is truncated or not a checkpoint ({size:,} bytes, and no zip directory at "
+            f"its end, where a whole checkpoint file has one): copy or download it again"
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file, a foreign pickle
-        raise CheckpointError(f"{path} is truncated, damaged or not a checkpoint ({size:,} bytes; torch cannot read it: "
-                              f"{type(e).__name__}: {first_line(e, 160)})") from None
+        raise CheckpointError(
+            f"{path} is truncated, damaged or not a checkpoint ({size:,} bytes; torch cannot read it: "
+            f"{type(e).__name__}: {first_line(e, 160)})"
+        ) from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a refdec checkpoint (format {FORMAT})")
     if "frozen_base" in checkpoint and "model" not in checkpoint:
@@ -83,8 +92,9 @@ def referenced_file(path: str | Path, spec: dict, role: str) -> Path:
     if not target.is_file():
         raise CheckpointError(f"{path} {role} {target}, which is not there")
     if file_sha256(target) != spec["sha256"]:
-        raise CheckpointError(f"{target} is not the model {path} was trained on (its sha256 differs); "
-                              f"retrain {path} on it")
+        raise CheckpointError(
+            f"{target} is not the model {path} was trained on (its sha256 differs); retrain {path} on it"
+        )
     return target
 
 
@@ -95,7 +105,11 @@ def frozen_base(path: str | Path, checkpoint: dict) -> dict:
     base_path = referenced_file(path, checkpoint["frozen_base"], "holds proposal heads on the frozen model")
     base = load_checkpoint(base_path)
     shape = model_shape(base)
-    if base.get("tokenizer_sha256") != checkpoint.get("tokenizer_sha256") or shape is None or shape != model_shape(checkpoint):
+    if (
+        base.get("tokenizer_sha256") != checkpoint.get("tokenizer_sha256")
+        or shape is None
+        or shape != model_shape(checkpoint)
+    ):
         raise CheckpointError(f"{base_path} does not have the shape and vocabulary of the heads in {path}")
     return base
 
@@ -123,12 +137,20 @@ def model_state(model: Transformer, half: bool = False) -> dict:
     return state
 
 
-def make_checkpoint(model: Transformer, task: str, tokenizer: Tokenizer, step: int, meta: dict | None = None,
-                    half: bool = False) -> dict:
+def make_checkpoint(
+    model: Transformer, task: str, tokenizer: Tokenizer, step: int, meta: dict | None = None, half: bool = False
+) -> dict:
     """half=True for shipped files: half the size, loaded back in the dtype the caller asks for."""
     state = model_state(model, half)
-    return {"format": FORMAT, "task": task, "model_config": model.cfg.to_dict(), "model": state,
-            "tokenizer_sha256": tokenizer.sha256, "step": step, "meta": dict(meta or {})}
+    return {
+        "format": FORMAT,
+        "task": task,
+        "model_config": model.cfg.to_dict(),
+        "model": state,
+        "tokenizer_sha256": tokenizer.sha256,
+        "step": step,
+        "meta": dict(meta or {}),
+    }
 
 
 def average_states(states: list[dict]) -> dict:
@@ -152,9 +174,15 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def load_model(path: str | Path, *, task: str | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None,
-               loaded: dict[str, Transformer] | None = None) -> tuple[Transformer, Tokenizer, dict]:
+def load_model(
+    path: str | Path,
+    *,
+    task: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tokenizer_path: str | Path | None = None,
+    loaded: dict[str, Transformer] | None = None,
+) -> tuple[Transformer, Tokenizer, dict]:
     """Model (in eval mode) + its tokenizer (tokenizer.json beside the checkpoint unless given).
 
     A decoder trained on another model's encoder (train.py's encoder_from) comes back as a
@@ -173,8 +201,9 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: its model config cannot be read: {first_line(e, 200)}") from None
     try:  # refdec's own vocabulary, or an imported model's with its special ids (refdec.hf.convert)
-        tokenizer = Tokenizer.for_model(tok_path.read_text(encoding="utf-8"), pad_id=cfg.pad_id, bos_id=cfg.bos_id,
-                                        eos_id=cfg.eos_id)
+        tokenizer = Tokenizer.for_model(
+            tok_path.read_text(encoding="utf-8"), pad_id=cfg.pad_id, bos_id=cfg.bos_id, eos_id=cfg.eos_id
+        )
     except Exception as e:
         raise CheckpointError(f"cannot load tokenizer {tok_path}: {first_line(e, 200)}") from None
     if tokenizer.sha256 != checkpoint.get("tokenizer_sha256"):
@@ -185,16 +214,27 @@ def load_model(path: str | Path, *, task: str | None = None, device: str | torch
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: model weights do not fit its config: {first_line(e, 200)}") from None
     # an imported model may have more embeddings than tokens (t5-small: 32,128 for 32,100), never fewer
-    if cfg.vocab_size != tokenizer.vocab_size and not (checkpoint.get("imported") and cfg.vocab_size > tokenizer.vocab_size):
+    if cfg.vocab_size != tokenizer.vocab_size and not (
+        checkpoint.get("imported") and cfg.vocab_size > tokenizer.vocab_size
+    ):
         raise CheckpointError(f"{path} has {cfg.vocab_size} embeddings but {tok_path} {tokenizer.vocab_size} tokens")
     model.to(device=device, dtype=dtype).eval()
     if "shared_encoder" in checkpoint:
-        model = SharedEncoder(model, load_shared_encoder(path, checkpoint, tokenizer, task, device, dtype, loaded)).eval()
+        model = SharedEncoder(
+            model, load_shared_encoder(path, checkpoint, tokenizer, task, device, dtype, loaded)
+        ).eval()
     return model, tokenizer, checkpoint
 
 
-def load_shared_encoder(path: str | Path, checkpoint: dict, tokenizer: Tokenizer, task, device, dtype,
-                        loaded: dict[str, Transformer] | None = None) -> Transformer:
+def load_shared_encoder(
+    path: str | Path,
+    checkpoint: dict,
+    tokenizer: Tokenizer,
+    task,
+    device,
+    dtype,
+    loaded: dict[str, Transformer] | None = None,
+) -> Transformer:
     """The model whose encoder the decoder of checkpoint `path` reads."""
     spec = checkpoint["shared_encoder"]
     enc_path = referenced_file(path, spec, "reads the encoder of")

@@ -63,7 +63,9 @@ class ModelConfig:
     bias: bool = True  # biases in every linear map (T5's have none)
     d_head: int = 0  # the width of one attention head (0 = d_model / n_heads); T5's d_kv, free of d_model
     scale_attention: bool = True  # Eq. 1's 1/sqrt(d_k); T5 has none (T5Attention.scaling = 1.0)
-    scale_embeddings: bool = True  # section 3.4's embeddings x sqrt(d_model); config scale_embedding (BART false), T5 none
+    scale_embeddings: bool = (
+        True  # section 3.4's embeddings x sqrt(d_model); config scale_embedding (BART false), T5 none
+    )
     embed_norm: bool = False  # a LayerNorm on embeddings + positions, per side (BART/mBART layernorm_embedding)
     logits_bias: bool = False  # a bias on the logits (BART/mBART/Marian final_logits_bias)
     # The decoder output x d_model^-0.5 before the vocabulary projection: T5 v1.0's tied head
@@ -88,8 +90,10 @@ class ModelConfig:
         if self.enc_layers < 0 or self.dec_layers < 1:
             raise ValueError("enc_layers must be at least 0 (0 = another model's encoder) and dec_layers at least 1")
         if self.enc_layers and self.d_memory not in (0, self.d_model):
-            raise ValueError(f"a model with its own encoder reads states of width d_model={self.d_model}, "
-                             f"not d_memory={self.d_memory}")
+            raise ValueError(
+                f"a model with its own encoder reads states of width d_model={self.d_model}, "
+                f"not d_memory={self.d_memory}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -194,15 +198,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._check_ranges()
         if self.tokenizer_from and self.init_from:
-            raise ValueError("tokenizer_from and init_from exclude each other: the starting model brings its vocabulary")
+            raise ValueError(
+                "tokenizer_from and init_from exclude each other: the starting model brings its vocabulary"
+            )
         if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be {', '.join(COMPILE_MODES[:-1])} or {COMPILE_MODES[-1]}, not {self.compile!r}")
+            raise ValueError(
+                f"compile must be {', '.join(COMPILE_MODES[:-1])} or {COMPILE_MODES[-1]}, not {self.compile!r}"
+            )
         if self.pick not in PICKS:
             raise ValueError(f"pick must be {', '.join(PICKS[:-1])} or {PICKS[-1]}, not {self.pick!r}")
         if (self.pick == "tokens-per-call" or self._changed("speed_sentences")) and not (
-                self.drafter_k or self.proposal_k):
-            raise ValueError("pick tokens-per-call and speed_sentences need drafter_k or proposal_k (a drafter's "
-                             "or the heads' decoder gives the tokens per call)")
+            self.drafter_k or self.proposal_k
+        ):
+            raise ValueError(
+                "pick tokens-per-call and speed_sentences need drafter_k or proposal_k (a drafter's "
+                "or the heads' decoder gives the tokens per call)"
+            )
         self._check_heads()
         self._check_drafter()
         self._check_early_exit()
@@ -231,8 +242,9 @@ class TrainConfig:
         """The block drafter (drafter_k, its layout and the glancing schedule)."""
         if self.drafter_k < 0 or (self.drafter_k and self.proposal_k):
             raise ValueError("drafter_k must be 0 or positive, and a drafter cannot also train proposal heads")
-        if not self.drafter_k and self._changed("drafter_layout", "glancing_start", "glancing_end",
-                                                "glancing_decay_steps"):
+        if not self.drafter_k and self._changed(
+            "drafter_layout", "glancing_start", "glancing_end", "glancing_decay_steps"
+        ):
             raise ValueError("drafter_layout and the glancing options need drafter_k (they shape the drafter)")
         if self.drafter_layout not in DRAFTER_LAYOUTS:
             raise ValueError(f"drafter_layout must be {' or '.join(DRAFTER_LAYOUTS)}, not {self.drafter_layout!r}")
@@ -244,8 +256,10 @@ class TrainConfig:
     def _check_shared_encoder(self) -> None:
         """A decoder on encoder_from's frozen encoder, the only kind of model without an encoder."""
         if self.encoder_from and (self.enc_layers or self.tokenizer_from or self.proposal_k or self.early_exit):
-            raise ValueError("encoder_from needs enc_layers 0 (the encoder is the other model's), brings its "
-                             "vocabulary (no tokenizer_from) and trains a plain decoder or a drafter")
+            raise ValueError(
+                "encoder_from needs enc_layers 0 (the encoder is the other model's), brings its "
+                "vocabulary (no tokenizer_from) and trains a plain decoder or a drafter"
+            )
         if not self.encoder_from and self.enc_layers < 1:
             raise ValueError("enc_layers 0 needs encoder_from: the checkpoint whose encoder the model reads")
 
@@ -258,10 +272,30 @@ class TrainConfig:
     def _check_ranges(self) -> None:
         """Every number within what training can use: a bad value is one clear error, not a crash or
         a run that silently does nothing (a NaN fails every comparison, so it is refused too)."""
-        at_least = {"vocab_size": 16, "d_model": 1, "n_heads": 1, "d_ff": 1, "max_positions": 2, "max_train_len": 1,
-                    "batch_tokens": 1, "warmup_steps": 1, "max_steps": 1, "eval_every": 1, "keep_last": 1,
-                    "log_every": 1, "glancing_decay_steps": 1, "eval_sentences": 0, "train_limit": 0, "threads": 0,
-                    "speed_sentences": 1, "pass_tokens": 0, "seed": 0, "proposal_d_ff": 0, "dev_limit": 0, "time_limit_min": 0}
+        at_least = {
+            "vocab_size": 16,
+            "d_model": 1,
+            "n_heads": 1,
+            "d_ff": 1,
+            "max_positions": 2,
+            "max_train_len": 1,
+            "batch_tokens": 1,
+            "warmup_steps": 1,
+            "max_steps": 1,
+            "eval_every": 1,
+            "keep_last": 1,
+            "log_every": 1,
+            "glancing_decay_steps": 1,
+            "eval_sentences": 0,
+            "train_limit": 0,
+            "threads": 0,
+            "speed_sentences": 1,
+            "pass_tokens": 0,
+            "seed": 0,
+            "proposal_d_ff": 0,
+            "dev_limit": 0,
+            "time_limit_min": 0,
+        }
         for name, low in at_least.items():
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= low and math.isfinite(value)):
@@ -278,9 +312,16 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int, d_memory: int = 0) -> ModelConfig:
         return ModelConfig(
-            vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
-            enc_layers=self.enc_layers, dec_layers=self.dec_layers, dropout=self.dropout,
-            norm_first=self.norm_first, max_positions=self.max_positions, d_memory=d_memory,
+            vocab_size=vocab_size,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            d_ff=self.d_ff,
+            enc_layers=self.enc_layers,
+            dec_layers=self.dec_layers,
+            dropout=self.dropout,
+            norm_first=self.norm_first,
+            max_positions=self.max_positions,
+            d_memory=d_memory,
         )
 
     def replace(self, **changes) -> TrainConfig:

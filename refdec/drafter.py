@@ -66,20 +66,21 @@ def block_batch(targets: list[list[int]], k: int, prefix_lens: list[int], layout
     for r, (y, p) in enumerate(zip(targets, prefix_lens)):
         n = 1 + p + k
         inp[r, :n] = torch.tensor([BOS_ID] + y[:p] + [MASK_ID] * k)
-        block = (y + [EOS_ID])[p:p + k]
-        gold[r, 1 + p:1 + p + len(block)] = torch.tensor(block, dtype=torch.long)
+        block = (y + [EOS_ID])[p : p + k]
+        gold[r, 1 + p : 1 + p + len(block)] = torch.tensor(block, dtype=torch.long)
         if layout == "bidirectional":
             blocked[r, :n, :n] = False
         else:
             i = torch.arange(n)
             blocked[r, :n, :n] = i[None, :] > i[:, None]  # causal prefix
-            blocked[r, 1 + p:n, :n] = False  # the masks see everything
+            blocked[r, 1 + p : n, :n] = False  # the masks see everything
         blocked[r, n:, 0] = False  # padding rows: attend to something (their output is ignored)
     return inp, gold, blocked[:, None]
 
 
-def glance(inp: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, ratio: float,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def glance(
+    inp: torch.Tensor, gold: torch.Tensor, pred: torch.Tensor, ratio: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reveal ceil(ratio x wrong) gold tokens per row at random block positions.
 
     Returns (new input, loss targets): revealed positions carry the gold token in the input and PAD
@@ -101,15 +102,17 @@ def glancing_ratio(step: int, start: float, end: float, decay_steps: int) -> flo
     return start + (end - start) * min(step / decay_steps, 1.0)
 
 
-def draft_block(drafter: Transformer, memory: Memory, cache: KVCache | None, sequence: list[int], k: int,
-                layout: str) -> list[int]:
+def draft_block(
+    drafter: Transformer, memory: Memory, cache: KVCache | None, sequence: list[int], k: int, layout: str
+) -> list[int]:
     """The drafter's k tokens after `sequence` (bos + verified output), argmax at each mask; fewer
-(none at all) where the drafter's positions end: `draft_blocks` for one row."""
+    (none at all) where the drafter's positions end: `draft_blocks` for one row."""
     return draft_blocks(drafter, memory, cache, [sequence], k, layout)[0]
 
 
-def draft_blocks(drafter: Transformer, memory: Memory, cache: KVCache | None, sequences: list[list[int]], k: int,
-                 layout: str) -> list[list[int]]:
+def draft_blocks(
+    drafter: Transformer, memory: Memory, cache: KVCache | None, sequences: list[list[int]], k: int, layout: str
+) -> list[list[int]]:
     """draft_block for every batch row of memory (and cache) in one drafter call: row b drafts after
     sequences[b]. Rows of different lengths are right-padded; each row's block of masks is open
     within the row only (its padding stays out), and only real positions are read.
@@ -134,8 +137,13 @@ def draft_blocks(drafter: Transformer, memory: Memory, cache: KVCache | None, se
     if len(sequences) == 1:
         hidden = drafter.decode_hidden(inp, memory, cache, open_from=len(todo[0]))
     else:
-        hidden = drafter.decode_hidden(inp, memory, cache, open_from=torch.tensor([len(t) for t in todo], device=device),
-                                       real=torch.tensor(real, device=device))
+        hidden = drafter.decode_hidden(
+            inp,
+            memory,
+            cache,
+            open_from=torch.tensor([len(t) for t in todo], device=device),
+            real=torch.tensor(real, device=device),
+        )
     if layout == "causal":
         kept = [min(len(s), limit) for s in sequences]
         cache.truncate(kept[0] if len(kept) == 1 else kept)
@@ -144,6 +152,6 @@ def draft_blocks(drafter: Transformer, memory: Memory, cache: KVCache | None, se
     picked = drafter.project(hidden[rows, cols][None])[0].argmax(dim=-1).tolist()  # every row's masks, in order
     out, at = [], 0
     for n in ks:
-        out.append(picked[at:at + n])
+        out.append(picked[at : at + n])
         at += n
     return out

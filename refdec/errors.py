@@ -33,8 +33,9 @@ def first_line(e: BaseException, limit: int | None = None) -> str:
     return text[:limit] if limit else text
 
 
-def run_command(body: Callable[[], int], *, known: tuple[type[BaseException], ...] = (),
-                interrupted: str = "interrupted") -> int:
+def run_command(
+    body: Callable[[], int], *, known: tuple[type[BaseException], ...] = (), interrupted: str = "interrupted"
+) -> int:
     """Run a command's body and turn what it raises into one line on stderr and an exit status.
 
     known: the error types (beside UsageError and CheckpointError) that the user can fix: printed as

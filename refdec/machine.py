@@ -50,8 +50,11 @@ def decode_bytes(cfg, rows: int, src_len: int, out_len: int, itemsize: int) -> i
     """A rough peak of the memory decoding `rows` rows at once takes (beams count as rows): per row,
     every decoder layer's self-attention keys and values over the output and cross-attention ones
     over the source, the encoder's activations, and a few vocabulary-wide score rows."""
-    per_row = (cfg.dec_layers * 2 * (out_len + src_len) * cfg.d_model
-               + 2 * src_len * max(cfg.d_ff, 4 * cfg.d_model) + 4 * cfg.vocab_size)
+    per_row = (
+        cfg.dec_layers * 2 * (out_len + src_len) * cfg.d_model
+        + 2 * src_len * max(cfg.d_ff, 4 * cfg.d_model)
+        + 4 * cfg.vocab_size
+    )
     return rows * per_row * itemsize
 
 
@@ -72,8 +75,9 @@ class BusyCores:
     time less this process's own, over the wall time between two samples). `sample` and `sleep` are
     the clock and /proc/stat reader (replaceable, so that a test can drive a busy machine)."""
 
-    def __init__(self, sample: Callable[[], Sample | None] = proc_stat_sample,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self, sample: Callable[[], Sample | None] = proc_stat_sample, sleep: Callable[[float], None] = time.sleep
+    ):
         self.sample, self.sleep = sample, sleep
         self.start = sample()
 
@@ -118,9 +122,11 @@ def fit_threads(others: float | None) -> str | None:
     if chosen == threads:
         return None
     torch.set_num_threads(chosen)
-    return (f"using {chosen} thread(s), not {threads}: other processes keep about {others:.1f} of this machine's "
-            f"{usable_cores()} cores busy, and threads that wait for a busy core can make a run many times slower; "
-            f"--threads N overrides")
+    return (
+        f"using {chosen} thread(s), not {threads}: other processes keep about {others:.1f} of this machine's "
+        f"{usable_cores()} cores busy, and threads that wait for a busy core can make a run many times slower; "
+        f"--threads N overrides"
+    )
 
 
 def busy_warning(others: float | None, threads: int, cores: int, when: str) -> str | None:
@@ -128,10 +134,12 @@ def busy_warning(others: float | None, threads: int, cores: int, when: str) -> s
     busy (`when`: "keep" before the run, "kept" after it), or None when the run's threads fit."""
     if others is None or threads_fit(others, threads, cores):
         return None
-    return (f"other processes {when} about {others:.1f} of this machine's {cores} cores busy and this run "
-            f"uses {threads} thread(s): timings will not be reliable, and threads that wait for a busy core can "
-            f"make decoding many times slower; run alone"
-            + (f", or with --threads {default_threads(others, cores)}" if threads > 1 else ""))
+    return (
+        f"other processes {when} about {others:.1f} of this machine's {cores} cores busy and this run "
+        f"uses {threads} thread(s): timings will not be reliable, and threads that wait for a busy core can "
+        f"make decoding many times slower; run alone"
+        + (f", or with --threads {default_threads(others, cores)}" if threads > 1 else "")
+    )
 
 
 def check_device(name: str) -> torch.device:
@@ -146,8 +154,10 @@ def check_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: this machine has no CUDA device; use --device cpu")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise UsageError(
+            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
     return device
 
 
@@ -171,11 +181,20 @@ def environment(threads, device, dtype) -> dict:
     whether int8 products are fast on it, torch's version, the thread count (a list where a command
     times several), the device and dtype, the allocator, and what the routes' probes found in this run
     (`probes_made`)."""
-    return {"cpu": cpu_model(), "cpu_capability": cpu_capability(), "cpu_flags": reported_flags(),
-            "cpu_int8_products": "fast" if int8_products_fast() else "slow", "torch": torch.__version__,
-            "python": platform.python_version(), "machine": platform.machine(), "threads": threads,
-            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "allocator": allocator(),
-            "probes": probes_made()}
+    return {
+        "cpu": cpu_model(),
+        "cpu_capability": cpu_capability(),
+        "cpu_flags": reported_flags(),
+        "cpu_int8_products": "fast" if int8_products_fast() else "slow",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": threads,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "allocator": allocator(),
+        "probes": probes_made(),
+    }
 
 
 def probes_made() -> dict:
@@ -184,6 +203,7 @@ def probes_made() -> dict:
     may attend over sources of one length in one call (refdec.routes.fast.groupings_found).
     `python -m refdec machine` runs them all."""
     from .routes import fast, int8
+
     return {"int8_plans": int8.plans_made(), "grouped_attention": fast.groupings_found()}
 
 
@@ -191,8 +211,11 @@ def machine_line(threads) -> str:
     """The machine in one line, for a command's printed header: "AMD EPYC, torch 2.13.0+cpu, CPU capability
     AVX512 (avx512_vnni), 1 thread(s)"."""
     dot = ", ".join(f for f in reported_flags() or () if f in INT8_DOT_FLAGS)
-    return (f"{cpu_model()}, torch {torch.__version__}, CPU capability {cpu_capability()}"
-            + (f" ({dot})" if dot else "") + f", {threads} thread(s)")
+    return (
+        f"{cpu_model()}, torch {torch.__version__}, CPU capability {cpu_capability()}"
+        + (f" ({dot})" if dot else "")
+        + f", {threads} thread(s)"
+    )
 
 
 # -- the CPU, and where int8 products pay ----------------------------------------------------------------
@@ -255,9 +278,11 @@ def int8_warning(device, instead: str) -> str | None:
     AVX-512), ending with `instead`, what to run instead; None on a GPU or where they are fast."""
     if torch.device(device).type != "cpu" or int8_products_fast():
         return None
-    return (f"torch's int8 products are slow on this CPU ({cpu_model()}, CPU capability {cpu_capability()}; their "
-            f"fast kernel needs AVX-512): the int8 route will be several times slower than float32 here "
-            f"(docs/int8.md); {instead}")
+    return (
+        f"torch's int8 products are slow on this CPU ({cpu_model()}, CPU capability {cpu_capability()}; their "
+        f"fast kernel needs AVX-512): the int8 route will be several times slower than float32 here "
+        f"(docs/int8.md); {instead}"
+    )
 
 
 def warn_if_int8_slow(device, instead: str) -> str | None:
@@ -287,10 +312,14 @@ _allocator = "system"  # what this process's malloc does: "system" (the C librar
 
 def allocator_option(p, applies_to: str = "") -> None:
     """The --allocator flag of a command that times decoding (set by `set_allocator`)."""
-    p.add_argument("--allocator", default="keep", choices=ALLOCATORS,
-                   help="what the C allocator does with memory the run frees: keep = keep it for the next buffers "
-                        "(glibc; fewer page faults, the same values; docs/int8.md), system = the C library's "
-                        f"defaults (default keep){applies_to}")
+    p.add_argument(
+        "--allocator",
+        default="keep",
+        choices=ALLOCATORS,
+        help="what the C allocator does with memory the run frees: keep = keep it for the next buffers "
+        "(glibc; fewer page faults, the same values; docs/int8.md), system = the C library's "
+        f"defaults (default keep){applies_to}",
+    )
 
 
 def allocator() -> str:

@@ -13,6 +13,7 @@ The GEC scorer is in the spirit of the M2 scorer / ERRANT, but self-contained:
 No edit types or classification are used: an edit only counts if the span and the
 replacement match a gold edit exactly.
 """
+
 from __future__ import annotations
 
 import re
@@ -35,6 +36,7 @@ def tokenize(text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- BLEU / chrF
+
 
 def _ref_streams(hyps: Sequence[str], refs: Refs) -> list[list[str]]:
     """Normalise ``refs`` to sacrebleu's list of reference streams and check lengths.
@@ -68,6 +70,7 @@ def corpus_chrf(hyps: Sequence[str], refs: Refs) -> float:
 
 
 # ------------------------------------------------------------ alignment / edits
+
 
 def _distance_table(src: Sequence[str], tgt: Sequence[str]) -> list[list[int]]:
     """Plain O(n*m) Levenshtein DP table; ``d[i][j]`` = distance(src[:i], tgt[:j])."""
@@ -167,6 +170,7 @@ def edit_ratio(src: str, out: str) -> float:
 
 
 # ------------------------------------------------------------------ GEC P/R/F0.5
+
 
 def _prf(tp: int, fp: int, fn: int, beta: float = 0.5) -> tuple[float, float, float]:
     """Precision, recall, F_beta with the M2 conventions: P = 1 when nothing was

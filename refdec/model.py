@@ -15,16 +15,15 @@ and the parts they are made of, for callers that need what lies between them:
     forward = project(forward_hidden(src, tgt))       the same, teacher-forced
     early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
 
-The layers are torch's own (nn.Linear, nn.LayerNorm) and the attention and projection are computed
-as written here: this is the reference route, what a loaded checkpoint is and decode.py runs by
-default. Attention and the output product are modules of their own (ScaledDotProduct, OutputProduct,
-without parameters), like the linear layers and norms leaves of the module tree. The speed routes
-beside it (refdec.routes: other kernels for the same products, the fast and graphed routes, int8)
-wrap a model and compute the same mathematics another way, the model unchanged; this file knows
-nothing of them. A decoder call asks its cache where its new tokens go and what each may attend to
-(refdec.cache.KVCache.place); its layers append their keys and values through the answer. A model's forced decoder tokens
-(ModelConfig.decoder_prefix) are its own business (refdec.forced).
-Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head dim, D d_model, V vocab.
+The layers are torch's own (nn.Linear, nn.LayerNorm) and the attention and projection are computed as written here: this
+is the reference route, what a loaded checkpoint is and decode.py runs by default. Attention and the output product are
+modules of their own (ScaledDotProduct, OutputProduct, without parameters), like the linear layers and norms leaves of
+the module tree. The speed routes beside it (refdec.routes: other kernels for the same products, the fast and graphed
+routes, int8) wrap a model and compute the same mathematics another way, the model unchanged; this file knows nothing of
+them. A decoder call asks its cache where its new tokens go and what each may attend to (refdec.cache.KVCache.place);
+its layers append their keys and values through the answer. A model's forced decoder tokens (ModelConfig.decoder_prefix)
+are its own business (refdec.forced). Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head
+dim, D d_model, V vocab.
 """
 
 from __future__ import annotations
@@ -59,8 +58,14 @@ def position_table(cfg: ModelConfig) -> torch.Tensor:
     return sinusoidal_positions(cfg.max_positions, cfg.d_model)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
-              scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocked: torch.Tensor | None,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Scaled dot-product attention (section 3.2.1).
 
     q (B, H, q, Dh), k and v (B, H, L, Dh); blocked broadcasts to (B, H, q, L), True = may not attend.
@@ -81,8 +86,14 @@ class ScaledDotProduct(nn.Module):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        blocked: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return attention(q, k, v, blocked, self.scale, bias)
 
 
@@ -92,7 +103,9 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, d_kv: int = 0):
         super().__init__()  # d_kv: the width of the states keys and values are made from (0 = d_model)
-        D = cfg.d_model  # Dh = D / H, biases, scores scaled by 1/sqrt(Dh): the paper's, unless an imported family's cfg differs
+        D = (
+            cfg.d_model
+        )  # Dh = D / H, biases, scores scaled by 1/sqrt(Dh): the paper's, unless an imported family's cfg differs
         self.h, self.dh = cfg.n_heads, cfg.head_dim
         self.heads = ScaledDotProduct(None if cfg.scale_attention else 1.0)  # every head at once
         inner = self.h * self.dh
@@ -109,8 +122,14 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.split(self.wk(x)), self.split(self.wv(x))  # each (B, H, T, Dh)
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        x: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        blocked: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
         B, q_len, _ = x.shape
         out = self.heads(self.split(self.wq(x)), k, v, blocked, bias)  # (B, H, q, Dh)
@@ -161,6 +180,7 @@ class EncoderLayer(nn.Module):
         def self_attn(h):  # bias: T5's relative position bias
             k, v = self.attn.project_kv(h)
             return self.attn.attend(h, k, v, pad_block, bias)
+
         return self.sub2(self.sub1(x, self_attn), self.ff)
 
 
@@ -175,12 +195,15 @@ class DecoderLayer(nn.Module):
         self.ff = FeedForward(cfg)
         self.sub1, self.sub2, self.sub3 = Sublayer(cfg), Sublayer(cfg), Sublayer(cfg)
 
-    def forward(self, x: torch.Tensor, new: NewPositions, memory: Memory, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, new: NewPositions, memory: Memory, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x (B, q, D): the states of the new positions `new` (refdec.cache.NewPositions: their
         masks, and the cache their keys and values go into); `bias` T5's relative position bias. Every
         position takes every sublayer, as the paper writes it, a right-padded ragged batch's padding
         too (its states are never read: causal attention keeps them out of every real position, and
         the caller cuts them; the fast route skips the padding's feed-forward, refdec.routes.fast)."""
+
         def self_attn(h):  # over the cache's keys and values, these positions' own appended
             k, v = new.keys_values(self.index, *self.self_attn.project_kv(h))
             return self.self_attn.attend(h, k, v, new.self_block, bias)
@@ -210,8 +233,9 @@ class Transformer(nn.Module):
         D, V = cfg.d_model, cfg.vocab_size
         self.tgt_embed = nn.Embedding(V, D, padding_idx=cfg.pad_id)
         # enc_layers 0: no encoder and no source embedding of its own (SharedEncoder gives the states).
-        self.src_embed = (self.tgt_embed if cfg.tie_embeddings or not cfg.enc_layers
-                          else nn.Embedding(V, D, padding_idx=cfg.pad_id))
+        self.src_embed = (
+            self.tgt_embed if cfg.tie_embeddings or not cfg.enc_layers else nn.Embedding(V, D, padding_idx=cfg.pad_id)
+        )
         self.register_buffer("positions", position_table(cfg).to(self.tgt_embed.weight.dtype), persistent=False)
         # An imported family's (refdec.variants): learned tables, T5's relative biases, embedding norms
         self.src_positions, self.tgt_positions = learned_positions(cfg)
@@ -234,7 +258,7 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
-        nn.init.normal_(self.tgt_embed.weight, std=self.cfg.d_model ** -0.5)
+        nn.init.normal_(self.tgt_embed.weight, std=self.cfg.d_model**-0.5)
         with torch.no_grad():
             self.tgt_embed.weight[self.cfg.pad_id].zero_()
 
@@ -249,15 +273,23 @@ class Transformer(nn.Module):
         """Section 3.4 + 3.5: src (B, S) -> (B, S, D), at positions 0 .. S - 1."""
         return self._embed(src, 0, None, self.src_embed, self.src_positions, self.src_embed_norm)
 
-    def embed_target(self, tokens: torch.Tensor, offset: int | torch.Tensor,
-                     real: torch.Tensor | None = None) -> torch.Tensor:
+    def embed_target(
+        self, tokens: torch.Tensor, offset: int | torch.Tensor, real: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Section 3.4 + 3.5: tokens (B, T) -> (B, T, D), at positions offset .. offset + T - 1, offset one
         int or (B,) one per row (a ragged cache). With `real` (B,) real tokens per row, the padding's
         positions are clamped to the table's end (their states are never read): only real ones must fit."""
         return self._embed(tokens, offset, real, self.tgt_embed, self.tgt_positions, self.tgt_embed_norm)
 
-    def _embed(self, tokens: torch.Tensor, offset: int | torch.Tensor, real: torch.Tensor | None,
-               embedding: nn.Embedding, table: torch.Tensor | None, norm: nn.Module) -> torch.Tensor:
+    def _embed(
+        self,
+        tokens: torch.Tensor,
+        offset: int | torch.Tensor,
+        real: torch.Tensor | None,
+        embedding: nn.Embedding,
+        table: torch.Tensor | None,
+        norm: nn.Module,
+    ) -> torch.Tensor:
         T = tokens.shape[1]
         ends = offset + (T if real is None else real)
         top = int(ends.max()) if torch.is_tensor(ends) else ends
@@ -268,22 +300,23 @@ class Transformer(nn.Module):
             at = torch.as_tensor(offset, device=tokens.device).reshape(-1, 1) + torch.arange(T, device=tokens.device)
             pos = table[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
         else:
-            pos = table[offset:offset + T]
+            pos = table[offset : offset + T]
         x = norm(embedding(tokens) * (math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else 1.0) + pos)
         return self.drop(x) if self.training else x
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         """An empty cache for `batch` rows, in the model's dtype and on its device."""
         p = self.tgt_embed.weight
-        return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
-                       device=p.device, dtype=p.dtype)
+        return KVCache(
+            self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity, device=p.device, dtype=p.dtype
+        )
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied
         (section 3.4)."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
         if self.cfg.rescale_head:  # T5 v1.0's tied head reads d_model^-0.5 x the decoder's output
-            hidden = hidden * (self.cfg.d_model ** -0.5)
+            hidden = hidden * (self.cfg.d_model**-0.5)
         logits = self.output(hidden, W)
         return logits if self.logits_bias is None else logits + self.logits_bias
 
@@ -295,7 +328,9 @@ class Transformer(nn.Module):
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder alone: src (B, S) -> states (B, S, D) and src_pad (B, S), True at padding."""
         if not self.cfg.enc_layers:
-            raise ValueError("this model has no encoder of its own: it reads another model's (refdec.adapters.SharedEncoder)")
+            raise ValueError(
+                "this model has no encoder of its own: it reads another model's (refdec.adapters.SharedEncoder)"
+            )
         src = before_source(src, self.cfg.encoder_prefix)  # forced tokens (an NLLB model's language code)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = padding_block(src_pad)  # (B, 1, 1, S) keys that are padding
@@ -309,9 +344,15 @@ class Transformer(nn.Module):
         reads: its cross-attention keys and values, computed once per source."""
         return Memory(states, src_pad, [layer.cross_attn.project_kv(states) for layer in self.decoder])
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
-                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
-                      real: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(
+        self,
+        tgt_new: torch.Tensor,
+        memory: Memory,
+        cache: KVCache,
+        open_from: int | torch.Tensor | None = None,
+        layers: int | None = None,
+        real: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tgt_new (B, q) tokens at positions [cache.lengths[b], cache.lengths[b] + q) of row b ->
         final states (B, q, D).
 
@@ -337,8 +378,9 @@ class Transformer(nn.Module):
         """Teacher forcing without a cache: src (B, S), tgt (B, T) starting with bos -> logits (B, T, V)."""
         return self.project(self.forward_hidden(src, tgt))
 
-    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
-                       memory: Memory | None = None) -> torch.Tensor:
+    def forward_hidden(
+        self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None, memory: Memory | None = None
+    ) -> torch.Tensor:
         """forward() before the vocabulary projection: final decoder states (B, T, D). `self_block`
         (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's training).
         `memory` replaces encode(src) (a decoder on another model's encoder)."""
@@ -352,8 +394,9 @@ class Transformer(nn.Module):
         states = self._decoder_layers(src, tgt)
         return self.dec_norm(states[-1]), self.dec_norm(states[layers - 1])
 
-    def _decoder_layers(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
-                        memory: Memory | None = None) -> list[torch.Tensor]:
+    def _decoder_layers(
+        self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None, memory: Memory | None = None
+    ) -> list[torch.Tensor]:
         """Teacher forcing without a cache: the residual stream (B, T, D) after each decoder layer."""
         memory = self.encode(src) if memory is None else memory
         new = teacher_forced(tgt, self.cfg.decoder_prefix, self_block)  # the forced tokens in, their states dropped
@@ -362,7 +405,7 @@ class Transformer(nn.Module):
         states = []
         for layer in self.decoder:
             x = layer(x, new, memory, bias)
-            states.append(x[:, new.forced:])
+            states.append(x[:, new.forced :])
         return states
 
     def num_parameters(self) -> int:

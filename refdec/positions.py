@@ -28,7 +28,7 @@ def m2m100_positions(n: int, d: int, pad_id: int) -> torch.Tensor:
     emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1)
     if d % 2:
         emb = torch.cat([emb, torch.zeros(rows, 1)], dim=1)
-    return emb[pad_id + 1:].double()
+    return emb[pad_id + 1 :].double()
 
 
 def marian_positions(n: int, d: int) -> torch.Tensor:

@@ -28,8 +28,9 @@ class ProgressLine:
     one shows it is alive and how long it has left. `already`: units done by an earlier run that this
     one resumes, left out of the pace; the ETA assumes the rest goes at the pace so far."""
 
-    def __init__(self, total: int, unit: str, every: float = 5.0, *, already: int = 0,
-                 log: Callable[[str], None] = to_stderr):
+    def __init__(
+        self, total: int, unit: str, every: float = 5.0, *, already: int = 0, log: Callable[[str], None] = to_stderr
+    ):
         self.total, self.unit, self.every, self.already, self.log = total, unit, every, already, log
         self.start = self.last = time.monotonic()
 

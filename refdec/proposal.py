@@ -52,7 +52,7 @@ def head_targets(tgt_out: torch.Tensor, i: int) -> torch.Tensor:
     if i == 1:
         return tgt_out
     out = tgt_out.new_full(tgt_out.shape, PAD_ID)  # targets shorter than i - 1 tokens: all pad
-    out[:, : max(tgt_out.shape[1] - (i - 1), 0)] = tgt_out[:, i - 1:]
+    out[:, : max(tgt_out.shape[1] - (i - 1), 0)] = tgt_out[:, i - 1 :]
     return out
 
 
@@ -67,8 +67,10 @@ def head_logits(model, heads: ProposalHeads, hidden: torch.Tensor, i: int) -> to
 
 def proposal_state(heads: ProposalHeads, half: bool = False) -> dict:
     """What a checkpoint stores of the heads: their shape and weights."""
-    state = {k: (v.detach().to("cpu", copy=True).half() if half else v.detach().to("cpu", copy=True))
-             for k, v in heads.state_dict().items()}
+    state = {
+        k: (v.detach().to("cpu", copy=True).half() if half else v.detach().to("cpu", copy=True))
+        for k, v in heads.state_dict().items()
+    }
     return {"config": heads.config(), "state": state}
 
 

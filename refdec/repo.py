@@ -1,7 +1,8 @@
 """Where the repository's files are: REPO, the folder holding refdec/, data/ and checkpoints/; shown,
 a path as the user would type it; repo_file, a default that a command reads from it;
 check_not_shipped, the rule that keeps every command's output out of the shipped checkpoints/ and
-data/ (cache_folder, where caches go instead); install_hint, how to install an optional feature; check_files and list_files, the files a command needs in a copy of the repository (its --files)."""
+data/ (cache_folder, where caches go instead); install_hint, how to install an optional feature;
+check_files and list_files, the files a command needs in a copy of the repository (its --files)."""
 
 from __future__ import annotations
 
@@ -30,15 +31,20 @@ def repo_file(*parts: str, flag: str | None = None) -> Path:
     inside site-packages. `flag`: the option that gives the file instead."""
     if not (REPO / "data" / "build.py").is_file():
         instead = f"give {flag}, or " if flag else ""
-        raise UsageError(f"{Path(*parts).as_posix()} is in refdec's repository, and this refdec "
-                         f"({Path(__file__).parent}) is installed without it: {instead}run the command from a clone "
-                         f"of the repository installed with pip install -e .")
+        raise UsageError(
+            f"{Path(*parts).as_posix()} is in refdec's repository, and this refdec "
+            f"({Path(__file__).parent}) is installed without it: {instead}run the command from a clone "
+            f"of the repository installed with pip install -e ."
+        )
     return REPO.joinpath(*parts)
 
 
 # The optional features, as pyproject.toml's extras: what each one installs.
-EXTRAS = {"html": ("matplotlib",), "hf": ("transformers", "sentencepiece"),
-          "ctranslate2": ("ctranslate2", "transformers", "sentencepiece")}
+EXTRAS = {
+    "html": ("matplotlib",),
+    "hf": ("transformers", "sentencepiece"),
+    "ctranslate2": ("ctranslate2", "transformers", "sentencepiece"),
+}
 
 
 def install_hint(extra: str) -> str:
@@ -69,12 +75,13 @@ def cache_folder(*parts: str) -> Path:
 SHIPPED = {"checkpoints": "the shipped models", "data": "the shipped data sets"}
 
 
-def check_not_shipped(flag: str, path: str | Path, opt_in: tuple[str, bool] | None = None,
-                      instead: str = "another path") -> None:
+def check_not_shipped(
+    flag: str, path: str | Path, opt_in: tuple[str, bool] | None = None, instead: str = "another path"
+) -> None:
     """Refuse an output path that is, or lies in, the repository's checkpoints/ or data/, however it is
-    spelled (relative to the current folder, with `..`, through a symbolic link). A path inside one
-    passes only where the command has an opt-in flag and it was given (`opt_in`: its name, and whether
-    given: --overwrite of train.py, refdec.commands.distill and refdec.commands.train_drafters); the folder itself never.
+    spelled (relative to the current folder, with `..`, through a symbolic link). A path inside one passes only where
+    the command has an opt-in flag and it was given (`opt_in`: its name, and whether given: --overwrite of train.py,
+    refdec.commands.distill and refdec.commands.train_drafters); the folder itself never.
     `instead`: what the message suggests in its place."""
     p = Path(path).resolve()
     for name, what in SHIPPED.items():
@@ -92,8 +99,10 @@ def check_files(paths: list[str], command: str) -> None:
     missing = [p for p in paths if not (REPO / p).is_file()]
     if missing:
         repo_file(missing[0])
-        raise UsageError(f"{missing[0]} is not in this copy of the repository ({len(missing)} file(s) missing): "
-                         f"copy every file `{command} --files` lists")
+        raise UsageError(
+            f"{missing[0]} is not in this copy of the repository ({len(missing)} file(s) missing): "
+            f"copy every file `{command} --files` lists"
+        )
 
 
 def list_files(paths: list[str], command: str, max_bytes: int) -> int:
@@ -102,9 +111,12 @@ def list_files(paths: list[str], command: str, max_bytes: int) -> int:
     check_files(paths, command)
     total = sum((REPO / p).stat().st_size for p in paths)
     print("\n".join(paths))
-    print(f"{len(paths)} files, {total / 2**20:.1f} MiB ({total:,} bytes; at most {max_bytes / 2**20:.0f} MiB)",
-          file=sys.stderr)
+    print(
+        f"{len(paths)} files, {total / 2**20:.1f} MiB ({total:,} bytes; at most {max_bytes / 2**20:.0f} MiB)",
+        file=sys.stderr,
+    )
     if total > max_bytes:
-        raise UsageError(f"the files come to {total / 2**20:.1f} MiB, more than the {max_bytes / 2**20:.0f} MiB a copy "
-                         f"may hold")
+        raise UsageError(
+            f"the files come to {total / 2**20:.1f} MiB, more than the {max_bytes / 2**20:.0f} MiB a copy may hold"
+        )
     return 0

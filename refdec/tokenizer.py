@@ -73,8 +73,11 @@ class Tokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         )
         tok.train_from_iterator(texts, trainer=trainer)
         # The specials stay in the BPE vocabulary (ids 0-4) but are not "added tokens": added tokens
@@ -140,8 +143,9 @@ class MarianPieces:
         try:
             import sentencepiece
         except ImportError:
-            raise ImportError(f"an opus-mt folder without tokenizer.json needs the sentencepiece package "
-                              f"({install_hint('hf')})") from None
+            raise ImportError(
+                f"an opus-mt folder without tokenizer.json needs the sentencepiece package ({install_hint('hf')})"
+            ) from None
         raw_spm, raw_vocab = Path(spm_path).read_bytes(), Path(vocab_path).read_bytes()
         self._sp = sentencepiece.SentencePieceProcessor(model_proto=raw_spm)
         self._ids: dict[str, int] = json.loads(raw_vocab)
@@ -154,7 +158,7 @@ class MarianPieces:
     def encode(self, text: str) -> list[int]:
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:  # MarianTokenizer.remove_language_code
-            code, text = [text[:end + 2]], text[end + 2:]
+            code, text = [text[: end + 2]], text[end + 2 :]
         return [self._ids.get(p, self.unk_id) for p in code + self._sp.encode(text, out_type=str)]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -45,17 +45,21 @@ class Step:
 
     @property
     def rejected(self) -> tuple[int, ...]:
-        return self.drafted[self.accepted:]
+        return self.drafted[self.accepted :]
 
     @property
     def committed(self) -> tuple[int, ...]:
         """The tokens this iteration added to the output (beam search commits none until the end)."""
-        return self.drafted[:self.accepted] + ((self.own,) if self.own is not None else ())
+        return self.drafted[: self.accepted] + ((self.own,) if self.own is not None else ())
 
 
 # Where a drafted token came from (Step.drafted_by), in the words of the terminal trace and the HTML page.
-DRAFTED_FROM = {"source": "copied from the source", "drafter": "drafted by the drafter",
-                "heads": "proposed by the heads", "small": "written by the small model"}
+DRAFTED_FROM = {
+    "source": "copied from the source",
+    "drafter": "drafted by the drafter",
+    "heads": "proposed by the heads",
+    "small": "written by the small model",
+}
 
 
 def how_drafted(s: Step) -> str:
@@ -83,6 +87,7 @@ def token_pieces(tokenizer):
                     text = tokenizer.tokens([t])[0]
                 memo[t] = (text.lstrip(" ") or text, text.startswith(" "))
         return memo[t]
+
     return piece
 
 
@@ -149,8 +154,11 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
 
     def tokens(ids, part: str) -> list[str]:  # each token's own text, painted, a space before each word's first
         ids = list(ids)
-        return [paint(part, " " * (i == w.start and piece(ids[i])[1]) + piece(ids[i])[0])
-                for w in words(ids, piece) for i in w]
+        return [
+            paint(part, " " * (i == w.start and piece(ids[i])[1]) + piece(ids[i])[0])
+            for w in words(ids, piece)
+            for i in w
+        ]
 
     head = f"[{index + 1}]"
     if algo == "greedy":  # a | between tokens
@@ -165,28 +173,32 @@ def trace_text(algo: str, index: int, steps: list[Step], tokenizer, *, colour: b
         lines = [f"{head} {iterations(len(steps))} for {sum(len(s.committed) for s in steps)} tokens"]
         for it, s in enumerate(steps, 1):
             how = how_drafted(s)
-            body = ((paint("accepted", f"[{text(s.drafted[:s.accepted])}]") + " " if s.accepted else "")
-                    + paint("own", own(s)))
+            body = (paint("accepted", f"[{text(s.drafted[: s.accepted])}]") + " " if s.accepted else "") + paint(
+                "own", own(s)
+            )
             lines.append(f"  {it:3d}  {body}    {paint('note', f'({how})')}")
         return "\n".join(lines)
     if algo == "gad":  # like table 17 of the GAD paper: D = the drafter's block, V = what verification kept
         lines = [f"{head} {iterations(len(steps))}"]
         for it, s in enumerate(steps, 1):
-            kept = s.drafted[:s.accepted]
+            kept = s.drafted[: s.accepted]
             # the block token by token, as greedy's line: a | between tokens, the accepted ones first
             lines.append(f"  {it:3d} D: " + "|".join(tokens(kept, "accepted") + tokens(s.rejected, "rejected")))
-            lines.append(f"      V: {paint('accepted', '[' + text(kept) + ']')} {paint('own', own(s))}"
-                         f"    {paint('note', f'({s.accepted} of {len(s.drafted)} drafted tokens accepted)')}")
+            lines.append(
+                f"      V: {paint('accepted', '[' + text(kept) + ']')} {paint('own', own(s))}"
+                f"    {paint('note', f'({s.accepted} of {len(s.drafted)} drafted tokens accepted)')}"
+            )
         return "\n".join(lines)
     if algo == "blockwise":  # like section 7.4: the tokens each step added; [ ] = accepted proposals
         return f"{head} {len(steps)} steps: " + " | ".join(
-            (paint("accepted", f"[{text(s.drafted[:s.accepted])}]") if s.accepted else "") + paint("own", own(s))
-            for s in steps)
+            (paint("accepted", f"[{text(s.drafted[: s.accepted])}]") if s.accepted else "") + paint("own", own(s))
+            for s in steps
+        )
     if algo in ("bild", "speculative"):  # like figure 9 of the BiLD paper: who wrote each token
         parts = []
         for s in steps:
             if s.accepted:
-                parts.append(paint("accepted", "S(" + text(s.drafted[:s.accepted]) + ")"))
+                parts.append(paint("accepted", "S(" + text(s.drafted[: s.accepted]) + ")"))
             if s.rollback:
                 parts.append(paint("rejected", f"rollback x{len(s.rejected)}"))
             if s.own is not None:

@@ -32,7 +32,11 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "relu": F.relu, "gelu": F.gelu, "gelu_new": gelu_new, "silu": F.silu}
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": gelu_new,
+    "silu": F.silu,
+}
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -67,8 +71,9 @@ def relative_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int, m
     else:
         relative = -torch.min(relative, torch.zeros_like(relative))
     exact = buckets // 2
-    large = exact + (torch.log(relative.float() / exact) / math.log(max_distance / exact)
-                     * (buckets - exact)).to(torch.long)
+    large = exact + (torch.log(relative.float() / exact) / math.log(max_distance / exact) * (buckets - exact)).to(
+        torch.long
+    )
     large = torch.min(large, torch.full_like(large, buckets - 1))
     return out + torch.where(relative < exact, relative, large)
 
@@ -89,8 +94,9 @@ class RelativePositionBias(nn.Module):
         return self.embedding(bucket).permute(0, 3, 1, 2)
 
 
-def position_bias(bias: RelativePositionBias | None, offset: int | torch.Tensor, queries: int,
-                  keys: int) -> torch.Tensor | None:
+def position_bias(
+    bias: RelativePositionBias | None, offset: int | torch.Tensor, queries: int, keys: int
+) -> torch.Tensor | None:
     """T5's bias (1 or B, H, queries, keys) for the queries at positions offset .. offset + queries - 1
     (offset one int, or (B,) one per row of a ragged cache), or None for a model without one."""
     if bias is None:

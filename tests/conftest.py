@@ -38,16 +38,36 @@ def one_thread():
     yield
 
 
-def tiny_model(seed: int, vocab: int = 40, *, d_model: int = 32, n_heads: int = 4, layers: tuple[int, int] = (2, 2),
-               norm_first: bool = True, tie: bool = False, max_positions: int = 64) -> Transformer:
+def tiny_model(
+    seed: int,
+    vocab: int = 40,
+    *,
+    d_model: int = 32,
+    n_heads: int = 4,
+    layers: tuple[int, int] = (2, 2),
+    norm_first: bool = True,
+    tie: bool = False,
+    max_positions: int = 64,
+) -> Transformer:
     """A random float64 model in eval mode whose greedy outputs vary (untied, spread-out output
     weights; random tied models tend to repeat their input token). With a small vocabulary eos comes
     early in many sentences; with a larger one most run to max_len. A plain Transformer, as every
     loaded checkpoint is (the reference route)."""
     torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=vocab, d_model=d_model, n_heads=n_heads, d_ff=2 * d_model,
-                                enc_layers=layers[0], dec_layers=layers[1], dropout=0.1, norm_first=norm_first,
-                                tie_embeddings=tie, max_positions=max_positions))
+    m = Transformer(
+        ModelConfig(
+            vocab_size=vocab,
+            d_model=d_model,
+            n_heads=n_heads,
+            d_ff=2 * d_model,
+            enc_layers=layers[0],
+            dec_layers=layers[1],
+            dropout=0.1,
+            norm_first=norm_first,
+            tie_embeddings=tie,
+            max_positions=max_positions,
+        )
+    )
     with torch.no_grad():
         m.tgt_embed.weight.normal_(0, 1)
         proj = m.tgt_embed.weight if tie else m.out_proj.weight
@@ -66,17 +86,38 @@ def random_src(seed: int, batch: int, vocab: int, min_len: int = 1, max_len: int
     return out
 
 
-def run_py(*args: str, stdin: bytes | None = None, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, input=stdin, capture_output=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+def run_py(
+    *args: str, stdin: bytes | None = None, timeout: int = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory) -> Path:
     """A checkpoint of the `tiny` preset trained for a few seconds on real mt-en-de pairs."""
     out = tmp_path_factory.mktemp("tiny")
-    r = run_py("train.py", "--preset", "tiny", "--out-dir", str(out), "--train-limit", "1500",
-               "--max-steps", "12", "--eval-every", "6", "--threads", "1")
+    r = run_py(
+        "train.py",
+        "--preset",
+        "tiny",
+        "--out-dir",
+        str(out),
+        "--train-limit",
+        "1500",
+        "--max-steps",
+        "12",
+        "--eval-every",
+        "6",
+        "--threads",
+        "1",
+    )
     assert r.returncode == 0, r.stderr.decode()
     return out
 
@@ -98,8 +139,11 @@ def copy_model(seed: int = 0, steps: int = 400) -> Transformer:
         return _COPY_MODELS[key]
     torch.manual_seed(seed)
     vocab = 16
-    m = Transformer(ModelConfig(vocab_size=vocab, d_model=48, n_heads=4, d_ff=96, enc_layers=1, dec_layers=2,
-                                dropout=0.0, max_positions=64))
+    m = Transformer(
+        ModelConfig(
+            vocab_size=vocab, d_model=48, n_heads=4, d_ff=96, enc_layers=1, dec_layers=2, dropout=0.0, max_positions=64
+        )
+    )
     opt = torch.optim.Adam(m.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -130,9 +174,24 @@ def tiny_extras(trained_tiny, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("extras")
     made = {}
     for name, flags in (("heads", ["--proposal-k", "3", "--freeze-base", "true"]), ("drafter", ["--drafter-k", "4"])):
-        r = run_py("train.py", "--preset", "tiny", "--out-dir", str(out / name), "--train-limit", "800",
-                   "--max-steps", "4", "--eval-every", "4", "--threads", "1", "--init-from",
-                   str(trained_tiny / "model.pt"), *flags)
+        r = run_py(
+            "train.py",
+            "--preset",
+            "tiny",
+            "--out-dir",
+            str(out / name),
+            "--train-limit",
+            "800",
+            "--max-steps",
+            "4",
+            "--eval-every",
+            "4",
+            "--threads",
+            "1",
+            "--init-from",
+            str(trained_tiny / "model.pt"),
+            *flags,
+        )
         assert r.returncode == 0, r.stderr.decode()
         made[name] = out / name / "model.pt"
     return made
@@ -144,8 +203,10 @@ def first_divergence(expected: torch.Tensor, got: torch.Tensor, model=None, src:
     model's top-1/top-2 logit margin there (refdec.app.exactness.divergences): a near-tie or a bug."""
     n = min(len(expected), len(got))
     pos = next((i for i in range(n) if expected[i] != got[i]), n)
-    text = (f"first divergence at position {pos}: expected {expected[pos:pos + 3].tolist()}, "
-            f"got {got[pos:pos + 3].tolist()}")
+    text = (
+        f"first divergence at position {pos}: expected {expected[pos : pos + 3].tolist()}, "
+        f"got {got[pos : pos + 3].tolist()}"
+    )
     if len(expected) != len(got):
         text += f" (expected {len(expected)} tokens, got {len(got)})"
     if model is not None and src is not None and not torch.equal(expected, got):
@@ -157,7 +218,7 @@ def first_divergence(expected: torch.Tensor, got: torch.Tensor, model=None, src:
 
 def alone(src: torch.Tensor, b: int) -> torch.Tensor:
     """Source row b as a batch of one, without padding."""
-    return src[b:b + 1, : max(1, int(src[b].ne(PAD_ID).sum()))]
+    return src[b : b + 1, : max(1, int(src[b].ne(PAD_ID).sum()))]
 
 
 def batch1_greedy(model, src: torch.Tensor, max_len: int) -> list[torch.Tensor]:
@@ -171,7 +232,7 @@ def assert_rows_equal(got, ref, what: str, model=None, src: torch.Tensor | None 
     the logit margin there)."""
     assert len(got) == len(ref), f"{what}: {len(got)} rows, expected {len(ref)}"
     for b, (x, y) in enumerate(zip(got, ref)):
-        row = src[b:b + 1] if src is not None else None
+        row = src[b : b + 1] if src is not None else None
         assert torch.equal(x, y), f"{what}, row {b}: {first_divergence(y, x, model, row)}"
 
 
@@ -183,7 +244,11 @@ def check_batched_iad(model, src, max_len, **knobs):
     ref = batch1_greedy(model, src, max_len)
     r = decode_iad(model, src, max_len=max_len, trace=True, **knobs)
     assert_rows_equal(r.tokens, ref, f"B={src.shape[0]} max_len={max_len} {knobs}")
-    singles = [decode_iad(model, alone(src, b), max_len=max_len, **knobs) for b in range(src.shape[0])] if src.shape[0] <= 6 else []
+    singles = (
+        [decode_iad(model, alone(src, b), max_len=max_len, **knobs) for b in range(src.shape[0])]
+        if src.shape[0] <= 6
+        else []
+    )
     if singles:  # each row drafts what it drafts alone, so the batch makes as many calls as its slowest row
         assert r.stats.verifier_calls == max(s.stats.verifier_calls for s in singles)
         assert sorted(r.stats.committed) == sorted(a for s in singles for a in s.stats.committed)
@@ -217,7 +282,7 @@ def adversarial_drafter(refs: list[list[int]], seed: int, vocab: int):
             rows = [r for r in refs if r[:j] == sequence[1:]] or [[5] * (j + k)]  # rows sharing this output so far
             row = rows[int(torch.randint(0, len(rows), (1,), generator=g))]
             n = int(torch.randint(0, k + 1, (1,), generator=g))
-            block = (row + [EOS_ID] * (k + 3))[j:j + n]
+            block = (row + [EOS_ID] * (k + 3))[j : j + n]
             how = int(torch.randint(0, 4, (1,), generator=g))
             if how == 1 and block:
                 i = int(torch.randint(0, len(block), (1,), generator=g))
@@ -226,6 +291,7 @@ def adversarial_drafter(refs: list[list[int]], seed: int, vocab: int):
                 block = [(t + 3) % vocab for t in block]
             out.append(block)
         return out
+
     return draft
 
 
@@ -234,15 +300,26 @@ def fake_models():
     from types import SimpleNamespace
 
     from refdec.app.loading import Models
+
     return Models(SimpleNamespace(cfg=SimpleNamespace(eos_id=EOS_ID, pad_id=0)), Path("fake.pt"))
 
 
 def shared_small(large, seed: int = 7, d_model: int = 16):
     """A random float64 decoder without an encoder, reading `large`'s encoder states."""
     torch.manual_seed(seed)
-    small = Transformer(ModelConfig(vocab_size=large.cfg.vocab_size, d_model=d_model, n_heads=2, d_ff=2 * d_model,
-                                    enc_layers=0, dec_layers=1, d_memory=large.cfg.d_model, tie_embeddings=False,
-                                    max_positions=large.cfg.max_positions))
+    small = Transformer(
+        ModelConfig(
+            vocab_size=large.cfg.vocab_size,
+            d_model=d_model,
+            n_heads=2,
+            d_ff=2 * d_model,
+            enc_layers=0,
+            dec_layers=1,
+            d_memory=large.cfg.d_model,
+            tie_embeddings=False,
+            max_positions=large.cfg.max_positions,
+        )
+    )
     return SharedEncoder(small.double().eval(), large)
 
 
@@ -270,15 +347,23 @@ def check_lossless_decoders(route_copy, batch: int, monkeypatch) -> Transformer:
         refs = [t.tolist() + [EOS_ID] for t in ref]
         with monkeypatch.context() as mp:
             mp.setattr(gad_module, "draft_blocks", adversarial_drafter(refs, batch + max_len, vocab))
-            assert_rows_equal(decode_gad(m, Drafter(drafter.model, k=6), src, max_len=max_len).tokens, ref,
-                              f"gad adversarial {what}")
-        assert_rows_equal(decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref,
-                          f"blockwise {what}")
-        assert_rows_equal(decode_speculative(m, m, src, max_len=max_len, gamma=4).tokens, ref, f"speculative self {what}")
-        assert_rows_equal(decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref,
-                          f"speculative {what}")
-        assert_rows_equal(decode_bild(m, small, src, max_len=max_len, fallback_threshold=1.5).tokens, ref,
-                          f"bild (large writes) {what}")
+            assert_rows_equal(
+                decode_gad(m, Drafter(drafter.model, k=6), src, max_len=max_len).tokens, ref, f"gad adversarial {what}"
+            )
+        assert_rows_equal(
+            decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref, f"blockwise {what}"
+        )
+        assert_rows_equal(
+            decode_speculative(m, m, src, max_len=max_len, gamma=4).tokens, ref, f"speculative self {what}"
+        )
+        assert_rows_equal(
+            decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref, f"speculative {what}"
+        )
+        assert_rows_equal(
+            decode_bild(m, small, src, max_len=max_len, fallback_threshold=1.5).tokens,
+            ref,
+            f"bild (large writes) {what}",
+        )
     return m
 
 
@@ -291,8 +376,16 @@ def error_of(main, argv: list[str], capsys, monkeypatch) -> str:
     return err
 
 
-TEXTS = ["the cat sat on the mat", "a dog ran in the park", "der Hund lief im Park", "the park",
-         "a cat", "on the mat the dog sat", "im Park lief der Hund", "the dog ran"]
+TEXTS = [
+    "the cat sat on the mat",
+    "a dog ran in the park",
+    "der Hund lief im Park",
+    "the park",
+    "a cat",
+    "on the mat the dog sat",
+    "im Park lief der Hund",
+    "the dog ran",
+]
 
 
 def random_checkpoint(path: Path, seed: int = 0, eos_bias: float = 0.0) -> Path:
@@ -314,6 +407,7 @@ def fake_cpu(monkeypatch, capability: str, flags: set[str] | None) -> None:
     """Makes refdec.machine see a CPU that torch reports as `capability`, with `flags` in /proc/cpuinfo
     (None: a system that lists none)."""
     from refdec import machine
+
     monkeypatch.setattr(machine, "cpu_capability", lambda: capability)
     monkeypatch.setattr(machine, "cpu_flags", lambda: None if flags is None else frozenset(flags))
 

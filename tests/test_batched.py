@@ -37,7 +37,7 @@ def test_cache_per_row_append_truncate_select():
     assert K.shape == (3, 2, 8, 4) and c.lengths.tolist() == [5, 8, 3] and c.end == 8
     for b, n in enumerate([2, 5, 0]):
         assert torch.equal(K[b, :, :n], k[b, :, :n])  # kept
-        assert torch.equal(K[b, :, n:n + 3], new[b])  # written at the row's own offset
+        assert torch.equal(K[b, :, n : n + 3], new[b])  # written at the row's own offset
         assert torch.equal(V[b, :, :n], -k[b, :, :n])
     with pytest.raises(ValueError):
         c.truncate([6, 8, 3])  # row 0 holds 5
@@ -65,7 +65,9 @@ def ragged_setup(model, src, prefix_lens, seed):
     B = src.shape[0]
     g = torch.Generator().manual_seed(seed)
     width = max(prefix_lens) + 3
-    tgt = torch.cat([torch.full((B, 1), BOS_ID), torch.randint(5, model.cfg.vocab_size, (B, width - 1), generator=g)], 1)
+    tgt = torch.cat(
+        [torch.full((B, 1), BOS_ID), torch.randint(5, model.cfg.vocab_size, (B, width - 1), generator=g)], 1
+    )
     memory = model.encode(src)
     cache = model.new_cache(B, capacity=4)
     model.decode(tgt, memory, cache)
@@ -97,8 +99,8 @@ def test_a_rejected_tail_adds_nothing_to_the_softmax(invariant):
         for b, n in enumerate(lens):
             m1 = m.encode(alone(src, b))
             c1 = m.new_cache(1)
-            m.decode(tgt[b:b + 1, :n], m1, c1)
-            ref = m.decode(nxt[b:b + 1], m1, c1)[0]
+            m.decode(tgt[b : b + 1, :n], m1, c1)
+            ref = m.decode(nxt[b : b + 1], m1, c1)[0]
             got = torch.cat([one[b], three[b]])
             if invariant:
                 assert torch.equal(got, ref), b
@@ -169,8 +171,16 @@ def test_batched_iad_equals_batch1_greedy_on_random_models(seed):
 def test_batched_iad_edge_rows():
     """Guards the edges in one batch: eos-only (empty) sources next to long ones, one-token
     sources, repeated n-grams, drafts past max_len at max_len 1-3, and max_len 0."""
-    rows = [[], [9], [8, 9, 8, 9, 8, 9, 8, 9], [], [10, 10, 10, 10, 10], [5, 7, 5, 7, 5, 7],
-            [6, 11, 6, 11, 12, 6, 11], [12, 13, 14, 15, 8, 9, 10, 11, 12, 13]]
+    rows = [
+        [],
+        [9],
+        [8, 9, 8, 9, 8, 9, 8, 9],
+        [],
+        [10, 10, 10, 10, 10],
+        [5, 7, 5, 7, 5, 7],
+        [6, 11, 6, 11, 12, 6, 11],
+        [12, 13, 14, 15, 8, 9, 10, 11, 12, 13],
+    ]
     src = torch.full((len(rows), 11), PAD_ID, dtype=torch.long)
     for i, r in enumerate(rows):
         src[i, : len(r) + 1] = torch.tensor(r + [EOS_ID])

@@ -76,13 +76,21 @@ def test_batched_blockwise_and_speculative_equal_batch1_greedy(batch):
         for max_len in (30, 3):
             ref = batch1_greedy(m, src, max_len)
             what = f"B={batch} vocab={vocab} max_len={max_len}"
-            assert_rows_equal(decode_blockwise(m, copying, src, max_len=max_len).tokens, ref, f"blockwise (p_1 heads) {what}")
-            assert_rows_equal(decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref,
-                              f"blockwise (random heads) {what}")
+            assert_rows_equal(
+                decode_blockwise(m, copying, src, max_len=max_len).tokens, ref, f"blockwise (p_1 heads) {what}"
+            )
+            assert_rows_equal(
+                decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens,
+                ref,
+                f"blockwise (random heads) {what}",
+            )
             same = decode_speculative(m, m, src, max_len=max_len, gamma=4, trace=True)
             assert_rows_equal(same.tokens, ref, f"speculative (self-drafted) {what}")
-            assert_rows_equal(decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref,
-                              f"speculative (random small) {what}")
+            assert_rows_equal(
+                decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens,
+                ref,
+                f"speculative (random small) {what}",
+            )
             if max_len == 30 and batch > 1:
                 assert all(not s.rejected for t in same.trace for s in t)  # every draft right
 
@@ -99,8 +107,9 @@ def test_batched_decoders_equal_batch1_greedy_in_float32_row_invariant(batch):
     src = ragged_src(500 + batch, batch, 16)
     ref = batch1_greedy(m, src, 24)
     assert_rows_equal(decode_gad(m, Drafter(drafter, k=4), src, max_len=24).tokens, ref, "gad")
-    assert_rows_equal(decode_gad(m, Drafter(drafter, k=4, layout="bidirectional"), src, max_len=24).tokens, ref,
-                      "gad bidirectional")
+    assert_rows_equal(
+        decode_gad(m, Drafter(drafter, k=4, layout="bidirectional"), src, max_len=24).tokens, ref, "gad bidirectional"
+    )
     assert_rows_equal(decode_blockwise(m, heads, src, max_len=24).tokens, ref, "blockwise")
     assert_rows_equal(decode_speculative(m, small, src, max_len=24, gamma=3).tokens, ref, "speculative")
     assert_rows_equal(decode_speculative(m, m, src, max_len=24, gamma=5).tokens, ref, "speculative self-drafted")
@@ -120,7 +129,9 @@ def test_batched_bild_at_its_greedy_limits_is_greedy(batch):
     small = tiny_model(batch + 100, vocab=12, d_model=16, layers=(1, 1))
     src = ragged_src(600 + batch, batch, 12)
     ref = batch1_greedy(large, src, 20)
-    assert_rows_equal(decode_bild(large, small, src, max_len=20, fallback_threshold=1.5).tokens, ref, "bild, large writes")
+    assert_rows_equal(
+        decode_bild(large, small, src, max_len=20, fallback_threshold=1.5).tokens, ref, "bild, large writes"
+    )
     r = decode_bild(large, large, src, max_len=20, fallback_threshold=0.0, rollback_threshold=1e9, max_window=3)
     assert_rows_equal(r.tokens, ref, "bild, small = large")
     assert r.stats.rollbacks == 0
@@ -180,6 +191,7 @@ def test_batched_follower_equals_a_follower_per_row():
 # -- decode.py: length buckets, per-run batch sizes ----------------------------------------------------
 def load_cli():
     from refdec.commands import decode
+
     return decode
 
 
@@ -192,6 +204,7 @@ def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order
     from refdec.app import runner
     from refdec.app.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
+
     seen = {1: [], 3: []}
 
     def fake(size):
@@ -199,13 +212,22 @@ def test_runs_at_different_batch_sizes_share_length_buckets_and_keep_input_order
             lens = src.ne(0).sum(dim=1).tolist()
             seen[size].append((lens, max_len))
             return DecodeResult([torch.tensor([n, max_len]) for n in lens], DecodeStats(sentences=len(lens)))
+
         return decode
 
     ids = [[5] * n if n else None for n in (4, 1, 0, 7, 2, 9, 3, 0, 5, 6)]
     runs = [runner.Run(Algorithm(f"b{n}", fake(n), "fake"), {}, fake_models(), batch_size=n) for n in (1, 3)]
     handed = []
-    done = runner.decode_lines(runs, ids, max_len=None, max_positions=64, device="cpu", warmup=0,
-                               progress=False, on_line=lambda i, t: handed.append(i))
+    done = runner.decode_lines(
+        runs,
+        ids,
+        max_len=None,
+        max_positions=64,
+        device="cpu",
+        warmup=0,
+        progress=False,
+        on_line=lambda i, t: handed.append(i),
+    )
     assert done == len(ids) and handed == list(range(len(ids)))
     for run in runs:
         for i, s in enumerate(ids):
@@ -224,19 +246,27 @@ def test_batch_size_options_are_parsed_and_refused():
     least 1, repeated sizes, or --batch-sizes beside --batch-size: refused, never ignored)."""
     from refdec.app.plan import Compared, parse_compare, parse_sizes
     from refdec.errors import UsageError
+
     cli = load_cli()
     assert parse_compare("iad:batch-size=4:max-draft=8,greedy") == [
-        Compared("iad", None, {"max_draft": 8}, batch_size=4), Compared("greedy")]
+        Compared("iad", None, {"max_draft": 8}, batch_size=4),
+        Compared("greedy"),
+    ]
     for bad in ("iad:batch-size=0", "iad:batch-size=x", "greedy:batch-size=-2"):
         with pytest.raises(UsageError, match="batch-size"):
             parse_compare(bad)
     assert parse_sizes("1,8,32", None) == [1, 8, 32]
-    for text, size, needle in (("1,1", None, "different"), ("8,a", None, "whole numbers"), ("0,4", None, "at least 1"),
-                               ("1,8", 4, "leave out")):
+    for text, size, needle in (
+        ("1,1", None, "different"),
+        ("8,a", None, "whole numbers"),
+        ("0,4", None, "at least 1"),
+        ("1,8", 4, "leave out"),
+    ):
         with pytest.raises(UsageError, match=needle):
             parse_sizes(text, size)
-    args = cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8",
-                                          "--compare", "iad:batch-size=4"])
+    args = cli.build_parser().parse_args(
+        ["--algo", "greedy", "--task", "gec-uk", "--batch-sizes", "1,8", "--compare", "iad:batch-size=4"]
+    )
     with pytest.raises(UsageError, match="cannot set its own"):
         cli.run(args)
 
@@ -249,6 +279,7 @@ def test_token_budget_batches_hold_at_most_the_budget_and_share_chunks_with_row_
     from refdec.app import runner
     from refdec.app.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
+
     seen = {}
 
     def fake(name):
@@ -256,13 +287,16 @@ def test_token_budget_batches_hold_at_most_the_budget_and_share_chunks_with_row_
             lens = src.ne(0).sum(dim=1).tolist()
             seen.setdefault(name, []).append((lens, src.numel()))
             return DecodeResult([torch.tensor([n]) for n in lens], DecodeStats(sentences=len(lens)))
+
         return decode
 
     lengths = (4, 1, 0, 7, 2, 9, 3, 0, 5, 6, 30, 2, 2, 2, 2, 2)
     ids = [[5] * n if n else None for n in lengths]
-    runs = [runner.Run(Algorithm("rows", fake("rows"), "fake"), {}, fake_models(), batch_size=3),
-            runner.Run(Algorithm("tokens", fake("tokens"), "fake"), {}, fake_models(), batch_size=0, batch_tokens=24),
-            runner.Run(Algorithm("capped", fake("capped"), "fake"), {}, fake_models(), batch_size=2, batch_tokens=24)]
+    runs = [
+        runner.Run(Algorithm("rows", fake("rows"), "fake"), {}, fake_models(), batch_size=3),
+        runner.Run(Algorithm("tokens", fake("tokens"), "fake"), {}, fake_models(), batch_size=0, batch_tokens=24),
+        runner.Run(Algorithm("capped", fake("capped"), "fake"), {}, fake_models(), batch_size=2, batch_tokens=24),
+    ]
     runner.decode_lines(runs, ids, max_len=None, max_positions=64, device="cpu", warmup=0, progress=False)
     for run in runs:
         assert [o[0].item() if o is not None else None for o in run.outputs] == [n + 1 if n else None for n in lengths]
@@ -287,20 +321,33 @@ def test_batch_tokens_options_are_parsed_planned_and_refused():
     --compare run's own budget without the global cap, labels that say so, and refusals."""
     from refdec.app.plan import Compared, parse_compare, plan_runs
     from refdec.errors import UsageError
+
     assert parse_compare("iad:batch-tokens=512,greedy:batch-size=8:batch-tokens=256") == [
-        Compared("iad", None, {}, batch_tokens=512), Compared("greedy", None, {}, batch_size=8, batch_tokens=256)]
+        Compared("iad", None, {}, batch_tokens=512),
+        Compared("greedy", None, {}, batch_size=8, batch_tokens=256),
+    ]
     with pytest.raises(UsageError, match="batch-tokens must be a whole number"):
         parse_compare("iad:batch-tokens=0")
-    specs = plan_runs("greedy", "gec-uk", model=None, given={}, batch_size=16, sizes=[], batch_tokens=1024,
-                      compares=parse_compare("greedy:batch-tokens=512,greedy:batch-size=4"))
+    specs = plan_runs(
+        "greedy",
+        "gec-uk",
+        model=None,
+        given={},
+        batch_size=16,
+        sizes=[],
+        batch_tokens=1024,
+        compares=parse_compare("greedy:batch-tokens=512,greedy:batch-size=4"),
+    )
     assert [(s.batch_size, s.batch_tokens) for s in specs] == [(16, 1024), (0, 512), (4, 0)]
     assert [s.label for s in specs] == ["greedy", "greedy:batch-tokens=512", "greedy:batch-size=4"]
-    assert [(s.batch_size, s.batch_tokens) for s in plan_runs("greedy", "gec-uk", model=None, given={}, compares=[],
-                                                               batch_size=None, sizes=[], batch_tokens=300)] == [(0, 300)]
+    assert [
+        (s.batch_size, s.batch_tokens)
+        for s in plan_runs(
+            "greedy", "gec-uk", model=None, given={}, compares=[], batch_size=None, sizes=[], batch_tokens=300
+        )
+    ] == [(0, 300)]
     with pytest.raises(UsageError, match="leave out --batch-tokens"):
         plan_runs("greedy", "gec-uk", model=None, given={}, compares=[], batch_size=None, sizes=[1, 8], batch_tokens=64)
     cli = load_cli()
     with pytest.raises(UsageError, match="--batch-tokens 0: must be at least 1"):
         cli.run(cli.build_parser().parse_args(["--algo", "greedy", "--task", "gec-uk", "--batch-tokens", "0"]))
-
-

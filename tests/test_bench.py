@@ -36,12 +36,24 @@ def test_files_lists_repository_files_within_the_copys_limit(capsys):
         total += full.stat().st_size
     assert total <= 62 * 2**20 and f"{len(paths)} files" in err and "MiB" in err
     assert len(set(paths)) == len(paths)
-    for needed in ("refdec/commands/bench.py", "refdec/routes/graphed.py", "refdec/app/hfaudit.py", "data/build.py",
-                   "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de-drafter/tokenizer.json",
-                   "checkpoints/gec-uk-6x6/model.pt", "data/gec-uk/test.tgt2.gz", "data/mt-en-de/test.src.gz"):
+    for needed in (
+        "refdec/commands/bench.py",
+        "refdec/routes/graphed.py",
+        "refdec/app/hfaudit.py",
+        "data/build.py",
+        "checkpoints/mt-en-de/model.pt",
+        "checkpoints/mt-en-de-drafter/tokenizer.json",
+        "checkpoints/gec-uk-6x6/model.pt",
+        "data/gec-uk/test.tgt2.gz",
+        "data/mt-en-de/test.src.gz",
+    ):
         assert needed in paths, needed
-    assert not any(p.startswith(("checkpoints/gec-en", "data/mono-en", "data/distilled", "tests/"))
-                   or "train." in p and not p.endswith(".py") for p in paths)  # no training data
+    assert not any(
+        p.startswith(("checkpoints/gec-en", "data/mono-en", "data/distilled", "tests/"))
+        or "train." in p
+        and not p.endswith(".py")
+        for p in paths
+    )  # no training data
     some, _ = listed(capsys, "--sections", "stepcost")
     assert set(some) < set(paths) and "checkpoints/gec-uk-6x6/model.pt" not in some
 
@@ -58,6 +70,7 @@ def test_missing_files_say_what_to_copy_or_to_use_a_clone(capsys, monkeypatch, t
     --files lists", where the other commands say to use a clone installed with -e. Now a copy lacking
     files is told to copy them and an install without the repository to use a clone, in one line."""
     from refdec import repo
+
     monkeypatch.setattr(repo, "REPO", tmp_path)
     for argv in (["--files"], ["--device", "cpu"]):
         assert bench.main(argv) == 2
@@ -71,9 +84,14 @@ def test_missing_files_say_what_to_copy_or_to_use_a_clone(capsys, monkeypatch, t
     assert err[0].endswith("copy every file `python -m refdec bench --files` lists")
 
 
-@pytest.mark.parametrize("args, needle", [(["--sections", "stepcost,nope"], "--sections: nope"),
-                                          (["--device", "cpu", "--limit", "0"], "--limit"),
-                                          (["--device", "gpu0"], "--device gpu0: refdec runs on cpu or cuda")])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--sections", "stepcost,nope"], "--sections: nope"),
+        (["--device", "cpu", "--limit", "0"], "--limit"),
+        (["--device", "gpu0"], "--device gpu0: refdec runs on cpu or cuda"),
+    ],
+)
 def test_bench_refuses_bad_options_in_one_line(args, needle, capsys):
     assert bench.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -83,10 +101,15 @@ def test_bench_refuses_bad_options_in_one_line(args, needle, capsys):
 def commands():
     from refdec.commands import ceiling, distill, fuzz, stepcost
     from refdec.commands import hfcli as hf_cli
-    return {"stepcost": (stepcost.main, []), "ceiling": (ceiling.main, []), "fuzz": (fuzz.main, []),
-            "distill": (distill.main, ["--task", "mt-en-de", "--out", "unused"]),
-            "hf audit": (hf_cli.main, ["audit", "--task", "mt-en-de", "--model", "unused"]),
-            "bench": (bench.main, [])}
+
+    return {
+        "stepcost": (stepcost.main, []),
+        "ceiling": (ceiling.main, []),
+        "fuzz": (fuzz.main, []),
+        "distill": (distill.main, ["--task", "mt-en-de", "--out", "unused"]),
+        "hf audit": (hf_cli.main, ["audit", "--task", "mt-en-de", "--model", "unused"]),
+        "bench": (bench.main, []),
+    }
 
 
 @pytest.mark.parametrize("name", ["stepcost", "ceiling", "fuzz", "distill", "hf audit", "bench"])
@@ -95,8 +118,10 @@ def test_every_measuring_command_refuses_a_device_it_cannot_use_in_one_line(name
     and cuda on a machine without a GPU (made so here whatever the machine has)."""
     main, argv = commands()[name]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for device, line in (("tpu-ish", "error: --device tpu-ish: refdec runs on cpu or cuda (cuda:N for one GPU of several)"),
-                         ("cuda", "error: --device cuda: this machine has no CUDA device; use --device cpu")):
+    for device, line in (
+        ("tpu-ish", "error: --device tpu-ish: refdec runs on cpu or cuda (cuda:N for one GPU of several)"),
+        ("cuda", "error: --device cuda: this machine has no CUDA device; use --device cpu"),
+    ):
         assert main([*argv, "--device", device]) == 2, (name, device)
         assert capsys.readouterr().err.strip().splitlines() == [line], (name, device)
 
@@ -115,6 +140,7 @@ def test_a_failing_section_is_named_and_the_others_still_run(tmp_path, capsys, m
         if section == "ceiling":
             raise bench.SectionError("python -m refdec ceiling exited with 2")
         return {"reports": {}}
+
     monkeypatch.setattr(bench, "command_sections", fake)
     assert bench.main(["--device", "cpu", "--sections", "ceiling,stepcost", "--out", str(tmp_path / "new")]) == 1
     out = capsys.readouterr()
@@ -125,6 +151,7 @@ def test_a_failing_section_is_named_and_the_others_still_run(tmp_path, capsys, m
 
 def test_inner_settings_are_small_on_the_cpu_or_with_a_small_limit():
     from argparse import Namespace
+
     gpu = bench.settings(Namespace(limit=None, warm_all=False), torch.device("cuda"))
     assert gpu["sizes"] == [1, 8, 32, 128] and gpu["k"] == "4,8,16,25" and gpu["accept"] == "1,0.8"
     assert gpu["sentences"] == {"batch1": 100, "batched": 256, "ceiling": 50, "transformers": 40}
@@ -148,35 +175,77 @@ def test_clock_waits_for_the_gpu_and_not_for_the_cpu(monkeypatch):
 @pytest.mark.parametrize("route", ["fast", "graphed"])
 def test_ceiling_runs_its_models_on_a_route(route, trained_tiny, tmp_path):
     from refdec.commands.ceiling import main
+
     rep = tmp_path / "ceiling.json"
-    assert main(["--model", str(trained_tiny / "model.pt"), "--drafter", "none", "--limit", "2", "--warmup", "0",
-                 "--k", "3", "--threads", "1", f"--{route}", "--device", "cpu", "--report", str(rep)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(trained_tiny / "model.pt"),
+                "--drafter",
+                "none",
+                "--limit",
+                "2",
+                "--warmup",
+                "0",
+                "--k",
+                "3",
+                "--threads",
+                "1",
+                f"--{route}",
+                "--device",
+                "cpu",
+                "--report",
+                str(rep),
+            ]
+        )
+        == 0
+    )
     r = json.loads(rep.read_text())
-    assert r["route"] == route and r["device"] == "cpu" and [row["run"] for row in r["rows"]] == [
-        "greedy", "k=3 accept=1 free drafts"]
+    assert (
+        r["route"] == route
+        and r["device"] == "cpu"
+        and [row["run"] for row in r["rows"]] == ["greedy", "k=3 accept=1 free drafts"]
+    )
 
 
 @pytest.mark.slow
 def test_bench_runs_on_the_cpu_from_a_copy_of_its_files(tmp_path):
     """What a GPU machine does, on the CPU: copy the files --files lists, run the command there with
     --limit 3, and find every section's tables on stdout and its report (no absolute path in it)."""
-    listing = subprocess.run([sys.executable, "-m", "refdec", "bench", "--files"], cwd=REPO, capture_output=True, text=True,
-                             timeout=120)
+    listing = subprocess.run(
+        [sys.executable, "-m", "refdec", "bench", "--files"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert listing.returncode == 0, listing.stderr
     copy = tmp_path / "copy"
     for p in listing.stdout.splitlines():
         (copy / p).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / p, copy / p)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-m", "refdec", "bench", "--device", "cpu", "--limit", "3", "--threads", "1"], cwd=copy,
-                       capture_output=True, text=True, timeout=1500, env={**env, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, "-m", "refdec", "bench", "--device", "cpu", "--limit", "3", "--threads", "1"],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     for section in bench.SECTIONS:
         assert f"## {section} (cpu" in out, section
-    for line in ("reference route\n", "fast route\n", "graphed route\n", "speed vs greedy", "speed vs beam",
-                 "graphed route's greedy against the reference route's:", "sent/s", "# stepcost-rows32",
-                 "# ceiling-graphed", "6 of 6 sections"):
+    for line in (
+        "reference route\n",
+        "fast route\n",
+        "graphed route\n",
+        "speed vs greedy",
+        "speed vs beam",
+        "graphed route's greedy against the reference route's:",
+        "sent/s",
+        "# stepcost-rows32",
+        "# ceiling-graphed",
+        "6 of 6 sections",
+    ):
         assert line in out, line
     assert "iad [graphed]" in out and "batch 1" in out
     reports = copy / "reports"
@@ -200,7 +269,9 @@ def test_bench_runs_on_the_cpu_from_a_copy_of_its_files(tmp_path):
     if not hf.get("skipped"):
         audit = json.loads((reports / "cpu-transformers-gec-uk.json").read_text())
         methods = {m["method"]: m for m in audit["methods"]}
-        assert {"refdec-iad", "refdec-iad [fast]", "refdec-greedy [graphed]", "hf-greedy", "hf-prompt-lookup"} <= set(methods)
+        assert {"refdec-iad", "refdec-iad [fast]", "refdec-greedy [graphed]", "hf-greedy", "hf-prompt-lookup"} <= set(
+            methods
+        )
         assert methods["refdec-iad [graphed]"]["identical"] == 1.0
 
 
@@ -211,11 +282,36 @@ def test_stepcost_times_the_int8_route_and_splits_its_call(tmp_path, capsys):
     from conftest import random_checkpoint
 
     from refdec.commands import stepcost
+
     path = random_checkpoint(tmp_path / "m")
     report = tmp_path / "cost.json"
-    assert stepcost.main(["--task", "mt-en-de", "--model", str(path), "--rows", "3", "--q", "1,4", "--src", "5",
-                          "--prefix", "4", "--rounds", "1", "--fast", "--int8", "--threads", "1",
-                          "--report", str(report)]) == 0
+    assert (
+        stepcost.main(
+            [
+                "--task",
+                "mt-en-de",
+                "--model",
+                str(path),
+                "--rows",
+                "3",
+                "--q",
+                "1,4",
+                "--src",
+                "5",
+                "--prefix",
+                "4",
+                "--rounds",
+                "1",
+                "--fast",
+                "--int8",
+                "--threads",
+                "1",
+                "--report",
+                str(report),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "fast-int8 ms/call" in out and "fast int8 route, one call's parts timed alone" in out
     parts = json.loads(report.read_text())["int8_parts"]
@@ -238,14 +334,31 @@ def test_stepcost_times_a_family_the_fast_route_does_not_write(tmp_path, capsys)
     from refdec.model import Transformer
     from refdec.routes import applies_to
     from refdec.tokenizer import Tokenizer
+
     tok = Tokenizer.train(TEXTS * 5, vocab_size=300, min_frequency=1)
     cfg = dataclasses.replace(tiny_model(0, tok.vocab_size, d_model=16, n_heads=2).cfg, norm="rms", gated_ff=True)
     assert not applies_to(cfg)
     (tmp_path / "m").mkdir()
     save_atomic(make_checkpoint(Transformer(cfg).eval(), "mt-en-de", tok, step=1), tmp_path / "m" / "model.pt")
     tok.save(tmp_path / "m" / "tokenizer.json")
-    common = ["--task", "mt-en-de", "--model", str(tmp_path / "m" / "model.pt"), "--rows", "2", "--q", "1,4",
-              "--src", "5", "--prefix", "4", "--rounds", "1", "--threads", "1"]
+    common = [
+        "--task",
+        "mt-en-de",
+        "--model",
+        str(tmp_path / "m" / "model.pt"),
+        "--rows",
+        "2",
+        "--q",
+        "1,4",
+        "--src",
+        "5",
+        "--prefix",
+        "4",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+    ]
     report = tmp_path / "cost.json"
     assert stepcost.main([*common, "--report", str(report)]) == 0
     calls = json.loads(report.read_text())["calls"]
@@ -262,15 +375,27 @@ def test_route_tables_say_faster_for_a_run_that_took_less_time():
     from types import SimpleNamespace
 
     from refdec.commands.bench import ROUTES, route_tables
+
     out = [torch.tensor([5, 6])]
     runs, rows = [], []
     for route in ROUTES:
         for algo, seconds in (("greedy", 3.0), ("iad", 1.0), ("beam", 6.0)):
-            runs.append(SimpleNamespace(name=f"{algo} [{route}]", algo=SimpleNamespace(name=algo), batch_size=1,
-                                        outputs=out, models=SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(eos_id=2)))))
-            rows.append({"seconds": seconds, "ms_per_token": seconds, "tokens_per_call": 1.0, "sent_per_s": 1 / seconds})
+            runs.append(
+                SimpleNamespace(
+                    name=f"{algo} [{route}]",
+                    algo=SimpleNamespace(name=algo),
+                    batch_size=1,
+                    outputs=out,
+                    models=SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(eos_id=2))),
+                )
+            )
+            rows.append(
+                {"seconds": seconds, "ms_per_token": seconds, "tokens_per_call": 1.0, "sent_per_s": 1 / seconds}
+            )
     text, figures = route_tables("gec-uk", runs, rows, [[1]], torch.device("cpu"))
-    lines = {line.split()[0]: line for line in text.splitlines()[:6] if line.split() and line.split()[0] in ("iad", "beam")}
+    lines = {
+        line.split()[0]: line for line in text.splitlines()[:6] if line.split() and line.split()[0] in ("iad", "beam")
+    }
     assert "3.00x faster" in lines["iad"] and "6.00x faster" in lines["iad"]
     assert "2.00x slower" in lines["beam"]
     assert figures["routes"]["reference"][1]["speed_vs_greedy"] == 3.0
@@ -283,19 +408,23 @@ def test_warm_all_decodes_every_batch_once_before_the_timed_runs(monkeypatch):
     from types import SimpleNamespace
 
     from refdec.app.runner import loop
+
     calls = []
 
     def fake(run, b, ids, budget, device, warm_up=False):
         calls.append((tuple(b), warm_up))
         return None  # as a failed batch: nothing to add up
+
     monkeypatch.setattr(loop, "tried_batch", fake)
     ids = [[5] * (1 + i % 7) for i in range(40)]
-    run = SimpleNamespace(batch_size=8, algo=SimpleNamespace(name="greedy"), seconds=0.0,
-                          fits=lambda rows, longest: rows <= 8)
+    run = SimpleNamespace(
+        batch_size=8, algo=SimpleNamespace(name="greedy"), seconds=0.0, fits=lambda rows, longest: rows <= 8
+    )
     for warm_all in (False, True):
         calls.clear()
-        loop.decode_lines([run], ids, max_len=20, max_positions=64, device="cpu", warmup=1, warm_all=warm_all,
-                          progress=False)
+        loop.decode_lines(
+            [run], ids, max_len=20, max_positions=64, device="cpu", warmup=1, warm_all=warm_all, progress=False
+        )
         warm = sorted(i for b, w in calls if w for i in b)
         timed = sorted(i for b, w in calls if not w for i in b)
         assert timed == list(range(40))

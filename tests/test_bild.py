@@ -41,8 +41,9 @@ def test_bild_rolling_back_every_small_token_is_greedy_of_the_large_model(seed, 
     greedy token, after the small model's caches were truncated and caught up again and again."""
     large, small = pair(seed)
     src = random_src(seed, 3, 12)
-    r = decode_bild(large, small, src, max_len=20, fallback_threshold=0.0, rollback_threshold=-1.0, max_window=window,
-             trace=True)
+    r = decode_bild(
+        large, small, src, max_len=20, fallback_threshold=0.0, rollback_threshold=-1.0, max_window=window, trace=True
+    )
     g = decode_greedy(large, src, max_len=20)
     for b, steps in enumerate(r.trace):
         checked = [s for s in steps if s.verified]
@@ -73,7 +74,9 @@ def test_bild_stats_and_trace_account_for_every_token():
     for b, steps in enumerate(r.trace):
         produced = sum(len(s.committed) for s in steps)
         assert produced == len(r.tokens[b]) + (len(r.tokens[b]) < 20)  # + the eos
-    assert r.stats.fallbacks == len(r.stats.committed) and r.stats.drafter_calls > 0  # a fallback per row per large call
+    assert (
+        r.stats.fallbacks == len(r.stats.committed) and r.stats.drafter_calls > 0
+    )  # a fallback per row per large call
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -149,6 +152,7 @@ def test_early_exit_is_the_first_layers_with_the_shared_head():
     """The early-exit small model's cached decoding equals the first layers of the teacher-forced
     model through the shared norm and projection, and BiLD over it falls back to the full model."""
     from refdec.adapters import EarlyExit
+
     m = tiny_model(4, vocab=40, layers=(2, 3))
     small = EarlyExit(m, 1)
     src = random_src(4, 1, 40, min_len=5, max_len=5)
@@ -157,8 +161,10 @@ def test_early_exit_is_the_first_layers_with_the_shared_head():
         _, early = m.early_exit_hidden(src, tgt, 1)
         ref = m.project(early)
         cache = small.new_cache(1, 8)
-        got = torch.cat([small.decode(tgt[:, :2], small.encode(src), cache),
-                         small.decode(tgt[:, 2:], small.encode(src), cache)], dim=1)
+        got = torch.cat(
+            [small.decode(tgt[:, :2], small.encode(src), cache), small.decode(tgt[:, 2:], small.encode(src), cache)],
+            dim=1,
+        )
     assert torch.allclose(got, ref, atol=1e-10) and cache.length == 6
     r = decode_bild(m, small, random_src(4, 3, 40), max_len=15, fallback_threshold=1.5)
     assert_greedy_of_large(m, r, random_src(4, 3, 40), 15)
@@ -209,6 +215,7 @@ def test_a_shared_encoder_needs_a_decoder_of_the_encoders_width():
     from refdec.adapters import SharedEncoder
     from refdec.config import ModelConfig
     from refdec.model import Transformer
+
     large = tiny_model(1, vocab=12)
     with pytest.raises(ValueError, match="width"):
         SharedEncoder(shared_small(large).small, tiny_model(2, vocab=12, d_model=16))
@@ -216,4 +223,6 @@ def test_a_shared_encoder_needs_a_decoder_of_the_encoders_width():
         SharedEncoder(large, large)
     with pytest.raises(ValueError, match="d_memory"):
         ModelConfig(vocab_size=12, d_model=16, n_heads=2, enc_layers=1, d_memory=32)
-    assert Transformer(ModelConfig(vocab_size=12, d_model=16, n_heads=2, enc_layers=0, d_memory=32)).cfg.memory_dim == 32
+    assert (
+        Transformer(ModelConfig(vocab_size=12, d_model=16, n_heads=2, enc_layers=0, d_memory=32)).cfg.memory_dim == 32
+    )

@@ -21,7 +21,7 @@ def test_scripted_draft_keeps_tokens_until_the_first_one_it_changes():
     assert scripted_draft(y, 0, 4, 0.0, random.Random(0), 12) == [6]  # the first token is changed, and the draft ends
     for seed in range(20):
         d = scripted_draft(y, 0, 5, 0.5, random.Random(seed), 12)
-        assert d[:-1] == y[:len(d) - 1] and 1 <= len(d) <= 5
+        assert d[:-1] == y[: len(d) - 1] and 1 <= len(d) <= 5
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -39,28 +39,58 @@ def test_scripted_gad_is_greedy_in_the_calls_its_acceptance_allows(seed, k):
         out, calls = scripted_gad(model, src, y, k=k, accept=0.0, max_len=max_len, rng=random.Random(seed))
         assert out == y and calls == len(y)  # every draft refused at once: one token per call
         for layout in ("causal", "bidirectional"):
-            out, calls = scripted_gad(model, src, y, k=k, accept=0.7, max_len=max_len, rng=random.Random(seed),
-                                      drafter=drafter, layout=layout)
+            out, calls = scripted_gad(
+                model, src, y, k=k, accept=0.7, max_len=max_len, rng=random.Random(seed), drafter=drafter, layout=layout
+            )
             assert out == y and -(-len(y) // (k + 1)) <= calls <= len(y)
-        out, calls = scripted_gad(model, src, y, k=k, accept=0.7, max_len=max_len, rng=random.Random(seed),
-                                  small=drafter)  # as an autoregressive small model: one step per drafted token
+        out, calls = scripted_gad(
+            model, src, y, k=k, accept=0.7, max_len=max_len, rng=random.Random(seed), small=drafter
+        )  # as an autoregressive small model: one step per drafted token
         assert out == y and -(-len(y) // (k + 1)) <= calls <= len(y)
 
 
 @pytest.mark.slow
 def test_ceiling_command_reports_every_run(trained_tiny, tmp_path, capsys):
     rep = tmp_path / "ceiling.json"
-    assert main(["--model", str(trained_tiny / "model.pt"), "--drafter", "none", "--limit", "3", "--warmup", "1",
-                 "--k", "2,4", "--accept", "1,0", "--threads", "1", "--report", str(rep)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(trained_tiny / "model.pt"),
+                "--drafter",
+                "none",
+                "--limit",
+                "3",
+                "--warmup",
+                "1",
+                "--k",
+                "2,4",
+                "--accept",
+                "1,0",
+                "--threads",
+                "1",
+                "--report",
+                str(rep),
+            ]
+        )
+        == 0
+    )
     r = json.loads(rep.read_text())
-    assert [row["run"] for row in r["rows"]] == ["greedy", "k=2 accept=1 free drafts", "k=2 accept=0 free drafts",
-                                                 "k=4 accept=1 free drafts", "k=4 accept=0 free drafts"]
+    assert [row["run"] for row in r["rows"]] == [
+        "greedy",
+        "k=2 accept=1 free drafts",
+        "k=2 accept=0 free drafts",
+        "k=4 accept=1 free drafts",
+        "k=4 accept=0 free drafts",
+    ]
     assert r["sentences"] == 3 and r["drafter"] is None
     assert r["environment"]["threads"] == 1 and r["environment"]["cpu"] and r["environment"]["cpu_capability"]
     rows = {row["run"]: row for row in r["rows"]}
     assert rows["greedy"]["tokens_per_call"] == 1.0 and rows["k=2 accept=0 free drafts"]["tokens_per_call"] == 1.0
     assert all(row["seconds"] > 0 and 0.0 <= row["identical"] <= 1.0 for row in r["rows"])
-    assert rows["k=4 accept=1 free drafts"]["calls_per_sentence"] <= rows["k=2 accept=1 free drafts"]["calls_per_sentence"]
+    assert (
+        rows["k=4 accept=1 free drafts"]["calls_per_sentence"] <= rows["k=2 accept=1 free drafts"]["calls_per_sentence"]
+    )
     assert "speed" in capsys.readouterr().out
 
 
@@ -68,18 +98,49 @@ def test_ceiling_command_reports_every_run(trained_tiny, tmp_path, capsys):
 def test_ceiling_command_times_a_small_model(trained_tiny, tmp_path):
     rep = tmp_path / "ceiling.json"
     path = str(trained_tiny / "model.pt")
-    assert main(["--model", path, "--drafter", "none", "--small", path, "--limit", "2", "--warmup", "0",
-                 "--k", "3", "--threads", "1", "--report", str(rep)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                path,
+                "--drafter",
+                "none",
+                "--small",
+                path,
+                "--limit",
+                "2",
+                "--warmup",
+                "0",
+                "--k",
+                "3",
+                "--threads",
+                "1",
+                "--report",
+                str(rep),
+            ]
+        )
+        == 0
+    )
     r = json.loads(rep.read_text())
     assert [(row["run"], row["small"]) for row in r["rows"]] == [
-        ("greedy", False), ("k=3 accept=1 free drafts", False), ("k=3 accept=1 + small model", True)]
+        ("greedy", False),
+        ("k=3 accept=1 free drafts", False),
+        ("k=3 accept=1 + small model", True),
+    ]
     assert r["small"] == path
 
 
-@pytest.mark.parametrize("args, said", [
-    (["--k", "0"], "--k 0: give whole numbers of at least 1"), (["--k", "x"], "--k x: give whole numbers"),
-    (["--accept", "1.5"], "--accept 1.5: give numbers in [0, 1]"), (["--limit", "0"], "--limit 0: must be at least 1"),
-    (["--limit", "-3"], "--limit -3: must be at least 1"), (["--warmup", "-1"], "--warmup -1: must be at least 0")])
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--k", "0"], "--k 0: give whole numbers of at least 1"),
+        (["--k", "x"], "--k x: give whole numbers"),
+        (["--accept", "1.5"], "--accept 1.5: give numbers in [0, 1]"),
+        (["--limit", "0"], "--limit 0: must be at least 1"),
+        (["--limit", "-3"], "--limit -3: must be at least 1"),
+        (["--warmup", "-1"], "--warmup -1: must be at least 0"),
+    ],
+)
 def test_ceiling_refuses_bad_options_with_one_line(args, said, capsys):
     """Case: `--limit -3` was answered with every option's rule at once; the line now names the value."""
     assert main(args) == 2

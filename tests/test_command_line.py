@@ -38,18 +38,26 @@ def test_an_unknown_command_is_one_line_and_status_2(capsys, monkeypatch):
 
 def test_version(capsys):
     import refdec
+
     assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"refdec {refdec.__version__}"
 
 
-@pytest.mark.parametrize("argv0,typed", [("/venv/bin/refdec", "refdec decode"), ("decode.py", "python decode.py"),
-                                         ("/x/refdec/__main__.py", "python -m refdec decode"),
-                                         ("train.py", "python -m refdec decode")])
+@pytest.mark.parametrize(
+    "argv0,typed",
+    [
+        ("/venv/bin/refdec", "refdec decode"),
+        ("decode.py", "python decode.py"),
+        ("/x/refdec/__main__.py", "python -m refdec decode"),
+        ("train.py", "python -m refdec decode"),
+    ],
+)
 def test_a_command_is_named_as_the_user_typed_it(monkeypatch, argv0, typed):
     """The usage line and the examples of `refdec decode --help` read `refdec decode`, those of the
     script's `python decode.py`, so that a user can copy them."""
     monkeypatch.setattr(sys, "argv", [argv0])
     assert as_typed("decode") == typed
     from refdec.commands.decode import build_parser
+
     text = build_parser().format_help()
     assert text.startswith(f"usage: {typed} ") and f"    {typed} --algo greedy --task mt-en-de" in text
 
@@ -65,8 +73,10 @@ def test_every_command_runs_through_the_table(capsys, monkeypatch, name):
 def test_help_imports_no_command_and_no_torch():
     """`refdec --help` is instant and needs no optional package: a command's module (and torch) is
     imported only when that command runs."""
-    code = ("import sys\nfrom refdec.commands import main\nmain(['--help'])\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'refdec', 'transformers')))")
+    code = (
+        "import sys\nfrom refdec.commands import main\nmain(['--help'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'refdec', 'transformers')))"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.splitlines()[-1] == "['refdec', 'refdec.commands']", r.stdout + r.stderr
 
@@ -81,27 +91,44 @@ def test_decode_needs_only_a_checkpoint_and_an_input(tmp_path, capsys):
     --task (which only picks the defaults of the repository's tasks)."""
     ckpt = random_checkpoint(tmp_path / "ckpt", eos_bias=14)
     (tmp_path / "in.txt").write_text("the cat\na dog ran\n", encoding="utf-8")
-    argv = ["--model", str(ckpt), "--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.txt"),
-            "--threads", "1", "--quiet", "--max-len", "6"]
+    argv = [
+        "--model",
+        str(ckpt),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--output",
+        str(tmp_path / "out.txt"),
+        "--threads",
+        "1",
+        "--quiet",
+        "--max-len",
+        "6",
+    ]
     assert main(["decode", *argv]) == 0, capsys.readouterr().err
     assert len((tmp_path / "out.txt").read_text(encoding="utf-8").splitlines()) == 2
     assert main(["decode", *argv[2:]]) == 2  # no --model: the task's defaults are needed
     assert "--task is needed unless --model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["decode", "--task", "mt-en-de"], "checkpoints/mt-en-de/model.pt is in refdec's repository, and this refdec"),
-    (["decode", "--task", "mt-en-de", "--model", "{ckpt}"], "data/mt-en-de/test.src.gz is in refdec's repository"),
-    (["decode", "--algo", "bild", "--task", "mt-en-de", "--model", "{ckpt}", "--input", "{input}"],
-     "checkpoints/mt-en-de-small-aligned/model.pt is in refdec's repository"),
-    (["train", "--preset", "tiny", "--out-dir", "{tmp}/run"], "data is in refdec's repository"),
-    (["train", "--preset", "mt-en-de-distilled", "--out-dir", "{tmp}/run"], "is in refdec's repository"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["decode", "--task", "mt-en-de"], "checkpoints/mt-en-de/model.pt is in refdec's repository, and this refdec"),
+        (["decode", "--task", "mt-en-de", "--model", "{ckpt}"], "data/mt-en-de/test.src.gz is in refdec's repository"),
+        (
+            ["decode", "--algo", "bild", "--task", "mt-en-de", "--model", "{ckpt}", "--input", "{input}"],
+            "checkpoints/mt-en-de-small-aligned/model.pt is in refdec's repository",
+        ),
+        (["train", "--preset", "tiny", "--out-dir", "{tmp}/run"], "data is in refdec's repository"),
+        (["train", "--preset", "mt-en-de-distilled", "--out-dir", "{tmp}/run"], "is in refdec's repository"),
+    ],
+)
 def test_an_installed_copy_names_the_flag_for_a_default_it_lacks(tmp_path, capsys, monkeypatch, argv, needle):
     """Case: `refdec decode --task mt-en-de` from `pip install .` said "no checkpoint at
     site-packages/checkpoints/mt-en-de/model.pt", and `refdec train` "no folder site-packages/data/...":
     a default that is the repository's is one line saying so and naming the flag that gives it."""
     from refdec import repo
+
     ckpt = random_checkpoint(tmp_path / "ckpt")
     (tmp_path / "in.txt").write_text("the cat\n", encoding="utf-8")
     monkeypatch.setattr(repo, "REPO", tmp_path / "site-packages")  # a copy without data/build.py beside it

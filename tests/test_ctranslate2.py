@@ -29,6 +29,7 @@ def test_converted_model_greedy_equals_refdec_greedy_in_float32(tmp_path, eos_bi
     ctranslate2 = pytest.importorskip("ctranslate2")
     pytest.importorskip("transformers")
     from refdec.commands import ctranslate2 as ct2
+
     ckpt = random_checkpoint(tmp_path / "ckpt", eos_bias=eos_bias)
     model, tok, _ = load_model(ckpt)
     folder, conversion = ct2.convert(ckpt, model, tok, tmp_path / "cache")
@@ -53,9 +54,28 @@ def test_command_writes_report(tmp_path):
     ckpt = random_checkpoint(tmp_path / "ckpt")
     (tmp_path / "in.txt").write_text("\n".join(TEXTS[:5]) + "\n", encoding="utf-8")
     report = tmp_path / "r.json"
-    r = run_py("-m", "refdec", "ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
-               str(tmp_path / "in.txt"), "--batch-sizes", "2", "--threads", "1", "--warmup", "1", "--iad",
-               "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
+    r = run_py(
+        "-m",
+        "refdec",
+        "ctranslate2",
+        "--task",
+        "mt-en-de",
+        "--model",
+        str(ckpt),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--batch-sizes",
+        "2",
+        "--threads",
+        "1",
+        "--warmup",
+        "1",
+        "--iad",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--report",
+        str(report),
+    )
     assert r.returncode == 0, r.stderr.decode()
     out = r.stdout.decode()
     assert "ct2-greedy-float32 b2" in out and "identical to refdec-greedy b1" in out
@@ -67,8 +87,9 @@ def test_command_writes_report(tmp_path):
     assert rep["environment"]["threads"] == [1] and "CPU capability" in out
     rows = rep["results"][0]["rows"]
     names = [row["algo"] for row in rows]
-    assert names == [f"{m} b{b}" for b in (1, 2) for m in ("refdec-greedy", "refdec-iad", "ct2-greedy-float32",
-                                                            "ct2-greedy-int8")]
+    assert names == [
+        f"{m} b{b}" for b in (1, 2) for m in ("refdec-greedy", "refdec-iad", "ct2-greedy-float32", "ct2-greedy-int8")
+    ]
     for row in rows:
         assert {"ms_per_token", "sent_per_s", "identical", "differing", "tokens", "threads"} <= set(row)
         assert row["n"] == 5 and row["tokens"] > 0
@@ -83,10 +104,37 @@ def test_command_writes_report(tmp_path):
     # cost per route, a token budget, IAD at two draft limits, and CTranslate2 on one thread while
     # refdec has two (making a translator sets the calling thread's OpenMP count, which torch reads)
     threads = min(2, usable_cores())
-    r = run_py("-m", "refdec", "ctranslate2", "--task", "mt-en-de", "--model", str(ckpt), "--input",
-               str(tmp_path / "in.txt"), "--threads", str(threads), "--warmup", "1", "--iad", "--fast", "--int8", "--step-cost",
-               "--batch-tokens", "40", "--max-draft", "0,3", "--allocator", "system", "--ct2-threads", "1",
-               "--cache-dir", str(tmp_path / "cache"), "--report", str(report))
+    r = run_py(
+        "-m",
+        "refdec",
+        "ctranslate2",
+        "--task",
+        "mt-en-de",
+        "--model",
+        str(ckpt),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--threads",
+        str(threads),
+        "--warmup",
+        "1",
+        "--iad",
+        "--fast",
+        "--int8",
+        "--step-cost",
+        "--batch-tokens",
+        "40",
+        "--max-draft",
+        "0,3",
+        "--allocator",
+        "system",
+        "--ct2-threads",
+        "1",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--report",
+        str(report),
+    )
     assert r.returncode == 0, r.stderr.decode()
     rep = json.loads(report.read_text())
     assert rep["conversion"]["cached"] is True and rep["fast"] is True and rep["int8"] is True
@@ -96,7 +144,9 @@ def test_command_writes_report(tmp_path):
     for row in rep["results"][0]["rows"]:
         assert row["threads"] == (1 if row["algo"].startswith("ct2") else threads), row["algo"]
     rows = {row["algo"]: row for row in rep["results"][0]["rows"]}
-    assert {"refdec-greedy-fast b1", "refdec-iad-fast b1", "refdec-iad-draft3-fast b1", "ct2-greedy-int8 t40"} <= set(rows)
+    assert {"refdec-greedy-fast b1", "refdec-iad-fast b1", "refdec-iad-draft3-fast b1", "ct2-greedy-int8 t40"} <= set(
+        rows
+    )
     assert rows["refdec-greedy-fast b1"]["tokens"] == rows["refdec-greedy b1"]["tokens"]
     for name in ("refdec-iad-fast-int8 b1", "refdec-iad-draft3-fast-int8 t40", "refdec-greedy-fast-int8 t40"):
         assert rows[name]["int8_greedy"] == "refdec-greedy-fast-int8 b1"
@@ -107,7 +157,14 @@ def test_command_writes_report(tmp_path):
         assert rows[name]["identical"] == 1.0 and rows[name]["n"] == 5
     assert rep["batch_tokens"] == [40] and rep["max_draft"] == [0, 3]
     steps = rep["results"][0]["step_ms"]
-    assert set(steps) == {"refdec", "refdec-fast", "refdec-fast-int8", "refdec-fast-products", "ct2-float32", "ct2-int8"}
+    assert set(steps) == {
+        "refdec",
+        "refdec-fast",
+        "refdec-fast-int8",
+        "refdec-fast-products",
+        "ct2-float32",
+        "ct2-int8",
+    }
     assert steps["refdec-fast-products"] < steps["refdec-fast"]  # a part of the step
     assert all(ms > 0 for name, ms in steps.items() if name.startswith("refdec"))
     assert "one decoder step" in r.stdout.decode()
@@ -115,6 +172,7 @@ def test_command_writes_report(tmp_path):
 
 def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
     from refdec.commands import ctranslate2 as ct2
+
     real_import = builtins.__import__
 
     def no_ctranslate2(name, *args, **kwargs):
@@ -129,24 +187,34 @@ def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
     assert err.startswith("error: this needs the ctranslate2 package (pip install ctranslate2==")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--max-draft", "4"], "error: --max-draft has no effect without --iad"),
-    (["--threads", "1,100000"], "error: --threads must be at most the"),
-    (["--limit", "0"], "error: --limit must be at least 1"),
-    (["--ct2-threads", "0"], "error: --ct2-threads must be at least 1"),
-    (["--ct2-threads", "100000"], "error: --ct2-threads must be at most the"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-draft", "4"], "error: --max-draft has no effect without --iad"),
+        (["--threads", "1,100000"], "error: --threads must be at most the"),
+        (["--limit", "0"], "error: --limit must be at least 1"),
+        (["--ct2-threads", "0"], "error: --ct2-threads must be at least 1"),
+        (["--ct2-threads", "100000"], "error: --ct2-threads must be at most the"),
+    ],
+)
 def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):
     from refdec.commands import ctranslate2 as ct2
+
     code = ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), "--cache-dir", str(tmp_path), *flags])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith(message)
 
 
-@pytest.mark.parametrize("flags, message", [(["--iad", "--max-draft", "4,-1"], "give numbers of at least 0"),
-                                            (["--batch-tokens", "0"], "give numbers of at least 1")])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--iad", "--max-draft", "4,-1"], "give numbers of at least 0"),
+        (["--batch-tokens", "0"], "give numbers of at least 1"),
+    ],
+)
 def test_bad_lists_are_refused_by_the_parser(tmp_path, capsys, flags, message):
     from refdec.commands import ctranslate2 as ct2
+
     with pytest.raises(SystemExit) as stop:
         ct2.main(["--task", "mt-en-de", "--model", str(tmp_path / "model.pt"), *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err

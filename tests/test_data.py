@@ -71,6 +71,7 @@ def test_text_is_read_as_users_save_it(tmp_path, capsys):
     import gzip
 
     from refdec.data import read_lines
+
     (tmp_path / "plain.txt").write_bytes(b"Click OK to close the dialog.\nSecond line.\n")
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfClick OK to close the dialog.\r\nSecond line.\r\n")
     (tmp_path / "bom.txt.gz").write_bytes(gzip.compress((tmp_path / "bom.txt").read_bytes()))
@@ -86,6 +87,7 @@ def test_an_unreadable_text_file_is_a_one_line_error_naming_it(tmp_path):
     """Was: a data file that was not gzip raised `BadGzipFile: Not a gzipped file (b'{\\n')`, naming no file."""
     from refdec.data import read_lines
     from refdec.errors import UsageError
+
     (tmp_path / "bad.gz").write_bytes(b"{\n")
     (tmp_path / "latin1.txt").write_bytes(b"ok\ncaf\xe9\n")
     with pytest.raises(UsageError, match=r"bad\.gz is not a valid gzip file .*; give the plain text file instead$"):

@@ -31,7 +31,7 @@ def test_batched_greedy_equals_one_at_a_time(seed):
     src = random_src(seed, 7, vocab, min_len=1, max_len=12)
     batched = decode_greedy(m, src, max_len=20)
     for b in range(7):
-        alone = decode_greedy(m, src[b:b + 1, : int(src[b].ne(0).sum())], max_len=20)
+        alone = decode_greedy(m, src[b : b + 1, : int(src[b].ne(0).sum())], max_len=20)
         assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(alone.tokens[0], batched.tokens[b])
 
 
@@ -42,6 +42,7 @@ def test_batched_greedy_carries_finished_rows_until_a_quarter_has_finished(seed,
     removes at least that many rows."""
     from refdec.cache import KVCache
     from refdec.decoding.rows import COMPACT
+
     vocab = 12
     m = tiny_model(seed, vocab=vocab)
     src = random_src(seed + 40, 12, vocab, min_len=1, max_len=12)
@@ -51,11 +52,12 @@ def test_batched_greedy_carries_finished_rows_until_a_quarter_has_finished(seed,
     def spy(cache, rows):
         drops.append((cache.batch, len(rows)))
         return select(cache, rows)
+
     monkeypatch.setattr(KVCache, "select", spy)
     batched = decode_greedy(m, src, max_len=20, trace=True)
     monkeypatch.setattr(KVCache, "select", select)
     for b in range(12):
-        alone = decode_greedy(m, src[b:b + 1, : int(src[b].ne(0).sum())], max_len=20, trace=True)
+        alone = decode_greedy(m, src[b : b + 1, : int(src[b].ne(0).sum())], max_len=20, trace=True)
         assert torch.equal(batched.tokens[b], alone.tokens[0]), first_divergence(alone.tokens[0], batched.tokens[b])
         assert batched.trace[b] == alone.trace[0]
     assert batched.stats.tokens == sum(len(t) + (len(t) < 20) for t in batched.tokens)
@@ -83,7 +85,7 @@ def exhaustive(model, src_row: torch.Tensor, max_len: int, alpha: float) -> tupl
         for prefix in itertools.product(non_eos, repeat=max_len):
             prefix = list(prefix)
             s = sum(logp(prefix[:i])[prefix[i]].item() for i in range(max_len))
-            best = max(best, (s / max_len ** alpha, prefix))
+            best = max(best, (s / max_len**alpha, prefix))
         del mem
     return best
 
@@ -95,7 +97,7 @@ def test_beam_with_wide_beam_is_exhaustive_search(seed, alpha):
     m = tiny_model(seed, vocab=6, d_model=16, layers=(1, 1))
     src = random_src(seed, 1, 6, min_len=2, max_len=4)[0]
     score, best = exhaustive(m, src, 3, alpha)
-    res = decode_beam(m, src[None], max_len=3, beam_size=6 ** 3, length_penalty=alpha)
+    res = decode_beam(m, src[None], max_len=3, beam_size=6**3, length_penalty=alpha)
     expect = best[:-1] if best and best[-1] == EOS_ID else best
     assert res.tokens[0].tolist() == expect, (score, best)
 
@@ -133,6 +135,7 @@ def test_first_divergence_gives_the_margin_where_the_outputs_part():
     """Guards the failure message of every exactness test: the position and, with the model, the
     top-1/top-2 margin there, equal to the one refdec.app.exactness reports."""
     from refdec.app.exactness import divergences
+
     m = tiny_model(3, vocab=30)
     src = random_src(3, 1, 30, min_len=4, max_len=6)
     g = decode_greedy(m, src, max_len=12).tokens[0]
@@ -146,6 +149,8 @@ def test_first_divergence_gives_the_margin_where_the_outputs_part():
     assert text.startswith(f"first divergence at position 2: expected {a}, got {b}")
     with pytest.raises(AssertionError) as failed:  # the exactness tests' comparison says the same, by row
         assert_rows_equal([g, other], [g, g], "iad against greedy", m, src.expand(2, -1))
-    assert str(failed.value).startswith(f"iad against greedy, row 1: first divergence at position 2: expected {a}, got {b}")
+    assert str(failed.value).startswith(
+        f"iad against greedy, row 1: first divergence at position 2: expected {a}, got {b}"
+    )
     short = first_divergence(g, g[:2])
     assert short.startswith(f"first divergence at position 2: expected {a}, got []") and "got 2)" in short

@@ -19,6 +19,7 @@ def test_every_command_is_in_the_readme_layout():
     """Case: `python -m refdec.fuzz` was missing from the README's layout. Every command `refdec --help`
     lists is named there, beside both ways to run it."""
     from refdec.commands import COMMANDS
+
     layout = text(REPO / "README.md").split("## Layout", 1)[1].split("\n## ", 1)[0]
     assert "refdec <command>" in layout and "python -m refdec <command>" in layout
     for name in COMMANDS:
@@ -29,10 +30,20 @@ def test_no_page_or_help_text_names_a_command_module_that_is_gone():
     """Case: the commands were `python -m refdec.<name>` modules beside the library; they are
     `python -m refdec <name>` (or `refdec <name>`) now, and no page, help text or message names the
     old form, which ends in "No module named refdec.stepcost"."""
-    pages = [REPO / "README.md", REPO / "checkpoints" / "README.md", REPO / "data" / "README.md",
-             *(REPO / "docs").glob("*.md"), *(REPO / "refdec").rglob("*.py"), REPO / "decode.py", REPO / "train.py"]
-    old = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in pages
-           for m in re.finditer(r"-m\s+refdec\.(?!commands\b)\w+", text(p))]
+    pages = [
+        REPO / "README.md",
+        REPO / "checkpoints" / "README.md",
+        REPO / "data" / "README.md",
+        *(REPO / "docs").glob("*.md"),
+        *(REPO / "refdec").rglob("*.py"),
+        REPO / "decode.py",
+        REPO / "train.py",
+    ]
+    old = [
+        f"{p.relative_to(REPO)}: {m.group(0)}"
+        for p in pages
+        for m in re.finditer(r"-m\s+refdec\.(?!commands\b)\w+", text(p))
+    ]
     assert not old, old
 
 
@@ -40,6 +51,7 @@ def test_the_docs_speak_the_speed_column_decode_py_prints():
     """Case: the docs read "speedup = row seconds / first row's" and "time vs greedy 1.64x" where
     decode.py prints "speed vs greedy: 1.64x slower"."""
     from refdec.app.report import relative_speed
+
     assert relative_speed(1 / 1.64) == "1.64x slower" and relative_speed(1.5) == "1.50x faster"
     for page in PAGES:
         body = text(page)
@@ -65,11 +77,13 @@ def test_the_quick_start_names_the_model_it_decodes_with():
     """Case: the quick start never said which model it decodes with. It names the task's default
     checkpoint, the one decode.py loads for its command, and that model's shape."""
     from refdec.app.algorithms import ALGORITHMS
+
     quick = text(REPO / "README.md").split("## Quick start", 1)[1].split("\n## ", 1)[0]
     command = re.search(r"^    python decode\.py --algo (\w+) --task ([\w-]+)", quick, re.M)
     algo, task = command.groups()
     name = ALGORITHMS[algo].checkpoint_dir(task)
     assert f"`checkpoints/{name}/model.pt`" in quick.split(command.group(0))[0]
     from refdec.checkpoint import load_checkpoint, model_shape
+
     cfg = model_shape(load_checkpoint(REPO / "checkpoints" / name / "model.pt"))
     assert f"{cfg.enc_layers} encoder layers and {cfg.dec_layers} decoder layers" in quick

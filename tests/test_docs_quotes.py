@@ -169,8 +169,11 @@ def problems(root: Path, pages: list[str] = PAGES, named: list[str] = NAMED) -> 
         for n, line in enumerate(text.splitlines() if page in named else [], 1):
             in_fence ^= line.startswith("```")
             if not in_fence:
-                out += [f"{page}:{n}: no name {s} in refdec/ or tests/" for s in SPAN.findall(line)
-                        if SNAKE.match(s) and s not in names]
+                out += [
+                    f"{page}:{n}: no name {s} in refdec/ or tests/"
+                    for s in SPAN.findall(line)
+                    if SNAKE.match(s) and s not in names
+                ]
     return out
 
 
@@ -184,8 +187,9 @@ def test_the_pages_quote_code_by_the_convention():
     of each kind, and names through `path.py:name`."""
     qs = quotes("docs/algorithms.md", (REPO / "docs" / "algorithms.md").read_text(encoding="utf-8"))
     kinds = {k: [q for q in qs if q.kind == k] for k in ("name", "line", "block")}
-    assert len(kinds["line"]) >= 30 and len(kinds["block"]) >= 2 and len(kinds["name"]) >= 30, \
-        {k: len(v) for k, v in kinds.items()}
+    assert len(kinds["line"]) >= 30 and len(kinds["block"]) >= 2 and len(kinds["name"]) >= 30, {
+        k: len(v) for k, v in kinds.items()
+    }
     assert any(q.path.endswith("greedy.py") and q.text == "next_tok = argmax(logits[:, -1])" for q in qs)
 
 
@@ -205,10 +209,18 @@ def test_a_changed_quoted_line_is_reported(tmp_path):
         return next(n for n, line in enumerate(page, 1) if text in line)
 
     changes = [  # file, the line as it is, as changed, a quote of it on the page
-        ("refdec/decoding/greedy.py", "next_tok = argmax(logits[:, -1])", "next_tok = logits[:, -1].argmax(dim=-1)",
-         "`next_tok = argmax(logits[:, -1])`"),
-        ("refdec/decoding/verify.py", "passed = [d == p for d, p in zip(draft, argmax)]",
-         "passed = [d == p for d, p in zip(draft, argmax[1:])]", "`passed = [d == p for d, p in zip(draft, argmax)]`"),
+        (
+            "refdec/decoding/greedy.py",
+            "next_tok = argmax(logits[:, -1])",
+            "next_tok = logits[:, -1].argmax(dim=-1)",
+            "`next_tok = argmax(logits[:, -1])`",
+        ),
+        (
+            "refdec/decoding/verify.py",
+            "passed = [d == p for d, p in zip(draft, argmax)]",
+            "passed = [d == p for d, p in zip(draft, argmax[1:])]",
+            "`passed = [d == p for d, p in zip(draft, argmax)]`",
+        ),
         ("refdec/decoding/beam.py", "def decode_beam(", "def beam_search(", "`refdec/decoding/beam.py:decode_beam`"),
     ]
     for path, old, new, quoted in changes:

@@ -28,7 +28,9 @@ def sections(page: str) -> set[str]:
 def test_a_missing_default_checkpoint_points_at_a_section_that_exists(decode, capsys, monkeypatch):
     """Was: "train one (README, 'Training')", a section the README does not have."""
     err = error_of(decode.main, ["--algo", "gad", "--task", "gec-uk", "--limit", "1"], capsys, monkeypatch)
-    assert err.startswith("error: --algo gad --task gec-uk: no drafter checkpoint at checkpoints/gec-uk-drafter/model.pt")
+    assert err.startswith(
+        "error: --algo gad --task gec-uk: no drafter checkpoint at checkpoints/gec-uk-drafter/model.pt"
+    )
     assert "pass --drafter PATH" in err and "--preset mt-en-de-drafter" in err
     page, section = re.search(r"\((\S+\.md), section (\w+)\)", err).groups()
     assert section in sections(page)
@@ -51,11 +53,13 @@ def test_every_pointer_into_the_docs_in_the_code_names_a_real_section():
 def test_a_checkpoint_folder_points_at_the_model_pt_in_it(decode, capsys, monkeypatch, flag):
     """Was: "checkpoints/mt-en-de has no config.json (not a transformers model folder)"."""
     argv = ["--algo", "greedy", "--task", "mt-en-de", "--limit", "1"]
-    argv += (["--model", "checkpoints/mt-en-de"] if flag == "--model" else ["--compare", "greedy@checkpoints/mt-en-de"])
+    argv += ["--model", "checkpoints/mt-en-de"] if flag == "--model" else ["--compare", "greedy@checkpoints/mt-en-de"]
     err = error_of(decode.main, argv, capsys, monkeypatch)
     given = "--model " if flag == "--model" else "--compare greedy@"
-    assert err == (f"error: {given}checkpoints/mt-en-de is a folder: give the checkpoint in it, "
-                   f"{given}checkpoints/mt-en-de/model.pt")
+    assert err == (
+        f"error: {given}checkpoints/mt-en-de is a folder: give the checkpoint in it, "
+        f"{given}checkpoints/mt-en-de/model.pt"
+    )
 
 
 def test_a_missing_checkpoint_names_its_flag(decode, capsys, monkeypatch):
@@ -63,8 +67,9 @@ def test_a_missing_checkpoint_names_its_flag(decode, capsys, monkeypatch):
     assert err == "error: --small nowhere.pt: no such file or folder"
 
 
-@pytest.mark.parametrize("flag,value,bound", [("--max-len", "0", 1), ("--batch-size", "0", 1), ("--limit", "-1", 0),
-                                              ("--warmup", "-2", 0)])
+@pytest.mark.parametrize(
+    "flag,value,bound", [("--max-len", "0", 1), ("--batch-size", "0", 1), ("--limit", "-1", 0), ("--warmup", "-2", 0)]
+)
 def test_a_bad_count_names_the_flag_given_and_no_other(decode, capsys, monkeypatch, flag, value, bound):
     """Was: `--max-len 0` said "--batch-size and --max-len must be at least 1", naming a flag not given."""
     err = error_of(decode.main, ["--algo", "greedy", "--task", "mt-en-de", flag, value], capsys, monkeypatch)
@@ -73,32 +78,44 @@ def test_a_bad_count_names_the_flag_given_and_no_other(decode, capsys, monkeypat
 
 def test_a_data_dir_that_does_not_exist_is_called_a_typo(train, capsys, monkeypatch, tmp_path):
     """Was: `train.py --data-dir nodir` suggested building a distilled folder with refdec.commands.distill."""
-    err = error_of(train.main, ["--preset", "tiny", "--data-dir", "nodir", "--out-dir", str(tmp_path / "run")],
-                   capsys, monkeypatch)
+    err = error_of(
+        train.main, ["--preset", "tiny", "--data-dir", "nodir", "--out-dir", str(tmp_path / "run")], capsys, monkeypatch
+    )
     assert err == "error: --data-dir nodir: no such folder; check the path"
     assert not (tmp_path / "run").exists()
 
 
 def test_a_checkpoint_folder_given_to_train_points_at_the_model_pt(train, capsys, monkeypatch, tmp_path):
-    err = error_of(train.main, ["--preset", "tiny", "--init-from", "checkpoints/mt-en-de", "--out-dir",
-                                str(tmp_path / "run")], capsys, monkeypatch)
-    assert err == ("error: --init-from checkpoints/mt-en-de is a folder: give the checkpoint in it, "
-                   "--init-from checkpoints/mt-en-de/model.pt")
+    err = error_of(
+        train.main,
+        ["--preset", "tiny", "--init-from", "checkpoints/mt-en-de", "--out-dir", str(tmp_path / "run")],
+        capsys,
+        monkeypatch,
+    )
+    assert err == (
+        "error: --init-from checkpoints/mt-en-de is a folder: give the checkpoint in it, "
+        "--init-from checkpoints/mt-en-de/model.pt"
+    )
 
 
 def test_every_command_loading_a_checkpoint_points_a_folder_at_its_model_pt(tmp_path, monkeypatch):
     """Was: `python -m refdec distill --model checkpoints/mt-en-de` (and stepcost, ceiling) said
     "checkpoint checkpoints/mt-en-de not found" of a folder that exists."""
     from refdec.checkpoint import CheckpointError, load_checkpoint
+
     monkeypatch.chdir(REPO)
-    with pytest.raises(CheckpointError, match=r"^checkpoints/mt-en-de is a folder: give the checkpoint in it, "
-                                              r"checkpoints/mt-en-de/model\.pt$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpoints/mt-en-de is a folder: give the checkpoint in it, "
+        r"checkpoints/mt-en-de/model\.pt$",
+    ):
         load_checkpoint("checkpoints/mt-en-de")
     with pytest.raises(CheckpointError, match="is a folder with no model.pt in it"):
         load_checkpoint(tmp_path)
 
 
 # -- no run writes a file it reads -------------------------------------------------------------
+
 
 def command(name: str):
     """A command's main(argv): one of refdec.commands (`python -m refdec NAME`)."""
@@ -108,21 +125,45 @@ def command(name: str):
 GEC = ["--algo", "greedy", "--task", "gec-en", "--limit", "2"]
 
 
-@pytest.mark.parametrize("name,argv,needle", [
-    ("decode", GEC + ["--report", "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
-    ("decode", GEC + ["--output", "data/gec-en/test.tgt.gz"], "lies in the data folder of --task gec-en"),
-    ("decode", GEC + ["--html", "checkpoints/gec-en-9x3/model.pt"], "is also the model of greedy"),
-    ("decode", GEC + ["--report", "checkpoints/gec-en-9x3/tokenizer.json"], "is also the tokenizer beside"),
-    ("decode", ["--algo", "gad", "--task", "mt-en-de", "--report", "checkpoints/mt-en-de-drafter/model.pt"],
-     "is also the drafter (--drafter)"),
-    ("ctranslate2", ["--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report",
-                     "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
-    ("hfcli", ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report",
-                "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
-    ("stepcost", ["--report", "checkpoints/mt-en-de/model.pt"], "is also the model"),
-    ("ceiling", ["--task", "mt-en-de", "--report", "data/mt-en-de/test.tgt.gz"], "lies in the data folder"),
-    ("distill", ["--task", "mt-en-de", "--threads", "1", "--out", "data"], "--out data/mt-en-de/train.src.gz lies in"),
-])
+@pytest.mark.parametrize(
+    "name,argv,needle",
+    [
+        ("decode", GEC + ["--report", "data/gec-en/test.src.gz"], "lies in the data folder of --task gec-en"),
+        ("decode", GEC + ["--output", "data/gec-en/test.tgt.gz"], "lies in the data folder of --task gec-en"),
+        ("decode", GEC + ["--html", "checkpoints/gec-en-9x3/model.pt"], "is also the model of greedy"),
+        ("decode", GEC + ["--report", "checkpoints/gec-en-9x3/tokenizer.json"], "is also the tokenizer beside"),
+        (
+            "decode",
+            ["--algo", "gad", "--task", "mt-en-de", "--report", "checkpoints/mt-en-de-drafter/model.pt"],
+            "is also the drafter (--drafter)",
+        ),
+        (
+            "ctranslate2",
+            ["--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report", "data/gec-en/test.src.gz"],
+            "lies in the data folder of --task gec-en",
+        ),
+        (
+            "hfcli",
+            [
+                "audit",
+                "--task",
+                "gec-en",
+                "--model",
+                "checkpoints/gec-en-9x3/model.pt",
+                "--report",
+                "data/gec-en/test.src.gz",
+            ],
+            "lies in the data folder of --task gec-en",
+        ),
+        ("stepcost", ["--report", "checkpoints/mt-en-de/model.pt"], "is also the model"),
+        ("ceiling", ["--task", "mt-en-de", "--report", "data/mt-en-de/test.tgt.gz"], "lies in the data folder"),
+        (
+            "distill",
+            ["--task", "mt-en-de", "--threads", "1", "--out", "data"],
+            "--out data/mt-en-de/train.src.gz lies in",
+        ),
+    ],
+)
 def test_no_command_writes_a_file_it_reads(capsys, monkeypatch, name, argv, needle):
     """Was: `decode.py --task gec-en --report data/gec-en/test.src.gz` (and --output, refdec.commands.ctranslate2's and
     refdec.hf audit's --report) replaced the shipped test set with JSON: outputs were checked against
@@ -138,12 +179,29 @@ def test_no_command_writes_a_file_it_reads(capsys, monkeypatch, name, argv, need
 def test_audit_refuses_a_report_over_its_input(capsys, monkeypatch, tmp_path):
     """Was: `python -m refdec hf audit --input s.txt --report s.txt` overwrote its input with the report."""
     from refdec.commands.hfcli import main
+
     src = tmp_path / "s.txt"
     src.write_text("She go to school.\n", encoding="utf-8")
-    err = error_of(main, ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--input",
-                          str(src), "--report", str(src)], capsys, monkeypatch)
-    assert err == f"error: --report {src} is also the input, which this run reads: it would be overwritten; " \
-                  "give another path"
+    err = error_of(
+        main,
+        [
+            "audit",
+            "--task",
+            "gec-en",
+            "--model",
+            "checkpoints/gec-en-9x3/model.pt",
+            "--input",
+            str(src),
+            "--report",
+            str(src),
+        ],
+        capsys,
+        monkeypatch,
+    )
+    assert (
+        err == f"error: --report {src} is also the input, which this run reads: it would be overwritten; "
+        "give another path"
+    )
     assert src.read_text(encoding="utf-8") == "She go to school.\n"
 
 
@@ -152,32 +210,47 @@ def test_one_file_under_two_names_is_caught(decode, capsys, monkeypatch, tmp_pat
     src = tmp_path / "in.txt"
     src.write_text("Hello.\n", encoding="utf-8")
     (tmp_path / "link.txt").hardlink_to(src)
-    err = error_of(decode.main, ["--algo", "greedy", "--task", "mt-en-de", "--input", str(src), "--report",
-                                 str(tmp_path / "link.txt")], capsys, monkeypatch)
+    err = error_of(
+        decode.main,
+        ["--algo", "greedy", "--task", "mt-en-de", "--input", str(src), "--report", str(tmp_path / "link.txt")],
+        capsys,
+        monkeypatch,
+    )
     assert "is also the input" in err
 
 
 def test_distill_refuses_to_write_the_folder_it_adds(capsys, monkeypatch, tmp_path):
     """--add X --out X would overwrite the training pairs it reads, as --out data overwrites the shipped ones."""
     from refdec.commands.distill import main
+
     (tmp_path / "x" / "mt-en-de").mkdir(parents=True)
     (tmp_path / "x" / "mt-en-de" / "train.src.gz").write_bytes(b"")
-    err = error_of(main, ["--task", "mt-en-de", "--threads", "1", "--out", str(tmp_path / "x"), "--add",
-                          str(tmp_path / "x")], capsys, monkeypatch)
+    err = error_of(
+        main,
+        ["--task", "mt-en-de", "--threads", "1", "--out", str(tmp_path / "x"), "--add", str(tmp_path / "x")],
+        capsys,
+        monkeypatch,
+    )
     assert "lies in the training data of --add" in err
 
 
 def test_hf_export_into_a_file_is_one_line(capsys, monkeypatch, tmp_path):
     """Was: `python -m refdec hf export ckpt.pt ckpt.pt` exited 1 with NotADirectoryError."""
     from refdec.commands.hfcli import main
-    err = error_of(main, ["export", "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de/model.pt"], capsys, monkeypatch)
-    assert err == "error: OUT_DIR checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
+
+    err = error_of(
+        main, ["export", "checkpoints/mt-en-de/model.pt", "checkpoints/mt-en-de/model.pt"], capsys, monkeypatch
+    )
+    assert (
+        err == "error: OUT_DIR checkpoints/mt-en-de/model.pt is a file: give the folder to write (a new or empty one)"
+    )
 
 
 def test_a_corrupt_data_file_is_named(decode, capsys, monkeypatch, tmp_path):
     """Was: after the test set was overwritten, every run failed with `BadGzipFile: Not a gzipped file
     (b'{\\n')`, naming no file. Now the one line names it and how to restore it."""
     from refdec import data
+
     shutil.copytree(REPO / "data" / "gec-en", tmp_path / "gec-en", ignore=shutil.ignore_patterns("train.*"))
     (tmp_path / "gec-en" / "test.src.gz").write_bytes(b"{\n")
     monkeypatch.setattr(data, "DATA_DIR", tmp_path)
@@ -185,8 +258,13 @@ def test_a_corrupt_data_file_is_named(decode, capsys, monkeypatch, tmp_path):
     assert err.startswith(f"error: {tmp_path / 'gec-en' / 'test.src.gz'} is not a valid gzip file"), err
 
 
-@pytest.mark.parametrize("name,argv", [("decode", ["--algo", "greedy", "--task", "gec-en", "--device", "tpu"]),
-                                       ("distill", ["--task", "mt-en-de", "--out", "nowhere", "--device", "tpu"])])
+@pytest.mark.parametrize(
+    "name,argv",
+    [
+        ("decode", ["--algo", "greedy", "--task", "gec-en", "--device", "tpu"]),
+        ("distill", ["--task", "mt-en-de", "--out", "nowhere", "--device", "tpu"]),
+    ],
+)
 def test_an_unknown_device_is_one_line(capsys, monkeypatch, name, argv):
     """Was: `decode.py --device tpu` exited 1 with torch's RuntimeError listing 20 device types."""
     err = error_of(command(name), argv, capsys, monkeypatch)
@@ -199,12 +277,17 @@ def test_a_truncated_checkpoint_is_said_to_be_truncated_with_its_size(cut, decod
     Invalid argument`, and one cut to half its size torch's message clipped before its key word. Now one
     line says the file is truncated or not a checkpoint, with its size (exit 2)."""
     from conftest import random_checkpoint
+
     whole = random_checkpoint(tmp_path / "whole").read_bytes()
     size = 10_000 if cut == "10kB" else len(whole) // 2
     assert len(whole) > 2 * 10_000
     (tmp_path / "trunc").mkdir()
     shutil.copy(tmp_path / "whole" / "tokenizer.json", tmp_path / "trunc")
     (tmp_path / "trunc" / "model.pt").write_bytes(whole[:size])
-    err = error_of(decode.main, ["--task", "mt-en-de", "--algo", "greedy", "--limit", "1", "--model",
-                                 str(tmp_path / "trunc" / "model.pt")], capsys, monkeypatch)
+    err = error_of(
+        decode.main,
+        ["--task", "mt-en-de", "--algo", "greedy", "--limit", "1", "--model", str(tmp_path / "trunc" / "model.pt")],
+        capsys,
+        monkeypatch,
+    )
     assert f"model.pt is truncated or not a checkpoint ({size:,} bytes" in err, err

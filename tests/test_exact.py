@@ -114,6 +114,7 @@ def test_argmax_takes_its_two_passes_on_a_cpu_alone_and_both_paths_agree(monkeyp
     def two_passes(x):
         taken.append(x.device.type)
         return x.argmax(dim=-1)
+
     with monkeypatch.context() as patched:
         patched.setattr(ties, "two_passes", two_passes)
         ties.argmax(torch.empty(600, 8000, device="meta"))
@@ -143,8 +144,9 @@ def test_gadpp_at_beta_1_tau_0_accepts_only_the_argmax_on_ties(monkeypatch):
     assert accept_rule("top-k", top_k=1)(logits, draft).tolist() == [False, True]
     m = twin_model(vocab=40)
     src = random_src(0, 2, 40)
-    monkeypatch.setattr(gad_module, "draft_blocks",
-                        lambda drafter, memory, cache, sequences, k, layout: [[7] * k for _ in sequences])
+    monkeypatch.setattr(
+        gad_module, "draft_blocks", lambda drafter, memory, cache, sequences, k, layout: [[7] * k for _ in sequences]
+    )
     with gadpp_rule_at_exact():
         b = decode_gad(m, Drafter(m, k=3), src, max_len=8)
     assert_tokens_equal(b.tokens, decode_greedy(m, src, max_len=8).tokens, "gad++(1, 0), twin drafts")
@@ -172,20 +174,22 @@ def test_a_positions_logits_are_bitwise_equal_across_call_shapes(dtype, family):
     attention row sums more terms)."""
     m = on_route(family_model(3, family, dtype, vocab=40), "invariant")
     src = random_src(3, 3, 40)
-    tgt = torch.cat([torch.full((3, 1), BOS_ID), torch.randint(5, 40, (3, 20), generator=torch.Generator().manual_seed(3))], 1)
+    tgt = torch.cat(
+        [torch.full((3, 1), BOS_ID), torch.randint(5, 40, (3, 20), generator=torch.Generator().manual_seed(3))], 1
+    )
     with torch.inference_mode():
         mem = m.encode(src)
         cache = m.new_cache(3, capacity=2)
-        ref = torch.cat([m.decode(tgt[:, t:t + 1], mem, cache) for t in range(21)], 1)
+        ref = torch.cat([m.decode(tgt[:, t : t + 1], mem, cache) for t in range(21)], 1)
         for chunks in ([21], [3, 1, 5, 12], [2] * 10 + [1]):
             cache, at, pieces = m.new_cache(3, capacity=40), 0, []
             for c in chunks:
-                pieces.append(m.decode(tgt[:, at:at + c], mem, cache))
+                pieces.append(m.decode(tgt[:, at : at + c], mem, cache))
                 at += c
             assert torch.equal(torch.cat(pieces, 1), ref), chunks
         for b in range(3):
-            alone = m.encode(src[b:b + 1, :int(src[b].ne(0).sum())])
-            assert torch.equal(m.decode(tgt[b:b + 1], alone, m.new_cache(1)), ref[b:b + 1]), b
+            alone = m.encode(src[b : b + 1, : int(src[b].ne(0).sum())])
+            assert torch.equal(m.decode(tgt[b : b + 1], alone, m.new_cache(1)), ref[b : b + 1]), b
         assert torch.equal(m(src, tgt), ref)
 
 
@@ -231,7 +235,10 @@ def test_the_mode_wraps_one_model_and_leaves_it_as_it_is():
         before = a(src, tgt)
         inv = on_route(a, "invariant")
         assert is_row_invariant(inv) and not is_row_invariant(a) and inv is not a
-        assert type(a.decoder[0].ff.w1) is torch.nn.Linear and inv.twin.decoder[0].ff.w1.weight is a.decoder[0].ff.w1.weight
+        assert (
+            type(a.decoder[0].ff.w1) is torch.nn.Linear
+            and inv.twin.decoder[0].ff.w1.weight is a.decoder[0].ff.w1.weight
+        )
         torch.testing.assert_close(inv(src, tgt), before, rtol=1e-12, atol=1e-12)
         assert torch.equal(a(src, tgt), before)
     with torch.no_grad():
@@ -258,7 +265,9 @@ def test_decoding_follows_data_writes_and_fused_optimizer_steps(tie):
     W = m.tgt_embed.weight if tie else m.out_proj.weight
     W.data.copy_(W.data.flip(0))
     assert torch.equal(step_logits(m, src), step_logits(copy.deepcopy(m), src))
-    assert_tokens_equal(decode_greedy(m, src, max_len=8).tokens, decode_greedy(copy.deepcopy(m), src, max_len=8).tokens, ".data")
+    assert_tokens_equal(
+        decode_greedy(m, src, max_len=8).tokens, decode_greedy(copy.deepcopy(m), src, max_len=8).tokens, ".data"
+    )
     opt = torch.optim.Adam(m.parameters(), lr=0.5, fused=True)
     m.train()
     m(src, torch.tensor([[BOS_ID, 5, 6]])).sum().backward()
@@ -278,9 +287,14 @@ def test_float64_position_table_is_exact():
     assert torch.equal(m.to(torch.float32).to(torch.float64).positions, exact)
 
 
-ROUTE_OF = {"reference": lambda m: m, "invariant": lambda m: on_route(m, "invariant"), "fast": lambda m: on_route(m, "fast"),
-            "graphed": lambda m: on_route(m, "graphed"), "int8": lambda m: on_route(m, "reference", int8=True),
-            "fast-int8": lambda m: on_route(m, "fast", int8=True)}
+ROUTE_OF = {
+    "reference": lambda m: m,
+    "invariant": lambda m: on_route(m, "invariant"),
+    "fast": lambda m: on_route(m, "fast"),
+    "graphed": lambda m: on_route(m, "graphed"),
+    "int8": lambda m: on_route(m, "reference", int8=True),
+    "fast-int8": lambda m: on_route(m, "fast", int8=True),
+}
 
 
 @pytest.mark.parametrize("route", list(ROUTE_OF))
@@ -296,5 +310,7 @@ def test_a_model_built_under_inference_mode_decodes(route):
     built, normal = ROUTE_OF[route](built), ROUTE_OF[route](normal)
     src = random_src(1, 2, 12)
     assert torch.equal(step_logits(built, src[:1]), step_logits(normal, src[:1]))
-    assert_tokens_equal(decode_greedy(built, src, max_len=6).tokens, decode_greedy(normal, src, max_len=6).tokens, "greedy")
+    assert_tokens_equal(
+        decode_greedy(built, src, max_len=6).tokens, decode_greedy(normal, src, max_len=6).tokens, "greedy"
+    )
     assert_tokens_equal(decode_iad(built, src, max_len=6).tokens, decode_greedy(normal, src, max_len=6).tokens, "iad")

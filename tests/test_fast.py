@@ -89,8 +89,7 @@ def test_decoder_calls_match_the_reference_uniform_and_ragged(seed):
         real = torch.tensor([3, 1, 2, 3, 2])
         for c in caches:
             c.truncate(lengths)
-        a, b = (mm.project(mm.decode_hidden(tgt[:, 1:], mem, c, real=real))
-                for mm, mem, c in zip((m, f), mems, caches))
+        a, b = (mm.project(mm.decode_hidden(tgt[:, 1:], mem, c, real=real)) for mm, mem, c in zip((m, f), mems, caches))
         is_real = torch.arange(3)[None, :] < real[:, None]
         assert (a - b)[is_real].abs().max() < TOL
         assert torch.equal(caches[0].lengths, caches[1].lengths)
@@ -106,10 +105,18 @@ def test_imported_family_layers_match_the_reference(family):
     GELU, learned positions, embedding norms, a logits bias, unscaled embeddings), Marian's (SiLU,
     its position table) and NLLB's forced encoder and decoder tokens."""
     base = tiny_model(11).cfg
-    changes = {"bart": dict(norm_first=False, activation="gelu", positions="learned", embed_norm=True,
-                            logits_bias=True, scale_embeddings=False),
-               "marian": dict(activation="silu", positions="marian", logits_bias=True),
-               "nllb": dict(encoder_prefix=(7,), decoder_prefix=(9,))}[family]
+    changes = {
+        "bart": dict(
+            norm_first=False,
+            activation="gelu",
+            positions="learned",
+            embed_norm=True,
+            logits_bias=True,
+            scale_embeddings=False,
+        ),
+        "marian": dict(activation="silu", positions="marian", logits_bias=True),
+        "nllb": dict(encoder_prefix=(7,), decoder_prefix=(9,)),
+    }[family]
     torch.manual_seed(11)
     m = Transformer(dataclasses.replace(base, **changes)).double().eval()
     with torch.no_grad():
@@ -139,7 +146,9 @@ def test_training_the_model_under_the_route_is_followed():
     src = random_src(3, 4, 40)
     tgt = torch.randint(5, 40, (4, 6))
     with torch.enable_grad():
-        assert (m.project(m.forward_hidden(src, tgt)) - f.project(f.reference.forward_hidden(src, tgt))).abs().max() < TOL
+        assert (
+            m.project(m.forward_hidden(src, tgt)) - f.project(f.reference.forward_hidden(src, tgt))
+        ).abs().max() < TOL
     for model, fused in ((m, False), (f.model, True)):
         with torch.no_grad():
             f.decode(tgt[:, :1], f.encode(src), f.new_cache(4))  # the layout made before the steps
@@ -198,7 +207,10 @@ def test_the_route_wraps_the_model_and_leaves_it_as_it_is():
     models = routed(Models(m, Path("m.pt"), small=EarlyExit(m, 1)), "fast", False)
     assert isinstance(models.model, FastRoute) and models.small.base is models.model
     large = models.model
-    assert large.reference.kernels == Kernels(few_rows=True) and FastRoute(m, few_rows=False).reference.kernels == Kernels()
+    assert (
+        large.reference.kernels == Kernels(few_rows=True)
+        and FastRoute(m, few_rows=False).reference.kernels == Kernels()
+    )
     t5 = Transformer(dataclasses.replace(m.cfg, positions="relative", scale_attention=False))
     with pytest.raises(ValueError, match="does not write"):
         FastRoute(t5)
@@ -219,14 +231,21 @@ def test_packed_weights_follow_every_weight_change():
             return model.decode(tgt, model.encode(src), model.new_cache(3))
 
     assert (logits(m) - logits(f)).abs().max() < TOL
-    for change, seen in ((lambda mm: mm.decoder[0].ff.w1.weight.mul_(1.5), True),
-                         (lambda mm: mm.decoder[-1].self_attn.wq.bias.add_(0.3), True),
-                         (lambda mm: setattr(mm.out_proj.weight, "data", mm.out_proj.weight.data * 0.7), True),
-                         (lambda mm: mm.out_proj.weight.data.mul_(1.1), False),
-                         (lambda mm: setattr(mm.decoder[1].cross_attn.wo.weight, "data", mm.decoder[1].cross_attn.wo.weight.data + 0.2), True),
-                         (lambda mm: mm.load_state_dict({k: v * 0.9 for k, v in mm.state_dict().items()}), True),
-                         (lambda mm: mm.decoder[0].self_attn.wk.weight.data.add_(0.1), False),
-                         (lambda mm: mm.encoder[0].attn.wv.weight.data.add_(0.1), True)):  # the encoder reads the parameters
+    for change, seen in (
+        (lambda mm: mm.decoder[0].ff.w1.weight.mul_(1.5), True),
+        (lambda mm: mm.decoder[-1].self_attn.wq.bias.add_(0.3), True),
+        (lambda mm: setattr(mm.out_proj.weight, "data", mm.out_proj.weight.data * 0.7), True),
+        (lambda mm: mm.out_proj.weight.data.mul_(1.1), False),
+        (
+            lambda mm: setattr(
+                mm.decoder[1].cross_attn.wo.weight, "data", mm.decoder[1].cross_attn.wo.weight.data + 0.2
+            ),
+            True,
+        ),
+        (lambda mm: mm.load_state_dict({k: v * 0.9 for k, v in mm.state_dict().items()}), True),
+        (lambda mm: mm.decoder[0].self_attn.wk.weight.data.add_(0.1), False),
+        (lambda mm: mm.encoder[0].attn.wv.weight.data.add_(0.1), True),
+    ):  # the encoder reads the parameters
         for mm in (m, f.model):
             with torch.no_grad():
                 change(mm)
@@ -247,8 +266,13 @@ def test_the_configurations_the_fast_route_writes():
     """The paper's layers (and BART's, Marian's, NLLB's) and nothing else: RMS norm, a gated
     feed-forward network, relative positions, no biases or unscaled attention are refused."""
     cfg = tiny_model(8).cfg
-    for change in ({"norm": "rms"}, {"gated_ff": True}, {"positions": "relative"}, {"bias": False},
-                   {"scale_attention": False}):
+    for change in (
+        {"norm": "rms"},
+        {"gated_ff": True},
+        {"positions": "relative"},
+        {"bias": False},
+        {"scale_attention": False},
+    ):
         other = dataclasses.replace(cfg, **change)
         assert not applies_to(other), change
     assert applies_to(cfg)

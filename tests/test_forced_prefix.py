@@ -55,11 +55,18 @@ def test_batched_bild_with_a_prefixed_small_model_equals_each_row_alone(seed):
     small = on_route(prefixed(100 + seed, (9,), layers=(1, 1)), "invariant")
     src = random_src(seed, 6, 40)
     with torch.inference_mode():  # the small model's first confidence per row: half the rows fall back at once
-        first_p = [float(small.decode(torch.tensor([[BOS_ID]]), small.encode(alone(src, b)), small.new_cache(1))
-                         .softmax(-1).max()) for b in range(src.shape[0])]
+        first_p = [
+            float(
+                small.decode(torch.tensor([[BOS_ID]]), small.encode(alone(src, b)), small.new_cache(1))
+                .softmax(-1)
+                .max()
+            )
+            for b in range(src.shape[0])
+        ]
     # No rollback: every small-model token is kept, so the output shows the small model's state.
-    knobs = dict(max_len=12, fallback_threshold=sorted(first_p)[3], rollback_threshold=float("inf"), max_window=4,
-                 trace=True)
+    knobs = dict(
+        max_len=12, fallback_threshold=sorted(first_p)[3], rollback_threshold=float("inf"), max_window=4, trace=True
+    )
     batched = decode_bild(large, small, src, **knobs)
     singles = [decode_bild(large, small, alone(src, b), **knobs) for b in range(src.shape[0])]
     first = [one.trace[0][0].drafted for one in singles]  # what the small model wrote before its first fallback

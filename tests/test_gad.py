@@ -65,7 +65,7 @@ def test_drafting_matches_the_training_layout_and_the_cache_is_exact(layout, see
         seq = [BOS_ID] + y[:p]
         drafted = draft_block(m, memory, cache, seq, 4, layout)
         inp, _, blocked = block_batch([y], 4, [p], layout)
-        ref = m.project(m.forward_hidden(src, inp, blocked))[0, 1 + p:1 + p + 4].argmax(-1).tolist()
+        ref = m.project(m.forward_hidden(src, inp, blocked))[0, 1 + p : 1 + p + 4].argmax(-1).tolist()
         assert drafted == ref
         if layout == "causal":
             assert cache.length == len(seq)
@@ -82,13 +82,15 @@ def test_drafting_stops_where_the_drafters_positions_end(layout):
 
 def oracle(greedy_out: list[int], k: int, wrong: bool, vocab: int):
     """A drafter that knows the verifier's greedy output (or always misses its next token)."""
+
     def draft(drafter, memory, cache, sequences, kk, layout):
         blocks = []
         for sequence in sequences:
             j = len(sequence) - 1
-            block = (greedy_out + [EOS_ID] * kk)[j:j + kk]
+            block = (greedy_out + [EOS_ID] * kk)[j : j + kk]
             blocks.append([(t + 1) % vocab for t in block] if wrong else block)
         return blocks
+
     return draft
 
 
@@ -101,8 +103,9 @@ def test_gad_with_a_random_drafter_is_greedy(seed, k, layout):
     drafter = tiny_model(seed + 50, vocab=vocab, layers=(1, 2))
     src = random_src(seed, 3, vocab)
     for max_len in (2, 20):
-        assert_greedy(verifier, decode_gad(verifier, Drafter(drafter, k=k, layout=layout), src, max_len=max_len), src,
-                      max_len)
+        assert_greedy(
+            verifier, decode_gad(verifier, Drafter(drafter, k=k, layout=layout), src, max_len=max_len), src, max_len
+        )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -163,7 +166,7 @@ def test_glancing_counts_per_row_as_math_ceil_does():
     pred = gold.clone()
     wrong = [0, 1, 3, 7, 10, 3]
     for r, w in enumerate(wrong):
-        pred[r, 1:1 + w] = 99
+        pred[r, 1 : 1 + w] = 99
     new, target = glance(inp, gold, pred, 0.3, torch.Generator().manual_seed(1))
     revealed = new.ne(MASK_ID) & gold.ne(PAD_ID)
     assert revealed.sum(dim=1).tolist() == [math.ceil(0.3 * w) for w in wrong]
@@ -194,4 +197,4 @@ def test_gad_with_a_drafter_on_the_verifiers_encoder_is_greedy(seed, layout):
         inp, _, blocked = block_batch([y], 4, [p], layout)
         states, src_pad = verifier.encode_states(one)
         hidden = drafter.small.forward_hidden(one, inp, blocked, memory=drafter.small.attach(states, src_pad))
-        assert drafted == drafter.project(hidden)[0, 1 + p:1 + p + 4].argmax(-1).tolist()
+        assert drafted == drafter.project(hidden)[0, 1 + p : 1 + p + 4].argmax(-1).tolist()

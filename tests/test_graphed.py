@@ -140,9 +140,17 @@ def test_imported_family_layers_match_the_reference(family):
     forced encoder and decoder tokens (the decoder's first call takes the fast route, the later ones
     the graphed route, past the hidden prefix)."""
     base = tiny_model(11).cfg
-    changes = {"bart": dict(norm_first=False, activation="gelu", positions="learned", embed_norm=True,
-                            logits_bias=True, scale_embeddings=False),
-               "nllb": dict(encoder_prefix=(7,), decoder_prefix=(9,))}[family]
+    changes = {
+        "bart": dict(
+            norm_first=False,
+            activation="gelu",
+            positions="learned",
+            embed_norm=True,
+            logits_bias=True,
+            scale_embeddings=False,
+        ),
+        "nllb": dict(encoder_prefix=(7,), decoder_prefix=(9,)),
+    }[family]
     torch.manual_seed(11)
     m = Transformer(dataclasses.replace(base, **changes)).double().eval()
     with torch.no_grad():
@@ -189,8 +197,10 @@ def test_static_cache_keeps_the_verbs_of_kvcache_in_storage_that_does_not_move()
             assert torch.equal(ref.v[:, row, :, :n], got.v[:, row, :, :n])
 
     def append(q):
-        k, v = torch.randn(ref.batch, 2, q, 4, generator=g, dtype=torch.float64), torch.randn(
-            ref.batch, 2, q, 4, generator=g, dtype=torch.float64)
+        k, v = (
+            torch.randn(ref.batch, 2, q, 4, generator=g, dtype=torch.float64),
+            torch.randn(ref.batch, 2, q, 4, generator=g, dtype=torch.float64),
+        )
         for layer in range(2):
             a, b = ref.append(layer, k, v), got.append(layer, k, v)
             assert (a[0].shape[2], b[0].shape[2]) == (ref.end + q + ref.prefix,) * 2
@@ -217,8 +227,9 @@ def test_static_cache_keeps_the_verbs_of_kvcache_in_storage_that_does_not_move()
     got = None  # the closures above share this name: the cache itself is gone
     again = StaticKVCache(pool, 2, 3, 2, 4, capacity=6, dtype=torch.float64)
     assert again.k.data_ptr() == where  # the first slab, free since the cache moved off it
-    assert StaticKVCache(pool, 2, 4, 2, 4, capacity=moved.k.shape[3] - graphed.MAX_STEP,
-                         dtype=torch.float64).slab is moved  # free since its cache is gone
+    assert (
+        StaticKVCache(pool, 2, 4, 2, 4, capacity=moved.k.shape[3] - graphed.MAX_STEP, dtype=torch.float64).slab is moved
+    )  # free since its cache is gone
 
 
 def test_decoding_calls_of_one_shape_reuse_their_steps():
@@ -238,13 +249,20 @@ class NoHostSync(TorchDispatchMode):
     """Refuses what a CUDA graph capture refuses: reading a tensor's value on the host (`item`,
     `int()`, `bool()`, `tolist`) and shapes that depend on values (nonzero, boolean-mask indexing)."""
 
-    REFUSED = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
-               "aten::_unique2", "aten::repeat_interleave"}
+    REFUSED = {
+        "aten::_local_scalar_dense",
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::unique_dim",
+        "aten::_unique2",
+        "aten::repeat_interleave",
+    }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        if name in self.REFUSED or (name == "aten::index" and any(
-                i is not None and i.dtype == torch.bool for i in args[1])):
+        if name in self.REFUSED or (
+            name == "aten::index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        ):
             raise AssertionError(f"{name} in a step")
         return func(*args, **(kwargs or {}))
 
@@ -300,6 +318,7 @@ class StandInCuda:
 
             def __exit__(self, *exc):
                 cuda.log.append("end " + what)
+
         return Context()
 
 
@@ -344,11 +363,13 @@ def test_the_route_leaves_the_model_and_hands_on_where_it_does_not_apply():
     assert (logits(ref, True) - logits(g, True)).abs().max() < TOL
     assert not g._state().steps  # with gradients on, no step was made
     assert (logits(ref) - logits(g)).abs().max() < TOL and g._state().steps
-    for change, seen in ((lambda mm: mm.decoder[0].ff.w1.weight.data.mul_(1.5), False),
-                         (lambda mm: mm.decoder[0].ff.w1.weight.mul_(1.5), True),
-                         (lambda mm: setattr(mm.out_proj.weight, "data", mm.out_proj.weight.data * 0.7), True),
-                         (lambda mm: setattr(mm.decoder[1].sub2.norm.weight, "data", mm.decoder[1].sub2.norm.weight.data + 0.2), True),
-                         (lambda mm: setattr(mm.encoder[0].attn.wv.weight, "data", mm.encoder[0].attn.wv.weight.data + 0.1), True)):
+    for change, seen in (
+        (lambda mm: mm.decoder[0].ff.w1.weight.data.mul_(1.5), False),
+        (lambda mm: mm.decoder[0].ff.w1.weight.mul_(1.5), True),
+        (lambda mm: setattr(mm.out_proj.weight, "data", mm.out_proj.weight.data * 0.7), True),
+        (lambda mm: setattr(mm.decoder[1].sub2.norm.weight, "data", mm.decoder[1].sub2.norm.weight.data + 0.2), True),
+        (lambda mm: setattr(mm.encoder[0].attn.wv.weight, "data", mm.encoder[0].attn.wv.weight.data + 0.1), True),
+    ):
         for mm in (ref, g.model):
             with torch.no_grad():
                 change(mm)
@@ -376,18 +397,39 @@ def test_a_decoded_graphed_route_and_its_model_deep_copy():
 def test_decode_graphed_writes_the_reference_output(trained_tiny, tmp_path):
     """decode.py --graphed in float64: greedy and IAD write what greedy on the reference route
     writes, batch 1 and batched; the report says which route ran; --graphed with --fast is refused."""
-    base = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet", "--model", str(trained_tiny / "model.pt"),
-            "--limit", "8", "--dtype", "float64", "--max-len", "16"]
+    base = [
+        "decode.py",
+        "--task",
+        "mt-en-de",
+        "--threads",
+        "1",
+        "--quiet",
+        "--model",
+        str(trained_tiny / "model.pt"),
+        "--limit",
+        "8",
+        "--dtype",
+        "float64",
+        "--max-len",
+        "16",
+    ]
     outs = {}
-    for name, flags in (("reference", ["--algo", "greedy"]), ("greedy", ["--algo", "greedy", "--graphed"]),
-                        ("iad", ["--algo", "iad", "--graphed"]),
-                        ("batched", ["--algo", "greedy", "--graphed", "--batch-size", "4"])):
+    for name, flags in (
+        ("reference", ["--algo", "greedy"]),
+        ("greedy", ["--algo", "greedy", "--graphed"]),
+        ("iad", ["--algo", "iad", "--graphed"]),
+        ("batched", ["--algo", "greedy", "--graphed", "--batch-size", "4"]),
+    ):
         rep = tmp_path / f"{name}.json"
         r = run_py(*base, *flags, "--report", str(rep))
         assert r.returncode == 0, r.stderr.decode()
         outs[name] = r.stdout.decode()
         assert json.loads(rep.read_text())["graphed_route"] is ("--graphed" in flags)
-    assert outs["greedy"] == outs["reference"] and outs["iad"] == outs["reference"] and outs["batched"] == outs["reference"]
+    assert (
+        outs["greedy"] == outs["reference"]
+        and outs["iad"] == outs["reference"]
+        and outs["batched"] == outs["reference"]
+    )
     r = run_py(*base, "--algo", "greedy", "--graphed", "--fast")
     assert r.returncode == 2 and "not allowed with" in r.stderr.decode()
 
@@ -398,8 +440,23 @@ def test_decode_graphed_runs_every_algorithm_on_a_shipped_checkpoint(algo, tmp_p
     """decode.py --graphed runs each algorithm on its shipped mt-en-de checkpoints (drafter, heads,
     small model), one output line per input line."""
     out = tmp_path / "out.txt"
-    r = run_py("decode.py", "--algo", algo, "--task", "mt-en-de", "--graphed", "--limit", "3", "--threads", "1",
-               "--quiet", "--output", str(out), "--batch-size", "2")
+    r = run_py(
+        "decode.py",
+        "--algo",
+        algo,
+        "--task",
+        "mt-en-de",
+        "--graphed",
+        "--limit",
+        "3",
+        "--threads",
+        "1",
+        "--quiet",
+        "--output",
+        str(out),
+        "--batch-size",
+        "2",
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
     assert (REPO / "checkpoints" / "mt-en-de" / "model.pt").is_file()
@@ -410,6 +467,7 @@ def test_time_replay_times_the_step_that_the_call_runs(monkeypatch):
     the one the route's call of that shape ran (step_of finds it, made once), and running it alone
     writes the call's final states again (the same inputs, the same outputs)."""
     from refdec.commands import harness as timing
+
     m = tiny_model(0)
     route = on_route(m, "graphed")
     src = random_src(0, 2, 7)

@@ -58,8 +58,12 @@ def test_import_logits_and_greedy_equal_transformers(folder, theirs):
 def test_forced_language_tokens_honoured_by_greedy_beam_iad_and_speculative(folder, theirs, tmp_path):
     model, tok, _ = hf.load_folder(folder, dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
     # another random model as the drafter: its drafts are often rejected, so its cache is cut back
-    small, _, _ = hf.load_folder(m2m_folder(tmp_path / "small", seed=1, encoder_layers=1, decoder_layers=1),
-                                 dtype=torch.float64, src_lang="__en__", tgt_lang="__de__")
+    small, _, _ = hf.load_folder(
+        m2m_folder(tmp_path / "small", seed=1, encoder_layers=1, decoder_layers=1),
+        dtype=torch.float64,
+        src_lang="__en__",
+        tgt_lang="__de__",
+    )
     en, de = (tok._tok.token_to_id(t) for t in LANGS)
     assert model.cfg.encoder_prefix == (en,) and model.cfg.decoder_prefix == (de,)
     srcs = sources(5, seed=3)
@@ -81,18 +85,30 @@ def test_forced_language_tokens_honoured_by_greedy_beam_iad_and_speculative(fold
     assert changed  # the forced tokens change what the model writes
     batch = torch.full((len(srcs), 9), 1)  # a padded batch: the prefix goes before each row's source
     for i, s in enumerate(srcs):
-        batch[i, :len(s) + 1] = torch.tensor(s + [2])
+        batch[i, : len(s) + 1] = torch.tensor(s + [2])
     outs = decode_iad(model, batch, max_len=20).tokens
     assert all(torch.equal(o, hf.hf_generate(theirs, model.cfg, s, 20)) for o, s in zip(outs, srcs))
 
 
 def refdec_checkpoint(path: Path, seed: int = 0, max_positions: int = 64) -> Path:
     """A random refdec model (tied, pre-norm, every weight perturbed) with a trained byte-level tokenizer."""
-    tok = Tokenizer.train(["the cat sat on the mat", "a dog ran in the park", "der Hund lief im Park"] * 5,
-                          vocab_size=300, min_frequency=1)
+    tok = Tokenizer.train(
+        ["the cat sat on the mat", "a dog ran in the park", "der Hund lief im Park"] * 5,
+        vocab_size=300,
+        min_frequency=1,
+    )
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_heads=2, d_ff=32, enc_layers=2,
-                                    dec_layers=2, max_positions=max_positions))
+    model = Transformer(
+        ModelConfig(
+            vocab_size=tok.vocab_size,
+            d_model=16,
+            n_heads=2,
+            d_ff=32,
+            enc_layers=2,
+            dec_layers=2,
+            max_positions=max_positions,
+        )
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -109,6 +125,7 @@ def test_export_of_a_checkpoint_with_proposal_heads_refuses_or_leaves_them_out_w
     and says the heads are not in it."""
     from refdec.checkpoint import load_checkpoint
     from refdec.proposal import ProposalHeads, proposal_state
+
     ckpt = refdec_checkpoint(tmp_path / "ckpt")
     stored = load_checkpoint(ckpt)
     save_atomic({**stored, "proposal": proposal_state(ProposalHeads(16, 8, k=3))}, ckpt)
@@ -122,13 +139,16 @@ def test_export_of_a_checkpoint_with_proposal_heads_refuses_or_leaves_them_out_w
     assert "the proposal heads are not in it" in r.stdout.decode()
     assert "loading it back with transformers to check it" in r.stderr.decode()  # said before its silent seconds
     back, _, _ = hf.load_folder(tmp_path / "out")
-    assert all(torch.equal(back.state_dict()[k], v.float()) for k, v in stored["model"].items() if k in back.state_dict())
+    assert all(
+        torch.equal(back.state_dict()[k], v.float()) for k, v in stored["model"].items() if k in back.state_dict()
+    )
     # a plain checkpoint exports as before, with nothing left out
     assert hf.export(refdec_checkpoint(tmp_path / "plain"), tmp_path / "plain-out")["heads_left_out"] is False
 
 
 def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path):
     from refdec.checkpoint import load_model
+
     ckpt = refdec_checkpoint(tmp_path / "ckpt")
     result = hf.export(ckpt, tmp_path / "out")
     assert result["architecture"] == hf.PEGASUS and result["max_logit_difference"] <= hf.LOGIT_TOLERANCE
@@ -143,7 +163,11 @@ def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path):
         src = tok.encode(text)
         want = decode_greedy(ours, torch.tensor([src + [2]]), max_len=30).tokens[0]
         assert torch.equal(hf.hf_generate(theirs, ours.cfg, src, 30), want)
-        diff = (hf.refdec_logits(ours, src, want.tolist()) - hf.hf_logits(theirs, ours.cfg, src, want.tolist())).abs().max()
+        diff = (
+            (hf.refdec_logits(ours, src, want.tolist()) - hf.hf_logits(theirs, ours.cfg, src, want.tolist()))
+            .abs()
+            .max()
+        )
         assert diff <= hf.LOGIT_TOLERANCE
         assert torch.equal(hf.refdec_logits(back, src, want.tolist()), hf.refdec_logits(ours, src, want.tolist()))
     back32, _, _ = hf.load_folder(tmp_path / "out")
@@ -169,6 +193,7 @@ def test_pytorch_model_bin_imports_as_safetensors_does(folder, tmp_path):
     import shutil
 
     from safetensors.torch import load_file
+
     shutil.copytree(folder, tmp_path / "bin")
     torch.save(load_file(str(folder / "model.safetensors")), tmp_path / "bin" / "pytorch_model.bin")
     (tmp_path / "bin" / "model.safetensors").unlink()
@@ -177,9 +202,12 @@ def test_pytorch_model_bin_imports_as_safetensors_does(folder, tmp_path):
 
 
 def test_core_library_imports_without_transformers():
-    r = run_py("-c", "import sys; sys.modules['transformers'] = sys.modules['safetensors'] = None\n"
-               "import refdec.model, refdec.app.loading, refdec.decoding, refdec.app.runner, refdec.hf\n"
-               "try:\n    refdec.hf.hf_from_pretrained('x')\nexcept refdec.hf.HFError as e:\n    print(e)")
+    r = run_py(
+        "-c",
+        "import sys; sys.modules['transformers'] = sys.modules['safetensors'] = None\n"
+        "import refdec.model, refdec.app.loading, refdec.decoding, refdec.app.runner, refdec.hf\n"
+        "try:\n    refdec.hf.hf_from_pretrained('x')\nexcept refdec.hf.HFError as e:\n    print(e)",
+    )
     assert r.returncode == 0 and "needs the transformers package" in r.stdout.decode(), r.stderr.decode()
 
 
@@ -204,9 +232,13 @@ def test_unsupported_architecture_and_missing_files(tmp_path, folder):
     with pytest.raises(hf.HFError, match="has no weights"):
         hf.load_folder(no_tok)
     args = ["--task", "mt-en-de", "--algo", "greedy", "--input", "-", "--quiet", "--threads", "1"]
-    assert "unsupported architecture BartModel" in one_line_error(run_py("decode.py", *args, "--model", str(bad), stdin=b"w1\n"))
+    assert "unsupported architecture BartModel" in one_line_error(
+        run_py("decode.py", *args, "--model", str(bad), stdin=b"w1\n")
+    )
     assert "has no weights" in one_line_error(run_py("decode.py", *args, "--model", str(no_tok), stdin=b"w1\n"))
-    assert "not found" in one_line_error(run_py("-m", "refdec", "hf", "export", str(tmp_path / "none.pt"), str(tmp_path / "o")))
+    assert "not found" in one_line_error(
+        run_py("-m", "refdec", "hf", "export", str(tmp_path / "none.pt"), str(tmp_path / "o"))
+    )
 
 
 def test_decode_cli_on_a_transformers_folder(folder, theirs, tmp_path):
@@ -217,10 +249,32 @@ def test_decode_cli_on_a_transformers_folder(folder, theirs, tmp_path):
     lines = [" ".join(WORDS[t - 4] for t in s) for s in srcs]
     want = [tok.decode(hf.hf_generate(theirs, model.cfg, s, 2 * len(s) + 10).tolist()) for s in srcs]
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
-    r = run_py("decode.py", "--task", "mt-en-de", "--algo", "greedy", "--compare", "beam:beam-size=1,iad", "--model",
-               str(folder), "--input", str(tmp_path / "in.txt"), "--src-lang", "__en__", "--tgt-lang", "__de__",
-               "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"),
-               "--report", str(tmp_path / "r.json"))
+    r = run_py(
+        "decode.py",
+        "--task",
+        "mt-en-de",
+        "--algo",
+        "greedy",
+        "--compare",
+        "beam:beam-size=1,iad",
+        "--model",
+        str(folder),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--src-lang",
+        "__en__",
+        "--tgt-lang",
+        "__de__",
+        "--dtype",
+        "float64",
+        "--quiet",
+        "--threads",
+        "1",
+        "--output",
+        str(tmp_path / "out.txt"),
+        "--report",
+        str(tmp_path / "r.json"),
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert (tmp_path / "out.txt").read_text().splitlines() == want
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
@@ -234,8 +288,28 @@ def test_audit_reports_every_method(tmp_path, capsys):
     # the end of the position table that fails (the audit records such a line as an error)
     large = refdec_checkpoint(tmp_path / "large", seed=2, max_positions=256)
     small = refdec_checkpoint(tmp_path / "small", seed=3, max_positions=256)
-    assert hf_main(["audit", "--task", "mt-en-de", "--model", str(large), "--small", str(small), "--limit", "2",
-                    "--warmup", "0", "--threads", "1", "--report", str(tmp_path / "r.json")]) == 0
+    assert (
+        hf_main(
+            [
+                "audit",
+                "--task",
+                "mt-en-de",
+                "--model",
+                str(large),
+                "--small",
+                str(small),
+                "--limit",
+                "2",
+                "--warmup",
+                "0",
+                "--threads",
+                "1",
+                "--report",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "r.json").read_text())
     rows = {r["method"]: r for r in report["methods"]}
     assert list(rows) == ["refdec-greedy", "refdec-speculative", "hf-greedy", "hf-assisted", "hf-prompt-lookup"]
@@ -248,18 +322,23 @@ def test_audit_reports_every_method(tmp_path, capsys):
     assert "hf-prompt-lookup" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--algo", "gad"], "--algo gad needs a block drafter"),
-    (["--algo", "bild"], "--algo bild needs a small model"),
-    (["--algo", "speculative"], "--algo speculative needs a small model"),
-    (["--algo", "greedy", "--compare", "gad"], "--compare gad needs a block drafter"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--algo", "gad"], "--algo gad needs a block drafter"),
+        (["--algo", "bild"], "--algo bild needs a small model"),
+        (["--algo", "speculative"], "--algo speculative needs a small model"),
+        (["--algo", "greedy", "--compare", "gad"], "--compare gad needs a block drafter"),
+    ],
+)
 def test_a_companion_model_a_folder_does_not_bring_is_asked_for(folder, tmp_path, capsys, monkeypatch, argv, needle):
     """Case: `decode.py --model FOLDER --input s.txt --algo gad` (bild, speculative, --compare gad) exited 1
     with `TypeError: replace() argument 1 must be str, not None`: without --task there is no shipped
-    companion model (drafter, small model) to default to. One line now names the model the algorithm needs and its flag."""
+    companion model (drafter, small model) to default to. One line now names the model the algorithm
+    needs and its flag."""
     (tmp_path / "s.txt").write_text("w1 w2 w3\n", encoding="utf-8")
-    err = error_of(decode_command, ["--model", str(folder), "--input", str(tmp_path / "s.txt"), *argv],
-                   capsys, monkeypatch)
+    err = error_of(
+        decode_command, ["--model", str(folder), "--input", str(tmp_path / "s.txt"), *argv], capsys, monkeypatch
+    )
     role = "drafter" if "gad" in argv else "small"
     assert needle in err and f"pass --{role} PATH" in err, err

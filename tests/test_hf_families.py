@@ -33,24 +33,52 @@ FAMILIES = ("marian", "bart", "mbart", "t5", "t5-v1.1")
 
 def hf_model(family: str, layers: int = 2):
     """A transformers model of `family` with `layers` encoder and decoder layers (d_model 16)."""
-    bart_like = dict(vocab_size=V, d_model=16, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2,
-                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
-                     pad_token_id=1, bos_token_id=0, eos_token_id=2)
-    t5 = dict(vocab_size=V, d_model=16, d_kv=6, num_heads=3, d_ff=32, num_layers=layers, num_decoder_layers=layers,
-              relative_attention_num_buckets=8, relative_attention_max_distance=20, pad_token_id=1, eos_token_id=2,
-              decoder_start_token_id=1)
+    bart_like = dict(
+        vocab_size=V,
+        d_model=16,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    t5 = dict(
+        vocab_size=V,
+        d_model=16,
+        d_kv=6,
+        num_heads=3,
+        d_ff=32,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        pad_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
     if family == "marian":  # opus-mt: swish, scaled embeddings, the decoder starts from pad
-        return transformers.MarianMTModel(transformers.MarianConfig(
-            **bart_like, decoder_start_token_id=1, scale_embedding=True, activation_function="swish"))
+        return transformers.MarianMTModel(
+            transformers.MarianConfig(
+                **bart_like, decoder_start_token_id=1, scale_embedding=True, activation_function="swish"
+            )
+        )
     if family == "bart":
         return transformers.BartForConditionalGeneration(transformers.BartConfig(**bart_like, decoder_start_token_id=2))
     if family == "mbart":
-        return transformers.MBartForConditionalGeneration(transformers.MBartConfig(**bart_like, decoder_start_token_id=2))
+        return transformers.MBartForConditionalGeneration(
+            transformers.MBartConfig(**bart_like, decoder_start_token_id=2)
+        )
     if family == "t5":  # v1.0: relu, tied head rescaled by d_model^-0.5
         return transformers.T5ForConditionalGeneration(transformers.T5Config(**t5))
     # v1.1 / Flan-T5: gated-gelu, an untied head (made to differ from the embedding below)
-    return transformers.T5ForConditionalGeneration(transformers.T5Config(**t5, feed_forward_proj="gated-gelu",
-                                                                         tie_word_embeddings=False))
+    return transformers.T5ForConditionalGeneration(
+        transformers.T5Config(**t5, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    )
 
 
 def family_folder(path: Path, family: str, seed: int = 0, layers: int = 2) -> Path:
@@ -65,7 +93,9 @@ def family_folder(path: Path, family: str, seed: int = 0, layers: int = 2) -> Pa
         if hasattr(model, "final_logits_bias"):
             model.final_logits_bias.add_(torch.randn_like(model.final_logits_bias) * 0.05)
         if family == "t5-v1.1":
-            model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone() + torch.randn_like(model.shared.weight))
+            model.lm_head.weight = torch.nn.Parameter(
+                model.shared.weight.detach().clone() + torch.randn_like(model.shared.weight)
+            )
     model.save_pretrained(path)
     (path / "tokenizer.json").write_text(word_tokenizer_json(), encoding="utf-8")
     if family == "bart":
@@ -82,15 +112,19 @@ def folders(tmp_path_factory) -> dict:
     def get(family: str):
         if family not in made:
             root = tmp_path_factory.mktemp(family)
-            made[family] = (family_folder(root / "large", family), family_folder(root / "small", family, seed=1, layers=1))
+            made[family] = (
+                family_folder(root / "large", family),
+                family_folder(root / "small", family, seed=1, layers=1),
+            )
         return made[family]
+
     return get
 
 
 def padded(srcs: list[list[int]], eos: int = 2, pad: int = 1) -> torch.Tensor:
     batch = torch.full((len(srcs), max(map(len, srcs)) + 1), pad)
     for i, s in enumerate(srcs):
-        batch[i, :len(s) + 1] = torch.tensor(s + [eos])
+        batch[i, : len(s) + 1] = torch.tensor(s + [eos])
     return batch
 
 
@@ -104,7 +138,9 @@ def test_logits_and_every_decoder_equal_transformers_greedy(family, folders):
     wants = []
     for src in srcs:
         tgt = sources(1, seed=len(src))[0]
-        assert (hf.refdec_logits(model, src, tgt) - hf.hf_logits(theirs, model.cfg, src, tgt)).abs().max() <= hf.LOGIT_TOLERANCE
+        assert (
+            hf.refdec_logits(model, src, tgt) - hf.hf_logits(theirs, model.cfg, src, tgt)
+        ).abs().max() <= hf.LOGIT_TOLERANCE
         want = hf.hf_generate(theirs, model.cfg, src, 20)
         x = torch.tensor([src + [model.cfg.eos_id]])
         assert torch.equal(decode_greedy(model, x, max_len=20).tokens[0], want)
@@ -114,20 +150,29 @@ def test_logits_and_every_decoder_equal_transformers_greedy(family, folders):
         wants.append(want)
     assert len({tuple(w.tolist()) for w in wants}) > 1  # the sources lead to different outputs
     batch = padded(srcs, model.cfg.eos_id, model.cfg.pad_id)
-    for decode in (lambda b: decode_greedy(model, b, max_len=20), lambda b: decode_iad(model, b, max_len=20),
-                   lambda b: decode_speculative(model, drafter, b, max_len=20, gamma=3)):
+    for decode in (
+        lambda b: decode_greedy(model, b, max_len=20),
+        lambda b: decode_iad(model, b, max_len=20),
+        lambda b: decode_speculative(model, drafter, b, max_len=20, gamma=3),
+    ):
         assert all(torch.equal(o, w) for o, w in zip(decode(batch).tokens, wants))
     assert len(decode_bild(model, drafter, batch, max_len=20).tokens) == len(srcs)  # BiLD runs (not lossless)
     invariant = on_route(hf.load_folder(large, dtype=torch.float64)[0], "invariant")  # T5's bias in rowwise_attention
-    assert all(torch.equal(decode_iad(invariant, padded([s], model.cfg.eos_id, model.cfg.pad_id), max_len=20).tokens[0], w)
-               for s, w in zip(srcs[:6], wants))
+    assert all(
+        torch.equal(decode_iad(invariant, padded([s], model.cfg.eos_id, model.cfg.pad_id), max_len=20).tokens[0], w)
+        for s, w in zip(srcs[:6], wants)
+    )
 
 
 def test_family_switches(folders):
     """Each family sets the ModelConfig fields its architecture differs by (docs/hf.md's table)."""
     cfgs = {f: hf.load_folder(folders(f)[0])[0].cfg for f in FAMILIES}
-    assert (cfgs["marian"].positions, cfgs["marian"].norm_first, cfgs["marian"].activation, cfgs["marian"].bos_id) \
-        == ("marian", False, "silu", cfgs["marian"].pad_id)
+    assert (cfgs["marian"].positions, cfgs["marian"].norm_first, cfgs["marian"].activation, cfgs["marian"].bos_id) == (
+        "marian",
+        False,
+        "silu",
+        cfgs["marian"].pad_id,
+    )
     assert cfgs["bart"].embed_norm and cfgs["bart"].encoder_prefix == (0,) and cfgs["bart"].decoder_prefix == (0,)
     assert cfgs["mbart"].norm_first and cfgs["mbart"].positions == "learned" and cfgs["mbart"].logits_bias
     assert cfgs["t5"].rescale_head and cfgs["t5"].tie_embeddings and not cfgs["t5"].gated_ff
@@ -154,8 +199,11 @@ def test_mbart_language_codes_forced_under_every_decoder(folders):
         assert torch.equal(decode_iad(model, x, max_len=20).tokens[0], want)
         assert torch.equal(decode_speculative(model, drafter, x, max_len=20, gamma=3).tokens[0], want)
     batch = padded(srcs)
-    for out in (decode_greedy(model, batch, max_len=20), decode_iad(model, batch, max_len=20),
-                decode_speculative(model, drafter, batch, max_len=20, gamma=3)):
+    for out in (
+        decode_greedy(model, batch, max_len=20),
+        decode_iad(model, batch, max_len=20),
+        decode_speculative(model, drafter, batch, max_len=20, gamma=3),
+    ):
         assert all(torch.equal(o, w) for o, w in zip(out.tokens, wants))
     # BiLD is not lossless, but its batch computes what each row computes alone, forced tokens included
     alone = [decode_bild(model, drafter, padded([s]), max_len=20).tokens[0] for s in srcs]
@@ -172,9 +220,26 @@ def test_decode_cli_greedy_and_iad_write_transformers_greedy_text(family, folder
     lines = [" ".join(WORDS[t - 4] for t in s) for s in srcs]
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
     want = [tok.decode(hf.hf_generate(theirs, model.cfg, s, 2 * len(s) + 10).tolist()) for s in srcs]
-    r = run_py("decode.py", "--algo", "greedy", "--compare", "iad", "--model", str(folder), "--input",
-               str(tmp_path / "in.txt"), "--dtype", "float64", "--quiet", "--threads", "1",
-               "--output", str(tmp_path / "out.txt"), "--report", str(tmp_path / "r.json"))
+    r = run_py(
+        "decode.py",
+        "--algo",
+        "greedy",
+        "--compare",
+        "iad",
+        "--model",
+        str(folder),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--dtype",
+        "float64",
+        "--quiet",
+        "--threads",
+        "1",
+        "--output",
+        str(tmp_path / "out.txt"),
+        "--report",
+        str(tmp_path / "r.json"),
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert (tmp_path / "out.txt").read_text().splitlines() == want
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
@@ -183,8 +248,25 @@ def test_decode_cli_greedy_and_iad_write_transformers_greedy_text(family, folder
 
 def test_decode_cli_speculative_with_a_small_folder_on_stdin(folders):
     large, small = folders("marian")
-    r = run_py("decode.py", "--algo", "speculative", "--compare", "greedy", "--model", str(large), "--small", str(small),
-               "--input", "-", "--dtype", "float64", "--quiet", "--threads", "1", stdin=b"w1 w2 w3\nw4 w5\n")
+    r = run_py(
+        "decode.py",
+        "--algo",
+        "speculative",
+        "--compare",
+        "greedy",
+        "--model",
+        str(large),
+        "--small",
+        str(small),
+        "--input",
+        "-",
+        "--dtype",
+        "float64",
+        "--quiet",
+        "--threads",
+        "1",
+        stdin=b"w1 w2 w3\nw4 w5\n",
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert "1.0000 identical" in r.stdout.decode() + r.stderr.decode()
 
@@ -196,9 +278,12 @@ def test_one_line_errors(folders, tmp_path):
     args = ["--algo", "greedy", "--input", "-", "--quiet", "--threads", "1"]
     bad = tmp_path / "pegasus-x"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({"model_type": "pegasus_x", "architectures": ["PegasusXForConditionalGeneration"]}))
+    (bad / "config.json").write_text(
+        json.dumps({"model_type": "pegasus_x", "architectures": ["PegasusXForConditionalGeneration"]})
+    )
     assert "unsupported architecture PegasusXForConditionalGeneration" in one_line_error(
-        run_py("decode.py", *args, "--model", str(bad), stdin=b"w1\n"))
+        run_py("decode.py", *args, "--model", str(bad), stdin=b"w1\n")
+    )
     no_weights = tmp_path / "no-weights"
     shutil.copytree(large, no_weights)
     (no_weights / "model.safetensors").unlink()
@@ -208,8 +293,23 @@ def test_one_line_errors(folders, tmp_path):
     spec = json.loads((other / "tokenizer.json").read_text())
     spec["model"]["vocab"]["w0x"] = spec["model"]["vocab"].pop("w0")
     (other / "tokenizer.json").write_text(json.dumps(spec))
-    err = one_line_error(run_py("decode.py", "--algo", "speculative", "--input", "-", "--quiet", "--threads", "1",
-                                "--model", str(large), "--small", str(other), stdin=b"w1\n"))
+    err = one_line_error(
+        run_py(
+            "decode.py",
+            "--algo",
+            "speculative",
+            "--input",
+            "-",
+            "--quiet",
+            "--threads",
+            "1",
+            "--model",
+            str(large),
+            "--small",
+            str(other),
+            stdin=b"w1\n",
+        )
+    )
     assert "does not share the tokenizer" in err
     assert "--task is needed" in one_line_error(run_py("decode.py", *args, stdin=b"w1\n"))
 
@@ -220,12 +320,40 @@ def test_audit_on_a_family_pair(family, folders, tmp_path, capsys):
     transformers' greedy, beam-free assisted generation and prompt lookup; refdec's lossless decoders
     and transformers' greedy identical to refdec greedy, differing lines reported with a margin."""
     from refdec.commands.hfcli import main as hf_main
+
     large, small = folders(family)
     (tmp_path / "in.txt").write_text("\n".join(" ".join(WORDS[t - 4] for t in s) for s in sources(4, seed=8)) + "\n")
-    assert hf_main(["audit", "--model", str(large), "--small", str(small), "--input", str(tmp_path / "in.txt"),
-                    "--limit", "4", "--warmup", "0", "--threads", "1", "--report", str(tmp_path / "r.json")]) == 0
+    assert (
+        hf_main(
+            [
+                "audit",
+                "--model",
+                str(large),
+                "--small",
+                str(small),
+                "--input",
+                str(tmp_path / "in.txt"),
+                "--limit",
+                "4",
+                "--warmup",
+                "0",
+                "--threads",
+                "1",
+                "--report",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     rows = {r["method"]: r for r in json.loads((tmp_path / "r.json").read_text())["methods"]}
-    assert list(rows) == ["refdec-greedy", "refdec-iad", "refdec-speculative", "hf-greedy", "hf-assisted", "hf-prompt-lookup"]
+    assert list(rows) == [
+        "refdec-greedy",
+        "refdec-iad",
+        "refdec-speculative",
+        "hf-greedy",
+        "hf-assisted",
+        "hf-prompt-lookup",
+    ]
     assert all(rows[m]["identical"] == 1 for m in ("refdec-iad", "refdec-speculative", "hf-greedy"))
     for r in rows.values():
         assert len(r["differing"]) == round(4 * (1 - r["identical"])) and not r["errors"]
@@ -242,13 +370,36 @@ def test_audit_records_a_method_that_fails_in_its_warm_up_and_goes_on(folders, t
     import re
 
     from refdec.commands.hfcli import main as hf_main
+
     large, small = folders("bart")
     g = torch.Generator().manual_seed(3)
-    lines = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
-             for n in (27, 28, 3, 27, 30, 26)]  # budgets of 2 x 27 + 10 and over: near the table's end
+    lines = [
+        " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+        for n in (27, 28, 3, 27, 30, 26)
+    ]  # budgets of 2 x 27 + 10 and over: near the table's end
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
-    assert hf_main(["audit", "--model", str(large), "--small", str(small), "--input", str(tmp_path / "in.txt"),
-                    "--limit", "6", "--warmup", "2", "--threads", "1", "--report", str(tmp_path / "r.json")]) == 0
+    assert (
+        hf_main(
+            [
+                "audit",
+                "--model",
+                str(large),
+                "--small",
+                str(small),
+                "--input",
+                str(tmp_path / "in.txt"),
+                "--limit",
+                "6",
+                "--warmup",
+                "2",
+                "--threads",
+                "1",
+                "--report",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     warm = re.findall(r"(hf-[a-z-]+) failed on input line\(s\) (\d+) in the warm-up", err)
     assert warm, err  # the case: a method failed inside the warm-up
@@ -282,8 +433,11 @@ def test_banned_tokens_never_written(folders, tmp_path):
     for src in srcs:
         want = hf.hf_generate(theirs, model.cfg, src, 20)
         assert banned not in want.tolist()
-        for out in (decode_greedy(model, padded([src]), max_len=20), decode_iad(model, padded([src]), max_len=20),
-                    decode_speculative(model, drafter, padded([src]), max_len=20)):
+        for out in (
+            decode_greedy(model, padded([src]), max_len=20),
+            decode_iad(model, padded([src]), max_len=20),
+            decode_speculative(model, drafter, padded([src]), max_len=20),
+        ):
             assert torch.equal(out.tokens[0], want)
 
 
@@ -294,8 +448,9 @@ def opus_mt_folder(path: Path) -> Path:
     path.mkdir(parents=True)
     text = ["the cat sat on the mat", "a dog ran in the park", "the house is small", "we see a red car"] * 20
     (path / "train.txt").write_text("\n".join(text))
-    spm.SentencePieceTrainer.train(input=str(path / "train.txt"), model_prefix=str(path / "m"), vocab_size=30,
-                                   model_type="unigram", minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(path / "train.txt"), model_prefix=str(path / "m"), vocab_size=30, model_type="unigram", minloglevel=2
+    )
     sp = spm.SentencePieceProcessor(model_file=str(path / "m.model"))
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_unknown(i)]
     vocab = {t: i for i, t in enumerate(["</s>", "<unk>", ">>de<<"] + pieces + ["<pad>"])}
@@ -305,11 +460,24 @@ def opus_mt_folder(path: Path) -> Path:
     for name in ("m.model", "m.vocab", "train.txt"):
         (path / name).unlink()
     torch.manual_seed(0)
-    model = transformers.MarianMTModel(transformers.MarianConfig(
-        vocab_size=len(vocab), d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
-        pad_token_id=vocab["<pad>"], eos_token_id=0, decoder_start_token_id=vocab["<pad>"], scale_embedding=True,
-        activation_function="swish"))
+    model = transformers.MarianMTModel(
+        transformers.MarianConfig(
+            vocab_size=len(vocab),
+            d_model=16,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=64,
+            pad_token_id=vocab["<pad>"],
+            eos_token_id=0,
+            decoder_start_token_id=vocab["<pad>"],
+            scale_embedding=True,
+            activation_function="swish",
+        )
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.05))
@@ -328,13 +496,36 @@ def test_opus_mt_folder_with_sentencepiece_files_only(tmp_path):
     for line in lines:
         assert tok.encode(line) + [model.cfg.eos_id] == theirs_tok(line).input_ids
     theirs = hf.hf_from_pretrained(folder, torch.float64)
-    want = [theirs_tok.decode(hf.hf_generate(theirs, model.cfg, tok.encode(x), 2 * len(tok.encode(x)) + 10).tolist(),
-                              skip_special_tokens=True) for x in lines]
-    assert all(tok.decode(theirs_tok(x).input_ids) == theirs_tok.decode(theirs_tok(x).input_ids, skip_special_tokens=True)
-               for x in lines)
+    want = [
+        theirs_tok.decode(
+            hf.hf_generate(theirs, model.cfg, tok.encode(x), 2 * len(tok.encode(x)) + 10).tolist(),
+            skip_special_tokens=True,
+        )
+        for x in lines
+    ]
+    assert all(
+        tok.decode(theirs_tok(x).input_ids) == theirs_tok.decode(theirs_tok(x).input_ids, skip_special_tokens=True)
+        for x in lines
+    )
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
-    r = run_py("decode.py", "--algo", "greedy", "--compare", "iad", "--model", str(folder), "--input",
-               str(tmp_path / "in.txt"), "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"))
+    r = run_py(
+        "decode.py",
+        "--algo",
+        "greedy",
+        "--compare",
+        "iad",
+        "--model",
+        str(folder),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--dtype",
+        "float64",
+        "--quiet",
+        "--threads",
+        "1",
+        "--output",
+        str(tmp_path / "out.txt"),
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert (tmp_path / "out.txt").read_text().splitlines() == want
 
@@ -343,16 +534,31 @@ def test_bart_folder_with_vocab_and_merges_only(tmp_path):
     """A BART folder from before tokenizer.json: vocab.json and merges.txt read as transformers 5's
     BartTokenizer reads them (the same ids), and decode.py writes transformers' greedy text."""
     from tokenizers import ByteLevelBPETokenizer
+
     folder = tmp_path / "bart"
     folder.mkdir()
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["the cat sat on the mat", "a dog ran in the park", "we see the small house"] * 10,
-                            vocab_size=300, min_frequency=1, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe.train_from_iterator(
+        ["the cat sat on the mat", "a dog ran in the park", "we see the small house"] * 10,
+        vocab_size=300,
+        min_frequency=1,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    )
     bpe.save_model(str(folder))
     torch.manual_seed(0)
-    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
-        vocab_size=bpe.get_vocab_size(), d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64))
+    model = transformers.BartForConditionalGeneration(
+        transformers.BartConfig(
+            vocab_size=bpe.get_vocab_size(),
+            d_model=16,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=64,
+        )
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.05))
@@ -363,11 +569,30 @@ def test_bart_folder_with_vocab_and_merges_only(tmp_path):
     for line in lines:
         assert list(ours.cfg.encoder_prefix) + tok.encode(line) + [ours.cfg.eos_id] == theirs_tok(line).input_ids
     theirs = hf.hf_from_pretrained(folder, torch.float64)
-    want = [theirs_tok.decode(hf.hf_generate(theirs, ours.cfg, tok.encode(x), 2 * len(tok.encode(x)) + 10).tolist(),
-                              skip_special_tokens=True) for x in lines]
+    want = [
+        theirs_tok.decode(
+            hf.hf_generate(theirs, ours.cfg, tok.encode(x), 2 * len(tok.encode(x)) + 10).tolist(),
+            skip_special_tokens=True,
+        )
+        for x in lines
+    ]
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
-    r = run_py("decode.py", "--algo", "iad", "--model", str(folder), "--input", str(tmp_path / "in.txt"),
-               "--dtype", "float64", "--quiet", "--threads", "1", "--output", str(tmp_path / "out.txt"))
+    r = run_py(
+        "decode.py",
+        "--algo",
+        "iad",
+        "--model",
+        str(folder),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--dtype",
+        "float64",
+        "--quiet",
+        "--threads",
+        "1",
+        "--output",
+        str(tmp_path / "out.txt"),
+    )
     assert r.returncode == 0, r.stderr.decode()
     # a random model writes any bytes, form feeds included: one line per input, newlines written as spaces
     with open(tmp_path / "out.txt", encoding="utf-8", newline="") as f:
@@ -384,6 +609,7 @@ def test_import_writes_a_checkpoint_that_decodes_as_the_folder(family, folders, 
     from refdec.checkpoint import load_model
     from refdec.commands.decode import main as decode_main
     from refdec.commands.hfcli import main as hf_main
+
     large, _ = folders(family)
     langs = ["--src-lang", "__en__", "--tgt-lang", "__de__"] if family == "mbart" else []
     assert hf_main(["import", str(large), "--out", str(tmp_path / "ckpt"), *langs]) == 0
@@ -392,8 +618,13 @@ def test_import_writes_a_checkpoint_that_decodes_as_the_folder(family, folders, 
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["model.pt", "tokenizer.json"]
     assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == (large / "tokenizer.json").read_text()
     model, tok, stored = load_model(tmp_path / "ckpt" / "model.pt", dtype=torch.float64)
-    folder, _, _ = hf.load_folder(large, dtype=torch.float64, **({"src_lang": "__en__", "tgt_lang": "__de__"} if langs else {}))
-    assert model.cfg == folder.cfg and stored["imported"]["architecture"] == hf.hf_from_pretrained(large).config.architectures[0]
+    folder, _, _ = hf.load_folder(
+        large, dtype=torch.float64, **({"src_lang": "__en__", "tgt_lang": "__de__"} if langs else {})
+    )
+    assert (
+        model.cfg == folder.cfg
+        and stored["imported"]["architecture"] == hf.hf_from_pretrained(large).config.architectures[0]
+    )
     assert all(torch.equal(model.state_dict()[k], v) for k, v in folder.state_dict().items())
     theirs = hf.hf_from_pretrained(large, torch.float64)
     srcs = sources(8, seed=13)
@@ -404,8 +635,28 @@ def test_import_writes_a_checkpoint_that_decodes_as_the_folder(family, folders, 
         assert torch.equal(decode_iad(model, x, max_len=2 * len(src) + 10).tokens[0], want)
     (tmp_path / "in.txt").write_text("\n".join(" ".join(WORDS[t - 4] for t in s) for s in srcs) + "\n")
     monkeypatch.chdir(tmp_path)
-    assert decode_main(["--algo", "greedy", "--compare", "iad", "--model", "ckpt/model.pt", "--input", "in.txt",
-                        "--dtype", "float64", "--quiet", "--threads", "1", "--output", "out.txt"]) == 0
+    assert (
+        decode_main(
+            [
+                "--algo",
+                "greedy",
+                "--compare",
+                "iad",
+                "--model",
+                "ckpt/model.pt",
+                "--input",
+                "in.txt",
+                "--dtype",
+                "float64",
+                "--quiet",
+                "--threads",
+                "1",
+                "--output",
+                "out.txt",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "out.txt").read_text().splitlines() == [tok.decode(w.tolist()) for w in wants]
 
 
@@ -418,6 +669,7 @@ def test_import_of_a_float64_folder_is_checked_as_the_float32_it_writes(folders,
     from refdec.checkpoint import load_model
     from refdec.commands.hfcli import main as hf_main
     from refdec.hf import convert
+
     large, _ = folders("bart")
     wide = tmp_path / "bart64"
     shutil.copytree(large, wide)
@@ -448,10 +700,22 @@ def test_import_of_a_model_with_more_embeddings_than_tokens_and_its_refusals(fol
 
     from refdec.checkpoint import load_model
     from refdec.commands.hfcli import main as hf_main
+
     torch.manual_seed(0)
-    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=V + 6, d_model=16, d_kv=6, num_heads=3, d_ff=32, num_layers=1, relative_attention_num_buckets=8,
-        pad_token_id=1, eos_token_id=2, decoder_start_token_id=1))
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            vocab_size=V + 6,
+            d_model=16,
+            d_kv=6,
+            num_heads=3,
+            d_ff=32,
+            num_layers=1,
+            relative_attention_num_buckets=8,
+            pad_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+        )
+    )
     with torch.no_grad():
         for p in t5.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -464,26 +728,42 @@ def test_import_of_a_model_with_more_embeddings_than_tokens_and_its_refusals(fol
     capsys.readouterr()
     err = error_of(hf_main, ["import", str(opus), "--out", str(tmp_path / "o")], capsys, monkeypatch)
     assert "has no tokenizer.json" in err and "decode.py --model" in err, err
-    assert "not a transformers model folder" in error_of(hf_main, ["import", str(tmp_path / "t5-ckpt"), "--out",
-                                                                    str(tmp_path / "o")], capsys, monkeypatch)
-    assert "--out" in error_of(hf_main, ["import", str(tmp_path / "t5"), "--out", str(tmp_path / "t5-ckpt")],
-                               capsys, monkeypatch)
+    assert "not a transformers model folder" in error_of(
+        hf_main, ["import", str(tmp_path / "t5-ckpt"), "--out", str(tmp_path / "o")], capsys, monkeypatch
+    )
+    assert "--out" in error_of(
+        hf_main, ["import", str(tmp_path / "t5"), "--out", str(tmp_path / "t5-ckpt")], capsys, monkeypatch
+    )
     err = error_of(hf_main, ["import", str(tmp_path / "t5"), "--out", "checkpoints/t5"], capsys, monkeypatch)
     assert "is inside checkpoints/" in err, err
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"config.json": {"eos_token_id": 3}}, "config.json's eos_token_id is 3 but the tokenizer has its end token '</s>' at 2"),
-    ({"config.json": {"pad_token_id": 0}}, "config.json's pad_token_id is 0 but the tokenizer has its padding token '<pad>' at 1"),
-    ({"tokenizer_config.json": {"eos_token": "<eos>"}}, "its eos_token '<eos>' is not a token of its tokenizer"),
-    ({"tokenizer_config.json": {"pad_token": {"content": "<unk>", "special": True}}},
-     "config.json's pad_token_id is 1 but the tokenizer has its padding token '<unk>' at 3"),
-    ({"config.json": {"decoder_start_token_id": 60, "vocab_size": 64}},
-     "config.json's decoder_start_token_id 60 is not a token of its tokenizer (46 tokens)"),
-])
-def test_a_folder_that_breaks_the_tokenizer_contract_is_refused_in_one_line(change, needle, folders, tmp_path,
-                                                                            capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (
+            {"config.json": {"eos_token_id": 3}},
+            "config.json's eos_token_id is 3 but the tokenizer has its end token '</s>' at 2",
+        ),
+        (
+            {"config.json": {"pad_token_id": 0}},
+            "config.json's pad_token_id is 0 but the tokenizer has its padding token '<pad>' at 1",
+        ),
+        ({"tokenizer_config.json": {"eos_token": "<eos>"}}, "its eos_token '<eos>' is not a token of its tokenizer"),
+        (
+            {"tokenizer_config.json": {"pad_token": {"content": "<unk>", "special": True}}},
+            "config.json's pad_token_id is 1 but the tokenizer has its padding token '<unk>' at 3",
+        ),
+        (
+            {"config.json": {"decoder_start_token_id": 60, "vocab_size": 64}},
+            "config.json's decoder_start_token_id 60 is not a token of its tokenizer (46 tokens)",
+        ),
+    ],
+)
+def test_a_folder_that_breaks_the_tokenizer_contract_is_refused_in_one_line(
+    change, needle, folders, tmp_path, capsys, monkeypatch
+):
     """Case: docs/hf.md did not say what a folder's tokenizer.json must hold. It says now (section The
     tokenizer of a folder), and a folder that breaks it is refused in one line by every command that reads
     it (decode.py, hf import): an end or padding token the tokenizer names at another id than config.json's,
@@ -492,6 +772,7 @@ def test_a_folder_that_breaks_the_tokenizer_contract_is_refused_in_one_line(chan
 
     from refdec.commands.decode import main as decode_main
     from refdec.commands.hfcli import main as hf_main
+
     large, _ = folders("bart")
     bad = tmp_path / "bad"
     shutil.copytree(large, bad)
@@ -500,14 +781,18 @@ def test_a_folder_that_breaks_the_tokenizer_contract_is_refused_in_one_line(chan
         (bad / name).write_text(json.dumps({**old, **fields}))
     if "vocab_size" in change.get("config.json", {}):  # weights of that many embeddings
         from safetensors.torch import load_file, save_file
+
         state = load_file(str(bad / "model.safetensors"))
-        grown = {k: torch.cat([v, torch.zeros(64 - V, *v.shape[1:])]) if v.shape[:1] == (V,) else v for k, v in state.items()}
+        grown = {
+            k: torch.cat([v, torch.zeros(64 - V, *v.shape[1:])]) if v.shape[:1] == (V,) else v for k, v in state.items()
+        }
         grown["final_logits_bias"] = torch.zeros(1, 64)
         save_file(grown, str(bad / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "in.txt").write_text("w1 w2\n")
     capsys.readouterr()  # transformers' progress bars while the folders were made
-    err = error_of(decode_main, ["--model", str(bad), "--input", str(tmp_path / "in.txt"), "--threads", "1"],
-                   capsys, monkeypatch)
+    err = error_of(
+        decode_main, ["--model", str(bad), "--input", str(tmp_path / "in.txt"), "--threads", "1"], capsys, monkeypatch
+    )
     assert needle in err and "(docs/hf.md, section The tokenizer of a folder)" in err, err
     assert needle in error_of(hf_main, ["import", str(bad), "--out", str(tmp_path / "out")], capsys, monkeypatch)
     assert not (tmp_path / "out").exists()
@@ -519,6 +804,7 @@ def test_import_checks_what_it_wrote_and_leaves_nothing_that_fails(folders, tmp_
     transformers bans it in generate), and a check that fails is one line, with nothing left in --out."""
     from refdec.commands.hfcli import main as hf_main
     from refdec.hf import convert
+
     large, _ = folders("marian")
     banned = tmp_path / "banned"
     shutil.copytree(large, banned)
@@ -529,8 +815,11 @@ def test_import_checks_what_it_wrote_and_leaves_nothing_that_fails(folders, tmp_
     assert hf_main(["import", str(banned), "--out", str(tmp_path / "ok")]) == 0
     assert torch.isneginf(hf.load_folder(banned)[0].logits_bias[int(first[0])])  # the token greedy wrote first
     real = convert.compare_with_folder
-    monkeypatch.setattr(convert, "compare_with_folder", lambda *a: {**real(*a), "max_logit_difference": 1e-3,
-                                                                    "said": "logits differ by 0.001"})
+    monkeypatch.setattr(
+        convert,
+        "compare_with_folder",
+        lambda *a: {**real(*a), "max_logit_difference": 1e-3, "said": "logits differ by 0.001"},
+    )
     capsys.readouterr()
     assert hf_main(["import", str(large), "--out", str(tmp_path / "bad")]) == 2
     said, err = capsys.readouterr().err.strip().splitlines()  # what it is doing, then the one line

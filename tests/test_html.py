@@ -26,8 +26,13 @@ from refdec.tokenizer import Tokenizer
 from refdec.trace import COLOURS, Step, colour_enabled, strip_colour, trace_text
 
 DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet", "--warmup", "0"]
-LINES = ["The file could not be opened.", "", "Click <b>OK</b> & \"close\" the dialog.", "Hello world.",
-         "Is this the right folder?"]
+LINES = [
+    "The file could not be opened.",
+    "",
+    'Click <b>OK</b> & "close" the dialog.',
+    "Hello world.",
+    "Is this the right folder?",
+]
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 
 
@@ -87,9 +92,24 @@ def iad_page(trained_tiny, tmp_path_factory):
     d = tmp_path_factory.mktemp("html")
     (d / "in.txt").write_text("\n".join(LINES) + "\n", encoding="utf-8")
     (d / "ref.txt").write_text("\n".join(LINES) + "\n", encoding="utf-8")
-    r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "iad", "--compare", "greedy,beam",
-               "--input", str(d / "in.txt"), "--ref", str(d / "ref.txt"), "--max-len", "12", "--trace",
-               "--html", str(d / "page.html"))
+    r = run_py(
+        *DECODE,
+        "--model",
+        str(trained_tiny / "model.pt"),
+        "--algo",
+        "iad",
+        "--compare",
+        "greedy,beam",
+        "--input",
+        str(d / "in.txt"),
+        "--ref",
+        str(d / "ref.txt"),
+        "--max-len",
+        "12",
+        "--trace",
+        "--html",
+        str(d / "page.html"),
+    )
     assert r.returncode == 0, r.stderr.decode()
     return d / "page.html", r.stderr.decode(), r.stdout.decode()
 
@@ -136,9 +156,25 @@ def test_html_with_drafter_heads_and_small_model_algorithms(trained_tiny, tiny_e
     """GAD's draft/verify lines, BiLD's and speculative decoding's S/L marks, blockwise's heads and
     GAD's time per module."""
     page_path = tmp_path / "p.html"
-    r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "gad", "--drafter",
-               str(tiny_extras["drafter"]), "--small", str(trained_tiny / "model.pt"), "--limit", "3", "--max-len", "10",
-               "--compare", f"bild,speculative,blockwise@{tiny_extras['heads']},greedy", "--html", str(page_path))
+    r = run_py(
+        *DECODE,
+        "--model",
+        str(trained_tiny / "model.pt"),
+        "--algo",
+        "gad",
+        "--drafter",
+        str(tiny_extras["drafter"]),
+        "--small",
+        str(trained_tiny / "model.pt"),
+        "--limit",
+        "3",
+        "--max-len",
+        "10",
+        "--compare",
+        f"bild,speculative,blockwise@{tiny_extras['heads']},greedy",
+        "--html",
+        str(page_path),
+    )
     assert r.returncode == 0, r.stderr.decode()
     page = page_path.read_text(encoding="utf-8")
     check_page(page)
@@ -148,38 +184,63 @@ def test_html_with_drafter_heads_and_small_model_algorithms(trained_tiny, tiny_e
     assert gad_block.count('class="dv">D<') == gad_block.count('class="dv">V<') > 0
     for name in ("bild", "speculative"):
         assert re.search(r'class="who">[SL]<', run_block(secs[1], f"{name}@{trained_tiny.name}"))
-    assert "proposed by the heads" in run_block(secs[1], f"blockwise@{tiny_extras['heads'].parent.name}") \
-        or "nothing drafted" in run_block(secs[1], f"blockwise@{tiny_extras['heads'].parent.name}")
+    assert "proposed by the heads" in run_block(
+        secs[1], f"blockwise@{tiny_extras['heads'].parent.name}"
+    ) or "nothing drafted" in run_block(secs[1], f"blockwise@{tiny_extras['heads'].parent.name}")
     assert "verifier decoder" in page  # the module-time chart (SVG text)
     assert '<option value="gad@' in page  # the differs-from-greedy filter names the lossless run
 
 
 @pytest.mark.slow
 def test_html_path_is_checked_before_decoding(trained_tiny, tmp_path):
-    r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "greedy", "--limit", "1",
-               "--html", str(tmp_path / "missing" / "p.html"))
+    r = run_py(
+        *DECODE,
+        "--model",
+        str(trained_tiny / "model.pt"),
+        "--algo",
+        "greedy",
+        "--limit",
+        "1",
+        "--html",
+        str(tmp_path / "missing" / "p.html"),
+    )
     err = r.stderr.decode().strip()
     assert r.returncode == 2 and err.startswith("error: --html") and len(err.splitlines()) == 1, err
-    r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "greedy", "--limit", "1",
-               "--report", str(tmp_path / "same"), "--html", str(tmp_path / "same"))
+    r = run_py(
+        *DECODE,
+        "--model",
+        str(trained_tiny / "model.pt"),
+        "--algo",
+        "greedy",
+        "--limit",
+        "1",
+        "--report",
+        str(tmp_path / "same"),
+        "--html",
+        str(tmp_path / "same"),
+    )
     assert r.returncode == 2 and "also the --report" in r.stderr.decode()
 
 
 @pytest.mark.slow
 def test_library_and_decode_import_without_matplotlib():
     """matplotlib is imported only when a page is drawn."""
-    code = ("import sys, builtins\nreal = builtins.__import__\n"
-            "def imp(name, *a, **k):\n    if name.split('.')[0] == 'matplotlib': raise ImportError(name)\n"
-            "    return real(name, *a, **k)\nbuiltins.__import__ = imp\n"
-            "import refdec.errors, refdec.app.runner, refdec.trace, refdec.app.htmlreport, decode\n"
-            "from refdec.commands.decode import build_parser\nbuild_parser()\ntry:\n    refdec.app.htmlreport.check_available()\nexcept refdec.errors.UsageError as e:\n"
-            "    print('refused:', e)\n")
+    code = (
+        "import sys, builtins\nreal = builtins.__import__\n"
+        "def imp(name, *a, **k):\n    if name.split('.')[0] == 'matplotlib': raise ImportError(name)\n"
+        "    return real(name, *a, **k)\nbuiltins.__import__ = imp\n"
+        "import refdec.errors, refdec.app.runner, refdec.trace, refdec.app.htmlreport, decode\n"
+        "from refdec.commands.decode import build_parser\nbuild_parser()\n"
+        "try:\n    refdec.app.htmlreport.check_available()\nexcept refdec.errors.UsageError as e:\n"
+        "    print('refused:', e)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "refused: --html needs matplotlib" in r.stdout
 
 
 # ---------------------------------------------------------------- Steps and the --trace text
+
 
 @pytest.fixture(scope="module")
 def tokenizer(trained_tiny) -> Tokenizer:
@@ -197,10 +258,12 @@ def test_steps_commit_exactly_the_output():
     m, other = copy_model(), tiny_model(4, vocab=16)
     src = random_src(2, 4, 16, min_len=3, max_len=10)
     ids = [row[row.ne(0)].tolist()[:-1] for row in src]  # without the eos
-    runs = {"greedy": decode_greedy(m, src, max_len=20, trace=True),
-            "iad": decode_iad(m, src, max_len=20, trace=True, max_draft=5),
-            "bild": decode_bild(m, other, src, max_len=20, fallback_threshold=0.2, rollback_threshold=1.0, trace=True),
-            "speculative": decode_speculative(m, other, src, max_len=20, gamma=3, trace=True)}
+    runs = {
+        "greedy": decode_greedy(m, src, max_len=20, trace=True),
+        "iad": decode_iad(m, src, max_len=20, trace=True, max_draft=5),
+        "bild": decode_bild(m, other, src, max_len=20, fallback_threshold=0.2, rollback_threshold=1.0, trace=True),
+        "speculative": decode_speculative(m, other, src, max_len=20, gamma=3, trace=True),
+    }
     seen_rejected = set()
     for algo, r in runs.items():
         for b in range(len(src)):
@@ -208,13 +271,15 @@ def test_steps_commit_exactly_the_output():
             assert all(isinstance(s, Step) for s in steps)
             assert [t for s in steps for t in s.committed] == output_with_eos(r.tokens[b], 20), (algo, b)
             for s in steps:
-                assert s.drafted[:s.accepted] + s.rejected == s.drafted
+                assert s.drafted[: s.accepted] + s.rejected == s.drafted
                 if s.rejected and s.own is not None and algo != "bild":
                     assert s.rejected[0] != s.own  # the bifurcation: the verifier chose another token
                 if s.rejected:
                     seen_rejected.add(algo)
                 if algo == "iad" and s.drafted:
-                    assert s.drafted_by == "source" and s.drafted == tuple((ids[b] + [EOS_ID])[s.origin:][:len(s.drafted)])
+                    assert s.drafted_by == "source" and s.drafted == tuple(
+                        (ids[b] + [EOS_ID])[s.origin :][: len(s.drafted)]
+                    )
     assert {"iad", "speculative"} <= seen_rejected  # the cases above do reject drafted tokens
 
 
@@ -274,8 +339,13 @@ def test_colour_enabled_follows_the_terminal_and_no_color(monkeypatch):
 def stderr_through_a_terminal(args: list[str], env: dict) -> str:
     """Run decode.py with stderr on a pseudo-terminal; what it wrote there."""
     master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=slave,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", **env})
+    p = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm", **env},
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -294,11 +364,22 @@ def stderr_through_a_terminal(args: list[str], env: dict) -> str:
 
 @pytest.mark.slow
 def test_trace_is_coloured_in_a_terminal_and_plain_when_piped_or_no_color(trained_tiny):
-    args = [*DECODE, "--model", str(trained_tiny / "model.pt"), "--algo", "iad", "--limit", "2", "--max-len", "8",
-            "--trace"]
+    args = [
+        *DECODE,
+        "--model",
+        str(trained_tiny / "model.pt"),
+        "--algo",
+        "iad",
+        "--limit",
+        "2",
+        "--max-len",
+        "8",
+        "--trace",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
-    piped = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, timeout=300,
-                           env={**env, "OMP_NUM_THREADS": "1"}).stderr.decode()
+    piped = subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"}
+    ).stderr.decode()
     tty = stderr_through_a_terminal(args, {})
     no_color = stderr_through_a_terminal(args, {"NO_COLOR": "1"})
     trace_lines = lambda text: [x for x in text.splitlines() if x.startswith(("[", "  "))]  # noqa: E731
@@ -319,8 +400,8 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, header = 8, b"", None
     while pos < len(data):
-        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + n]
+        n, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + n]
         if kind == b"IHDR":
             header = struct.unpack(">IIBBBBB", body)
         elif kind == b"IDAT":
@@ -331,7 +412,7 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     bpp = 3 if colour_type == 2 else 4
     raw, stride, rows, prev = zlib.decompress(idat), width * bpp, [], bytearray(width * bpp)
     for y in range(height):
-        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for x in range(stride):
             a = line[x - bpp] if x >= bpp else 0
             b, c = prev[x], (prev[x - bpp] if x >= bpp else 0)
@@ -346,7 +427,7 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
                 line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
         rows.append(bytes(line))
         prev = line
-    return width, height, [bytes(r[i:i + 3]) for r in rows for i in range(0, stride, bpp)]
+    return width, height, [bytes(r[i : i + 3]) for r in rows for i in range(0, stride, bpp)]
 
 
 @pytest.mark.slow
@@ -358,8 +439,11 @@ def test_page_renders_in_headless_chromium(iad_page, tmp_path):
     browser = next(shutil.which(b) for b in BROWSERS if shutil.which(b))
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'prof'}"]
     shot = tmp_path / "page.png"
-    subprocess.run([browser, *flags, "--window-size=1280,1800", f"--screenshot={shot}", path.as_uri()],
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [browser, *flags, "--window-size=1280,1800", f"--screenshot={shot}", path.as_uri()],
+        capture_output=True,
+        timeout=120,
+    )
     assert shot.exists()
     width, height, pixels = png_pixels(shot)
     assert (width, height) == (1280, 1800)
@@ -369,15 +453,19 @@ def test_page_renders_in_headless_chromium(iad_page, tmp_path):
     background = max(colours.values())
     assert len(colours) > 200, f"only {len(colours)} colours"
     assert background < 0.97 * len(pixels), "the page is almost one colour"
-    dom = subprocess.run([browser, *flags, "--dump-dom", path.as_uri()], capture_output=True, timeout=120).stdout.decode()
+    dom = subprocess.run(
+        [browser, *flags, "--dump-dom", path.as_uri()], capture_output=True, timeout=120
+    ).stdout.decode()
     assert f"{len(LINES)} of {len(LINES)} sentences" in dom
 
 
 # ---------------------------------------------------------------- charts that do not exaggerate, links that land
 
+
 def chart_figure(monkeypatch, draw, *args):
     """The matplotlib figure a chart function draws (its SVG step skipped)."""
     from refdec.app import htmlreport
+
     monkeypatch.setattr(htmlreport, "svg", lambda fig, name, caption: fig)
     return draw(*args)
 
@@ -388,9 +476,12 @@ def test_quality_axes_start_at_zero_and_name_the_difference(monkeypatch):
     0.02 BLEU difference filled the chart. Both axes now start at 0 and each point beside the first
     carries its difference from the first row."""
     from refdec.app import htmlreport
-    rows = [{"algo": "iad", "seconds": 10.0, "bleu": 89.41, "gec_f05": 0.3940},
-            {"algo": "greedy", "seconds": 40.0, "bleu": 89.43, "gec_f05": 0.4010},
-            {"algo": "beam", "seconds": 70.0, "bleu": 89.41, "gec_f05": 0.3940}]
+
+    rows = [
+        {"algo": "iad", "seconds": 10.0, "bleu": 89.41, "gec_f05": 0.3940},
+        {"algo": "greedy", "seconds": 40.0, "bleu": 89.43, "gec_f05": 0.4010},
+        {"algo": "beam", "seconds": 70.0, "bleu": 89.41, "gec_f05": 0.3940},
+    ]
     fig = chart_figure(monkeypatch, htmlreport.chart_quality_speed, rows)
     bleu, f05 = fig.axes
     assert bleu.get_ylim()[0] == 0 and f05.get_ylim()[0] == 0
@@ -399,6 +490,7 @@ def test_quality_axes_start_at_zero_and_name_the_difference(monkeypatch):
     assert {t.get_text() for t in bleu.texts} == {"+0.02", "same"}
     assert {t.get_text() for t in f05.texts} == {"+0.0070", "same"}
     import matplotlib.pyplot as plt
+
     plt.close(fig)
 
 
@@ -408,10 +500,17 @@ def test_edit_ratio_chart_and_table_show_one_named_statistic(monkeypatch):
     for the same bucket. The page now shows one statistic, the bucket's total-time speedup, under one
     name in the chart and the table."""
     from refdec.app import htmlreport
-    buckets = [{"edit_ratio": "0", "sentences": 5, "calls_per_sentence": 1.0, "speedup": 4.1,
-                "median_sentence_speedup": 4.3},
-               {"edit_ratio": "(0.1, 0.2]", "sentences": 3, "calls_per_sentence": 5.0, "speedup": 0.65,
-                "median_sentence_speedup": 2.27}]
+
+    buckets = [
+        {"edit_ratio": "0", "sentences": 5, "calls_per_sentence": 1.0, "speedup": 4.1, "median_sentence_speedup": 4.3},
+        {
+            "edit_ratio": "(0.1, 0.2]",
+            "sentences": 3,
+            "calls_per_sentence": 5.0,
+            "speedup": 0.65,
+            "median_sentence_speedup": 2.27,
+        },
+    ]
     checks = [{"algo": "iad", "greedy": "greedy", "identical": 1.0, "divergences": [], "edit_buckets": buckets}]
     rows = [{"algo": "iad", "seconds": 1.0}, {"algo": "greedy", "seconds": 3.0}]
     table = htmlreport.summary_html(rows, None, checks)
@@ -424,6 +523,7 @@ def test_edit_ratio_chart_and_table_show_one_named_statistic(monkeypatch):
     assert "0.65x" in table and "4.10x" in table and "2.27x" not in table and "median" not in table
     assert [t.get_text().split("\n")[0] for t in ax.texts] == ["4.10x", "0.65x"]
     import matplotlib.pyplot as plt
+
     plt.close(fig)
 
 
@@ -439,8 +539,9 @@ def test_a_link_to_a_sentence_shows_it_in_headless_chromium(iad_page, tmp_path):
     path = iad_page[0]
     browser = next(shutil.which(b) for b in BROWSERS if shutil.which(b))
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'prof'}"]
-    dom = subprocess.run([browser, *flags, "--dump-dom", path.as_uri() + "#s4"], capture_output=True,
-                         timeout=120).stdout.decode()
+    dom = subprocess.run(
+        [browser, *flags, "--dump-dom", path.as_uri() + "#s4"], capture_output=True, timeout=120
+    ).stdout.decode()
     linked = re.findall(r'<section class="sent linked" id="s(\d+)"', dom)
     assert linked == ["4"], linked
     s4 = dom.split('id="s4"')[1].split('<section class="sent')[0]
@@ -448,17 +549,22 @@ def test_a_link_to_a_sentence_shows_it_in_headless_chromium(iad_page, tmp_path):
     assert "scroll-margin-top" in path.read_text(encoding="utf-8")
     # A search that hides the linked sentence is cleared (the input starts with a query matching nothing).
     hiding = tmp_path / "searched.html"
-    hiding.write_text(path.read_text(encoding="utf-8").replace('<input id="q" ', '<input id="q" value="zzzqqq" '),
-                      encoding="utf-8")
+    hiding.write_text(
+        path.read_text(encoding="utf-8").replace('<input id="q" ', '<input id="q" value="zzzqqq" '), encoding="utf-8"
+    )
     for fragment, shown in (("#s4", len(LINES)), ("", 0)):
-        dom = subprocess.run([browser, *flags, "--dump-dom", hiding.as_uri() + fragment], capture_output=True,
-                             timeout=120).stdout.decode()
+        dom = subprocess.run(
+            [browser, *flags, "--dump-dom", hiding.as_uri() + fragment], capture_output=True, timeout=120
+        ).stdout.decode()
         assert f"{shown} of {len(LINES)} sentences" in dom, fragment
-    mark = bytes((0xf3, 0xd3, 0x6b))  # the linked sentence's outline
+    mark = bytes((0xF3, 0xD3, 0x6B))  # the linked sentence's outline
     for fragment, marked in (("#s4", True), ("", False)):
         shot = tmp_path / f"page{fragment.strip('#')}.png"
-        subprocess.run([browser, *flags, "--window-size=1280,6000", f"--screenshot={shot}", path.as_uri() + fragment],
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [browser, *flags, "--window-size=1280,6000", f"--screenshot={shot}", path.as_uri() + fragment],
+            capture_output=True,
+            timeout=120,
+        )
         pixels = png_pixels(shot)[2]
         assert (pixels.count(mark) > 200) == marked, fragment
 
@@ -479,6 +585,7 @@ def test_the_terminal_trace_and_the_page_say_a_draft_came_from_the_source_alike(
     """Case: --trace said "drafted from source token 3" where the HTML page said "copied from the source"."""
     from refdec.app.htmlreport import steps_html
     from refdec.trace import DRAFTED_FROM, how_drafted, token_pieces
+
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     a, b, c, x = tok.encode("the house is red")[:4]
     steps = [Step((a, b, c), 2, x, "source", origin=3), Step(own=x)]
@@ -492,7 +599,9 @@ def test_the_terminal_trace_and_the_page_say_a_draft_came_from_the_source_alike(
 def page_words(row: str) -> list[tuple[str, str, list[str]]]:
     """Each word a row of the page draws: (its text, its title, its tokens' parts)."""
     out = []
-    for m in re.finditer(r'<span class="word"( title="([^"]*)")?>((?:<span class="tok [a-z]+">[^<]*</span>)+)</span>', row):
+    for m in re.finditer(
+        r'<span class="word"( title="([^"]*)")?>((?:<span class="tok [a-z]+">[^<]*</span>)+)</span>', row
+    ):
         toks = re.findall(r'<span class="tok ([a-z]+)">([^<]*)</span>', m.group(3))
         out.append(("".join(html.unescape(t) for _, t in toks), html.unescape(m.group(2) or ""), [p for p, _ in toks]))
     return out
@@ -505,11 +614,17 @@ def test_the_page_draws_words_as_the_trace_joins_them():
     and a word's tokens are in its title."""
     from refdec.app.htmlreport import steps_html
     from refdec.trace import token_pieces, words
+
     tok = Tokenizer.load(REPO / "checkpoints" / "gec-en-9x3" / "tokenizer.json")
     piece = token_pieces(tok)
     ids = tok.encode("He unwittingly wrote a sentence.")
     assert [[piece(ids[i])[0] for i in w] for w in words(ids, piece)] == [
-        ["He"], ["unw", "it", "ting", "ly"], ["wrote"], ["a"], ["sent", "ence", "."]]
+        ["He"],
+        ["unw", "it", "ting", "ly"],
+        ["wrote"],
+        ["a"],
+        ["sent", "ence", "."],
+    ]
     greedy = [Step(own=t) for t in ids + [tok.eos_id]]
     drawn = page_words(steps_html("greedy", greedy, piece))
     printed = trace_text("greedy", 0, greedy, tok).split(": ", 1)[1].split(" ")
@@ -518,17 +633,26 @@ def test_the_page_draws_words_as_the_trace_joins_them():
     # one IAD iteration: "He unwit" accepted, "ting" the model's own, "ly" drafted and rejected, all one word
     he, unw, it, ting, ly = ids[:5]
     drawn = page_words(steps_html("iad", [Step((he, unw, it, ly), 3, ting, "source", origin=0)], piece))
-    assert drawn == [("He", "", ["accepted"]), ("unwittingly", "unw|it|ting|ly", ["accepted", "accepted", "own", "rejected"])]
+    assert drawn == [
+        ("He", "", ["accepted"]),
+        ("unwittingly", "unw|it|ting|ly", ["accepted", "accepted", "own", "rejected"]),
+    ]
     gad = steps_html("gad", [Step((he, unw, it, ly), 3, ting, "drafter")], piece).split('<span class="dv">V</span>')
-    assert [w for w, _, _ in page_words(gad[0])] == ["He", "unwitly"] and [w for w, _, _ in page_words(gad[1])] == ["He", "unwitting"]
+    assert [w for w, _, _ in page_words(gad[0])] == ["He", "unwitly"] and [w for w, _, _ in page_words(gad[1])] == [
+        "He",
+        "unwitting",
+    ]
 
 
 def test_the_pages_style_script_and_template_are_package_files():
     """The page's style, script and template are files of refdec/app/assets/ (package data, so that an
     installed copy has them: test_packaging), inlined in every page; none is a string in the code."""
     from refdec.app import htmlreport
+
     assert not any(hasattr(htmlreport, name) for name in ("STYLE", "SCRIPT", "PAGE"))
     template = htmlreport.asset("report.html")
-    assert all(f"{{{k}}}" in template for k in ("title", "style", "script", "body")) and template.startswith("<!DOCTYPE html>")
+    assert all(f"{{{k}}}" in template for k in ("title", "style", "script", "body")) and template.startswith(
+        "<!DOCTYPE html>"
+    )
     assert ".word .tok + .tok" in htmlreport.asset("report.css")
     assert "getElementById('q')" in htmlreport.asset("report.js")

@@ -77,7 +77,7 @@ def test_verify_commits_what_greedy_would_and_trims_the_cache(seed):
     g = torch.Generator().manual_seed(seed)
     draft = [t if torch.rand(1, generator=g) < 0.7 else 15 for t in ref[2:8]]  # partly right, partly wrong
     v = verify(m, memory, cache, ref[1], draft, budget=30, eos_id=EOS_ID)
-    assert v.tokens == ref[2: 2 + len(v.tokens)]
+    assert v.tokens == ref[2 : 2 + len(v.tokens)]
     assert v.accepted == len(v.tokens) - 1 or EOS_ID in v.tokens
     assert cache.length == 2 + len(v.tokens)  # the committed output minus its new last token
     # The trimmed cache is the cache greedy would have: the next step predicts the next token.
@@ -150,7 +150,7 @@ def test_iad_accepts_a_verbatim_copy_in_one_call():
     copied = [b for b, r in enumerate(rows) if g.tokens[b].tolist() == r]
     assert len(copied) >= 2, "the copy model should copy these"
     for b in copied:
-        r = decode_iad(m, src[b: b + 1], max_len=20)
+        r = decode_iad(m, src[b : b + 1], max_len=20)
         assert torch.equal(r.tokens[0], g.tokens[b]) and r.stats.verifier_calls == 1
         assert r.stats.committed == [len(rows[b]) + 1]
 

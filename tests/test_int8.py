@@ -82,8 +82,8 @@ def test_a_row_of_a_product_does_not_depend_on_the_other_rows(dtype, k, n):
         part = int8.linear(x[:rows], qw, b)
         assert torch.equal(part, whole[:rows])
     for i in (0, 5, 7, 39):
-        assert torch.equal(int8.linear(x[i:i + 1], qw, b), whole[i:i + 1])
-        assert torch.equal(int8.product(x[i:i + 1], qw, res[i:i + 1]), whole_res[i:i + 1])
+        assert torch.equal(int8.linear(x[i : i + 1], qw, b), whole[i : i + 1])
+        assert torch.equal(int8.product(x[i : i + 1], qw, res[i : i + 1]), whole_res[i : i + 1])
     assert torch.equal(int8.product(x[7:8], qw), torch.zeros(1, n, dtype=dtype))
     ref = x @ w.t() + b  # and the quantized product is close to the exact one
     assert ((whole - ref).abs().amax(1) / ref.abs().amax(1)).max() < 0.05
@@ -109,8 +109,8 @@ def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype, monkeypatch):
         blocked = int8.product(x, qw, add)
         assert torch.equal(blocked, at_once)
         for i in (0, 63, 64, 149):
-            alone = int8.product(x[i:i + 1], qw, add if add is None or add.dim() == 1 else add[i:i + 1])
-            assert torch.equal(alone, blocked[i:i + 1])
+            alone = int8.product(x[i : i + 1], qw, add if add is None or add.dim() == 1 else add[i : i + 1])
+            assert torch.equal(alone, blocked[i : i + 1])
 
 
 fused_here = pytest.mark.skipif(not int8.fused_kernel_exact(), reason="no oneDNN fused int8 kernel in this torch build")
@@ -170,6 +170,7 @@ def test_the_products_plan_is_the_probes_timing_both_ways(monkeypatch):
             if f.__name__ == "fused_call":
                 return fused_us.get(m, fused_us.get("else")), 100.0
             return (90.0, 100.0) if blocks_faster else (110.0, 100.0)
+
         monkeypatch.setattr(int8, "race", race)
         return calls
 
@@ -221,7 +222,8 @@ def test_a_deep_copy_of_the_int8_weights_computes_the_same_products():
 @fused_here
 def test_lossless_decoders_on_int8_equal_int8_greedy_on_the_fused_product(monkeypatch):
     """Products of 128 output values or more on oneDNN's fused form, the others on torch._int_mm (a
-    one-row greedy step takes both), whatever this machine's plans, float32 on the fast route: batched IAD (drafts uncapped and of
+    one-row greedy step takes both), whatever this machine's plans, float32 on the fast route: batched IAD (drafts
+    uncapped and of
     at most 4), blockwise and speculative decoding write batch-1 int8 greedy's tokens."""
     monkeypatch.setattr(int8, "plan_for", planned(lambda k, n: -(-128 // n), blocks=True))
     m = int8_copy(copy_model(), "fast", torch.float32)
@@ -229,7 +231,9 @@ def test_lossless_decoders_on_int8_equal_int8_greedy_on_the_fused_product(monkey
     ref = batch1_greedy(m, src, 30)
     assert_rows_equal(decode_iad(m, src, max_len=30).tokens, ref, "iad fused")
     assert_rows_equal(decode_iad(m, src, max_len=30, max_draft=4).tokens, ref, "iad fused, drafts of 4")
-    assert_rows_equal(decode_blockwise(m, random_heads(m, 3, 8).float(), src, max_len=30).tokens, ref, "blockwise fused")
+    assert_rows_equal(
+        decode_blockwise(m, random_heads(m, 3, 8).float(), src, max_len=30).tokens, ref, "blockwise fused"
+    )
     assert_rows_equal(decode_speculative(m, m, src, max_len=30, gamma=4).tokens, ref, "speculative fused")
 
 
@@ -264,7 +268,9 @@ def test_products_of_one_input_side_by_side_equal_the_products_one_by_one(rows):
     for y, q, b in zip(together, qs, bs):
         assert torch.equal(y, int8.linear(x, q, b))
     for i in {0, rows // 2, rows - 1}:
-        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(int8.linears(x[i:i + 1], qs, bs, kept, "qkv"), together))
+        assert all(
+            torch.equal(a, b[i : i + 1]) for a, b in zip(int8.linears(x[i : i + 1], qs, bs, kept, "qkv"), together)
+        )
     first = int8.joined(kept, "qkv", qs)
     assert int8.joined(kept, "qkv", qs) is first
     qs[1] = QuantizedWeight(ws[1].t() * 2, ws[1])
@@ -291,11 +297,11 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_a_call(route, dtype):
         first8, next8 = m.decode(tgt, mem8, cache8), m.decode(tgt[:, :1], mem8, cache8)
         one8 = m.decode(tgt[:, :1], mem8, m.new_cache(8))
         for b in (0, 3, 7):
-            mem, cache = m.encode(src[b:b + 1]), m.new_cache(1)
-            assert torch.equal(mem.states, mem8.states[b:b + 1])
-            assert torch.equal(m.decode(tgt[b:b + 1], mem, cache), first8[b:b + 1])
-            assert torch.equal(m.decode(tgt[b:b + 1, :1], mem, cache), next8[b:b + 1])
-            assert torch.equal(m.decode(tgt[b:b + 1, :1], mem, m.new_cache(1)), one8[b:b + 1])
+            mem, cache = m.encode(src[b : b + 1]), m.new_cache(1)
+            assert torch.equal(mem.states, mem8.states[b : b + 1])
+            assert torch.equal(m.decode(tgt[b : b + 1], mem, cache), first8[b : b + 1])
+            assert torch.equal(m.decode(tgt[b : b + 1, :1], mem, cache), next8[b : b + 1])
+            assert torch.equal(m.decode(tgt[b : b + 1, :1], mem, m.new_cache(1)), one8[b : b + 1])
 
 
 def test_a_ragged_calls_real_positions_do_not_depend_on_its_padding():
@@ -316,10 +322,10 @@ def test_a_ragged_calls_real_positions_do_not_depend_on_its_padding():
         cache4.truncate(lengths)
         logits4 = m.project(m.decode_hidden(tgt, mem4, cache4, real=real))
         for b in range(4):
-            mem, cache = m.encode(src[b:b + 1]), m.new_cache(1)
-            m.decode(start[b:b + 1, :int(lengths[b])], mem, cache)
+            mem, cache = m.encode(src[b : b + 1]), m.new_cache(1)
+            m.decode(start[b : b + 1, : int(lengths[b])], mem, cache)
             n = int(real[b])
-            assert torch.equal(m.decode(tgt[b:b + 1, :n], mem, cache)[0], logits4[b, :n])
+            assert torch.equal(m.decode(tgt[b : b + 1, :n], mem, cache)[0], logits4[b, :n])
             used = int(lengths[b]) + n
             assert torch.equal(cache.k[:, 0, :, :used], cache4.k[:, b, :, :used])
 
@@ -338,7 +344,7 @@ def test_a_sources_encoding_does_not_depend_on_its_batch_in_float32(threads):
     lengths = torch.tensor([33, 1, 141, 16, 2, 65, 17, 128, 31, 64, 15, 32])  # eos included
     src = torch.full((len(lengths), int(lengths.max())), PAD_ID)
     for b, n in enumerate(lengths.tolist()):
-        src[b, :n - 1], src[b, n - 1] = torch.randint(5, 40, (n - 1,), generator=g), EOS_ID
+        src[b, : n - 1], src[b, n - 1] = torch.randint(5, 40, (n - 1,), generator=g), EOS_ID
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -369,6 +375,7 @@ def encode_counting(monkeypatch, held: bool | None, src):
     def counted(q, k, v, n, out):
         calls.append(q.shape[0] // n)
         together(q, k, v, n, out)
+
     monkeypatch.setattr(fast, "attend_together", counted)
     with torch.no_grad():
         batch = m.encode(src)
@@ -386,7 +393,7 @@ def test_the_encoders_grouped_attention_follows_the_probe_both_ways(held, monkey
     lengths = [15, 15, 15, 9, 9, 4]
     src = torch.full((6, 15), PAD_ID)
     for b, n in enumerate(lengths):
-        src[b, :n - 1], src[b, n - 1] = torch.arange(5, 4 + n), EOS_ID
+        src[b, : n - 1], src[b, n - 1] = torch.arange(5, 4 + n), EOS_ID
     batch, ones, calls = encode_counting(monkeypatch, held, src)
     layers = 2
     assert calls == ([3, 2, 1] if held else [1] * 6) * layers
@@ -405,7 +412,8 @@ def test_the_grouping_probe_finds_a_kernel_that_rounds_by_batch_size(monkeypatch
     sdpa = F.scaled_dot_product_attention
 
     def by_batch(q, k, v, **kw):
-        return sdpa(q, k, v, **kw) * (1 + 2 ** -20 * (q.shape[0] - 1))
+        return sdpa(q, k, v, **kw) * (1 + 2**-20 * (q.shape[0] - 1))
+
     monkeypatch.setattr(fast, "_grouping", {})
     monkeypatch.setattr(fast.F, "scaled_dot_product_attention", by_batch)
     assert not fast.grouping_holds(7, 4, 4, 8, torch.float32)  # 4 sources of 7 tokens, 4 heads of 8
@@ -436,7 +444,7 @@ def test_the_fast_int8_routes_forward_computes_what_its_decoding_computes():
             tgt = torch.cat([torch.tensor([BOS_ID]), out])[None, :-1] if len(out) else torch.tensor([[BOS_ID]])
             hidden = m.forward_hidden(one, tgt)
             assert torch.equal(hidden, m.forward_hidden(one, tgt, memory=m.encode(one)))
-            assert torch.equal(m(one, tgt).argmax(-1)[0], out[:tgt.shape[1]]), b
+            assert torch.equal(m(one, tgt).argmax(-1)[0], out[: tgt.shape[1]]), b
     logits = m(src[:2], torch.full((2, 3), BOS_ID))
     assert logits.requires_grad  # gradients on: the model's own layers, float products
     assert torch.equal(logits, m.model(src[:2], torch.full((2, 3), BOS_ID)))
@@ -454,7 +462,7 @@ def test_int8_and_row_invariant_mode_make_every_position_independent_of_the_call
         mem = m.encode(src)
         whole = m.decode(tgt, mem, m.new_cache(3))
         cache = m.new_cache(3)
-        steps = torch.cat([m.decode(tgt[:, i:i + 1], mem, cache) for i in range(6)], 1)
+        steps = torch.cat([m.decode(tgt[:, i : i + 1], mem, cache) for i in range(6)], 1)
     assert torch.equal(whole, steps)
 
 
@@ -471,8 +479,11 @@ def test_the_routes_agree_and_stay_near_floating_point(route):
         a, b, f = (mm.decode(tgt, mm.encode(src), mm.new_cache(6)) for mm in (q_ref, q, m))
     assert (a - b).abs().max() < 1e-9
     assert (a - f).abs().max() < 0.1 * f.std()
-    assert_rows_equal(decode_greedy(q, src, max_len=15).tokens, decode_greedy(q_ref, src, max_len=15).tokens,
-                      "int8 greedy, fast vs reference route")
+    assert_rows_equal(
+        decode_greedy(q, src, max_len=15).tokens,
+        decode_greedy(q_ref, src, max_len=15).tokens,
+        "int8 greedy, fast vs reference route",
+    )
 
 
 # -- every lossless decoder on the route equals greedy on the route -------------------------------------
@@ -499,10 +510,14 @@ def test_lossless_decoders_on_int8_equal_int8_greedy(route, batch, monkeypatch):
     refs = [t.tolist() + [EOS_ID] for t in ref]
     with monkeypatch.context() as mp:
         mp.setattr(gad_module, "draft_blocks", adversarial_drafter(refs, batch + max_len, vocab))
-        assert_rows_equal(decode_gad(m, Drafter(drafter.model, k=6), src, max_len=max_len).tokens, ref, "gad adversarial")
+        assert_rows_equal(
+            decode_gad(m, Drafter(drafter.model, k=6), src, max_len=max_len).tokens, ref, "gad adversarial"
+        )
     assert_rows_equal(decode_blockwise(m, random_heads(m, 3, batch), src, max_len=max_len).tokens, ref, "blockwise")
     assert_rows_equal(decode_speculative(m, m, src, max_len=max_len, gamma=4).tokens, ref, "speculative self")
-    assert_rows_equal(decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref, "speculative")
+    assert_rows_equal(
+        decode_speculative(m, small, src, max_len=max_len, gamma=1 + batch % 4).tokens, ref, "speculative"
+    )
     assert_rows_equal(decode_bild(m, small, src, max_len=max_len, fallback_threshold=1.5).tokens, ref, "bild")
 
 
@@ -514,8 +529,9 @@ def test_lossless_decoders_on_int8_equal_int8_greedy_in_float32():
     src = random_src(900, 8, 16, min_len=1, max_len=14)
     ref = batch1_greedy(m, src, 30)
     assert_rows_equal(decode_iad(m, src, max_len=30).tokens, ref, "iad float32")
-    assert_rows_equal(decode_blockwise(m, random_heads(m, 3, 8).float(), src, max_len=30).tokens, ref,
-                      "blockwise float32")
+    assert_rows_equal(
+        decode_blockwise(m, random_heads(m, 3, 8).float(), src, max_len=30).tokens, ref, "blockwise float32"
+    )
     assert_rows_equal(decode_speculative(m, m, src, max_len=30, gamma=4).tokens, ref, "speculative float32")
 
 
@@ -551,8 +567,11 @@ def test_the_model_stays_float_training_stays_float_and_weight_writes_are_follow
         fresh = int8_copy(model, route)
         after = logits(q)
         assert not torch.equal(after, before) and torch.equal(after, logits(fresh))
-        assert_rows_equal(decode_greedy(q, src, max_len=8).tokens, decode_greedy(fresh, src, max_len=8).tokens,
-                          f"int8 greedy after {type(opt).__name__}")
+        assert_rows_equal(
+            decode_greedy(q, src, max_len=8).tokens,
+            decode_greedy(fresh, src, max_len=8).tokens,
+            f"int8 greedy after {type(opt).__name__}",
+        )
     model.load_state_dict(state)
     assert torch.equal(logits(q), before)
 
@@ -569,10 +588,26 @@ def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, caps
     checked against int8 greedy), int8 greedy checked against float greedy line by line, and
     --int8 puts every run on the route."""
     import decode
+
     ckpt = random_checkpoint(tmp_path / "ckpt")
     (tmp_path / "in.txt").write_text("\n".join(TEXTS[:4]) + "\n", encoding="utf-8")
-    common = ["--task", "mt-en-de", "--model", str(ckpt), "--input", str(tmp_path / "in.txt"), "--max-len", "12",
-              "--warmup", "0", "--quiet", "--output", str(tmp_path / "out.txt"), "--report", str(tmp_path / "r.json")]
+    common = [
+        "--task",
+        "mt-en-de",
+        "--model",
+        str(ckpt),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--max-len",
+        "12",
+        "--warmup",
+        "0",
+        "--quiet",
+        "--output",
+        str(tmp_path / "out.txt"),
+        "--report",
+        str(tmp_path / "r.json"),
+    ]
     assert decode.main(["--algo", "greedy", "--compare", "greedy:int8,iad:int8", "--fast", *common]) == 0
     rep = json.loads((tmp_path / "r.json").read_text())
     assert [r["algo"] for r in rep["runs"]] == ["greedy", "greedy:int8", "iad:int8"] and rep["int8"] is False
@@ -580,7 +615,8 @@ def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, caps
     assert checks["iad:int8", "greedy:int8"]["identical"] == 1.0
     against_float = checks["greedy:int8", "greedy"]
     assert against_float["int8_against_float"] and len(against_float["divergences"]) == round(
-        4 * (1 - against_float["identical"]))
+        4 * (1 - against_float["identical"])
+    )
     assert "greedy:int8 vs greedy:" in capsys.readouterr().out
     assert decode.main(["--algo", "iad", "--compare", "greedy", "--int8", *common]) == 0
     rep = json.loads((tmp_path / "r.json").read_text())
@@ -598,11 +634,27 @@ def test_decode_warns_once_where_int8_is_slower_than_float32(cpu, warned, tmp_pa
     route; a run without int8 is not warned, nor a CPU with AVX-512; the report records the CPU; a
     refused command still prints one line."""
     import decode
+
     fake_cpu(monkeypatch, *cpu)
     ckpt = random_checkpoint(tmp_path / "ckpt")
     (tmp_path / "in.txt").write_text("\n".join(TEXTS[:2]) + "\n", encoding="utf-8")
-    common = ["--task", "mt-en-de", "--model", str(ckpt), "--input", str(tmp_path / "in.txt"), "--max-len", "6",
-              "--warmup", "0", "--quiet", "--output", str(tmp_path / "out.txt"), "--report", str(tmp_path / "r.json")]
+    common = [
+        "--task",
+        "mt-en-de",
+        "--model",
+        str(ckpt),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--max-len",
+        "6",
+        "--warmup",
+        "0",
+        "--quiet",
+        "--output",
+        str(tmp_path / "out.txt"),
+        "--report",
+        str(tmp_path / "r.json"),
+    ]
     for route in (["--int8"], ["--compare", "greedy:int8,iad:int8"], ["--fast"]):
         capsys.readouterr()
         assert decode.main(["--algo", "iad", *route, *common]) == 0
@@ -615,8 +667,9 @@ def test_decode_warns_once_where_int8_is_slower_than_float32(cpu, warned, tmp_pa
         env = json.loads((tmp_path / "r.json").read_text())["environment"]
         assert env["cpu_capability"] == cpu[0] and env["cpu_int8_products"] == ("slow" if warned else "fast")
     # a usage error is still one line: the warning comes once every check has passed
-    assert "graphed route has no int8 form" in error_of(decode.main, ["--algo", "iad", "--int8", "--graphed", *common],
-                                                        capsys, monkeypatch)
+    assert "graphed route has no int8 form" in error_of(
+        decode.main, ["--algo", "iad", "--int8", "--graphed", *common], capsys, monkeypatch
+    )
 
 
 @pytest.mark.parametrize("cpu, warned", [(("AVX2", ZEN3_FLAGS), True), (("AVX512", AVX512_FLAGS), False)])
@@ -624,10 +677,28 @@ def test_int8bench_warns_where_int8_is_slow_and_reports_the_machine(cpu, warned,
     """python -m refdec int8bench: the warning where int8 products are slow, the machine in its printed
     header and in its report."""
     from refdec.commands.int8bench import main
+
     fake_cpu(monkeypatch, *cpu)
     ckpt = random_checkpoint(tmp_path / "ckpt")
-    assert main(["--task", "mt-en-de", "--model", str(ckpt), "--rows", "1,2", "--rounds", "1", "--reps", "1",
-                 "--report", str(tmp_path / "r.json")]) == 0
+    assert (
+        main(
+            [
+                "--task",
+                "mt-en-de",
+                "--model",
+                str(ckpt),
+                "--rows",
+                "1,2",
+                "--rounds",
+                "1",
+                "--reps",
+                "1",
+                "--report",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert err.count(SLOW_INT8) == warned and f"CPU capability {cpu[0]}" in out and "1 thread(s)" in out
     env = json.loads((tmp_path / "r.json").read_text())["environment"]
@@ -638,6 +709,7 @@ def test_int8bench_finds_the_routes_product_row_invariant():
     """python -m refdec int8bench's figures on a tiny model's shapes: every candidate timed at each row
     count, and the route's per-row product the same for row 0 alone and within more rows."""
     from refdec.commands.int8bench import measure, table
+
     results = measure(tiny_model(25), [1, 5], rounds=1, reps=1)
     assert {r["candidate"] for r in results} == {"float32", "weight-only", "per-tensor", "per-row"}
     assert all(r["us"][1] > 0 and r["us"][5] > 0 for r in results)
@@ -650,7 +722,9 @@ def test_int8_and_the_graphed_route_are_refused_together_in_one_line():
     from refdec.app.loading import load_models
     from refdec.app.plan import plan_runs
     from refdec.errors import UsageError
-    specs = plan_runs("greedy", "gec-en", model=None, given={}, compares=[], batch_size=None, sizes=None,
-                      batch_tokens=None, int8=True)
+
+    specs = plan_runs(
+        "greedy", "gec-en", model=None, given={}, compares=[], batch_size=None, sizes=None, batch_tokens=None, int8=True
+    )
     with pytest.raises(UsageError, match="graphed route has no int8 form"):
         load_models(specs, {}, task="gec-en", device="cpu", dtype=torch.float32, graphed=True)

@@ -17,15 +17,17 @@ from refdec.routes import fast, int8
 @pytest.fixture
 def tiny_shapes(monkeypatch):
     """The command on a tiny model's shapes and a few source lengths: a second, not the shipped model's six."""
-    monkeypatch.setattr(command, "SHIPPED", ModelConfig(vocab_size=64, d_model=16, n_heads=2, d_ff=32,
-                                                        enc_layers=1, dec_layers=1))
+    monkeypatch.setattr(
+        command, "SHIPPED", ModelConfig(vocab_size=64, d_model=16, n_heads=2, d_ff=32, enc_layers=1, dec_layers=1)
+    )
     monkeypatch.setattr(command, "LENGTHS", (1, 9, 15, 16))
     monkeypatch.setattr(command, "COUNTS", (2, 3))
 
 
 @pytest.mark.parametrize("fused_here,grouping_here", [(True, True), (False, False)])
-def test_machine_prints_each_probes_outcome_and_writes_it(fused_here, grouping_here, tiny_shapes, tmp_path,
-                                                          capsys, monkeypatch):
+def test_machine_prints_each_probes_outcome_and_writes_it(
+    fused_here, grouping_here, tiny_shapes, tmp_path, capsys, monkeypatch
+):
     """Each plan's fused product (from how many rows, or no) and row blocks with the timings it was chosen
     by, int8 against float32 at 1 and 32 rows, the grouped attention's outcome (and the lengths where
     sources attend one by one), the few-row product's cost; the report holds them and the machine."""
@@ -58,6 +60,7 @@ def test_machine_refuses_a_bad_thread_list_in_one_line(capsys):
 def test_every_timing_report_records_the_probes_its_run_made():
     """environment()['probes'] lists the int8 plans and grouped-attention shapes this process has probed."""
     from refdec.machine import environment
+
     int8.plan_for(16, 24)
     fast.grouping_holds(5, 2, 2, 8, torch.float32)
     probes = environment(1, "cpu", torch.float32)["probes"]

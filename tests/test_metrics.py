@@ -1,4 +1,5 @@
 """Tests for refdec.metrics: tokenisation, edit extraction, GEC P/R/F0.5, BLEU/chrF."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,7 +48,7 @@ def test_wrong_edit_is_fp_and_missed_gold_is_fn():
     """Guards against partial credit for a wrong replacement of the right span, and
     against missed gold edits not being counted."""
     src = "He go to school and he like it ."
-    hyp = "He goes to school and he like them ."   # right 'goes', wrong 'it->them', misses 'likes'
+    hyp = "He goes to school and he like them ."  # right 'goes', wrong 'it->them', misses 'likes'
     ref = "He goes to school and he likes it ."
     s = gec_scores([src], [hyp], [ref])
     assert (s["tp"], s["fp"], s["fn"]) == (1, 1, 1)

@@ -31,8 +31,11 @@ def one_line_error(r, code: int = 2) -> str:
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def readme_training_commands() -> list[str]:
@@ -48,6 +51,7 @@ def readme_training_commands() -> list[str]:
 
 # -- train.py ------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_path):
     """Case: `python train.py --preset gec-uk ...` from the README overwrote the shipped
@@ -58,8 +62,20 @@ def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_pa
     assert len(commands) >= 10 and any("--resume" in c for c in commands)
     commands.append("python train.py --preset gec-uk --max-steps 2 --eval-every 1 --eval-sentences 2 --threads 1")
     before = tree_digest(REPO / "checkpoints")
-    quick = ["--max-steps", "1", "--eval-every", "1", "--eval-sentences", "2", "--train-limit", "64",
-             "--dev-limit", "8", "--threads", "1"]
+    quick = [
+        "--max-steps",
+        "1",
+        "--eval-every",
+        "1",
+        "--eval-sentences",
+        "2",
+        "--train-limit",
+        "64",
+        "--dev-limit",
+        "8",
+        "--threads",
+        "1",
+    ]
     ran, folder_of = 0, {}
     for n, command in enumerate(commands):
         args = shlex.split(command)[2:]
@@ -68,8 +84,13 @@ def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_pa
         cwd = folder_of[preset] if "--resume" in args else tmp_path / str(n)
         cwd.mkdir(exist_ok=True)
         folder_of[preset] = cwd
-        r = subprocess.run([sys.executable, str(REPO / "train.py"), *args, *quick], cwd=cwd,
-                           capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = subprocess.run(
+            [sys.executable, str(REPO / "train.py"), *args, *quick],
+            cwd=cwd,
+            capture_output=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         err = r.stderr.decode()
         assert "Traceback" not in err, (command, err)
         if r.returncode == 0:
@@ -77,8 +98,10 @@ def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_pa
             out = args[args.index("--out-dir") + 1] if "--out-dir" in args else f"runs/{preset}"
             assert (cwd / out / "model.pt").exists(), command
         else:  # e.g. a distilled folder that is not shipped: one line naming what to build
-            assert r.returncode == 2 and err.strip().startswith("error:") and len(err.strip().splitlines()) == 1, \
-                (command, err)
+            assert r.returncode == 2 and err.strip().startswith("error:") and len(err.strip().splitlines()) == 1, (
+                command,
+                err,
+            )
     assert ran >= len(commands) - 2
     assert tree_digest(REPO / "checkpoints") == before
 
@@ -107,8 +130,12 @@ def test_resume_refuses_another_configuration(tmp_path):
     a 26 KB traceback; --resume without last.pt started from scratch silently."""
     out = tmp_path / "run"
     assert run_py(*TINY, "--out-dir", str(out), "--max-steps", "2", "--eval-every", "2").returncode == 0
-    for flags, needle in ((["--task", "gec-en"], "task"), (["--lr", "0.01"], "lr"),
-                          (["--batch-tokens", "900"], "batch_tokens"), (["--d-model", "64"], "d_model")):
+    for flags, needle in (
+        (["--task", "gec-en"], "task"),
+        (["--lr", "0.01"], "lr"),
+        (["--batch-tokens", "900"], "batch_tokens"),
+        (["--d-model", "64"], "d_model"),
+    ):
         err = one_line_error(run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--resume", *flags))
         assert "another configuration" in err and needle in err, err
     err = one_line_error(run_py("train.py", "--preset", "gec-uk", "--out-dir", str(out), "--resume", "--threads", "1"))
@@ -121,15 +148,18 @@ def test_resume_refuses_another_configuration(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,needle", [
-    (["--max-steps", "0"], "max-steps must be at least 1"),
-    (["--eval-every", "0"], "eval-every must be at least 1"),
-    (["--threads", "-1"], "threads must be at least 0"),
-    (["--threads", "10000"], "cores"),
-    (["--lr", "nan"], "lr must be a positive number"),
-    (["--warmup-steps", "0"], "warmup-steps must be at least 1"),
-    (["--dropout", "1"], "dropout must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--max-steps", "0"], "max-steps must be at least 1"),
+        (["--eval-every", "0"], "eval-every must be at least 1"),
+        (["--threads", "-1"], "threads must be at least 0"),
+        (["--threads", "10000"], "cores"),
+        (["--lr", "nan"], "lr must be a positive number"),
+        (["--warmup-steps", "0"], "warmup-steps must be at least 1"),
+        (["--dropout", "1"], "dropout must be in [0, 1)"),
+    ],
+)
 def test_bad_training_options_are_one_line_errors(tmp_path, args, needle):
     """Cases: --max-steps 0 exited 0 with no model and no message; --eval-every 0 and --threads -1
     gave tracebacks; --threads 10000 was accepted."""
@@ -156,6 +186,7 @@ def test_out_dir_rule_for_the_shipped_checkpoints_folder():
     the README states: checkpoints/<name> only with --overwrite (--resume continues such a run),
     checkpoints/ itself never, however the path is spelled."""
     from refdec.errors import UsageError
+
     check = train_script().check_out_dir_place
     root = REPO / "checkpoints"
     for spelled in (root, root / "mt-en-de" / "..", Path(os.path.relpath(root)) / "."):
@@ -213,10 +244,12 @@ def test_a_write_that_fails_in_the_out_dir_is_a_one_line_error(tmp_path, monkeyp
     import errno
 
     from refdec import training
+
     out = tmp_path / "run"
 
     def read_only_disk(self):
         raise OSError(errno.EROFS, "Read-only file system", str(out / "tokenizer.json"))
+
     monkeypatch.setattr(training.Trainer, "run", read_only_disk)
     previous = signal.getsignal(signal.SIGINT)  # main() holds Ctrl-C while it imports
     try:
@@ -235,17 +268,23 @@ def test_train_py_refuses_an_out_dir_among_its_training_data(tmp_path, capsys):
     --overwrite too, and the repository's data/mt-en-de as well); a folder above the data folder and
     another task's folder pass."""
     from refdec.errors import UsageError
+
     data = tmp_path / "d"
     (data / "mt-en-de").mkdir(parents=True)
     for name in ("train.src.gz", "train.tgt.gz", "dev.src.gz", "dev.tgt.gz"):
         (data / "mt-en-de" / name).write_bytes(b"")
     before = tree_digest(tmp_path)
-    for out, extra in ((data / "mt-en-de", []), (data / "mt-en-de", ["--overwrite"]), (data, []),
-                       (data / "mt-en-de" / "run", [])):
+    for out, extra in (
+        (data / "mt-en-de", []),
+        (data / "mt-en-de", ["--overwrite"]),
+        (data, []),
+        (data / "mt-en-de" / "run", []),
+    ):
         previous = signal.getsignal(signal.SIGINT)  # main() holds Ctrl-C while it imports
         try:
-            code = train_script().main(["--preset", "tiny", "--threads", "1", "--data-dir", str(data), "--out-dir",
-                                        str(out), *extra])
+            code = train_script().main(
+                ["--preset", "tiny", "--threads", "1", "--data-dir", str(data), "--out-dir", str(out), *extra]
+            )
         finally:
             signal.signal(signal.SIGINT, previous)
         err = capsys.readouterr().err.strip()
@@ -253,6 +292,7 @@ def test_train_py_refuses_an_out_dir_among_its_training_data(tmp_path, capsys):
         assert "training data" in err and "runs/<name>" in err
     assert tree_digest(tmp_path) == before and not list(data.rglob("*.pt"))
     from refdec.training import check_out_dir_data as check
+
     with pytest.raises(UsageError, match="is the folder of the run's training data"):
         check(str(REPO / "data" / "mt-en-de"), "", "mt-en-de")  # the default data folder
     check(str(tmp_path), str(data), "mt-en-de")  # the folder that holds the data folder
@@ -264,9 +304,23 @@ def test_train_py_logs_the_vocabulary_size_it_trained(tmp_path):
     """Case: train.py logged "tokenizer: 8000 BPE tokens trained" when the vocabulary it trained had
     1,607 (too little text for 8,000). It logs the size it trained and the size asked for."""
     from refdec.tokenizer import Tokenizer
+
     out = tmp_path / "run"
-    r = run_py(*TINY, "--train-limit", "50", "--vocab-size", "8000", "--out-dir", str(out), "--max-steps", "1",
-               "--eval-every", "1", "--eval-sentences", "2")
+    r = run_py(
+        *TINY,
+        "--train-limit",
+        "50",
+        "--vocab-size",
+        "8000",
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "1",
+        "--eval-every",
+        "1",
+        "--eval-sentences",
+        "2",
+    )
     assert r.returncode == 0, r.stderr.decode()
     size = Tokenizer.load(out / "tokenizer.json").vocab_size
     assert size < 8000
@@ -289,8 +343,12 @@ def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path):
     common = ["--max-steps", "400", "--eval-every", "200", "--log-every", "5"]
     split, log = tmp_path / "split", tmp_path / "log.txt"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, *TINY, "--out-dir", str(split), *common], cwd=REPO, stderr=f,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, *TINY, "--out-dir", str(split), *common],
+            cwd=REPO,
+            stderr=f,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         _wait_for(proc, log, "| loss ")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
@@ -303,6 +361,7 @@ def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path):
     straight = tmp_path / "straight"
     assert run_py(*TINY, "--out-dir", str(straight), *common).returncode == 0
     from refdec.checkpoint import load_checkpoint
+
     a, b = load_checkpoint(straight / "last.pt")["model"], load_checkpoint(split / "last.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -324,6 +383,7 @@ def test_ctrl_c_is_held_until_the_imports_are_done():
     """Case: a Ctrl-C that landed inside `import torch` broke numpy for the rest of the process, so
     the script printed an ImportError traceback (or aborted) instead of 'interrupted'."""
     from refdec import interrupt
+
     previous = signal.getsignal(signal.SIGINT)
     try:
         interrupt.hold_sigint()
@@ -341,6 +401,7 @@ def test_ctrl_c_is_held_until_the_imports_are_done():
 
 # -- decode.py -----------------------------------------------------------------------------------
 
+
 def decode(ckpt, *args, **kw):
     return run_py(*DECODE, "--model", str(ckpt / "model.pt"), *args, **kw)
 
@@ -349,6 +410,7 @@ def decode(ckpt, *args, **kw):
 def many_lines(tmp_path_factory) -> Path:
     """2,000 real test sentences: long enough to interrupt a decode half-way."""
     from refdec.data import DATA_DIR, read_lines
+
     path = tmp_path_factory.mktemp("input") / "in.txt"
     lines = read_lines(DATA_DIR / "mt-en-de" / "test.src.gz")
     path.write_text("\n".join((lines * 2)[:2000]) + "\n", encoding="utf-8")
@@ -360,10 +422,12 @@ def test_output_paths_are_checked_before_decoding(trained_tiny, tmp_path, many_l
     """Case: an unwritable --report or --output (a missing folder, a folder, /proc) was discovered only
     after all the decoding, and nothing was written. Now the run stops at once, in one line, and an
     --output equal to the input is refused instead of overwriting it."""
-    cases = [("--output", str(tmp_path / "missing" / "out.txt"), "does not exist"),
-             ("--report", str(tmp_path), "is a folder"),
-             ("--report", "/proc/refdec-report.json", "cannot be written"),
-             ("--output", str(many_lines), "is also the input")]
+    cases = [
+        ("--output", str(tmp_path / "missing" / "out.txt"), "does not exist"),
+        ("--report", str(tmp_path), "is a folder"),
+        ("--report", "/proc/refdec-report.json", "cannot be written"),
+        ("--output", str(many_lines), "is also the input"),
+    ]
     for flag, path, needle in cases:
         t0 = time.time()
         r = decode(trained_tiny, "--algo", "greedy", "--input", str(many_lines), flag, path)
@@ -373,11 +437,30 @@ def test_output_paths_are_checked_before_decoding(trained_tiny, tmp_path, many_l
 
 
 def _interrupt_decode(ckpt, many_lines, out, report, sig):
-    proc = subprocess.Popen([sys.executable, *DECODE, "--model", str(ckpt / "model.pt"), "--algo", "greedy",
-                             "--input", str(many_lines), "--ref", str(many_lines), "--max-len", "30", "--output",
-                             str(out), "--report", str(report)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            *DECODE,
+            "--model",
+            str(ckpt / "model.pt"),
+            "--algo",
+            "greedy",
+            "--input",
+            str(many_lines),
+            "--ref",
+            str(many_lines),
+            "--max-len",
+            "30",
+            "--output",
+            str(out),
+            "--report",
+            str(report),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     t0 = time.time()
     while not (out.exists() and out.read_text(encoding="utf-8").count("\n") >= 10):
         assert proc.poll() is None and time.time() - t0 < 120, "decode.py ended before it could be interrupted"
@@ -402,8 +485,9 @@ def test_an_interrupted_decode_keeps_every_finished_line(trained_tiny, tmp_path,
     assert text.endswith("\n")
     kept = text.splitlines()
     assert 10 <= len(kept) < 2000
-    full = decode(trained_tiny, "--algo", "greedy", "--input", str(many_lines), "--max-len", "30",
-                  "--limit", str(len(kept)))
+    full = decode(
+        trained_tiny, "--algo", "greedy", "--input", str(many_lines), "--max-len", "30", "--limit", str(len(kept))
+    )
     assert full.returncode == 0 and full.stdout.decode("utf-8").splitlines() == kept
     if sig != signal.SIGKILL:
         said = "interrupted" if sig == signal.SIGINT else "stopped by SIGTERM"
@@ -430,6 +514,7 @@ def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
     from refdec.app.loading import Models
     from refdec.checkpoint import load_model
     from refdec.errors import UsageError
+
     model, _, _ = load_model(trained_tiny / "model.pt")
     run = runner.Run(ALGORITHMS["greedy"], {}, Models(model, trained_tiny / "model.pt"), batch_size=100000)
     ids = [[7] * 50 for _ in range(4000)]
@@ -441,12 +526,15 @@ def test_options_are_bounded_by_the_machine(trained_tiny, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,needle", [
-    (["--algo", "beam", "--length-penalty", "nan"], "finite"),
-    (["--algo", "beam", "--length-penalty", "1e300"], "between -10 and 10"),
-    (["--algo", "bild", "--small", "x.pt", "--fallback-threshold", "-1"], "at least 0"),
-    (["--algo", "bild", "--small", "x.pt", "--rollback-threshold", "inf"], "finite"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--algo", "beam", "--length-penalty", "nan"], "finite"),
+        (["--algo", "beam", "--length-penalty", "1e300"], "between -10 and 10"),
+        (["--algo", "bild", "--small", "x.pt", "--fallback-threshold", "-1"], "at least 0"),
+        (["--algo", "bild", "--small", "x.pt", "--rollback-threshold", "inf"], "finite"),
+    ],
+)
 def test_non_finite_and_negative_thresholds_are_refused(trained_tiny, args, needle):
     """Case: --length-penalty nan and --fallback-threshold -1 were accepted silently (and a huge
     length penalty overflowed)."""
@@ -458,6 +546,7 @@ def test_warm_up_is_a_few_sentences_whatever_the_batch_size():
     from refdec.app import runner
     from refdec.app.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
+
     seen = []
 
     def fake(model, src, *, max_len, trace=False):
@@ -477,6 +566,7 @@ def test_a_run_that_fails_in_the_warm_up_is_warned_of_and_the_others_go_on(capsy
     from refdec.app import runner
     from refdec.app.algorithms import Algorithm
     from refdec.decoding import DecodeResult, DecodeStats
+
     tried = []
 
     def fails_on_long(model, src, *, max_len, trace=False):
@@ -488,8 +578,10 @@ def test_a_run_that_fails_in_the_warm_up_is_warned_of_and_the_others_go_on(capsy
     def fine(model, src, *, max_len, trace=False):
         return DecodeResult([torch.tensor([6])] * src.shape[0], DecodeStats())
 
-    runs = [runner.Run(Algorithm("fine", fine, "never fails"), {}, fake_models()),
-            runner.Run(Algorithm("fragile", fails_on_long, "fails on long lines"), {}, fake_models())]
+    runs = [
+        runner.Run(Algorithm("fine", fine, "never fails"), {}, fake_models()),
+        runner.Run(Algorithm("fragile", fails_on_long, "fails on long lines"), {}, fake_models()),
+    ]
     ids = [[5, 6, 7], [5, 6], [5], [5, 6, 7, 8]]  # chunks in input order: line 1 is the warm-up's first
     assert runner.decode_lines(runs, ids, max_len=4, max_positions=64, device="cpu", warmup=2, progress=False) == 4
     err = capsys.readouterr().err
@@ -507,7 +599,9 @@ def test_exit_codes_are_one_for_every_usage_error(trained_tiny, tiny_extras, tmp
     bad = tmp_path / "in.gz"
     bad.write_text("plain text\n")
     assert "not a valid gzip file" in one_line_error(decode(trained_tiny, "--algo", "greedy", "--input", str(bad)))
-    r = run_py(*DECODE, "--algo", "blockwise", "--model", str(tiny_extras["heads"]), "--block-size", "9", "--limit", "1")
+    r = run_py(
+        *DECODE, "--algo", "blockwise", "--model", str(tiny_extras["heads"]), "--block-size", "9", "--limit", "1"
+    )
     assert "--block-size must be between 2 and the 3" in one_line_error(r)
     r = run_py(*DECODE, "--algo", "greedy", "--model", str(REPO / "README.md"))
     assert "is not a checkpoint" in one_line_error(r)
@@ -538,6 +632,7 @@ def test_invalid_utf8_from_the_model_is_named_in_a_warning(tmp_path):
     character) and named in a warning; valid text is decoded unchanged."""
     from refdec.app import runner
     from refdec.tokenizer import Tokenizer
+
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     text = "我们今天去公园。 I love 🍕 pizza. Привіт, é\u00a0\ufffd"
     ids = tok.encode(text)
@@ -560,6 +655,7 @@ def test_busy_cores_sees_another_process():
     """Case: with another job on the machine a 2-thread decode ran 45x slower than --threads 1 and
     nothing said so. decode.py's probe of other processes' CPU use sees a busy loop beside it."""
     from refdec.machine import BusyCores
+
     probe = BusyCores()
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
     burner.wait()
@@ -573,14 +669,30 @@ def test_decode_given_no_thread_count_leaves_the_busy_core(trained_tiny, tmp_pat
     threads ran many times slower than with --threads 1, which looked like a hang. Given no
     --threads it now takes only the cores left idle, says so, and the report records the choice."""
     from refdec.machine import usable_cores
+
     if usable_cores() < 2:
         pytest.skip("one core: there is no thread to leave to another process")
     rep = tmp_path / "r.json"
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:  # torch's count is every core, as with no OMP_NUM_THREADS on a machine with one thread per core
-        r = run_py("decode.py", "--task", "mt-en-de", "--model", str(trained_tiny / "model.pt"), "--algo", "greedy",
-                   "--limit", "2", "--max-len", "4", "--output", str(tmp_path / "out.txt"), "--report", str(rep),
-                   env={"OMP_NUM_THREADS": str(usable_cores())})
+        r = run_py(
+            "decode.py",
+            "--task",
+            "mt-en-de",
+            "--model",
+            str(trained_tiny / "model.pt"),
+            "--algo",
+            "greedy",
+            "--limit",
+            "2",
+            "--max-len",
+            "4",
+            "--output",
+            str(tmp_path / "out.txt"),
+            "--report",
+            str(rep),
+            env={"OMP_NUM_THREADS": str(usable_cores())},
+        )
     finally:
         spinner.kill()
         spinner.wait()
@@ -590,7 +702,6 @@ def test_decode_given_no_thread_count_leaves_the_busy_core(trained_tiny, tmp_pat
     environment = json.loads(rep.read_text())["environment"]
     assert environment["threads"] == int(note[1]) < usable_cores() and environment["threads_auto"] is True
     assert environment["other_busy_cores_at_start"] >= 0.5
-
 
 
 def test_a_line_handed_over_is_a_line_counted_whenever_the_signal_lands():
@@ -617,8 +728,9 @@ def test_a_line_handed_over_is_a_line_counted_whenever_the_signal_lands():
     hold_sigint(sigterm=True)
     release_sigint()  # SIGTERM now raises KeyboardInterrupt where it is delivered, as in decode.py
     try:
-        done = runner.decode_lines([run], [[5, 6]] * 6, max_len=4, max_positions=64, device="cpu", warmup=0,
-                                   progress=False, on_line=on_line)
+        done = runner.decode_lines(
+            [run], [[5, 6]] * 6, max_len=4, max_positions=64, device="cpu", warmup=0, progress=False, on_line=on_line
+        )
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -39,7 +39,7 @@ def test_cached_logits_equal_uncached(seed, norm_first):
             cache = m.new_cache(3, capacity=2)  # small on purpose: growth must keep contents
             pieces, at = [], 0
             for c in chunks:
-                pieces.append(m.decode(tgt[:, at:at + c], mem, cache))
+                pieces.append(m.decode(tgt[:, at : at + c], mem, cache))
                 at += c
             inc = torch.cat(pieces, 1)
             assert cache.length == 12
@@ -65,6 +65,7 @@ def test_truncate_then_redecode_gives_same_logits():
 def test_cached_greedy_tokens_equal_uncached(seed):
     """Guards against any drift between the KV-cache greedy loop and the naive recomputation."""
     from refdec.decoding import decode_greedy
+
     m = tiny_model(seed, vocab=12)
     src = random_src(seed, 4, 12)
     res = decode_greedy(m, src, max_len=20)
@@ -110,8 +111,11 @@ class WholeCopyCache(KVCache):
 def uninitialised_is_nan():
     """torch.empty and its kin fill new memory with NaN (torch's deterministic mode), as memory never
     written may hold."""
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.utils.deterministic.fill_uninitialized_memory)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     yield
@@ -130,18 +134,23 @@ def test_select_keeps_every_rows_positions_as_a_whole_copy_does(seed, uninitiali
     ones past its length included (a masked weight is 0, and 0 x NaN is NaN)."""
     g = torch.Generator().manual_seed(seed)
     B = 5
-    ours, whole = (cls(2, B, 2, 3, capacity=int(torch.randint(1, 6, (1,), generator=g)), dtype=torch.float64)
-                   for cls in (KVCache, WholeCopyCache))
+    ours, whole = (
+        cls(2, B, 2, 3, capacity=int(torch.randint(1, 6, (1,), generator=g)), dtype=torch.float64)
+        for cls in (KVCache, WholeCopyCache)
+    )
     for step in range(14):
         n = ours.batch
         q = int(torch.randint(1, 4, (1,), generator=g))
-        k, v = torch.randn(n, 2, q, 3, generator=g, dtype=torch.float64), torch.randn(n, 2, q, 3, generator=g, dtype=torch.float64)
+        k, v = (
+            torch.randn(n, 2, q, 3, generator=g, dtype=torch.float64),
+            torch.randn(n, 2, q, 3, generator=g, dtype=torch.float64),
+        )
         for layer in range(2):
             got, want = ours.append(layer, k, v), whole.append(layer, k, v)
             assert all(bool(x.isfinite().all()) for x in got)
             for b, length in enumerate(ours.lengths.tolist()):
                 for x, y in zip(got, want):
-                    assert torch.equal(x[b, :, :length + q], y[b, :, :length + q])
+                    assert torch.equal(x[b, :, : length + q], y[b, :, : length + q])
         ours.advance(q)
         whole.advance(q)
         if step % 3 == 1:  # per-row truncates: a ragged cache
@@ -150,7 +159,7 @@ def test_select_keeps_every_rows_positions_as_a_whole_copy_does(seed, uninitiali
             whole.truncate(cut)
         kind = step % 4
         if kind == 0 and n > 1:  # rows leave, in order
-            keep = torch.randperm(n, generator=g)[:int(torch.randint(1, n, (1,), generator=g))].sort().values
+            keep = torch.randperm(n, generator=g)[: int(torch.randint(1, n, (1,), generator=g))].sort().values
         elif kind == 2:  # rows reordered and repeated, the batch growing or shrinking
             keep = torch.randint(0, n, (int(torch.randint(1, B + 3, (1,), generator=g)),), generator=g)
         else:
@@ -197,6 +206,7 @@ def test_too_long_sequence_is_refused():
 def test_cuda_matches_cpu():
     """Guards against device mix-ups (masks or caches created on the CPU)."""
     from refdec.decoding import decode_greedy
+
     m = tiny_model(1, vocab=12)
     src = random_src(1, 3, 12)
     cpu = decode_greedy(m, src, max_len=15)
@@ -209,6 +219,7 @@ def test_few_row_route_computes_the_linear_map(bias):
     """refdec.routes.kernels.linear: the (W @ x.T).T route for 2-16 rows on CPU gives F.linear's values (the
     same products, at most summed in another order) and keeps the shape for every row count."""
     from refdec.routes import kernels as M
+
     g = torch.Generator().manual_seed(0)
     W = torch.randn(24, 8, generator=g, dtype=torch.float64)
     b = torch.randn(24, generator=g, dtype=torch.float64) if bias else None
@@ -233,6 +244,7 @@ def test_a_loaded_model_is_torch_layers_and_its_twin_replaces_every_leaf():
     from refdec.checkpoint import load_model
     from refdec.proposal import ProposalHeads
     from refdec.routes import kernels as M
+
     for module in (tiny_model(0), ProposalHeads(16, 8, 3)):
         linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all(type(m) is torch.nn.Linear for m in linears)
@@ -250,11 +262,16 @@ def test_a_loaded_model_is_torch_layers_and_its_twin_replaces_every_leaf():
         a = plain.decode(tgt, plain.encode(src), plain.new_cache(2))
         b = routed.decode(tgt, routed.encode(src), routed.new_cache(2))
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    loaded = load_model(REPO / "checkpoints" / "gec-uk" / "model.pt", task="gec-uk", device="cpu", dtype=torch.float32)[0]
+    loaded = load_model(REPO / "checkpoints" / "gec-uk" / "model.pt", task="gec-uk", device="cpu", dtype=torch.float32)[
+        0
+    ]
     linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is torch.nn.Linear for m in linears)
-    assert all(type(m) in (torch.nn.LayerNorm, torch.nn.Linear) for m in loaded.modules()
-               if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
+    assert all(
+        type(m) in (torch.nn.LayerNorm, torch.nn.Linear)
+        for m in loaded.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))
+    )
 
 
 def test_the_few_row_product_is_the_kernels_choice_per_wrapper():
@@ -262,6 +279,7 @@ def test_the_few_row_product_is_the_kernels_choice_per_wrapper():
     reference route, as taken with gradients on too); Kernels(few_rows=True) makes the linear
     layers take (W @ x.T).T, on the same weights, and the model itself stays plain."""
     from refdec.routes.kernels import KernelRoute, Kernels
+
     m = tiny_model(3, vocab=40)
     src, tgt = random_src(3, 1, 40), torch.tensor([[BOS_ID, 7, 8, 9]])
 
@@ -286,9 +304,29 @@ def test_stepcost_times_both_routes_every_round(trained_tiny, tmp_path):
     import json
 
     from refdec.commands.stepcost import main
+
     rep = tmp_path / "cost.json"
-    assert main(["--model", str(trained_tiny / "model.pt"), "--q", "1,2,4", "--rounds", "2", "--threads", "1",
-                 "--src", "8", "--prefix", "8", "--report", str(rep)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(trained_tiny / "model.pt"),
+                "--q",
+                "1,2,4",
+                "--rounds",
+                "2",
+                "--threads",
+                "1",
+                "--src",
+                "8",
+                "--prefix",
+                "8",
+                "--report",
+                str(rep),
+            ]
+        )
+        == 0
+    )
     r = json.loads(rep.read_text())
     assert [c["q"] for c in r["calls"]] == [1, 2, 4]
     assert all(c["ms"] > 0 and c["plain_ms"] > 0 for c in r["calls"])
@@ -307,10 +345,35 @@ def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
     import json
 
     from refdec.commands.stepcost import main
+
     rep = tmp_path / "cost.json"
-    assert main(["--model", str(trained_tiny / "model.pt"), "--rows", "3", "--q", "1,4", "--rounds", "1",
-                 "--threads", "1", "--src", "5", "--prefix", "4", "--fast", "--graphed", "--device", "cpu",
-                 "--report", str(rep)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(trained_tiny / "model.pt"),
+                "--rows",
+                "3",
+                "--q",
+                "1,4",
+                "--rounds",
+                "1",
+                "--threads",
+                "1",
+                "--src",
+                "5",
+                "--prefix",
+                "4",
+                "--fast",
+                "--graphed",
+                "--device",
+                "cpu",
+                "--report",
+                str(rep),
+            ]
+        )
+        == 0
+    )
     r = json.loads(rep.read_text())
     assert r["rows"] == 3 and r["encoder_ms"] > 0
     assert all(c["fast_ms"] > 0 for c in r["calls"]) and r["calls"][0]["fast_ratio"] == 1.0
@@ -320,8 +383,31 @@ def test_stepcost_times_calls_of_several_rows(trained_tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "decoder call of 3 row(s)" in out and "encoder over 3 source(s) of 5 tokens" in out
     assert "; fast route" in out and "; graphed route" in out and "matrix products alone" in out
-    assert main(["--model", str(trained_tiny / "model.pt"), "--rows", "4", "--q", "1", "--rounds", "1", "--threads", "1",
-                 "--src", "10", "--prefix", "4", "--fast", "--ragged-src", "--report", str(rep)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(trained_tiny / "model.pt"),
+                "--rows",
+                "4",
+                "--q",
+                "1",
+                "--rounds",
+                "1",
+                "--threads",
+                "1",
+                "--src",
+                "10",
+                "--prefix",
+                "4",
+                "--fast",
+                "--ragged-src",
+                "--report",
+                str(rep),
+            ]
+        )
+        == 0
+    )
     r = json.loads(rep.read_text())  # sources of 2, 5, 8 and 10 tokens, padded to 10
     assert r["ragged_src"] and r["source_tokens"] == 25 and r["encoder_ms"] > 0 and r["fast_encoder_ms"] > 0
     assert "encoder over 4 source(s) of 1-10 tokens (25 in all, padded to 10)" in capsys.readouterr().out

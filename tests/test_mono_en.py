@@ -52,11 +52,13 @@ def test_man_page_prose_leaves_out_synopsis_code_tags_and_see_also():
 def test_sphinx_prose_keeps_paragraphs_not_code_or_signatures():
     """Guards against signatures, code blocks and tables read as sentences."""
     p = SphinxProse()
-    p.feed('<html><body><div class="sphinxsidebar"><p>Navigation text here.</p></div>'
-           '<div role="main"><dl><dt>os.open(path)</dt><dd><p>Open the file <code>path</code>.</p></dd></dl>'
-           '<div class="highlight"><pre>x = 1</pre></div><table><tr><td><p>Cell text.</p></td></tr></table>'
-           '<p>Changed in <span class="versionmodified">Changed in version 3.3:</span> a note.</p></div>'
-           '<div class="footer"><p>Copyright text.</p></div></body></html>')
+    p.feed(
+        '<html><body><div class="sphinxsidebar"><p>Navigation text here.</p></div>'
+        '<div role="main"><dl><dt>os.open(path)</dt><dd><p>Open the file <code>path</code>.</p></dd></dl>'
+        '<div class="highlight"><pre>x = 1</pre></div><table><tr><td><p>Cell text.</p></td></tr></table>'
+        '<p>Changed in <span class="versionmodified">Changed in version 3.3:</span> a note.</p></div>'
+        '<div class="footer"><p>Copyright text.</p></div></body></html>'
+    )
     p.close()
     assert p.paragraphs == ["Open the file path.", "Changed in a note."]
 
@@ -68,8 +70,10 @@ def test_prose_filter_and_overlap_key():
     assert not is_prose("Use d[k] = d.pop(k) to move the key.")  # code
     assert not is_prose("errno is set to EDOM.")  # starts in lower case
     assert prose_sentences(["gh-92173: Fix the defs argument. Patch by Dong-hee Na."]) == [
-        "Fix the defs argument.", "Patch by Dong-hee Na."]
-    assert overlap_key("I haven\u2019t the faintest idea.") == overlap_key('"I haven\'t the  faintest IDEA.')
+        "Fix the defs argument.",
+        "Patch by Dong-hee Na.",
+    ]
+    assert overlap_key("I haven\u2019t the faintest idea.") == overlap_key("\"I haven't the  faintest IDEA.")
 
 
 @pytest.mark.slow  # reads the whole shipped corpus

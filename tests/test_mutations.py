@@ -81,8 +81,9 @@ class ScriptedHeads(torch.nn.Module):
         W = model.out_proj.weight  # (V, D)
         self.vectors = (torch.linalg.pinv(W) @ (10 * torch.eye(W.shape[0], dtype=W.dtype))).T  # (V, D)
         assert torch.equal(model.project(self.vectors[None])[0].argmax(-1), torch.arange(W.shape[0]))
-        self.table = [(b, t, s) for b, ref in enumerate(refs)
-                      for t, s in enumerate(states(model, alone(srcs, b), ref[:-1]))]
+        self.table = [
+            (b, t, s) for b, ref in enumerate(refs) for t, s in enumerate(states(model, alone(srcs, b), ref[:-1]))
+        ]
         self.reads: list[list[tuple[int, int] | None]] = []
 
     def locate(self, h: torch.Tensor) -> tuple[int, int] | None:
@@ -132,14 +133,19 @@ def test_accept_row_commits_the_passing_prefix_and_the_verifiers_token():
     failure."""
     argmax = [4, 5, 6, 7]
     logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).double()
-    cases = [([4, 5, 6], [4, 5, 6, 7], 3),  # all pass: the verifier's token after them comes free
-             ([4, 9, 6], [4, 5], 1),  # d_2 fails: the verifier's 5, never the drafted 9 or the later 6
-             ([9, 5, 6], [4], 0),  # d_1 fails: one token, the verifier's
-             ([4, 5, 9], [4, 5, 6], 2),
-             ([5, 6, 7], [4], 0)]  # greedy's tokens one position late: rejected at once
+    cases = [
+        ([4, 5, 6], [4, 5, 6, 7], 3),  # all pass: the verifier's token after them comes free
+        ([4, 9, 6], [4, 5], 1),  # d_2 fails: the verifier's 5, never the drafted 9 or the later 6
+        ([9, 5, 6], [4], 0),  # d_1 fails: one token, the verifier's
+        ([4, 5, 9], [4, 5, 6], 2),
+        ([5, 6, 7], [4], 0),
+    ]  # greedy's tokens one position late: rejected at once
     for draft, tokens, n in cases:
         assert accept_row(draft, logits, argmax, budget=20, eos_id=EOS_ID) == (tokens, n), draft
-    assert accept_row([], logits[:1], argmax[:1], budget=20, eos_id=EOS_ID) == ([4], 0)  # nothing drafted: a greedy step
+    assert accept_row([], logits[:1], argmax[:1], budget=20, eos_id=EOS_ID) == (
+        [4],
+        0,
+    )  # nothing drafted: a greedy step
 
 
 def test_accept_row_cuts_at_eos_and_at_the_budget():
@@ -148,6 +154,7 @@ def test_accept_row_cuts_at_eos_and_at_the_budget():
     argmax at last, d_1 .. d_4 is 4 eos 6 7 8."""
     argmax = [4, EOS_ID, 6, 7, 8]
     logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).double()
+
     def cut(draft, budget=20):
         return accept_row(draft, logits, argmax, budget=budget, eos_id=EOS_ID)
 
@@ -166,6 +173,7 @@ def test_accept_row_gives_its_rules_the_rows_of_the_drafted_positions():
     bifurcation, and whether d_(n+1) was refused (False when the whole draft passed). With a test
     and a sampler that are argmax equality and argmax, every case decides as without them."""
     from refdec.decoding.ties import argmax as first_max
+
     argmax = [4, 5, 6, 7]
     logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).double()
     seen = []
@@ -179,11 +187,17 @@ def test_accept_row_gives_its_rules_the_rows_of_the_drafted_positions():
         return int(row.argmax())
 
     for draft in ([4, 5, 6], [4, 9, 6], [9, 5, 6]):
-        assert (accept_row(draft, logits, argmax, budget=20, eos_id=EOS_ID, accept=accept, choose=choose)
-                == accept_row(draft, logits, argmax, budget=20, eos_id=EOS_ID)), draft
-    assert seen == [("accept", [4, 5, 6], [4, 5, 6]), ("choose", 7, 3, False),
-                    ("accept", [4, 5, 6], [4, 9, 6]), ("choose", 5, 1, True),
-                    ("accept", [4, 5, 6], [9, 5, 6]), ("choose", 4, 0, True)]
+        assert accept_row(draft, logits, argmax, budget=20, eos_id=EOS_ID, accept=accept, choose=choose) == accept_row(
+            draft, logits, argmax, budget=20, eos_id=EOS_ID
+        ), draft
+    assert seen == [
+        ("accept", [4, 5, 6], [4, 5, 6]),
+        ("choose", 7, 3, False),
+        ("accept", [4, 5, 6], [4, 9, 6]),
+        ("choose", 5, 1, True),
+        ("accept", [4, 5, 6], [9, 5, 6]),
+        ("choose", 4, 0, True),
+    ]
 
 
 # -- one decoder call: verify and verify_rows -------------------------------------------------------------------
@@ -199,7 +213,7 @@ def test_verify_accepts_exactly_up_to_the_first_wrong_token():
         draft = [wrong(t) if i == w else t for i, t in enumerate(ref[:6])]
         cache = m.new_cache(1, 16)
         v = verify(m, memory, cache, BOS_ID, draft, budget=MAX_LEN, eos_id=EOS_ID)
-        assert (v.tokens, v.accepted, cache.length) == (ref[:w + 1], w, w + 1), w
+        assert (v.tokens, v.accepted, cache.length) == (ref[: w + 1], w, w + 1), w
         nxt = m.decode(torch.tensor([[v.tokens[-1]]]), memory, cache)[0, -1].argmax().item()
         assert nxt == ref[w + 1], w
 
@@ -248,12 +262,21 @@ def test_verify_rows_hands_an_accept_rule_each_rows_own_draft():
     shifted onto `last`, not another row's): with a test that is argmax equality, every row
     commits and passes exactly what it does without one."""
     from refdec.decoding.ties import argmax as first_max
+
     m, src, refs = verifier(), sources(), references()
     drafts = [refs[0][:5], refs[1][:2] + [wrong(refs[1][2])] + refs[1][3:6], [], refs[3][:6]]
     decided = []
     for accept in (None, lambda logits, draft: first_max(logits).eq(draft)):
-        vs = verify_rows(m, m.encode(src), m.new_cache(4, capacity=16), [BOS_ID] * 4, drafts,
-                         budgets=[MAX_LEN] * 4, eos_id=EOS_ID, accept=accept)
+        vs = verify_rows(
+            m,
+            m.encode(src),
+            m.new_cache(4, capacity=16),
+            [BOS_ID] * 4,
+            drafts,
+            budgets=[MAX_LEN] * 4,
+            eos_id=EOS_ID,
+            accept=accept,
+        )
         decided.append([(v.tokens, v.accepted) for v in vs])
     assert decided[0] == decided[1] == [(refs[0][:6], 5), (refs[1][:3], 2), (refs[2][:1], 0), (refs[3][:7], 6)]
 
@@ -342,8 +365,12 @@ def test_gad_commits_what_a_scripted_drafter_allows(monkeypatch):
             b = next(b for b in range(len(rows)) if (memory.states[r] - encoded[b]).abs().max() < 1e-12)
             (ref, misses), j = rows[b], len(sequence) - 1
             assert sequence[1:] == ref[:j], "the drafter is given bos and the row's output so far"
-            out.append([PAD_ID if q > len(ref) else wrong(ref[q - 1]) if q in misses else ref[q - 1]
-                        for q in range(j + 1, j + k + 1)])
+            out.append(
+                [
+                    PAD_ID if q > len(ref) else wrong(ref[q - 1]) if q in misses else ref[q - 1]
+                    for q in range(j + 1, j + k + 1)
+                ]
+            )
         return out
 
     monkeypatch.setattr(gad_module, "draft_blocks", draft)
@@ -383,5 +410,8 @@ def test_iad_drafts_the_source_after_the_match():
     for b, row in enumerate(rows):
         src[b, : len(row) + 1] = torch.tensor(row + [EOS_ID])
     r = decode_iad(m, src, max_len=14, trace=True)
-    assert [t.tolist() for t in r.tokens] == [rows[0] + [32, 38, 36, 16], [17, 10, 33, 22, 21, 30, 34, 29, 13, 38, 36, 16, 18, 11]]
+    assert [t.tolist() for t in r.tokens] == [
+        rows[0] + [32, 38, 36, 16],
+        [17, 10, 33, 22, 21, 30, 34, 29, 13, 38, 36, 16, 18, 11],
+    ]
     assert [committed(steps) for steps in r.trace] == [[11, 1, 2], [5] + [1] * 9]

@@ -31,6 +31,7 @@ def test_pyproject_installs_refdec_alone_on_the_pinned_torch():
     from packaging.requirements import Requirement
 
     import refdec
+
     meta = pyproject()
     project = meta["project"]
     assert project["name"] == "refdec" and project["dynamic"] == ["version"]
@@ -47,19 +48,28 @@ def test_the_html_pages_files_are_package_data():
     """The HTML page's style, script and template (refdec/app/assets/) are declared package data, so that
     `pip install .` installs them with refdec.app (the installed-copy test writes a page with them)."""
     from fnmatch import fnmatch
+
     patterns = pyproject()["tool"]["setuptools"]["package-data"]["refdec.app"]
-    assets = sorted(p.relative_to(REPO / "refdec" / "app").as_posix() for p in (REPO / "refdec" / "app" / "assets").iterdir())
+    assets = sorted(
+        p.relative_to(REPO / "refdec" / "app").as_posix() for p in (REPO / "refdec" / "app" / "assets").iterdir()
+    )
     assert assets == ["assets/report.css", "assets/report.html", "assets/report.js"]
     assert all(any(fnmatch(a, pat) for pat in patterns) for a in assets), (assets, patterns)
 
 
 def test_ci_runs_the_readme_test_command_which_installs_refdec():
     """Guards .ci/run against drifting from the README's test command, which installs the package the
-    way the README says before running the tests."""
+    way the README says, then runs the linter and the formatter's check (ruff, pinned in
+    requirements.txt) before the tests."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    command = re.search(r"^    (pip install -r requirements\.txt && pip install -e \. && python -m pytest [^\n]*)$",
-                        readme, re.M).group(1)
+    command = re.search(
+        r"^    (pip install -r requirements\.txt && pip install -e \. && ruff check && ruff format --check "
+        r"&& python -m pytest [^\n]*)$",
+        readme,
+        re.M,
+    ).group(1)
     assert command in (REPO / ".ci" / "run").read_text().splitlines()
+    assert re.search(r"^ruff==\S+$", (REPO / "requirements.txt").read_text(), re.M)
 
 
 def test_install_hints_name_the_extra_and_a_command_that_works_where_they_are_read(tmp_path, monkeypatch):
@@ -73,8 +83,12 @@ def test_install_hints_name_the_extra_and_a_command_that_works_where_they_are_re
     from packaging.requirements import Requirement
 
     from refdec import repo
-    extras = {name: {Requirement(r).name for r in reqs}
-              for name, reqs in pyproject()["project"]["optional-dependencies"].items() if name != "test"}
+
+    extras = {
+        name: {Requirement(r).name for r in reqs}
+        for name, reqs in pyproject()["project"]["optional-dependencies"].items()
+        if name != "test"
+    }
     assert extras == {name: set(packages) for name, packages in repo.EXTRAS.items()}
     # installed (pip install -e .), whether or not this machine's refdec is: the test reads the code alone
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: object())
@@ -85,6 +99,7 @@ def test_install_hints_name_the_extra_and_a_command_that_works_where_they_are_re
 
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
+
     monkeypatch.setattr(importlib.metadata, "distribution", not_installed)  # run from a clone, never installed
     assert repo.install_hint("hf") == f"in this clone pip install -r {REPO / 'requirements.txt'}"
     monkeypatch.setattr(repo, "REPO", tmp_path)  # a copied refdec/ folder: no clone around it
@@ -103,8 +118,9 @@ def see_this_environment(python: Path) -> None:
     reached the base interpreter's packages, which hold no torch, not the user's environment's. A .pth
     file naming this interpreter's package folders reaches them wherever this interpreter is."""
     folders = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if Path(p).is_dir()]
-    own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    own = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     (Path(own) / "this-environment.pth").write_text("\n".join(folders) + "\n", encoding="utf-8")
 
 
@@ -115,10 +131,19 @@ def test_the_installed_copys_environment_reaches_this_ones_packages(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     see_this_environment(python)
-    r = subprocess.run([str(python), "-c", "import site, sys, torch; from pathlib import Path\n"
-                        "home = str(Path(torch.__file__).parent.parent)\n"
-                        "print(home, sys.path.index(site.getsitepackages()[0]) < sys.path.index(home))"],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import site, sys, torch; from pathlib import Path\n"
+            "home = str(Path(torch.__file__).parent.parent)\n"
+            "print(home, sys.path.index(site.getsitepackages()[0]) < sys.path.index(home))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     home, own_first = r.stdout.split()
     assert not home.startswith(str(venv)) and own_first == "True", r.stdout
@@ -134,13 +159,27 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trai
     clone). Built from a copy of the sources so that no build files land in the repository; the
     environment sees the system's packages (torch) and installs nothing from the network."""
     from refdec.commands import COMMANDS
+
     src = tmp_path / "src"
     shutil.copytree(REPO / "refdec", src / "refdec", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     run = dict(capture_output=True, text=True, timeout=300)
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path / "wheel"), str(src)], **run)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(src),
+        ],
+        **run,
+    )
     assert r.returncode == 0, r.stderr
     wheel = next((tmp_path / "wheel").glob("refdec-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
@@ -175,42 +214,98 @@ def test_an_installed_copy_runs_from_any_folder_and_ships_no_data(tmp_path, trai
     r = in_elsewhere(python, "-m", "refdec", "decode", "--help")
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m refdec decode"), r.stderr
     (elsewhere / "in.txt").write_text("Das ist gut.\nIch gehe nach Hause.\n", encoding="utf-8")
-    r = in_elsewhere(refdec, "decode", "--model", trained_tiny / "model.pt", "--input", "in.txt", "--output",
-                     "out.txt", "--threads", "1", "--quiet")
+    r = in_elsewhere(
+        refdec,
+        "decode",
+        "--model",
+        trained_tiny / "model.pt",
+        "--input",
+        "in.txt",
+        "--output",
+        "out.txt",
+        "--threads",
+        "1",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     assert len((elsewhere / "out.txt").read_text(encoding="utf-8").splitlines()) == 2
-    r = in_elsewhere(refdec, "decode", "--model", trained_tiny / "model.pt", "--input", "-", "--threads", "1",
-                     "--quiet", stdin="Das ist gut.\n")
+    r = in_elsewhere(
+        refdec,
+        "decode",
+        "--model",
+        trained_tiny / "model.pt",
+        "--input",
+        "-",
+        "--threads",
+        "1",
+        "--quiet",
+        stdin="Das ist gut.\n",
+    )
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr
     # the HTML page, its style, script and template read from the installed package's files
-    r = in_elsewhere(refdec, "decode", "--model", trained_tiny / "model.pt", "--input", "in.txt", "--output",
-                     "out2.txt", "--threads", "1", "--quiet", "--html", "page.html")
+    r = in_elsewhere(
+        refdec,
+        "decode",
+        "--model",
+        trained_tiny / "model.pt",
+        "--input",
+        "in.txt",
+        "--output",
+        "out2.txt",
+        "--threads",
+        "1",
+        "--quiet",
+        "--html",
+        "page.html",
+    )
     assert r.returncode == 0, r.stderr
     page = (elsewhere / "page.html").read_text(encoding="utf-8")
     assets = venv.glob("lib/python*/site-packages/refdec/app/assets/report.css")
     assert page.startswith("<!DOCTYPE html>") and next(assets).read_text(encoding="utf-8") in page
     assert page.count('<section class="sent"') == 2 and '<span class="word"' in page
-    for argv, needle in ((["stepcost", "--task", "gec-uk"], "checkpoints/gec-uk/model.pt is in refdec's repository"),
-                         (["decode", "--task", "mt-en-de"], "checkpoints/mt-en-de/model.pt is in refdec's repository"),
-                         (["decode", "--task", "mt-en-de", "--model", trained_tiny / "model.pt"],
-                          "data/mt-en-de/test.src.gz is in refdec's repository"),
-                         (["decode", "--algo", "bild", "--model", trained_tiny / "model.pt", "--task", "mt-en-de",
-                           "--input", "in.txt"], "checkpoints/mt-en-de-small-aligned/model.pt is in refdec's repository"),
-                         (["train", "--preset", "tiny", "--out-dir", "run"], "is in refdec's repository"),
-                         (["bench", "--files"], "pip install -e ."), (["train-drafters", "--files"], "pip install -e .")):
+    for argv, needle in (
+        (["stepcost", "--task", "gec-uk"], "checkpoints/gec-uk/model.pt is in refdec's repository"),
+        (["decode", "--task", "mt-en-de"], "checkpoints/mt-en-de/model.pt is in refdec's repository"),
+        (
+            ["decode", "--task", "mt-en-de", "--model", trained_tiny / "model.pt"],
+            "data/mt-en-de/test.src.gz is in refdec's repository",
+        ),
+        (
+            [
+                "decode",
+                "--algo",
+                "bild",
+                "--model",
+                trained_tiny / "model.pt",
+                "--task",
+                "mt-en-de",
+                "--input",
+                "in.txt",
+            ],
+            "checkpoints/mt-en-de-small-aligned/model.pt is in refdec's repository",
+        ),
+        (["train", "--preset", "tiny", "--out-dir", "run"], "is in refdec's repository"),
+        (["bench", "--files"], "pip install -e ."),
+        (["train-drafters", "--files"], "pip install -e ."),
+    ):
         r = in_elsewhere(refdec, *argv)
         err = r.stderr.strip()
         assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
         assert needle in err, (argv, err)
     # an optional feature's hint names the extra, and that command works here: pip keeps this refdec
     # and finds what the extra names (here already installed: --no-index, nothing fetched)
-    r = in_elsewhere(python, "-c", "import sys; sys.modules['matplotlib'] = None\n"
-                     "from refdec.app.htmlreport import check_available\ncheck_available()")
+    r = in_elsewhere(
+        python,
+        "-c",
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from refdec.app.htmlreport import check_available\ncheck_available()",
+    )
     assert 'needs matplotlib (pip install "refdec[html]")' in r.stderr and "requirements" not in r.stderr, r.stderr
     r = in_elsewhere(python, "-m", "pip", "install", "--dry-run", "--no-index", "refdec[html]")
     assert r.returncode == 0 and "Would install" not in r.stdout, r.stdout + r.stderr
     r = in_elsewhere(refdec, "decodee")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: refdec: no command 'decodee'; choose from {', '.join(COMMANDS)} (refdec --help)"], r.stderr
+        f"error: refdec: no command 'decodee'; choose from {', '.join(COMMANDS)} (refdec --help)"
+    ], r.stderr
     r = subprocess.run([sys.executable, "-m", "refdec", "bench", "--files"], cwd=REPO, env=env, **run)
     assert r.returncode == 0 and "refdec/commands/bench.py" in r.stdout.split(), r.stderr

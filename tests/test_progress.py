@@ -45,6 +45,7 @@ def test_a_line_only_when_one_is_due_with_the_pace_so_far(monkeypatch):
 
 def test_fuzz_reports_progress_on_stderr(every_update, capsys):
     from refdec.commands.fuzz import main
+
     assert main(["--models", "3", "--dtype", "float32"]) == 0
     out, err = capsys.readouterr()
     assert re.findall(r"^  (\d)/3 models, ", err, re.M) == ["1", "2"]
@@ -56,17 +57,30 @@ def test_stepcost_ceiling_and_distill_report_progress_on_stderr(every_update, tr
     from refdec.commands.ceiling import main as ceiling
     from refdec.commands.distill import distill
     from refdec.commands.stepcost import main as stepcost
+
     model = str(trained_tiny / "model.pt")
-    assert stepcost(["--model", model, "--q", "1,2", "--rounds", "2", "--threads", "1", "--src", "4",
-                     "--prefix", "4"]) == 0
+    assert (
+        stepcost(["--model", model, "--q", "1,2", "--rounds", "2", "--threads", "1", "--src", "4", "--prefix", "4"])
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "a warm-up round, then 2 rounds" in err
     assert re.findall(r"^  (\d)/3 rounds, ", err, re.M) == ["1", "2"] and "rounds, " not in out
-    assert ceiling(["--model", model, "--drafter", "none", "--limit", "3", "--warmup", "0", "--k", "2",
-                    "--threads", "1"]) == 0
+    assert (
+        ceiling(["--model", model, "--drafter", "none", "--limit", "3", "--warmup", "0", "--k", "2", "--threads", "1"])
+        == 0
+    )
     out, err = capsys.readouterr()
     assert re.findall(r"^  (\d)/3 sentences, ", err, re.M) == ["1", "2"] and "sentences, " not in out
     lines = []
-    distill("mt-en-de", trained_tiny / "model.pt", tmp_path / "d", algo="greedy", batch_size=4, limit=12,
-            save_every=100, log=lines.append)  # one save, at the end: the lines between come from the pace
+    distill(
+        "mt-en-de",
+        trained_tiny / "model.pt",
+        tmp_path / "d",
+        algo="greedy",
+        batch_size=4,
+        limit=12,
+        save_every=100,
+        log=lines.append,
+    )  # one save, at the end: the lines between come from the pace
     assert [line.split(",")[0] for line in lines] == ["  4/12 sentences", "  8/12 sentences", "  12/12 sentences"]

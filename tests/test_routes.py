@@ -16,8 +16,13 @@ from refdec.config import BOS_ID
 from refdec.decoding import decode_greedy
 from refdec.routes import on_route
 
-ROUTES = {"invariant": ("invariant", False), "int8": ("reference", True), "fast": ("fast", False),
-          "fast-int8": ("fast", True), "graphed": ("graphed", False)}
+ROUTES = {
+    "invariant": ("invariant", False),
+    "int8": ("reference", True),
+    "fast": ("fast", False),
+    "fast-int8": ("fast", True),
+    "graphed": ("graphed", False),
+}
 
 
 def routed(model, name: str):
@@ -66,8 +71,10 @@ def test_the_route_follows_the_models_training_mode_both_ways(name):
     r2 = routed(trained, name)
     trained.eval()
     assert not r2.training
-    assert torch.equal(step_logits(r2, src, torch.full((2, 1), BOS_ID)),
-                       step_logits(routed(trained, name), src, torch.full((2, 1), BOS_ID)))
+    assert torch.equal(
+        step_logits(r2, src, torch.full((2, 1), BOS_ID)),
+        step_logits(routed(trained, name), src, torch.full((2, 1), BOS_ID)),
+    )
     r2.eval()  # eval on the route puts the model in eval mode
     assert not trained.training
 
@@ -116,7 +123,9 @@ def test_refresh_after_a_data_write_gives_a_fresh_routes_logits(name):
     m.decoder[1].ff.w2.weight.data.mul_(-1.0)
     r.refresh()
     assert torch.equal(step_logits(r, src, tgt), step_logits(routed(m, name), src, tgt))
-    assert torch.equal(decode_greedy(r, src, max_len=8).tokens[0], decode_greedy(routed(m, name), src, max_len=8).tokens[0])
+    assert torch.equal(
+        decode_greedy(r, src, max_len=8).tokens[0], decode_greedy(routed(m, name), src, max_len=8).tokens[0]
+    )
 
 
 @pytest.mark.parametrize("name", ["invariant", "int8"])

@@ -56,10 +56,14 @@ def test_accept_row_takes_the_rules_test_and_choice():
         return torch.zeros(len(draft), dtype=torch.bool)
 
     assert accept_row([6, 7], logits_for(argmax), argmax, budget=9, eos_id=EOS_ID, accept=always) == ([6, 7, 9], 2)
-    assert accept_row([6, 7], logits_for(argmax), argmax, budget=9, eos_id=EOS_ID, accept=never,
-                      choose=choose) == ([8], 0)
-    assert accept_row([6, 7], logits_for(argmax), argmax, budget=9, eos_id=EOS_ID, accept=always,
-                      choose=choose) == ([6, 7, 8], 2)
+    assert accept_row([6, 7], logits_for(argmax), argmax, budget=9, eos_id=EOS_ID, accept=never, choose=choose) == (
+        [8],
+        0,
+    )
+    assert accept_row([6, 7], logits_for(argmax), argmax, budget=9, eos_id=EOS_ID, accept=always, choose=choose) == (
+        [6, 7, 8],
+        2,
+    )
     assert seen == [(0, True), (2, False)]
 
 

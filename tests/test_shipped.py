@@ -15,8 +15,11 @@ from refdec.decoding import decode_beam, decode_greedy, decode_iad
 pytestmark = pytest.mark.slow  # the shipped checkpoints on their test sets
 
 # checkpoints/<task>/ and checkpoints/<task>-<variant>/ (gec-uk-6x6, gec-uk-9x3: the SAD pair)
-SHIPPED = sorted(p for p in (REPO / "checkpoints").glob("*/model.pt")
-                 if any(p.parent.name == t or p.parent.name.startswith(t + "-") for t in TASKS))
+SHIPPED = sorted(
+    p
+    for p in (REPO / "checkpoints").glob("*/model.pt")
+    if any(p.parent.name == t or p.parent.name.startswith(t + "-") for t in TASKS)
+)
 GEC = [p for p in SHIPPED if TASKS[load_checkpoint(p)["task"]] == "gec"]
 
 
@@ -31,7 +34,7 @@ def test_shipped_checkpoint_decodes_exactly(path: Path):
     """Guards against a shipped file that is too large (the largest, BiLD's large mt-en-de model of
     13.1M parameters, is 25 MiB in float16), needs a pickle, or whose float64 greedy and beam(1)
     outputs differ on real sentences."""
-    assert path.stat().st_size < 32 * 2 ** 20
+    assert path.stat().st_size < 32 * 2**20
     checkpoint = load_checkpoint(path)
     assert path.parent.name == checkpoint["task"] or path.parent.name.startswith(checkpoint["task"] + "-")
     model, tok, _ = load_model(path, task=checkpoint["task"], dtype=torch.float64)
@@ -68,10 +71,15 @@ def test_shipped_drafter_and_proposal_heads_are_greedy():
     from refdec.decoding import decode_blockwise, decode_gad
     from refdec.drafter import Drafter
     from refdec.proposal import load_proposal
+
     ckpts = REPO / "checkpoints"
     verifier, tok, _ = load_model(ckpts / "mt-en-de" / "model.pt", task="mt-en-de", dtype=torch.float64)
-    drafter, _, dck = load_model(ckpts / "mt-en-de-drafter" / "model.pt", task="mt-en-de", dtype=torch.float64,
-                                 loaded={file_sha256(ckpts / "mt-en-de" / "model.pt"): verifier})
+    drafter, _, dck = load_model(
+        ckpts / "mt-en-de-drafter" / "model.pt",
+        task="mt-en-de",
+        dtype=torch.float64,
+        loaded={file_sha256(ckpts / "mt-en-de" / "model.pt"): verifier},
+    )
     assert drafter.base is verifier
     base, _, bck = load_model(ckpts / "mt-en-de-blockwise" / "model.pt", task="mt-en-de", dtype=torch.float64)
     heads = load_proposal(bck, dtype=torch.float64)
@@ -87,5 +95,8 @@ def test_shipped_drafter_and_proposal_heads_are_greedy():
         b = decode_blockwise(base, heads, x, max_len=n)
         assert torch.equal(g.tokens[0], r.tokens[0]) and torch.equal(g.tokens[0], b.tokens[0])
         assert r.stats.encoder_calls == 1
-        drafted, calls = drafted + r.stats.tokens + b.stats.tokens, calls + r.stats.verifier_calls + b.stats.verifier_calls
+        drafted, calls = (
+            drafted + r.stats.tokens + b.stats.tokens,
+            calls + r.stats.verifier_calls + b.stats.verifier_calls,
+        )
     assert drafted > 1.1 * calls

@@ -44,8 +44,19 @@ CASES = [
     ("bench", BENCH + ["--out", "data"], "data"),
     ("train_drafters", ["--out-dir", "checkpoints/drafters"], "checkpoints"),
     ("train_drafters", ["--out-dir", "data/drafters"], "data"),
-    ("hfcli", ["audit", "--task", "gec-en", "--model", "checkpoints/gec-en-9x3/model.pt", "--report",
-               "data/gec-uk/test.tgt.gz"], "data"),
+    (
+        "hfcli",
+        [
+            "audit",
+            "--task",
+            "gec-en",
+            "--model",
+            "checkpoints/gec-en-9x3/model.pt",
+            "--report",
+            "data/gec-uk/test.tgt.gz",
+        ],
+        "data",
+    ),
     ("hfcli", ["export", "checkpoints/gec-en-9x3/model.pt", "checkpoints/gec-en-9x3-transformers"], "checkpoints"),
     ("hfcli", ["export", "checkpoints/gec-en-9x3/model.pt", "data/gec-en-9x3-transformers"], "data"),
     ("hfcli", ["import", "reports", "--out", "checkpoints/imported"], "checkpoints"),
@@ -68,9 +79,12 @@ def command(name: str):
 def shipped_state() -> dict[str, tuple[int, int]]:
     """Every file and folder under checkpoints/ and data/ with its size and modification time: a file
     written, replaced, created or created and removed again changes it."""
-    return {str(p.relative_to(REPO)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for folder in ("checkpoints", "data") for p in [REPO / folder, *(REPO / folder).rglob("*")]
-            if "__pycache__" not in p.parts and ".cache" not in p.parts}
+    return {
+        str(p.relative_to(REPO)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for folder in ("checkpoints", "data")
+        for p in [REPO / folder, *(REPO / folder).rglob("*")]
+        if "__pycache__" not in p.parts and ".cache" not in p.parts
+    }
 
 
 @pytest.fixture
@@ -94,9 +108,26 @@ def test_no_output_goes_into_a_shipped_folder(name, argv, folder, capsys, monkey
 def test_every_output_option_of_every_command_is_covered(capsys):
     """Guards a command (or an option) added later without the check: every option that names a
     file or folder to write, in every command's --help, has a case above."""
-    helps = [("decode", []), ("train", []), ("hfcli", ["export"]), ("hfcli", ["audit"]), ("hfcli", ["import"]),
-             *((name, []) for name in (
-        "bench", "ceiling", "ctranslate2", "distill", "fuzz", "int8bench", "stepcost", "train_drafters"))]
+    helps = [
+        ("decode", []),
+        ("train", []),
+        ("hfcli", ["export"]),
+        ("hfcli", ["audit"]),
+        ("hfcli", ["import"]),
+        *(
+            (name, [])
+            for name in (
+                "bench",
+                "ceiling",
+                "ctranslate2",
+                "distill",
+                "fuzz",
+                "int8bench",
+                "stepcost",
+                "train_drafters",
+            )
+        ),
+    ]
     found = set()
     for name, sub in helps:
         with pytest.raises(SystemExit):
@@ -108,12 +139,15 @@ def test_every_output_option_of_every_command_is_covered(capsys):
     assert not any(name == "fuzz" for name, _ in found)  # it prints and writes nothing
 
 
-@pytest.mark.parametrize("spelled", [
-    "./data/../checkpoints/gec-en-6x6/model.pt",
-    str(REPO / "checkpoints" / "gec-en-6x6" / "model.pt"),
-    "checkpoints//gec-en-6x6/./new.txt",
-    "data/gec-uk/../../data/gec-uk/test.src.gz",
-])
+@pytest.mark.parametrize(
+    "spelled",
+    [
+        "./data/../checkpoints/gec-en-6x6/model.pt",
+        str(REPO / "checkpoints" / "gec-en-6x6" / "model.pt"),
+        "checkpoints//gec-en-6x6/./new.txt",
+        "data/gec-uk/../../data/gec-uk/test.src.gz",
+    ],
+)
 def test_every_spelling_of_a_shipped_path_is_caught(spelled, capsys, monkeypatch, unchanged):
     err = error_of(command("decode"), GEC_IAD + ["--output", spelled], capsys, monkeypatch)
     assert err.startswith(f"error: --output {spelled} is inside "), err
@@ -148,6 +182,7 @@ def test_distill_writes_into_data_with_overwrite_alone(tmp_path):
     """The documented `python -m refdec distill ... --out data/distilled/<name> --overwrite` passes
     the check (the presets read their distilled folders there); without --overwrite it is one line."""
     from refdec.commands.distill import check_paths
+
     teacher = REPO / "checkpoints" / "mt-en-de" / "model.pt"
 
     def check(out, **flags):  # the task's folder under --out, as distill() writes it
@@ -163,6 +198,7 @@ def test_train_py_refuses_data_as_it_refuses_checkpoints():
     """Was: `train.py --out-dir data/gec-en` wrote a run among the shipped data sets; checkpoints/ alone
     was refused."""
     from refdec.commands.train import check_out_dir_place as check
+
     with pytest.raises(UsageError, match="inside data/.*runs/<name>.*--overwrite"):
         check(str(REPO / "data" / "gec-en"), overwrite=False, resume=False)
     with pytest.raises(UsageError, match="shipped data sets itself"):
@@ -178,13 +214,21 @@ def test_int8bench_writes_its_report_elsewhere(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [
-    ["decode.py", *GEC_IAD, "--output", "checkpoints/gec-en-6x6/model.pt"],
-    ["decode.py", *GEC_IAD, "--output", "data/gec-uk/test.src.gz"],
-    *(["-m", "refdec", typed, *argv] for name, argv, _ in CASES if name not in ("decode", "train")
-      for typed in [next(t for t, (module, _) in COMMANDS.items() if module == name)]),
-    ["train.py", "--preset", "tiny", "--out-dir", "data/gec-en"],
-], ids=lambda argv: " ".join(argv[:3]))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["decode.py", *GEC_IAD, "--output", "checkpoints/gec-en-6x6/model.pt"],
+        ["decode.py", *GEC_IAD, "--output", "data/gec-uk/test.src.gz"],
+        *(
+            ["-m", "refdec", typed, *argv]
+            for name, argv, _ in CASES
+            if name not in ("decode", "train")
+            for typed in [next(t for t, (module, _) in COMMANDS.items() if module == name)]
+        ),
+        ["train.py", "--preset", "tiny", "--out-dir", "data/gec-en"],
+    ],
+    ids=lambda argv: " ".join(argv[:3]),
+)
 def test_the_commands_as_typed_exit_2_and_change_nothing(argv, unchanged):
     """The case's commands and every `python -m refdec X` command, run as a user types them."""
     r = run_py(*argv, timeout=120)
@@ -198,8 +242,23 @@ def test_a_training_run_writes_its_token_cache_outside_data(tmp_path, unchanged)
     """Case: `train.py --preset tiny` wrote a 25.8 MB .train-ids-*.pt (a git-ignored cache of the training
     set's token ids) into data/mt-en-de/. A whole training set's ids (no --train-limit) now go to refdec's
     cache folder, and data/ and checkpoints/ stay as they were, ignored files counted (`unchanged`)."""
-    r = run_py("train.py", "--preset", "tiny", "--max-steps", "1", "--eval-every", "1", "--threads", "1",
-               "--out-dir", str(tmp_path / "run"), env={"XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=600)
+    r = run_py(
+        "train.py",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "1",
+        "--eval-every",
+        "1",
+        "--threads",
+        "1",
+        "--out-dir",
+        str(tmp_path / "run"),
+        env={"XDG_CACHE_HOME": str(tmp_path / "cache")},
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr.decode()
-    assert [p.name.split("-")[:3] for p in (tmp_path / "cache" / "refdec" / "train-ids").iterdir()] == [["mt", "en", "de"]]
+    assert [p.name.split("-")[:3] for p in (tmp_path / "cache" / "refdec" / "train-ids").iterdir()] == [
+        ["mt", "en", "de"]
+    ]
     assert "cached in" in r.stderr.decode()

@@ -30,8 +30,21 @@ def test_real_lines_round_trip(tok):
         assert tok.decode(tok.encode(line)) == line
 
 
-@pytest.mark.parametrize("text", ["<mask> and </s> <s><pad><unk> are text", "😀 emoji", "漢字とかな", "עברית ו-العربية", "tab\there", "ctrl \x00\x07\x1b[0m",
-                                  "  leading and trailing  ", "", "\u200bzero-width", "combining é vs é"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<mask> and </s> <s><pad><unk> are text",
+        "😀 emoji",
+        "漢字とかな",
+        "עברית ו-العربية",
+        "tab\there",
+        "ctrl \x00\x07\x1b[0m",
+        "  leading and trailing  ",
+        "",
+        "\u200bzero-width",
+        "combining é vs é",
+    ],
+)
 def test_unknown_characters_round_trip(tok, text):
     """Guards against characters outside the training text turning into <unk> or vanishing."""
     ids = tok.encode(text)

@@ -22,9 +22,14 @@ from refdec.checkpoint import load_checkpoint
 def test_the_listed_files_are_there_and_under_60_mb():
     """Guards what is sent to a GPU machine: every file a run reads, and small enough to send."""
     from refdec.commands.train_drafters import needed_files
+
     files = needed_files()
     assert all((REPO / f).is_file() for f in files)
-    assert "train.py" in files and "checkpoints/mt-en-de/model.pt" in files and "refdec/commands/train_drafters.py" in files
+    assert (
+        "train.py" in files
+        and "checkpoints/mt-en-de/model.pt" in files
+        and "refdec/commands/train_drafters.py" in files
+    )
     assert sum((REPO / f).stat().st_size for f in files) < 60e6
 
 
@@ -38,9 +43,26 @@ def test_a_copy_of_the_listed_files_trains_both_drafters(tmp_path):
     for name in r.stdout.decode().split():
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / name, copy / name)
-    r = subprocess.run([sys.executable, "-m", "refdec", "train-drafters", "--out-dir", "runs/d", "--max-steps", "2",
-                        "--train-limit", "200", "--dev-limit", "8"], cwd=copy, capture_output=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "refdec",
+            "train-drafters",
+            "--out-dir",
+            "runs/d",
+            "--max-steps",
+            "2",
+            "--train-limit",
+            "200",
+            "--dev-limit",
+            "8",
+        ],
+        cwd=copy,
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     assert "gad-drafter: runs/d/gad-drafter/model.pt" in r.stdout.decode() and "training tokens/s" in r.stdout.decode()
     drafter = load_checkpoint(copy / "runs/d/gad-drafter/model.pt")
@@ -53,6 +75,7 @@ def test_a_copy_of_the_listed_files_trains_both_drafters(tmp_path):
 def test_every_job_runs_with_the_compile_option_given():
     """Guards --compile reaching train.py: off (eager) unless told otherwise."""
     from refdec.commands.train_drafters import JOBS, build_parser, job_command
+
     for argv, value in (([], "off"), (["--compile", "auto"], "auto")):
         args = build_parser().parse_args(argv)
         for job in JOBS:
@@ -65,6 +88,7 @@ def fake_jobs(tmp_path, monkeypatch):
     """train_drafters in tmp_path with its train.py jobs replaced by one that records its command and
     environment and writes what a finished job leaves (log.jsonl, model.pt)."""
     from refdec.commands import train_drafters
+
     monkeypatch.chdir(tmp_path)
     ran = []
 
@@ -75,12 +99,14 @@ def fake_jobs(tmp_path, monkeypatch):
         (out / "log.jsonl").write_text('{"dev_tokens_per_call": 1.5, "tokens_per_s": 1000}\n')
         (out / "model.pt").write_bytes(b"")
         return 0, False
+
     monkeypatch.setattr(train_drafters, "run_job", run_job)
     return train_drafters, ran
 
 
 def no_cuda(monkeypatch):
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
@@ -103,12 +129,15 @@ def test_a_cpu_run_is_a_smoke_run_or_asked_for(fake_jobs, monkeypatch, capsys):
     td, ran = fake_jobs
     no_cuda(monkeypatch)
     assert td.main(["--max-steps", "2"]) == 0
-    assert [cmd[cmd.index("--out-dir") + 1] for cmd, _ in ran] == ["runs/drafters/gad-drafter",
-                                                                   "runs/drafters/blockwise-heads"]
+    assert [cmd[cmd.index("--out-dir") + 1] for cmd, _ in ran] == [
+        "runs/drafters/gad-drafter",
+        "runs/drafters/blockwise-heads",
+    ]
     assert all(cmd[cmd.index("--max-steps") + 1] == "2" and "--resume" not in cmd for cmd, _ in ran)
     assert "gad-drafter: runs/drafters/gad-drafter/model.pt | best dev tokens per call 1.500" in capsys.readouterr().out
     ran.clear()
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     assert td.main(["--device", "cpu", "--overwrite", "--only", "gad-drafter"]) == 0
     assert len(ran) == 1 and ran[0][1]["CUDA_VISIBLE_DEVICES"] == ""
@@ -141,8 +170,10 @@ def test_resume_keeps_finished_jobs_and_continues_stopped_ones(fake_jobs, capsys
     assert td.main(["--device", "cpu", "--resume"]) == 0
     assert len(ran) == 1 and "runs/drafters/blockwise-heads" in ran[0][0] and ran[0][0][-1] == "--resume"
     out = capsys.readouterr().out
-    assert "gad-drafter: runs/drafters/gad-drafter/model.pt | best dev tokens per call 2.000 | 500 training tokens/s " \
-           "| finished before" in out
+    assert (
+        "gad-drafter: runs/drafters/gad-drafter/model.pt | best dev tokens per call 2.000 | 500 training tokens/s "
+        "| finished before" in out
+    )
     assert json.loads((tmp_path / "runs/drafters/summary.json").read_text())["gad-drafter"]["minutes"] is None
     ran.clear()
     for name in ("model.pt", "last.pt", "log.jsonl"):
@@ -167,10 +198,13 @@ def test_ctrl_c_waits_for_the_job_to_save_its_checkpoint(tmp_path):
     after Ctrl-C, before train.py has saved its last.pt. Here the job itself sends the Ctrl-C to
     this process and takes a second to finish: run_job waits for it and reports the Ctrl-C."""
     from refdec.commands.train_drafters import run_job
+
     done = tmp_path / "saved"
-    script = ("import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-              "os.kill(os.getppid(), signal.SIGINT)\ntime.sleep(1)\n"
-              f"open({str(done)!r}, 'w').close()\nsys.exit(130)\n")
+    script = (
+        "import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "os.kill(os.getppid(), signal.SIGINT)\ntime.sleep(1)\n"
+        f"open({str(done)!r}, 'w').close()\nsys.exit(130)\n"
+    )
     assert run_job([sys.executable, "-c", script], dict(os.environ)) == (130, True)
     assert done.exists()
 
@@ -181,6 +215,7 @@ def test_files_prints_the_total_and_a_missing_file_exits_2(capsys, monkeypatch, 
     (exit 2); installed without the repository (pip install .), the line saying to use a clone."""
     from refdec import repo
     from refdec.commands import train_drafters as td
+
     assert td.main(["--files"]) == 0
     captured = capsys.readouterr()
     assert "train.py" in captured.out.split() and re.search(r"^\d+ files, [\d.]+ MiB", captured.err, re.M)
@@ -190,9 +225,11 @@ def test_files_prints_the_total_and_a_missing_file_exits_2(capsys, monkeypatch, 
     (tmp_path / "data/build.py").write_text("")
     assert td.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0] == (f"error: train.py is not in this copy of the repository "
-                                        f"({len(td.needed_files()) - 1} file(s) missing): copy every file "
-                                        f"`python -m refdec train-drafters --files` lists")
+    assert len(err) == 1 and err[0] == (
+        f"error: train.py is not in this copy of the repository "
+        f"({len(td.needed_files()) - 1} file(s) missing): copy every file "
+        f"`python -m refdec train-drafters --files` lists"
+    )
 
 
 @pytest.mark.slow
@@ -202,12 +239,25 @@ def test_ctrl_c_stops_a_run_that_resume_continues(tmp_path):
     rerun with --resume; a plain rerun is refused before anything starts; --resume continues the
     job from its last.pt to its end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    smoke = [sys.executable, "-m", "refdec", "train-drafters", "--only", "gad-drafter", "--train-limit", "200",
-             "--dev-limit", "8", "--out-dir", "d"]
+    smoke = [
+        sys.executable,
+        "-m",
+        "refdec",
+        "train-drafters",
+        "--only",
+        "gad-drafter",
+        "--train-limit",
+        "200",
+        "--dev-limit",
+        "8",
+        "--out-dir",
+        "d",
+    ]
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
-        proc = subprocess.Popen([*smoke, "--max-steps", "1000"], cwd=tmp_path, stderr=f, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [*smoke, "--max-steps", "1000"], cwd=tmp_path, stderr=f, env=env, start_new_session=True
+        )
         t0 = time.time()
         while "model: " not in log.read_text():  # the job's last line before its training starts
             assert proc.poll() is None and time.time() - t0 < 300, log.read_text()[-3000:]
@@ -216,7 +266,9 @@ def test_ctrl_c_stops_a_run_that_resume_continues(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=300) == 130, log.read_text()[-3000:]
     err = log.read_text()
-    assert "Traceback" not in err and "interrupted in job gad-drafter: continue with the same command and --resume" in err
+    assert (
+        "Traceback" not in err and "interrupted in job gad-drafter: continue with the same command and --resume" in err
+    )
     step = int(re.search(r"interrupted at step (\d+)", err).group(1))
     job = tmp_path / "d/gad-drafter"
     assert (job / "last.pt").is_file() and not (job / "model.pt").exists()
@@ -232,6 +284,7 @@ def test_ctrl_c_stops_a_run_that_resume_continues(tmp_path):
 def test_minutes_sets_every_jobs_time_limit():
     """--minutes replaces each job's own time limit; without it each job keeps its own."""
     from refdec.commands.train_drafters import JOBS, build_parser, job_command
+
     for argv, expected in (([], [job[3] for job in JOBS]), (["--minutes", "3.5"], [3.5] * len(JOBS))):
         args = build_parser().parse_args(argv)
         limits = [float((cmd := job_command(args, *job))[cmd.index("--time-limit-min") + 1]) for job in JOBS]

@@ -116,12 +116,29 @@ def test_torchrun_two_processes(tmp_path):
     """Guards against the data-parallel path rotting: 2 CPU processes (gloo) train a few steps,
     with a time limit so that the ranks' shared stopping decision is exercised too."""
     import socket
+
     with socket.socket() as sock:  # a free port, so a parallel run cannot collide
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     out = tmp_path / "ddp"
-    r = run_py("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, *TINY,
-               "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--time-limit-min", "30", timeout=600)
+    r = run_py(
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        port,
+        *TINY,
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--time-limit-min",
+        "30",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     assert b"2 process(es)" in r.stderr
     assert (out / "model.pt").exists()
@@ -145,11 +162,26 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
     from refdec.decoding import decode_greedy
     from refdec.decoding.blockwise import decode_blockwise
     from refdec.proposal import load_proposal
+
     out = tmp_path / "heads"
     shutil.copytree(trained_tiny, tmp_path / "base")
-    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "6", "--eval-every", "3", "--init-from",
-               str(tmp_path / "base" / "model.pt"), "--proposal-k", "3", "--freeze-base", str(freeze).lower(),
-               "--head-loss", "random" if freeze else "mean")
+    r = run_py(
+        *TINY,
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--init-from",
+        str(tmp_path / "base" / "model.pt"),
+        "--proposal-k",
+        "3",
+        "--freeze-base",
+        str(freeze).lower(),
+        "--head-loss",
+        "random" if freeze else "mean",
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert "tokens per call" in r.stderr.decode()
     base, checkpoint = load_checkpoint(trained_tiny / "model.pt"), load_checkpoint(out / "model.pt")
@@ -162,7 +194,9 @@ def test_proposal_heads_train_on_a_base_model(trained_tiny, tmp_path, freeze):
     assert heads is not None and heads.k == 3
     for line in load_split("mt-en-de", "dev").src[:3]:
         x = source_tensor([tok.encode(line)])
-        assert torch.equal(decode_greedy(model, x, max_len=12).tokens[0], decode_blockwise(model, heads, x, max_len=12).tokens[0])
+        assert torch.equal(
+            decode_greedy(model, x, max_len=12).tokens[0], decode_blockwise(model, heads, x, max_len=12).tokens[0]
+        )
     if freeze:  # the base named by the heads' file must be the file they were trained on
         base_file = tmp_path / "base" / "model.pt"
         base_file.write_bytes(base_file.read_bytes() + b"\0")
@@ -180,6 +214,7 @@ def test_base_plus_random_head_loss_always_trains_the_base():
     from refdec.presets import PRESETS
     from refdec.proposal import ProposalHeads, head_logits, head_targets
     from refdec.training import ProposalHeadsLoss, smoothed_loss
+
     torch.manual_seed(0)
     cfg = PRESETS["tiny"].replace(proposal_k=4, head_loss="base+random", dropout=0.0)
     model = Transformer(cfg.model_config(40)).double().eval()
@@ -189,8 +224,10 @@ def test_base_plus_random_head_loss_always_trains_the_base():
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
     with torch.no_grad():
         hidden = model.forward_hidden(src, tgt_in)
-        per = {i: smoothed_loss(head_logits(model, heads, hidden, i), head_targets(tgt_out, i), 0.1, 0).item()
-               for i in range(1, 5)}
+        per = {
+            i: smoothed_loss(head_logits(model, heads, hidden, i), head_targets(tgt_out, i), 0.1, 0).item()
+            for i in range(1, 5)
+        }
         seen = set()
         for seed in range(20):
             torch.manual_seed(seed)
@@ -202,21 +239,24 @@ def test_base_plus_random_head_loss_always_trains_the_base():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,needle", [
-    (["--proposal-k", "3", "--freeze-base", "true", "--head-loss", "base+random"], "needs freeze_base false"),
-    (["--proposal-k", "1"], "proposal_k"),
-    (["--freeze-base", "true"], "freeze_base needs proposal_k"),
-    (["--proposal-k", "3", "--head-loss", "max"], "head_loss"),
-    (["--head-loss", "mean"], "need proposal_k"),
-    (["--glancing-end", "0.1"], "need drafter_k"),
-    (["--pick", "newest"], "pick must be dev-loss, tokens-per-call or last"),
-    (["--pick", "tokens-per-call"], "need drafter_k or proposal_k"),
-    (["--tokenizer-from", "t.json", "--init-from", "m.pt"], "exclude each other"),
-    (["--kd-weight", "0.3"], "needs kd_from"),
-    (["--kd-from", "m.pt", "--kd-weight", "1.5"], "kd_weight"),
-    (["--kd-from", "m.pt", "--drafter-k", "4"], "kd_from distils a plain model"),
-    (["--compile", "yes"], "compile must be auto, on or off, not 'yes'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--proposal-k", "3", "--freeze-base", "true", "--head-loss", "base+random"], "needs freeze_base false"),
+        (["--proposal-k", "1"], "proposal_k"),
+        (["--freeze-base", "true"], "freeze_base needs proposal_k"),
+        (["--proposal-k", "3", "--head-loss", "max"], "head_loss"),
+        (["--head-loss", "mean"], "need proposal_k"),
+        (["--glancing-end", "0.1"], "need drafter_k"),
+        (["--pick", "newest"], "pick must be dev-loss, tokens-per-call or last"),
+        (["--pick", "tokens-per-call"], "need drafter_k or proposal_k"),
+        (["--tokenizer-from", "t.json", "--init-from", "m.pt"], "exclude each other"),
+        (["--kd-weight", "0.3"], "needs kd_from"),
+        (["--kd-from", "m.pt", "--kd-weight", "1.5"], "kd_weight"),
+        (["--kd-from", "m.pt", "--drafter-k", "4"], "kd_from distils a plain model"),
+        (["--compile", "yes"], "compile must be auto, on or off, not 'yes'"),
+    ],
+)
 def test_bad_proposal_options_are_one_line_errors(args, needle):
     r = run_py(*TINY, "--out-dir", "/nonexistent", *args)
     err = r.stderr.decode()
@@ -229,9 +269,25 @@ def test_gad_drafter_trains_from_the_verifier(trained_tiny, tmp_path, layout):
     """Guards the drafter's training path (random prefix, k masks, glancing), its checkpoint mark, and
     its dev figure: GAD's tokens per call with the verifier it starts from, which chooses model.pt."""
     out = tmp_path / "drafter"
-    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--init-from",
-               str(trained_tiny / "model.pt"), "--drafter-k", "4", "--drafter-layout", layout,
-               "--pick", "tokens-per-call", "--speed-sentences", "5")
+    r = run_py(
+        *TINY,
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--init-from",
+        str(trained_tiny / "model.pt"),
+        "--drafter-k",
+        "4",
+        "--drafter-layout",
+        layout,
+        "--pick",
+        "tokens-per-call",
+        "--speed-sentences",
+        "5",
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert "block accuracy" in r.stderr.decode() and "(GAD with the verifier on 5 sentences)" in r.stderr.decode()
     assert 1 <= load_checkpoint(out / "best.pt")["meta"]["dev_tokens_per_call"] <= 5
@@ -246,8 +302,21 @@ def test_a_small_model_on_a_given_vocabulary_kept_as_trained_last(trained_tiny, 
     vocabulary (decode.py refuses pairs that differ), and --pick last makes model.pt the final
     weights rather than the best on the references' dev loss (alignment aims at a teacher's outputs)."""
     out = tmp_path / "small"
-    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--d-model", "16",
-               "--tokenizer-from", str(trained_tiny / "tokenizer.json"), "--pick", "last")
+    r = run_py(
+        *TINY,
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--d-model",
+        "16",
+        "--tokenizer-from",
+        str(trained_tiny / "tokenizer.json"),
+        "--pick",
+        "last",
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert (out / "tokenizer.json").read_bytes() == (trained_tiny / "tokenizer.json").read_bytes()
     assert "model.pt <- last.pt" in r.stderr.decode()
@@ -260,6 +329,7 @@ def test_soft_cross_entropy_is_cross_entropy_against_the_teachers_distribution()
     """Word-level distillation's loss: torch's cross-entropy with probability targets, masked; with
     one-hot targets it is the ordinary cross-entropy of those tokens."""
     from refdec.training import soft_cross_entropy
+
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
     probs = torch.softmax(torch.randn(2, 5, 7, generator=g, dtype=torch.float64), dim=-1)
@@ -268,8 +338,11 @@ def test_soft_cross_entropy_is_cross_entropy_against_the_teachers_distribution()
     assert torch.allclose(soft_cross_entropy(logits, probs.float(), keep), ref, atol=1e-6)
     hard = torch.randint(7, (2, 5), generator=g)
     one_hot = torch.nn.functional.one_hot(hard, 7).float()
-    assert torch.allclose(soft_cross_entropy(logits, one_hot, keep),
-                          torch.nn.functional.cross_entropy(logits[keep].float(), hard[keep]), atol=1e-6)
+    assert torch.allclose(
+        soft_cross_entropy(logits, one_hot, keep),
+        torch.nn.functional.cross_entropy(logits[keep].float(), hard[keep]),
+        atol=1e-6,
+    )
 
 
 @pytest.mark.slow
@@ -277,8 +350,21 @@ def test_word_level_distillation_trains_against_a_teacher(trained_tiny, tmp_path
     """Guards the --kd-from path: the teacher is loaded frozen, the run trains and records it, and a
     teacher on another vocabulary is refused with one line."""
     out = tmp_path / "kd"
-    r = run_py(*TINY, "--out-dir", str(out), "--max-steps", "4", "--eval-every", "2", "--init-from",
-               str(trained_tiny / "model.pt"), "--kd-from", str(trained_tiny / "model.pt"), "--kd-weight", "0.7")
+    r = run_py(
+        *TINY,
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--init-from",
+        str(trained_tiny / "model.pt"),
+        "--kd-from",
+        str(trained_tiny / "model.pt"),
+        "--kd-weight",
+        "0.7",
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert "distils" in r.stderr.decode() and "(weight 0.7)" in r.stderr.decode()
     checkpoint = load_checkpoint(out / "model.pt")
@@ -286,8 +372,17 @@ def test_word_level_distillation_trains_against_a_teacher(trained_tiny, tmp_path
     other = tmp_path / "other"
     r = run_py(*TINY, "--out-dir", str(other), "--max-steps", "2", "--eval-every", "2", "--vocab-size", "500")
     assert r.returncode == 0, r.stderr.decode()
-    r = run_py(*TINY, "--out-dir", str(tmp_path / "kd2"), "--max-steps", "2", "--init-from",
-               str(trained_tiny / "model.pt"), "--kd-from", str(other / "model.pt"))
+    r = run_py(
+        *TINY,
+        "--out-dir",
+        str(tmp_path / "kd2"),
+        "--max-steps",
+        "2",
+        "--init-from",
+        str(trained_tiny / "model.pt"),
+        "--kd-from",
+        str(other / "model.pt"),
+    )
     err = r.stderr.decode()
     assert r.returncode != 0 and "not on this run's task and vocabulary" in err and "Traceback" not in err, err
 
@@ -311,17 +406,27 @@ def test_each_mode_trains_on_its_own_loss(mode):
         smoothed_loss,
         soft_cross_entropy,
     )
-    changes = {"plain": {}, "distillation": {"kd_from": "teacher.pt", "kd_weight": 0.3}, "early-exit": {"early_exit": 1},
-               "heads": {"proposal_k": 3, "head_loss": "mean"},
-               "drafter": {"drafter_k": 3, "glancing_start": 0.0, "glancing_end": 0.0}}[mode]
+
+    changes = {
+        "plain": {},
+        "distillation": {"kd_from": "teacher.pt", "kd_weight": 0.3},
+        "early-exit": {"early_exit": 1},
+        "heads": {"proposal_k": 3, "head_loss": "mean"},
+        "drafter": {"drafter_k": 3, "glancing_start": 0.0, "glancing_end": 0.0},
+    }[mode]
     cfg = PRESETS["tiny"].replace(dec_layers=2, **changes)
     torch.manual_seed(0)
     model = build_model(cfg, 40).double().eval()
     heads = ProposalHeads(model.cfg.d_model, 16, 3).double().eval() if mode == "heads" else None
     teacher = tiny_model(1, vocab=40) if mode == "distillation" else None
     obj = build_objective(cfg, model, heads, teacher=teacher)
-    expected_type = {"plain": CrossEntropyLoss, "distillation": DistillationLoss, "early-exit": EarlyExitLoss,
-                     "heads": ProposalHeadsLoss, "drafter": DrafterLoss}[mode]
+    expected_type = {
+        "plain": CrossEntropyLoss,
+        "distillation": DistillationLoss,
+        "early-exit": EarlyExitLoss,
+        "heads": ProposalHeadsLoss,
+        "drafter": DrafterLoss,
+    }[mode]
     assert type(obj) is expected_type
     src, tgt = torch.randint(5, 40, (3, 7)), torch.randint(5, 40, (3, 9))
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
@@ -356,16 +461,46 @@ def test_heads_load_on_a_base_stored_before_newer_config_fields(tmp_path):
     positions, ...): the heads' file stores them with their defaults, the base's does not, and the two
     are still the same network. A base of another shape is still refused."""
     from refdec.checkpoint import FORMAT, file_sha256
+
     model = tiny_model(0)
     full = model.cfg.to_dict()
-    old = {k: full[k] for k in ("vocab_size", "d_model", "n_heads", "d_ff", "enc_layers", "dec_layers", "dropout",
-                                "norm_first", "tie_embeddings", "max_positions", "pad_id", "bos_id", "eos_id")}
-    base = {"format": FORMAT, "task": "mt-en-de", "model_config": old, "model": model.state_dict(),
-            "tokenizer_sha256": "v", "step": 1, "meta": {}}
+    old = {
+        k: full[k]
+        for k in (
+            "vocab_size",
+            "d_model",
+            "n_heads",
+            "d_ff",
+            "enc_layers",
+            "dec_layers",
+            "dropout",
+            "norm_first",
+            "tie_embeddings",
+            "max_positions",
+            "pad_id",
+            "bos_id",
+            "eos_id",
+        )
+    }
+    base = {
+        "format": FORMAT,
+        "task": "mt-en-de",
+        "model_config": old,
+        "model": model.state_dict(),
+        "tokenizer_sha256": "v",
+        "step": 1,
+        "meta": {},
+    }
     save_atomic(base, tmp_path / "base" / "model.pt")
-    heads = {"format": FORMAT, "task": "mt-en-de", "model_config": {**full, "dropout": 0.0}, "tokenizer_sha256": "v",
-             "step": 2, "meta": {}, "frozen_base": {"path": "../base/model.pt",
-                                                     "sha256": file_sha256(tmp_path / "base" / "model.pt")}}
+    heads = {
+        "format": FORMAT,
+        "task": "mt-en-de",
+        "model_config": {**full, "dropout": 0.0},
+        "tokenizer_sha256": "v",
+        "step": 2,
+        "meta": {},
+        "frozen_base": {"path": "../base/model.pt", "sha256": file_sha256(tmp_path / "base" / "model.pt")},
+    }
     save_atomic(heads, tmp_path / "heads" / "model.pt")
     checkpoint = load_checkpoint(tmp_path / "heads" / "model.pt")
     assert all(torch.equal(checkpoint["model"][k], v) for k, v in model.state_dict().items())
@@ -380,15 +515,17 @@ def _dev_and_vocab(n: int):
     vocabulary (no training needed)."""
     from refdec.data import Split, load_split
     from refdec.tokenizer import Tokenizer
+
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     dev = load_split("mt-en-de", "dev")
-    keep = [i for i, ids in enumerate(tok.encode_batch(dev.src[:2 * n])) if len(ids) >= 8][:n]
+    keep = [i for i, ids in enumerate(tok.encode_batch(dev.src[: 2 * n])) if len(ids) >= 8][:n]
     return Split([dev.src[i] for i in keep], [[r[i] for i in keep] for r in dev.refs], [dev.docs[i] for i in keep]), tok
 
 
 def _batch1_tokens_per_call(decode, tok, dev, room: int) -> float:
     """Tokens per call of a decoder run one sentence at a time: all tokens over all calls."""
     from refdec.data import source_tensor
+
     tokens = calls = 0
     for ids in tok.encode_batch(dev.src):
         ids = ids[:room]
@@ -405,9 +542,11 @@ def test_heads_dev_tokens_per_call_is_per_row():
     from refdec.presets import PRESETS
     from refdec.proposal import ProposalHeads
     from refdec.training import build_model, build_objective
+
     dev, tok = _dev_and_vocab(40)
-    cfg = PRESETS["tiny"].replace(proposal_k=3, head_loss="mean", eval_sentences=40, speed_sentences=40,
-                                  max_positions=24, dropout=0.0)
+    cfg = PRESETS["tiny"].replace(
+        proposal_k=3, head_loss="mean", eval_sentences=40, speed_sentences=40, max_positions=24, dropout=0.0
+    )
     torch.manual_seed(0)
     model = build_model(cfg, tok.vocab_size).double()
     heads = ProposalHeads(model.cfg.d_model, 16, 3).double()
@@ -427,13 +566,22 @@ def test_drafter_dev_figure_is_gads_tokens_per_call_with_its_verifier(tmp_path):
     from refdec.drafter import Drafter
     from refdec.presets import PRESETS
     from refdec.training import build_model, build_objective
+
     dev, tok = _dev_and_vocab(30)
     from refdec.checkpoint import make_checkpoint
+
     torch.manual_seed(0)
     verifier = build_model(PRESETS["tiny"].replace(max_positions=24, dropout=0.0), tok.vocab_size).double().eval()
     save_atomic(make_checkpoint(verifier, "mt-en-de", tok, 0), tmp_path / "v.pt")
-    cfg = PRESETS["tiny"].replace(drafter_k=3, speed_sentences=12, max_positions=24, dropout=0.0,
-                                  encoder_from=str(tmp_path / "v.pt"), enc_layers=0, out_dir=str(tmp_path / "run"))
+    cfg = PRESETS["tiny"].replace(
+        drafter_k=3,
+        speed_sentences=12,
+        max_positions=24,
+        dropout=0.0,
+        encoder_from=str(tmp_path / "v.pt"),
+        enc_layers=0,
+        out_dir=str(tmp_path / "run"),
+    )
     model = build_model(cfg, tok.vocab_size, encoder=verifier).double()
     scores = build_objective(cfg, model, encoder=verifier).evaluate(tok, dev, torch.device("cpu"))
     drafter = Drafter(SharedEncoder(model.eval(), verifier), k=3)
@@ -450,6 +598,7 @@ def test_best_checkpoint_is_ranked_by_the_runs_pick(tmp_path, pick, best_step):
     from refdec.presets import PRESETS
     from refdec.tokenizer import Tokenizer
     from refdec.training import Progress, RunFolder, build_model, build_objective
+
     tok = Tokenizer.load(REPO / "checkpoints" / "mt-en-de" / "tokenizer.json")
     cfg = PRESETS["tiny"].replace(drafter_k=3, pick=pick, out_dir=str(tmp_path))
     model = build_model(cfg, tok.vocab_size)
@@ -463,6 +612,7 @@ def test_best_checkpoint_is_ranked_by_the_runs_pick(tmp_path, pick, best_step):
 
 def _saved(model, tok, path: Path, **entries) -> Path:
     from refdec.checkpoint import make_checkpoint
+
     save_atomic({**make_checkpoint(model, "mt-en-de", tok, 0), **entries}, path)
     return path
 
@@ -475,12 +625,19 @@ def test_drafter_starts_from_the_verifier_and_continues_a_drafter(tmp_path):
     from refdec.checkpoint import file_sha256
     from refdec.presets import PRESETS
     from refdec.training import TrainingError, build_model, build_run_objective
+
     _, tok = _dev_and_vocab(1)
     torch.manual_seed(0)
     verifier = build_model(PRESETS["tiny"].replace(dec_layers=3), tok.vocab_size)
     v_path = _saved(verifier, tok, tmp_path / "v" / "model.pt")
-    cfg = PRESETS["tiny"].replace(drafter_k=3, enc_layers=0, dec_layers=2, encoder_from=str(v_path),
-                                  init_from=str(v_path), out_dir=str(tmp_path / "run"))
+    cfg = PRESETS["tiny"].replace(
+        drafter_k=3,
+        enc_layers=0,
+        dec_layers=2,
+        encoder_from=str(v_path),
+        init_from=str(v_path),
+        out_dir=str(tmp_path / "run"),
+    )
     obj = build_run_objective(cfg, tok, load_checkpoint(v_path), torch.device("cpu"))
     drafter, want = obj.model.state_dict(), verifier.state_dict()
     assert obj.model.cfg.enc_layers == 0 and obj.model.cfg.dec_layers == 2
@@ -489,14 +646,23 @@ def test_drafter_starts_from_the_verifier_and_continues_a_drafter(tmp_path):
     assert obj.verifier[0] is obj.frozen_encoder[0]
     with torch.no_grad():
         obj.model.dec_norm.weight.add_(1.0)  # a trained drafter: not the verifier's any more
-    d_path = _saved(obj.model, tok, tmp_path / "d" / "model.pt", drafter={"k": 3, "layout": "causal"},
-                    shared_encoder={"path": "../v/model.pt", "sha256": file_sha256(v_path)})
+    d_path = _saved(
+        obj.model,
+        tok,
+        tmp_path / "d" / "model.pt",
+        drafter={"k": 3, "layout": "causal"},
+        shared_encoder={"path": "../v/model.pt", "sha256": file_sha256(v_path)},
+    )
     cont = build_run_objective(cfg.replace(init_from=str(d_path)), tok, load_checkpoint(d_path), torch.device("cpu"))
     assert all(torch.equal(t, obj.model.state_dict()[k]) for k, t in cont.model.state_dict().items())
     other = _saved(build_model(PRESETS["tiny"], tok.vocab_size), tok, tmp_path / "o" / "model.pt")
     with pytest.raises(TrainingError, match="another encoder"):
-        build_run_objective(cfg.replace(init_from=str(d_path), encoder_from=str(other)), tok, load_checkpoint(d_path),
-                            torch.device("cpu"))
+        build_run_objective(
+            cfg.replace(init_from=str(d_path), encoder_from=str(other)),
+            tok,
+            load_checkpoint(d_path),
+            torch.device("cpu"),
+        )
     with pytest.raises(TrainingError, match="at most its 3 decoder layers"):
         build_run_objective(cfg.replace(dec_layers=4), tok, load_checkpoint(v_path), torch.device("cpu"))
 
@@ -508,17 +674,27 @@ def test_heads_continue_from_trained_heads_on_their_base(tmp_path):
     from refdec.presets import PRESETS
     from refdec.proposal import ProposalHeads, proposal_state
     from refdec.training import build_model, build_run_objective
+
     _, tok = _dev_and_vocab(1)
     torch.manual_seed(0)
     base = build_model(PRESETS["tiny"], tok.vocab_size)
     b_path = _saved(base, tok, tmp_path / "base" / "model.pt")
     heads = ProposalHeads(base.cfg.d_model, 16, 3)
-    raw = {**torch.load(b_path, weights_only=True), "proposal": proposal_state(heads),
-           "frozen_base": {"path": "../base/model.pt", "sha256": file_sha256(b_path)}}
+    raw = {
+        **torch.load(b_path, weights_only=True),
+        "proposal": proposal_state(heads),
+        "frozen_base": {"path": "../base/model.pt", "sha256": file_sha256(b_path)},
+    }
     del raw["model"]
     save_atomic(raw, tmp_path / "heads" / "model.pt")
-    cfg = PRESETS["tiny"].replace(proposal_k=3, proposal_d_ff=16, freeze_base=True, head_loss="mean",
-                                  init_from=str(tmp_path / "heads" / "model.pt"), out_dir=str(tmp_path / "run"))
+    cfg = PRESETS["tiny"].replace(
+        proposal_k=3,
+        proposal_d_ff=16,
+        freeze_base=True,
+        head_loss="mean",
+        init_from=str(tmp_path / "heads" / "model.pt"),
+        out_dir=str(tmp_path / "run"),
+    )
     obj = build_run_objective(cfg, tok, load_checkpoint(cfg.init_from), torch.device("cpu"))
     assert all(torch.equal(t, heads.state_dict()[k]) for k, t in obj.heads.state_dict().items())
     assert all(torch.equal(t, base.state_dict()[k]) for k, t in obj.model.state_dict().items())
@@ -532,6 +708,7 @@ def test_two_half_batch_passes_make_the_one_batch_update():
     from refdec.data import training_tensors
     from refdec.presets import PRESETS
     from refdec.training import accumulate, build_model, build_objective, device_pass_tokens
+
     cfg = PRESETS["tiny"].replace(dropout=0.0)
     g = torch.Generator().manual_seed(0)
     src = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (6,), generator=g)]
@@ -542,8 +719,12 @@ def test_two_half_batch_passes_make_the_one_batch_update():
         model = build_model(cfg, 40).double()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0)
         obj = build_objective(cfg, model)
-        loss, n_tok = accumulate(obj, [training_tensors([src[i] for i in part], [tgt[i] for i in part])
-                                       for part in pieces], 0, torch.device("cpu"))
+        loss, n_tok = accumulate(
+            obj,
+            [training_tensors([src[i] for i in part], [tgt[i] for i in part]) for part in pieces],
+            0,
+            torch.device("cpu"),
+        )
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
         params.append(list(model.parameters()))
@@ -554,7 +735,9 @@ def test_two_half_batch_passes_make_the_one_batch_update():
     assert any(moved)
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-15), (a - b).abs().max()
-    for a, b in zip(*params):  # steps of lr 1e-2 agree to 1e-9 (Adam divides by sqrt(v) + eps: tiny gradients' rounding grows)
+    for a, b in zip(
+        *params
+    ):  # steps of lr 1e-2 agree to 1e-9 (Adam divides by sqrt(v) + eps: tiny gradients' rounding grows)
         assert torch.allclose(a, b, rtol=0, atol=1e-9), (a - b).abs().max()
     assert device_pass_tokens(cfg, build_model(cfg, 40).cfg, torch.device("cpu")) == cfg.batch_tokens
 
@@ -570,6 +753,7 @@ def test_training_ids_are_cached_outside_the_data_and_never_stale(tmp_path, monk
     from refdec.data import load_split
     from refdec.presets import PRESETS
     from refdec.training import encode_pairs
+
     _, tok = _dev_and_vocab(1)
     folder = tmp_path / "data" / "mt-en-de"
     folder.mkdir(parents=True)
@@ -586,13 +770,16 @@ def test_training_ids_are_cached_outside_the_data_and_never_stale(tmp_path, monk
     pairs = list(zip(train.src[:40], train.tgt[:40]))
     logs = []
     first = encode_pairs(cfg, tok, pairs, 0, logs.append)
-    assert any("cached" in m for m in logs) and list((tmp_path / "cache" / "refdec" / "train-ids").glob("mt-en-de-*.pt"))
+    assert any("cached" in m for m in logs) and list(
+        (tmp_path / "cache" / "refdec" / "train-ids").glob("mt-en-de-*.pt")
+    )
     assert sorted(p.name for p in folder.iterdir()) == ["train.src.gz", "train.tgt.gz"]  # nothing beside the data
     real = tok.encode_batch
     monkeypatch.setattr(type(tok), "encode_batch", lambda self, texts: pytest.fail("tokenized again"))
     assert encode_pairs(cfg, tok, pairs, 0, logs.append) == first
     assert encode_pairs(cfg.replace(train_limit=10), tok, pairs[:10], 0, logs.append) == tuple(
-        [row for row in side[:10]] for side in first)
+        [row for row in side[:10]] for side in first
+    )
     monkeypatch.setattr(type(tok), "encode_batch", lambda self, texts: real(texts))
     edited = ["Ein ganz anderer Satz."] + train.tgt[1:40]
     write(edited)
@@ -606,6 +793,7 @@ def test_tokens_per_call_pick_needs_a_drafters_verifier():
     whose evaluations lack the figure its model.pt is chosen by."""
     from refdec.presets import PRESETS
     from refdec.training import DrafterLoss, TrainingError, build_model
+
     cfg = PRESETS["tiny"].replace(drafter_k=3, pick="tokens-per-call")
     with pytest.raises(TrainingError, match="needs the drafter's verifier"):
         DrafterLoss.load(cfg, build_model(cfg, 40), None, torch.device("cpu"))
@@ -619,6 +807,7 @@ def _steps(cfg, mode: str, backend: str | None, steps: int = 3) -> tuple[list[fl
     from refdec.data import training_tensors
     from refdec.proposal import ProposalHeads
     from refdec.training import build_model, build_objective
+
     torch._dynamo.reset()  # each test's objective is new: no code compiled for another one's guards
     torch.manual_seed(0)
     model = build_model(cfg, 40)
@@ -632,8 +821,12 @@ def _steps(cfg, mode: str, backend: str | None, steps: int = 3) -> tuple[list[fl
     g, losses = torch.Generator().manual_seed(0), []
     for step in range(steps):
         rows = 2 + step  # another batch shape at every step: compiled once, for all of them
-        src = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (rows,), generator=g)]
-        tgt = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (rows,), generator=g)]
+        src = [
+            torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (rows,), generator=g)
+        ]
+        tgt = [
+            torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (rows,), generator=g)
+        ]
         obj.step = step
         opt.zero_grad()
         loss = obj(*training_tensors(src, tgt))
@@ -643,8 +836,13 @@ def _steps(cfg, mode: str, backend: str | None, steps: int = 3) -> tuple[list[fl
     return losses, [p.detach().clone() for p in obj.parameters()]
 
 
-COMPILE_MODES = {"plain": {}, "distillation": {"kd_from": "teacher.pt", "kd_weight": 0.3}, "early-exit": {"early_exit": 1},
-                 "heads": {"proposal_k": 4, "head_loss": "random"}, "drafter": {"drafter_k": 3}}
+COMPILE_MODES = {
+    "plain": {},
+    "distillation": {"kd_from": "teacher.pt", "kd_weight": 0.3},
+    "early-exit": {"early_exit": 1},
+    "heads": {"proposal_k": 4, "head_loss": "random"},
+    "drafter": {"drafter_k": 3},
+}
 
 
 @pytest.mark.parametrize("mode", list(COMPILE_MODES))
@@ -654,6 +852,7 @@ def test_compiled_passes_trace_every_mode_to_its_eager_updates(mode):
     as traced (backend "eager", no compiler needed), the losses and weights of a few updates on
     batches of changing shapes, with dropout, are those of the eager objective, bit for bit."""
     from refdec.presets import PRESETS
+
     cfg = PRESETS["tiny"].replace(dec_layers=2, **COMPILE_MODES[mode])
     eager, traced = _steps(cfg, mode, None), _steps(cfg, mode, "eager")
     assert eager[0] == traced[0]
@@ -665,6 +864,7 @@ def test_compile_option_is_on_where_asked_and_needs_a_compiler_on_a_cpu(monkeypa
     or compile on on a CPU without a C++ compiler, is one clear error."""
     from refdec.presets import PRESETS
     from refdec.training import TrainingError, loop
+
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     tiny = PRESETS["tiny"]
     assert tiny.compile == "auto"
@@ -691,12 +891,27 @@ def test_compiled_run_matches_eager_and_resumes(tmp_path):
     runs = {"eager": ("off", [8]), "compiled": ("on", [8]), "resumed": ("on", [4, 8])}
     for name, (compile_, stops) in runs.items():
         for i, stop in enumerate(stops):
-            r = run_py(*TINY, "--out-dir", str(tmp_path / name), "--dropout", "0", "--compile", compile_,
-                       "--max-steps", str(stop), "--eval-every", "4", *(["--resume"] if i else []), timeout=900)
+            r = run_py(
+                *TINY,
+                "--out-dir",
+                str(tmp_path / name),
+                "--dropout",
+                "0",
+                "--compile",
+                compile_,
+                "--max-steps",
+                str(stop),
+                "--eval-every",
+                "4",
+                *(["--resume"] if i else []),
+                timeout=900,
+            )
             assert r.returncode == 0, r.stderr.decode()[-3000:]
             assert ("passes compiled (torch.compile, inductor" in r.stderr.decode()) == (compile_ == "on")
-    losses = {name: [json.loads(line)["dev_loss"] for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-              for name in runs}
+    losses = {
+        name: [json.loads(line)["dev_loss"] for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+        for name in runs
+    }
     assert len(losses["eager"]) == 2 and losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5), losses
     assert losses["resumed"] == pytest.approx(losses["compiled"], rel=1e-6), losses
     wc, wr = _weights(tmp_path / "compiled" / "last.pt"), _weights(tmp_path / "resumed" / "last.pt")

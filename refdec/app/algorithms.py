@@ -62,44 +62,70 @@ class Option:
         if too_low or (high is not None and value > high):
             bound = ("above" if self.above_minimum else "at least") + f" {low:g}" if low is not None else ""
             if high is not None:
-                bound = f"between {low:g} and {high:g}" if low is not None and not self.above_minimum \
+                bound = (
+                    f"between {low:g} and {high:g}"
+                    if low is not None and not self.above_minimum
                     else (bound + " and " if bound else "") + f"at most {high:g}"
+                )
             raise ValueError(f"{flag} must be {bound}, not {value}")
 
 
 OPTIONS: dict[str, Option] = {
     "beam_size": Option("beam: beams kept", "K", minimum=1),
     "length_penalty": Option("beam: score = log p / length^A", "A", minimum=-10, maximum=10),
-    "match": Option("iad: which source position to draft from. unique (the paper's): shortest output suffix that "
-                    "occurs once in the source; leftmost: as unique, but a repeated n-gram drafts from its leftmost "
-                    "occurrence; longest: longest suffix that occurs, leftmost occurrence (prompt lookup's rule)",
-                    choices=MATCH_POLICIES),
+    "match": Option(
+        "iad: which source position to draft from. unique (the paper's): shortest output suffix that "
+        "occurs once in the source; leftmost: as unique, but a repeated n-gram drafts from its leftmost "
+        "occurrence; longest: longest suffix that occurs, leftmost occurrence (prompt lookup's rule)",
+        choices=MATCH_POLICIES,
+    ),
     "max_suffix": Option("iad: longest output suffix matched, in tokens (0 = no limit)", "N", minimum=0),
-    "max_draft": Option("iad: most tokens drafted per verifier call, the papers' L_max (0 = up to the end of the "
-                        "source)", "N", minimum=0),
-    "top_beta": Option("gad: GAD++ accepts a drafted token within the verifier's top B (1: GAD, lossless)", "B",
-                       minimum=1),
+    "max_draft": Option(
+        "iad: most tokens drafted per verifier call, the papers' L_max (0 = up to the end of the source)",
+        "N",
+        minimum=0,
+    ),
+    "top_beta": Option(
+        "gad: GAD++ accepts a drafted token within the verifier's top B (1: GAD, lossless)", "B", minimum=1
+    ),
     "tau": Option("gad: ... and within T of the top-1 log-probability", "T", minimum=0),
-    "block_rule": Option("blockwise: exact (lossless), top-k (a proposal within p_1's top --top-k), distance "
-                         "(numbers within --epsilon)", choices=BLOCK_RULES),
+    "block_rule": Option(
+        "blockwise: exact (lossless), top-k (a proposal within p_1's top --top-k), distance (numbers within --epsilon)",
+        choices=BLOCK_RULES,
+    ),
     "top_k": Option("blockwise --block-rule top-k: K", "K", minimum=1, needs=("block_rule", "top-k")),
     "epsilon": Option("blockwise --block-rule distance: E", "E", minimum=0, needs=("block_rule", "distance")),
     "min_block": Option("blockwise: accept at least L tokens per call (more than 1 is lossy)", "L", minimum=1),
-    "block_size": Option("gad, blockwise: tokens drafted per verifier call (0 = the k the drafter or heads were "
-                         "trained for; blockwise: 2 .. that k, using the first K - 1 heads; lossless at any K)", "K",
-                         minimum=0),
-    "fallback_threshold": Option("bild: the small model writes while its max probability is at least P (above 1: "
-                                 "the large model writes every token)", "P", minimum=0),
-    "rollback_threshold": Option("bild: roll back at the first small-model token with -log p_large above D (nats)",
-                                 "D", minimum=0),
+    "block_size": Option(
+        "gad, blockwise: tokens drafted per verifier call (0 = the k the drafter or heads were "
+        "trained for; blockwise: 2 .. that k, using the first K - 1 heads; lossless at any K)",
+        "K",
+        minimum=0,
+    ),
+    "fallback_threshold": Option(
+        "bild: the small model writes while its max probability is at least P (above 1: "
+        "the large model writes every token)",
+        "P",
+        minimum=0,
+    ),
+    "rollback_threshold": Option(
+        "bild: roll back at the first small-model token with -log p_large above D (nats)", "D", minimum=0
+    ),
     "max_window": Option("bild: the small model writes at most N tokens between large-model calls", "N", minimum=1),
     "gamma": Option("speculative: tokens drafted per large-model call", "N", minimum=1),
     "sample": Option("bild, speculative: sample instead of argmax"),
-    "top_p": Option("bild, speculative: nucleus sampling mass (speculative sampling then follows the large "
-                    "model's nucleus distribution)", "P", minimum=0, above_minimum=True, maximum=1,
-                    needs=("sample", True)),
-    "temperature": Option("speculative: sampling temperature", "T", minimum=0, above_minimum=True,
-                          needs=("sample", True)),
+    "top_p": Option(
+        "bild, speculative: nucleus sampling mass (speculative sampling then follows the large "
+        "model's nucleus distribution)",
+        "P",
+        minimum=0,
+        above_minimum=True,
+        maximum=1,
+        needs=("sample", True),
+    ),
+    "temperature": Option(
+        "speculative: sampling temperature", "T", minimum=0, above_minimum=True, needs=("sample", True)
+    ),
     "seed": Option("bild, speculative: sampling seed", "N", needs=("sample", True)),
 }
 
@@ -117,8 +143,11 @@ class Algorithm:
 
     def defaults(self) -> dict:
         """The decoder's options and their defaults, from its signature."""
-        return {name: p.default for name, p in inspect.signature(self.decoder).parameters.items()
-                if p.kind is p.KEYWORD_ONLY and name in OPTIONS}
+        return {
+            name: p.default
+            for name, p in inspect.signature(self.decoder).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and name in OPTIONS
+        }
 
     @cached_property
     def options(self) -> tuple[str, ...]:
@@ -141,8 +170,15 @@ class Algorithm:
         """Decode `src` with the models; `options`: values of this algorithm's options (refdec.app.plan
         gives every run all of them)."""
         inputs = self.model_kwargs(models) if self.model_kwargs else {}
-        return self.decoder(models.model, *(getattr(models, r) for r in self.model_args), src, max_len=max_len,
-                            trace=trace, **inputs, **options)
+        return self.decoder(
+            models.model,
+            *(getattr(models, r) for r in self.model_args),
+            src,
+            max_len=max_len,
+            trace=trace,
+            **inputs,
+            **options,
+        )
 
 
 # A task's best shipped model where it is not checkpoints/<task>/: on both GEC tasks the deep-encoder,
@@ -151,24 +187,52 @@ class Algorithm:
 # gec-en 0.427 against 0.408 for 6+6, which has no 3+3 model).
 BEST_MODEL = {"gec-uk": "gec-uk-9x3", "gec-en": "gec-en-9x3"}
 
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("greedy", decode_greedy, "argmax token by token with a KV cache (the baseline)"),
-    Algorithm("beam", decode_beam, "beam search with a length penalty", lossy=True),
-    Algorithm("iad", decode_iad, "input-guided aggressive decoding: draft a copy of the input, verify it in one call "
-              "(GEC; SAD = iad on a deep-encoder/shallow-decoder model)"),
-    Algorithm("gad", decode_gad, "generalized aggressive decoding: a non-autoregressive drafter proposes a block, the "
-              "model verifies it (GAD++ with --top-beta/--tau)", model_args=("drafter",),
-              lossless_if=lambda o: o["top_beta"] == 1 and o["tau"] == 0),
-    Algorithm("blockwise", decode_blockwise, "blockwise parallel decoding: proposal heads on the model guess k tokens, "
-              "one call verifies them and proposes the next block", model_args=("heads",), model_dir="{task}-blockwise",
-              lossless_if=lambda o: o["block_rule"] == "exact" and o["min_block"] == 1,
-              model_kwargs=lambda m: {"values": m.number_values}),
-    Algorithm("bild", decode_bild, "big-little decoder: a small model writes while confident; the large model falls "
-              "back and rolls back", model_args=("small",), lossy=True),
-    Algorithm("speculative", decode_speculative, "speculative sampling: the small model drafts gamma tokens, "
-              "rejection sampling against the large model (greedy without --sample)", model_args=("small",),
-              lossless_if=lambda o: not o["sample"]),
-)}
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("greedy", decode_greedy, "argmax token by token with a KV cache (the baseline)"),
+        Algorithm("beam", decode_beam, "beam search with a length penalty", lossy=True),
+        Algorithm(
+            "iad",
+            decode_iad,
+            "input-guided aggressive decoding: draft a copy of the input, verify it in one call "
+            "(GEC; SAD = iad on a deep-encoder/shallow-decoder model)",
+        ),
+        Algorithm(
+            "gad",
+            decode_gad,
+            "generalized aggressive decoding: a non-autoregressive drafter proposes a block, the "
+            "model verifies it (GAD++ with --top-beta/--tau)",
+            model_args=("drafter",),
+            lossless_if=lambda o: o["top_beta"] == 1 and o["tau"] == 0,
+        ),
+        Algorithm(
+            "blockwise",
+            decode_blockwise,
+            "blockwise parallel decoding: proposal heads on the model guess k tokens, "
+            "one call verifies them and proposes the next block",
+            model_args=("heads",),
+            model_dir="{task}-blockwise",
+            lossless_if=lambda o: o["block_rule"] == "exact" and o["min_block"] == 1,
+            model_kwargs=lambda m: {"values": m.number_values},
+        ),
+        Algorithm(
+            "bild",
+            decode_bild,
+            "big-little decoder: a small model writes while confident; the large model falls back and rolls back",
+            model_args=("small",),
+            lossy=True,
+        ),
+        Algorithm(
+            "speculative",
+            decode_speculative,
+            "speculative sampling: the small model drafts gamma tokens, "
+            "rejection sampling against the large model (greedy without --sample)",
+            model_args=("small",),
+            lossless_if=lambda o: not o["sample"],
+        ),
+    )
+}
 
 
 def option_defaults() -> dict[str, dict[str, object]]:

@@ -33,8 +33,9 @@ def same_model(a, b) -> bool:
     if shape[0] != shape[1]:
         return False
     pa, pb = list(a.parameters()), list(b.parameters())
-    return len(pa) == len(pb) and all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
-                                      and torch.equal(x, y) for x, y in zip(pa, pb))
+    return len(pa) == len(pb) and all(
+        x.shape == y.shape and x.dtype == y.dtype and x.device == y.device and torch.equal(x, y) for x, y in zip(pa, pb)
+    )
 
 
 @torch.inference_mode()
@@ -56,7 +57,14 @@ def divergences(model, ids: list[list[int] | None], greedy_out: list, other_out:
         for t in prefix:
             logits = model.decode(torch.tensor([[t]], device=device), memory, cache)[0, -1]
         top = logits.float().topk(2)
-        out.append({"line": i + 1, "position": pos, "greedy_token": g_l[pos], "other_token": o_l[pos],
-                    "margin_top1_top2": float(top.values[0] - top.values[1]),
-                    "gap_greedy_vs_other": float(logits[g_l[pos]] - logits[o_l[pos]])})
+        out.append(
+            {
+                "line": i + 1,
+                "position": pos,
+                "greedy_token": g_l[pos],
+                "other_token": o_l[pos],
+                "margin_top1_top2": float(top.values[0] - top.values[1]),
+                "gap_greedy_vs_other": float(logits[g_l[pos]] - logits[o_l[pos]]),
+            }
+        )
     return out

@@ -83,6 +83,7 @@ def route_models(models, routes: list[str]) -> list[tuple[str, object]]:
     """refdec's models on each route: the reference route's as loaded, the fast and graphed routes' wrapping
     them (refdec.routes.fast, refdec.routes.graphed), so that each route's decoders are rows of the one audit."""
     from .loading import routed
+
     return [(route, routed(models, route, False)) for route in routes]
 
 
@@ -97,29 +98,58 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     from .runner import Run, decode_lines
 
     device = getattr(args, "device", "cpu")
-    model, tok, hf = _load_pair(args.model, task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
-                                workdir=tmp, name="model", device=device)
+    model, tok, hf = _load_pair(
+        args.model,
+        task=args.task,
+        src_lang=args.src_lang,
+        tgt_lang=args.tgt_lang,
+        workdir=tmp,
+        name="model",
+        device=device,
+    )
     small = hf_small = None
     if args.small:
-        small, small_tok, hf_small = _load_pair(args.small, task=args.task, src_lang=args.src_lang,
-                                                tgt_lang=args.tgt_lang, workdir=tmp, name="small", device=device)
-        if small_tok.sha256 != tok.sha256 or small.cfg.encoder_prefix != model.cfg.encoder_prefix \
-                or small.cfg.decoder_prefix != model.cfg.decoder_prefix:
+        small, small_tok, hf_small = _load_pair(
+            args.small,
+            task=args.task,
+            src_lang=args.src_lang,
+            tgt_lang=args.tgt_lang,
+            workdir=tmp,
+            name="small",
+            device=device,
+        )
+        if (
+            small_tok.sha256 != tok.sha256
+            or small.cfg.encoder_prefix != model.cfg.encoder_prefix
+            or small.cfg.decoder_prefix != model.cfg.decoder_prefix
+        ):
             raise HFError(f"{args.small} does not share the vocabulary and forced tokens of {args.model}")
     cfg = model.cfg
     limit = cfg.max_positions - max(len(cfg.encoder_prefix), len(cfg.decoder_prefix))
     ids = inputs.source_ids(tok, lines, limit)
     models = Models(model, Path(args.model), small=small)
     refdec = ["greedy"] + ["iad"] * (args.task is None or TASKS.get(args.task) == "gec") + ["speculative"] * bool(small)
-    runs = [Run(ALGORITHMS[a], {**ALGORITHMS[a].defaults(), **({"gamma": args.gamma} if a == "speculative" else {})},
-                m, label=f"refdec-{a}" + (f" [{route}]" if route != "reference" else ""))
-            for route, m in route_models(models, getattr(args, "routes", ["reference"]))
-            for a in refdec]  # IAD copies the source: GEC, or the user's own model
+    runs = [
+        Run(
+            ALGORITHMS[a],
+            {**ALGORITHMS[a].defaults(), **({"gamma": args.gamma} if a == "speculative" else {})},
+            m,
+            label=f"refdec-{a}" + (f" [{route}]" if route != "reference" else ""),
+        )
+        for route, m in route_models(models, getattr(args, "routes", ["reference"]))
+        for a in refdec
+    ]  # IAD copies the source: GEC, or the user's own model
     failures: dict = {}
-    hf_methods = {"hf-greedy": {}, "hf-assisted": {"assistant_model": hf_small},
-                  "hf-prompt-lookup": {"prompt_lookup_num_tokens": args.prompt_lookup}}
-    runs += [Run(hf_algorithm(name, hf, failures, **generate_args), {}, models, label=name)
-             for name, generate_args in hf_methods.items() if name != "hf-assisted" or hf_small is not None]
+    hf_methods = {
+        "hf-greedy": {},
+        "hf-assisted": {"assistant_model": hf_small},
+        "hf-prompt-lookup": {"prompt_lookup_num_tokens": args.prompt_lookup},
+    }
+    runs += [
+        Run(hf_algorithm(name, hf, failures, **generate_args), {}, models, label=name)
+        for name, generate_args in hf_methods.items()
+        if name != "hf-assisted" or hf_small is not None
+    ]
     decode_lines(runs, ids, max_len=None, max_positions=limit, device=device, warmup=args.warmup)
     greedy_out = runs[0].outputs
     if any(o is None for o in greedy_out):
@@ -129,35 +159,59 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
         outs = run.outputs
         tokens = sum(len(o) + 1 for o in outs if o is not None)  # eos included, as refdec counts them
         same = sum(b is not None and torch.equal(a, b) for a, b in zip(greedy_out, outs))
-        errors = [{"line": i + 1, "error": failures.get(tuple(s), "failed")} for i, (s, o) in enumerate(zip(ids, outs))
-                  if o is None]
-        rows.append({"method": run.name, "seconds": run.seconds, "tokens": tokens,
-                     "ms_per_token": 1000 * run.seconds / max(tokens, 1), "identical": same / max(len(ids), 1),
-                     "differing": [] if run is runs[0] else divergences(model, ids, greedy_out, outs, device),
-                     "errors": errors})
+        errors = [
+            {"line": i + 1, "error": failures.get(tuple(s), "failed")}
+            for i, (s, o) in enumerate(zip(ids, outs))
+            if o is None
+        ]
+        rows.append(
+            {
+                "method": run.name,
+                "seconds": run.seconds,
+                "tokens": tokens,
+                "ms_per_token": 1000 * run.seconds / max(tokens, 1),
+                "identical": same / max(len(ids), 1),
+                "differing": [] if run is runs[0] else divergences(model, ids, greedy_out, outs, device),
+                "errors": errors,
+            }
+        )
     transformers = require_transformers()
-    return {"task": args.task, "model": shown_path(args.model), "small": args.small and shown_path(args.small),
-            "lines": len(ids), "warmup": args.warmup, "threads": args.threads, "device": device_name(device),
-            "transformers": transformers.__version__,
-            "gamma": args.gamma, "prompt_lookup_num_tokens": args.prompt_lookup,
-            "environment": environment(args.threads, device, model.tgt_embed.weight.dtype),
-            "routes": getattr(args, "routes", ["reference"]), "methods": rows}
+    return {
+        "task": args.task,
+        "model": shown_path(args.model),
+        "small": args.small and shown_path(args.small),
+        "lines": len(ids),
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "device": device_name(device),
+        "transformers": transformers.__version__,
+        "gamma": args.gamma,
+        "prompt_lookup_num_tokens": args.prompt_lookup,
+        "environment": environment(args.threads, device, model.tgt_embed.weight.dtype),
+        "routes": getattr(args, "routes", ["reference"]),
+        "methods": rows,
+    }
 
 
 def audit_table(report: dict) -> str:
     w = max([20] + [len(r["method"]) for r in report["methods"]])
     head = f"{'method':<{w}} {'seconds':>9} {'ms/token':>9} {'tokens':>7} {'identical':>9}"
-    out = [f"{report['task'] or report['model']}: {report['lines']} lines, {report['threads']} thread(s), "
-           f"{report.get('device', 'cpu')}, warm-up {report['warmup']}", head]
+    out = [
+        f"{report['task'] or report['model']}: {report['lines']} lines, {report['threads']} thread(s), "
+        f"{report.get('device', 'cpu')}, warm-up {report['warmup']}",
+        head,
+    ]
     for r in report["methods"]:
-        out.append(f"{r['method']:<{w}} {r['seconds']:>9.2f} {r['ms_per_token']:>9.2f} {r['tokens']:>7} "
-                   f"{100 * r['identical']:>8.1f}%")
+        out.append(
+            f"{r['method']:<{w}} {r['seconds']:>9.2f} {r['ms_per_token']:>9.2f} {r['tokens']:>7} "
+            f"{100 * r['identical']:>8.1f}%"
+        )
     for r in report["methods"]:
         for d in r["differing"]:
-            out.append(f"{r['method']}: line {d['line']} differs from refdec greedy at position {d['position']} "
-                       f"(refdec's top-1/top-2 margin there {d['margin_top1_top2']:.3g})")
+            out.append(
+                f"{r['method']}: line {d['line']} differs from refdec greedy at position {d['position']} "
+                f"(refdec's top-1/top-2 margin there {d['margin_top1_top2']:.3g})"
+            )
         for d in r["errors"]:
             out.append(f"{r['method']}: line {d['line']} failed: {d['error']}")
     return "\n".join(out)
-
-

@@ -30,5 +30,7 @@ def check_checkpoint_path(given: str, value: str) -> None:
     if path.is_dir() and not (path / "config.json").is_file():
         if (path / "model.pt").is_file():
             raise UsageError(f"{given}{value} is a folder: give the checkpoint in it, {given}{path / 'model.pt'}")
-        raise UsageError(f"{given}{value} is a folder with neither a model.pt nor a config.json: give a refdec "
-                         f"checkpoint (a model.pt written by train.py) or a transformers model folder")
+        raise UsageError(
+            f"{given}{value} is a folder with neither a model.pt nor a config.json: give a refdec "
+            f"checkpoint (a model.pt written by train.py) or a transformers model folder"
+        )

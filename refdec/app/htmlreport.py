@@ -50,51 +50,122 @@ def write_page(path: str, **kw) -> None:
         f.write(build_page(**kw))
 
 
-def write_run_page(path: str, summary: report.Summary, runs: list, tokenizer, sources: list[str], refs: list[list[str]],
-                   ids: list, *, task: str | None, model: str, input: str, interrupted: bool, device: str,
-                   batch_size: int | None, batch_tokens: int | None, command: str) -> None:
+def write_run_page(
+    path: str,
+    summary: report.Summary,
+    runs: list,
+    tokenizer,
+    sources: list[str],
+    refs: list[list[str]],
+    ids: list,
+    *,
+    task: str | None,
+    model: str,
+    input: str,
+    interrupted: bool,
+    device: str,
+    batch_size: int | None,
+    batch_tokens: int | None,
+    command: str,
+) -> None:
     """decode.py's page of a run: a header of what ran (task, model, input, batches, device, the
     command), then build_page."""
-    batches = ((f"{batch_tokens} source tokens" + (f", at most {batch_size} sentences" if batch_size else ""))
-               if batch_tokens else batch_size or 1)
-    facts = {"task": task, "model": model, "input": input,
-             "sentences": f"{len(sources)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
-             "batch size": batches, "device": f"{device}, {torch.get_num_threads()} thread(s)", "command": command}
-    write_page(path, title=f"refdec: {' vs '.join(r.name for r in runs)} on {task or model}", facts=facts,
-               summary=summary, sources=sources, refs=refs, ids=ids, runs=runs, tokenizer=tokenizer)
+    batches = (
+        (f"{batch_tokens} source tokens" + (f", at most {batch_size} sentences" if batch_size else ""))
+        if batch_tokens
+        else batch_size or 1
+    )
+    facts = {
+        "task": task,
+        "model": model,
+        "input": input,
+        "sentences": f"{len(sources)}" + (" (interrupted: the lines every run finished)" if interrupted else ""),
+        "batch size": batches,
+        "device": f"{device}, {torch.get_num_threads()} thread(s)",
+        "command": command,
+    }
+    write_page(
+        path,
+        title=f"refdec: {' vs '.join(r.name for r in runs)} on {task or model}",
+        facts=facts,
+        summary=summary,
+        sources=sources,
+        refs=refs,
+        ids=ids,
+        runs=runs,
+        tokenizer=tokenizer,
+    )
 
 
-def build_page(*, title: str, facts: dict, summary: report.Summary, sources: list[str], refs: list[list[str]],
-               ids: list, runs: list, tokenizer) -> str:
+def build_page(
+    *,
+    title: str,
+    facts: dict,
+    summary: report.Summary,
+    sources: list[str],
+    refs: list[list[str]],
+    ids: list,
+    runs: list,
+    tokenizer,
+) -> str:
     """The page for runs decoded on `sources` (`ids` their token ids, None for an empty line), with
     the figures of report.summarise; a sentence's time is its own at batch size 1, its batch's
     average otherwise. `facts`: name -> value lines of the header (task, model, command ...). Every
     run must have been decoded with traces."""
     e = html.escape
     rows, matrix, checks = summary.rows, summary.matrix, summary.checks
-    greedy_of = {id(r): next((g for g in runs if g.algo.name == "greedy" and g is not r and g.int8 == r.int8
-                              and same_model(g.models.model, r.models.model)), None) for r in runs}
-    charts = [c for c in (chart_quality_speed(rows), chart_edit_buckets(checks), chart_tokens_per_call(runs),
-                          chart_module_time(rows)) if c]
-    body = [f"<header><h1>{e(title)}</h1><dl>"
-            + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in facts.items()) + "</dl></header>",
-            "<h2>Summary</h2>", summary_html(rows, matrix, checks)]
+    greedy_of = {
+        id(r): next(
+            (
+                g
+                for g in runs
+                if g.algo.name == "greedy"
+                and g is not r
+                and g.int8 == r.int8
+                and same_model(g.models.model, r.models.model)
+            ),
+            None,
+        )
+        for r in runs
+    }
+    charts = [
+        c
+        for c in (
+            chart_quality_speed(rows),
+            chart_edit_buckets(checks),
+            chart_tokens_per_call(runs),
+            chart_module_time(rows),
+        )
+        if c
+    ]
+    body = [
+        f"<header><h1>{e(title)}</h1><dl>"
+        + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in facts.items())
+        + "</dl></header>",
+        "<h2>Summary</h2>",
+        summary_html(rows, matrix, checks),
+    ]
     if charts:
         body += ["<h2>Charts</h2>", '<div class="charts">' + "".join(charts) + "</div>"]
-    filters = "".join(f'<option value="{e(r.name)}">{e(r.name)} differs from greedy</option>'
-                      for r in runs if greedy_of[id(r)] is not None)
+    filters = "".join(
+        f'<option value="{e(r.name)}">{e(r.name)} differs from greedy</option>'
+        for r in runs
+        if greedy_of[id(r)] is not None
+    )
     if filters:
         filters = '<option value="*">any run differs from greedy</option>' + filters
     body.append(f"""<h2>Sentences</h2>
-<div class="controls"><input id="q" type="search" placeholder="search the sources, references and outputs" autocomplete="off">
+<div class="controls"><input id="q" type="search" placeholder="search the sources, references and outputs"
+  autocomplete="off">
 <select id="only"><option value="">all sentences</option>{filters}</select>
 <span id="count"></span></div>
 {legend_html()}""")
     piece = token_pieces(tokenizer)
     for i, line in enumerate(sources):
         body.append(sentence_html(i, line, [r[i] for r in refs], ids[i], runs, greedy_of, tokenizer, piece))
-    return asset("report.html").format(title=e(title), style=asset("report.css"), script=asset("report.js"),
-                                       body="\n".join(body))
+    return asset("report.html").format(
+        title=e(title), style=asset("report.css"), script=asset("report.js"), body="\n".join(body)
+    )
 
 
 def asset(name: str) -> str:
@@ -110,23 +181,40 @@ def summary_html(rows: list[dict], matrix, checks: list[dict]) -> str:
     out.append("</tbody></table>")
     if matrix:
         names = [r["algo"] for r in rows]
-        out.append('<table class="num"><caption>speedup of row over column</caption><thead><tr><th></th>'
-                   + "".join(f"<th>{e(n)}</th>" for n in names) + "</tr></thead><tbody>"
-                   + "".join(f"<tr><th>{e(n)}</th>" + "".join(f"<td>{v:.2f}x</td>" for v in line) + "</tr>"
-                             for n, line in zip(names, matrix)) + "</tbody></table>")
+        out.append(
+            '<table class="num"><caption>speedup of row over column</caption><thead><tr><th></th>'
+            + "".join(f"<th>{e(n)}</th>" for n in names)
+            + "</tr></thead><tbody>"
+            + "".join(
+                f"<tr><th>{e(n)}</th>" + "".join(f"<td>{v:.2f}x</td>" for v in line) + "</tr>"
+                for n, line in zip(names, matrix)
+            )
+            + "</tbody></table>"
+        )
     for c in checks:
         div = c["divergences"]
-        links = ", ".join(f'<a href="#s{d["line"]}">line {d["line"]}</a> (token {d["position"]}, top-1/top-2 '
-                          f'margin {d["margin_top1_top2"]:.3g})' for d in div)
-        out.append(f'<p class="check"><b>{e(c["algo"])}</b> vs <b>{e(c["greedy"])}</b>: '
-                   f'{c["identical"]:.4f} identical, {len(div)} line(s) differ' + (f": {links}" if div else "") + "</p>")
+        links = ", ".join(
+            f'<a href="#s{d["line"]}">line {d["line"]}</a> (token {d["position"]}, top-1/top-2 '
+            f"margin {d['margin_top1_top2']:.3g})"
+            for d in div
+        )
+        out.append(
+            f'<p class="check"><b>{e(c["algo"])}</b> vs <b>{e(c["greedy"])}</b>: '
+            f"{c['identical']:.4f} identical, {len(div)} line(s) differ" + (f": {links}" if div else "") + "</p>"
+        )
         if c.get("edit_buckets"):  # the statistic the edit-ratio chart draws, under the same name
-            head = ("edit ratio", "sentences", f"{c['algo']} calls/sent", bucket_speedup_name(c['greedy']))
-            out.append('<table class="num"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr></thead><tbody>"
-                       + "".join(f"<tr><td>{e(b['edit_ratio'])}</td><td>{b['sentences']}</td>"
-                                 f"<td>{b['calls_per_sentence']:.2f}</td><td>{b['speedup']:.2f}x</td></tr>"
-                                 for b in c["edit_buckets"])
-                       + "</tbody></table>")
+            head = ("edit ratio", "sentences", f"{c['algo']} calls/sent", bucket_speedup_name(c["greedy"]))
+            out.append(
+                '<table class="num"><thead><tr>'
+                + "".join(f"<th>{e(h)}</th>" for h in head)
+                + "</tr></thead><tbody>"
+                + "".join(
+                    f"<tr><td>{e(b['edit_ratio'])}</td><td>{b['sentences']}</td>"
+                    f"<td>{b['calls_per_sentence']:.2f}</td><td>{b['speedup']:.2f}x</td></tr>"
+                    for b in c["edit_buckets"]
+                )
+                + "</tbody></table>"
+            )
     return "\n".join(out)
 
 
@@ -139,13 +227,15 @@ def bucket_speedup_name(greedy: str) -> str:
 
 def legend_html() -> str:
     chips = "".join(f'<span class="tok {k}">{html.escape(v)}</span> ' for k, v in PARTS.items())
-    return (f'<p class="legend">{chips} &nbsp; Each numbered row is one iteration: one call of the model whose '
-            f"output is produced (GAD: the drafter's block D, then what verification kept V). A drafted token is "
-            f"copied from the source (IAD), drafted by the drafter (GAD), proposed by the heads (blockwise) or "
-            f"written by the small model S (BiLD, speculative decoding; L marks the large model's own token). "
-            f"Beam search: the token each live beam added at each step, best beam first. Tokens are drawn as the "
-            f"words they spell; a thin line inside a word marks where one token ends and the next begins (the "
-            f"word's tokens are in its tooltip).</p>")
+    return (
+        f'<p class="legend">{chips} &nbsp; Each numbered row is one iteration: one call of the model whose '
+        f"output is produced (GAD: the drafter's block D, then what verification kept V). A drafted token is "
+        f"copied from the source (IAD), drafted by the drafter (GAD), proposed by the heads (blockwise) or "
+        f"written by the small model S (BiLD, speculative decoding; L marks the large model's own token). "
+        f"Beam search: the token each live beam added at each step, best beam first. Tokens are drawn as the "
+        f"words they spell; a thin line inside a word marks where one token ends and the next begins (the "
+        f"word's tokens are in its tooltip).</p>"
+    )
 
 
 def chips(items: list[tuple[int, str]], piece) -> str:
@@ -156,9 +246,11 @@ def chips(items: list[tuple[int, str]], piece) -> str:
     for w in words([t for t, _ in items], piece):
         texts = [piece(items[i][0])[0] for i in w]
         title = f' title="{html.escape("|".join(texts))}"' if len(texts) > 1 else ""
-        out.append(f'<span class="word"{title}>'
-                   + "".join(f'<span class="tok {items[i][1]}">{html.escape(text)}</span>' for i, text in zip(w, texts))
-                   + "</span>")
+        out.append(
+            f'<span class="word"{title}>'
+            + "".join(f'<span class="tok {items[i][1]}">{html.escape(text)}</span>' for i, text in zip(w, texts))
+            + "</span>"
+        )
     return "".join(out)
 
 
@@ -170,8 +262,10 @@ def tagged(tokens, part: str) -> list[tuple[int, str]]:
 def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greedy_of: dict, tokenizer, piece) -> str:
     e = html.escape
     if src_ids is None:
-        return (f'<section class="sent" id="s{i + 1}" data-differs="[]"><div class="src"><a class="n" href="#s{i + 1}">'
-                f'{i + 1}</a><i>(blank line: every run writes an empty line)</i></div></section>')
+        return (
+            f'<section class="sent" id="s{i + 1}" data-differs="[]"><div class="src"><a class="n" href="#s{i + 1}">'
+            f"{i + 1}</a><i>(blank line: every run writes an empty line)</i></div></section>"
+        )
     differs = []
     parts = []
     for n, r in enumerate(runs):
@@ -183,54 +277,72 @@ def sentence_html(i: int, line: str, refs: list[str], src_ids, runs: list, greed
             differs.append(r.name)
         badge = f' <span class="badge">differs from {e(g.name)}</span>' if diff else ""
         if r.traces[i] is None:  # a batch the run failed on (warned): an empty output line
-            parts.append(f'<div class="run" data-run="{e(r.name)}"><div class="runhead"><b>{e(r.name)}</b>{badge}</div>'
-                         f'<span class="out"><i>(no output: decoding this batch failed)</i></span></div>')
+            parts.append(
+                f'<div class="run" data-run="{e(r.name)}"><div class="runhead"><b>{e(r.name)}</b>{badge}</div>'
+                f'<span class="out"><i>(no output: decoding this batch failed)</i></span></div>'
+            )
             continue
         steps = r.traces[i]
         facts = f"{sum(s.verified for s in steps)} call(s)"
         if r.times[i] is not None:
             facts += f", {1000 * r.times[i]:.1f} ms" + ("" if r.batch_size == 1 else " (batch average)")
-        parts.append(f'<details class="run" data-run="{e(r.name)}"{" open" if n == 0 else ""}>'
-                     f'<summary><b>{e(r.name)}</b>{badge} '
-                     f'<span class="facts">{e(facts)}</span><span class="out">{e(text)}</span></summary>'
-                     f"{steps_html(r.algo.name, steps, piece)}</details>")
+        parts.append(
+            f'<details class="run" data-run="{e(r.name)}"{" open" if n == 0 else ""}>'
+            f"<summary><b>{e(r.name)}</b>{badge} "
+            f'<span class="facts">{e(facts)}</span><span class="out">{e(text)}</span></summary>'
+            f"{steps_html(r.algo.name, steps, piece)}</details>"
+        )
     refs_html = "".join(f'<div class="ref"><span class="lab">ref</span>{e(x)}</div>' for x in refs)
     src = e(line)
-    return (f'<section class="sent" id="s{i + 1}" data-differs="{e(json.dumps(differs))}">'
-            f'<div class="src"><a class="n" href="#s{i + 1}">{i + 1}</a>{src}</div>{refs_html}{"".join(parts)}</section>')
+    return (
+        f'<section class="sent" id="s{i + 1}" data-differs="{e(json.dumps(differs))}">'
+        f'<div class="src"><a class="n" href="#s{i + 1}">{i + 1}</a>{src}</div>{refs_html}{"".join(parts)}</section>'
+    )
 
 
 def steps_html(algo: str, steps: list[Step], piece) -> str:
     """A run's decoding of one sentence, one row per iteration."""
     if algo == "greedy":
-        return (f'<div class="steps"><div class="it"><span class="k">{iterations(len(steps))}, one token each</span>'
-                f'<span class="toks">{chips(tagged((s.own for s in steps), "own"), piece)}</span></div></div>')
+        return (
+            f'<div class="steps"><div class="it"><span class="k">{iterations(len(steps))}, one token each</span>'
+            f'<span class="toks">{chips(tagged((s.own for s in steps), "own"), piece)}</span></div></div>'
+        )
     if algo == "beam":
         return beam_html(steps, piece)
     rows = []
     for n, s in enumerate(steps, 1):
-        acc = tagged(s.drafted[:s.accepted], "accepted")
+        acc = tagged(s.drafted[: s.accepted], "accepted")
         own = tagged([s.own], "own") if s.own is not None else []
         rej = tagged(s.rejected, "rejected")
         if algo == "gad":
-            rows.append(f'<div class="it"><span class="k">{n}</span><span class="dv">D</span>'
-                        f'<span class="toks">{chips(acc + rej, piece)}</span></div>'
-                        f'<div class="it"><span class="k"></span><span class="dv">V</span>'
-                        f'<span class="toks">{chips(acc + own, piece)}</span>'
-                        f'<span class="how">{s.accepted} of {len(s.drafted)} drafted tokens accepted</span></div>')
+            rows.append(
+                f'<div class="it"><span class="k">{n}</span><span class="dv">D</span>'
+                f'<span class="toks">{chips(acc + rej, piece)}</span></div>'
+                f'<div class="it"><span class="k"></span><span class="dv">V</span>'
+                f'<span class="toks">{chips(acc + own, piece)}</span>'
+                f'<span class="how">{s.accepted} of {len(s.drafted)} drafted tokens accepted</span></div>'
+            )
             continue
         if algo in ("bild", "speculative"):
-            how = (f"S wrote {len(s.drafted)}, L accepted {s.accepted}" if s.verified and s.drafted
-                   else "nothing from S" if s.verified else f"S wrote {len(s.drafted)} after the last L call")
+            how = (
+                f"S wrote {len(s.drafted)}, L accepted {s.accepted}"
+                if s.verified and s.drafted
+                else "nothing from S"
+                if s.verified
+                else f"S wrote {len(s.drafted)} after the last L call"
+            )
             how += ", rollback" if s.rollback else ""
             how += ", L wrote 1" if s.own is not None else ""
-            body = ((f'<span class="who">S</span>{chips(acc + rej, piece)}' if s.drafted else "")
-                    + (f'<span class="who">L</span>{chips(own, piece)}' if own else ""))
+            body = (f'<span class="who">S</span>{chips(acc + rej, piece)}' if s.drafted else "") + (
+                f'<span class="who">L</span>{chips(own, piece)}' if own else ""
+            )
         else:
             how = how_drafted(s)
             body = chips(acc + own + rej, piece)
-        rows.append(f'<div class="it"><span class="k">{n}</span><span class="toks">{body}</span>'
-                    f'<span class="how">{html.escape(how)}</span></div>')
+        rows.append(
+            f'<div class="it"><span class="k">{n}</span><span class="toks">{body}</span>'
+            f'<span class="how">{html.escape(how)}</span></div>'
+        )
     return '<div class="steps">' + "".join(rows) + "</div>"
 
 
@@ -251,33 +363,39 @@ def beam_html(steps: list[Step], piece) -> str:
             else:
                 cells.append("<td></td>")
         body.append(f"<tr><th>{k + 1}</th>{''.join(cells)}</tr>")
-    return (f'<div class="steps beam"><span class="how">{len(steps)} steps; the token each live beam (rank 1 = best) '
-            f'added at each step</span><table><thead><tr><th>beam</th>{head}</tr></thead><tbody>{"".join(body)}'
-            f"</tbody></table></div>")
+    return (
+        f'<div class="steps beam"><span class="how">{len(steps)} steps; the token each live beam (rank 1 = best) '
+        f"added at each step</span><table><thead><tr><th>beam</th>{head}</tr></thead><tbody>{''.join(body)}"
+        f"</tbody></table></div>"
+    )
 
 
 # ---------------------------------------------------------------- charts (matplotlib, inline SVG)
+
 
 def svg(fig, name: str, caption: str) -> str:
     """The figure as an inline <svg> (text kept as text, every id prefixed with the chart's name so
     that several charts on one page never share one), in a <figure> with its caption."""
     import matplotlib
     import matplotlib.pyplot as plt
+
     buf = io.StringIO()
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "refdec"}):
         fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     plt.close(fig)
     text = buf.getvalue()
-    text = text[text.index("<svg"):]  # drop the XML declaration and doctype
+    text = text[text.index("<svg") :]  # drop the XML declaration and doctype
     text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
     text = re.sub(r'(\bid="|url\(#|href="#)([^")]+)', rf"\1{name}-\2", text)  # one id space per chart
-    return f'<figure>{text}<figcaption>{html.escape(caption)}</figcaption></figure>'
+    return f"<figure>{text}<figcaption>{html.escape(caption)}</figcaption></figure>"
 
 
 def figure(w: float = 5.2, h: float = 3.2):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(w, h))
     ax.spines[["top", "right"]].set_visible(False)
     ax.grid(axis="y", color="#e5e5e5", linewidth=0.8)
@@ -297,8 +415,10 @@ def chart_quality_speed(rows: list[dict]) -> str:
     if len(rows) < 2 or not all(r.get("bleu") is not None and r["seconds"] > 0 for r in rows):
         return ""
     import matplotlib.pyplot as plt
+
     metrics = [("bleu", "BLEU", 100.0, "{:+.2f}")] + (
-        [("gec_f05", "F0.5", 1.0, "{:+.4f}")] if all("gec_f05" in r for r in rows) else [])
+        [("gec_f05", "F0.5", 1.0, "{:+.4f}")] if all("gec_f05" in r for r in rows) else []
+    )
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
     base = rows[0]["seconds"]
     speeds = [base / r["seconds"] for r in rows]
@@ -307,18 +427,35 @@ def chart_quality_speed(rows: list[dict]) -> str:
         ax.grid(color="#e5e5e5", linewidth=0.8)
         ax.set_axisbelow(True)
         for n, (r, x) in enumerate(zip(rows, speeds)):
-            ax.scatter([x], [r[key]], s=50, color=PALETTE[n % len(PALETTE)], zorder=3, label=r["algo"],
-                       marker="os^Dvp<>"[n % 8])
+            ax.scatter(
+                [x],
+                [r[key]],
+                s=50,
+                color=PALETTE[n % len(PALETTE)],
+                zorder=3,
+                label=r["algo"],
+                marker="os^Dvp<>"[n % 8],
+            )
             if n:
-                ax.annotate(quality_delta(r[key] - rows[0][key], fmt), (x, r[key]), textcoords="offset points",
-                            xytext=(6, -12 if n % 2 else 5), fontsize=7, color="#555")
+                ax.annotate(
+                    quality_delta(r[key] - rows[0][key], fmt),
+                    (x, r[key]),
+                    textcoords="offset points",
+                    xytext=(6, -12 if n % 2 else 5),
+                    fontsize=7,
+                    color="#555",
+                )
         ax.set_xlabel(f"speed relative to {rows[0]['algo']} (higher is faster)")
         ax.set_ylabel(f"{name} (difference from {rows[0]['algo']} beside each point)")
         ax.set_xlim(0, 1.15 * max(speeds))
         ax.set_ylim(0, min(scale, 1.15 * max(r[key] for r in rows)) or scale)
     axes[0][0].legend(frameon=False, fontsize=8)
-    return svg(fig, "quality", f"Quality against speed: one point per run, all timed in one process; both axes start "
-                               f"at 0, and each point is labelled with its difference from {rows[0]['algo']}.")
+    return svg(
+        fig,
+        "quality",
+        f"Quality against speed: one point per run, all timed in one process; both axes start "
+        f"at 0, and each point is labelled with its difference from {rows[0]['algo']}.",
+    )
 
 
 def quality_delta(delta: float, fmt: str) -> str:
@@ -341,11 +478,22 @@ def chart_edit_buckets(checks: list[dict]) -> str:
     for n, c in enumerate(checks):
         by = {b["edit_ratio"]: b for b in c["edit_buckets"]}
         xs = [labels.index(k) + (n - (len(checks) - 1) / 2) * width for k in by]
-        bars = ax.bar(xs, [b["speedup"] for b in by.values()], width * 0.92, color=PALETTE[n % len(PALETTE)],
-                      label=f"{c['algo']} over {c['greedy']}")
+        bars = ax.bar(
+            xs,
+            [b["speedup"] for b in by.values()],
+            width * 0.92,
+            color=PALETTE[n % len(PALETTE)],
+            label=f"{c['algo']} over {c['greedy']}",
+        )
         for bar, b in zip(bars, by.values()):
-            ax.annotate(f"{b['speedup']:.2f}x\nn={b['sentences']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+            ax.annotate(
+                f"{b['speedup']:.2f}x\nn={b['sentences']}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize=7,
+            )
     ax.axhline(1, color="#999", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(labels)), labels)
     ax.set_xlabel("edit ratio of the output (word edits / source words)")
@@ -353,9 +501,13 @@ def chart_edit_buckets(checks: list[dict]) -> str:
     ax.set_ylim(0, 1.2 * max(b["speedup"] for c in checks for b in c["edit_buckets"]))
     if len(checks) > 1:
         ax.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22))
-    return svg(fig, "edit", "Speedup over greedy by the edit ratio of the output (how much of the source it changes): "
-                            "greedy's summed time over the bucket's sentences divided by the run's, from per-sentence "
-                            "times at batch size 1 (the table above gives the same figures); n = sentences in the bucket.")
+    return svg(
+        fig,
+        "edit",
+        "Speedup over greedy by the edit ratio of the output (how much of the source it changes): "
+        "greedy's summed time over the bucket's sentences divided by the run's, from per-sentence "
+        "times at batch size 1 (the table above gives the same figures); n = sentences in the bucket.",
+    )
 
 
 def chart_tokens_per_call(runs: list) -> str:
@@ -368,16 +520,28 @@ def chart_tokens_per_call(runs: list) -> str:
     top = max(max(r.stats.committed) for r in runs)
     bins = [b - 0.5 for b in range(1, top + 2)]
     for n, r in enumerate(runs):
-        ax.hist(r.stats.committed, bins=bins, weights=[100 / len(r.stats.committed)] * len(r.stats.committed),
-                histtype="stepfilled" if len(runs) == 1 else "step", linewidth=1.4, alpha=0.85 if len(runs) == 1 else 1,
-                color=PALETTE[n % len(PALETTE)], label=f"{r.name} (mean {r.stats.mean_committed:.2f})")
+        ax.hist(
+            r.stats.committed,
+            bins=bins,
+            weights=[100 / len(r.stats.committed)] * len(r.stats.committed),
+            histtype="stepfilled" if len(runs) == 1 else "step",
+            linewidth=1.4,
+            alpha=0.85 if len(runs) == 1 else 1,
+            color=PALETTE[n % len(PALETTE)],
+            label=f"{r.name} (mean {r.stats.mean_committed:.2f})",
+        )
     from matplotlib.ticker import MaxNLocator
+
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("tokens committed by one call")
     ax.set_ylabel("% of calls")
     ax.set_xlim(0.5, top + 0.5)
     ax.legend(frameon=False, fontsize=8)
-    return svg(fig, "calls", "Tokens committed per verifier call: each call commits its accepted draft and one token of its own.")
+    return svg(
+        fig,
+        "calls",
+        "Tokens committed per verifier call: each call commits its accepted draft and one token of its own.",
+    )
 
 
 def chart_module_time(rows: list[dict]) -> str:
@@ -398,4 +562,6 @@ def chart_module_time(rows: list[dict]) -> str:
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.legend(frameon=False, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 / len(rows)))
-    return svg(fig, "modules", "Time per module, summed over the sentences (the rest of a run's time is the loop around them).")
+    return svg(
+        fig, "modules", "Time per module, summed over the sentences (the rest of a run's time is the loop around them)."
+    )

@@ -51,8 +51,13 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_outputs(outputs: dict[str, str | Path | list | None], reads: dict[str, str | Path | None], *,
-                  folders_made: bool = False, opt_in: tuple[str, bool] | None = None) -> None:
+def check_outputs(
+    outputs: dict[str, str | Path | list | None],
+    reads: dict[str, str | Path | None],
+    *,
+    folders_made: bool = False,
+    opt_in: tuple[str, bool] | None = None,
+) -> None:
     """Every path a command writes, checked before any work by every command alike: none may be a
     file the run reads, nor another output, nor lie in the shipped checkpoints/ or data/
     (refdec.repo.check_not_shipped; `opt_in`: the command's flag that allows it, and whether given),
@@ -61,14 +66,19 @@ def check_outputs(outputs: dict[str, str | Path | list | None], reads: dict[str,
     outputs: flag -> path (or a list of paths), None when not given. reads: what -> path of everything
     the run reads, defaults included (input_files, checkpoint_files); a folder there stands for every
     file in it."""
-    written = [(flag, path) for flag, paths in outputs.items()
-               for path in ([paths] if isinstance(paths, (str, Path)) else paths or [])]
+    written = [
+        (flag, path)
+        for flag, paths in outputs.items()
+        for path in ([paths] if isinstance(paths, (str, Path)) else paths or [])
+    ]
     for i, (flag, path) in enumerate(written):
         p = Path(path)
         for what, read in ((w, Path(r)) for w, r in reads.items() if r and str(r) != "-"):
             if same_file(p, read) or (read.is_dir() and p.exists() and p.resolve().is_relative_to(read.resolve())):
-                raise UsageError(f"{flag} {path} {'lies in' if read.is_dir() else 'is also'} {what}, which this "
-                                 f"run reads: it would be overwritten; give another path")
+                raise UsageError(
+                    f"{flag} {path} {'lies in' if read.is_dir() else 'is also'} {what}, which this "
+                    f"run reads: it would be overwritten; give another path"
+                )
         for other_flag, other in written[:i]:
             if same_file(p, Path(other)):
                 raise UsageError(f"{flag} {path} is also the {other_flag} path: give each output its own")
@@ -101,9 +111,13 @@ def add_machine_flags(g) -> None:
     """decode.py's --device, --dtype, --threads and --allocator (checked and set by check_machine)."""
     g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
-    g.add_argument("--threads", type=int, metavar="N",
-                   help="torch threads (default: torch's count, from OMP_NUM_THREADS or the cores, cut to the "
-                        "cores other processes leave idle while the models load, at least one; a note says so)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch threads (default: torch's count, from OMP_NUM_THREADS or the cores, cut to the "
+        "cores other processes leave idle while the models load, at least one; a note says so)",
+    )
     allocator_option(g)
 
 
@@ -113,13 +127,17 @@ def check_machine(device: str, threads: int | None, allocator: str = "system") -
     check_device(device)
     if threads is not None:
         if not 1 <= threads <= usable_cores():
-            raise UsageError(f"--threads must be between 1 and the {usable_cores()} cores this machine gives "
-                             f"the run (more threads than cores only slows decoding down)")
+            raise UsageError(
+                f"--threads must be between 1 and the {usable_cores()} cores this machine gives "
+                f"the run (more threads than cores only slows decoding down)"
+            )
         torch.set_num_threads(threads)
     set_allocator(allocator)
 
 
-def read_input(task: str, path: str | None, ref_paths: list[str], limit: int | None) -> tuple[list[str], list[list[str]]]:
+def read_input(
+    task: str, path: str | None, ref_paths: list[str], limit: int | None
+) -> tuple[list[str], list[list[str]]]:
     """The input lines and their reference streams (the task's test set unless `path`)."""
     task_dir = data_mod.DATA_DIR / task
     if path:
@@ -133,8 +151,11 @@ def read_input(task: str, path: str | None, ref_paths: list[str], limit: int | N
         if not (task_dir / "test.src.gz").exists():
             raise UsageError(f"{task_dir}/test.src.gz not found; rebuild it with python data/build.py")
         lines = data_mod.read_lines(task_dir / "test.src.gz")
-        refs = [data_mod.read_lines(task_dir / name) for name in ("test.tgt.gz", "test.tgt2.gz")
-                if (task_dir / name).exists()]
+        refs = [
+            data_mod.read_lines(task_dir / name)
+            for name in ("test.tgt.gz", "test.tgt2.gz")
+            if (task_dir / name).exists()
+        ]
     if limit is not None:
         lines, refs = lines[:limit], [r[:limit] for r in refs]
     return lines, refs

@@ -48,26 +48,44 @@ class LoadError(CheckpointError):
     """A checkpoint that does not fit the run (another tokenizer, no heads, not a drafter): one line."""
 
 
-def load_any(path: str | Path, *, task: str | None, device, dtype: torch.dtype, loaded: dict | None = None,
-             languages: tuple[str | None, str | None] = (None, None)):
+def load_any(
+    path: str | Path,
+    *,
+    task: str | None,
+    device,
+    dtype: torch.dtype,
+    loaded: dict | None = None,
+    languages: tuple[str | None, str | None] = (None, None),
+):
     """load_model for a refdec checkpoint; a transformers model folder (refdec.hf, which carries no
     task) for a folder, with `languages` (source, target) its forced language tokens."""
     if Path(path).is_dir():
         from ..hf.importing import load_folder
+
         return load_folder(path, device=device, dtype=dtype, src_lang=languages[0], tgt_lang=languages[1])
     if any(languages):
-        raise LoadError("--src-lang and --tgt-lang choose the language tokens of a transformers model folder; "
-                        f"{path} is a refdec checkpoint")
+        raise LoadError(
+            "--src-lang and --tgt-lang choose the language tokens of a transformers model folder; "
+            f"{path} is a refdec checkpoint"
+        )
     return load_model(path, task=task, device=device, dtype=dtype, loaded=loaded)
 
 
 class RunLoader:
-    def __init__(self, main_path: str | Path, *, task: str, device: str, dtype: torch.dtype,
-                 languages: tuple[str | None, str | None] = (None, None)):
+    def __init__(
+        self,
+        main_path: str | Path,
+        *,
+        task: str,
+        device: str,
+        dtype: torch.dtype,
+        languages: tuple[str | None, str | None] = (None, None),
+    ):
         self.task, self.device, self.dtype, self.languages = task, device, dtype, languages
         self.main_path = Path(main_path)
-        model, self.tokenizer, checkpoint = load_any(main_path, task=task, device=device, dtype=dtype,
-                                                     languages=languages)
+        model, self.tokenizer, checkpoint = load_any(
+            main_path, task=task, device=device, dtype=dtype, languages=languages
+        )
         self.loaded = {self.main_path.resolve(): (model, checkpoint)}  # large models by file
         self.loaded_companions: dict = {}  # (role, file, large model's file) -> {role: model}
         self.hashes: dict = {}
@@ -84,15 +102,22 @@ class RunLoader:
     @property
     def max_positions(self) -> int:
         """Positions left for a source (or an output) once the models' forced tokens are in."""
-        return min(m.cfg.max_positions - max(len(m.cfg.encoder_prefix), len(m.cfg.decoder_prefix))
-                   for m, _ in self.loaded.values())
+        return min(
+            m.cfg.max_positions - max(len(m.cfg.encoder_prefix), len(m.cfg.decoder_prefix))
+            for m, _ in self.loaded.values()
+        )
 
     def add(self, path: str | Path) -> None:
         """Another large model for compared runs (`ALGO@CKPT`), on the main model's tokenizer."""
         if Path(path).resolve() in self.loaded:
             return
-        model, tok, checkpoint = load_any(path, task=self.task, device=self.device, dtype=self.dtype,
-                                          languages=self.languages if Path(path).is_dir() else (None, None))
+        model, tok, checkpoint = load_any(
+            path,
+            task=self.task,
+            device=self.device,
+            dtype=self.dtype,
+            languages=self.languages if Path(path).is_dir() else (None, None),
+        )
         if tok.sha256 != self.tokenizer.sha256:
             raise LoadError(f"{path} has a different tokenizer from {self.main_path}; compared runs must share one")
         self.loaded[Path(path).resolve()] = (model, checkpoint)
@@ -111,12 +136,20 @@ class RunLoader:
             return {"small": EarlyExit(large, large_checkpoint["early_exit"])}
         key = (role, Path(value).resolve(), large_path.resolve())
         if key not in self.loaded_companions:
-            model, tok, checkpoint = load_any(value, task=self.task, device=self.device, dtype=self.dtype,
-                                              loaded={self.sha256(large_path): large},
-                                              languages=self.languages if Path(value).is_dir() else (None, None))
+            model, tok, checkpoint = load_any(
+                value,
+                task=self.task,
+                device=self.device,
+                dtype=self.dtype,
+                loaded={self.sha256(large_path): large},
+                languages=self.languages if Path(value).is_dir() else (None, None),
+            )
             if tok.sha256 != self.tokenizer.sha256:
                 raise LoadError(f"{role} {value} does not share the tokenizer of {self.main_path}")
-            if (model.cfg.encoder_prefix, model.cfg.decoder_prefix) != (large.cfg.encoder_prefix, large.cfg.decoder_prefix):
+            if (model.cfg.encoder_prefix, model.cfg.decoder_prefix) != (
+                large.cfg.encoder_prefix,
+                large.cfg.decoder_prefix,
+            ):
                 raise LoadError(f"{role} {value} does not force the tokens {large_path} forces (language codes, <s>)")
             if role == "drafter" and "drafter" not in checkpoint:
                 raise LoadError(f"{value} is not a block drafter (train one with train.py --drafter-k)")
@@ -142,16 +175,27 @@ class RunLoader:
             heads = load_proposal(checkpoint, device=self.device, dtype=self.dtype)
             if heads is None:
                 what = "is a transformers folder, with" if path.is_dir() else "has"
-                raise LoadError(f"{path} {what} no proposal heads; blockwise runs on a refdec checkpoint with heads "
-                                "trained by train.py --proposal-k (docs/usage.md, section Training)")
+                raise LoadError(
+                    f"{path} {what} no proposal heads; blockwise runs on a refdec checkpoint with heads "
+                    "trained by train.py --proposal-k (docs/usage.md, section Training)"
+                )
             found.update(heads=heads, number_values=number_values(self.tokenizer).to(self.device))
         keep = set(model_args) | ({"number_values"} if "heads" in model_args else set())
         return Models(large, path, **{k: v for k, v in found.items() if k in keep})
 
 
-def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dtype, invariant: bool = False,
-                fast: bool = False, graphed: bool = False,
-                languages: tuple[str | None, str | None] = (None, None)) -> tuple[RunLoader, list[Models]]:
+def load_models(
+    specs: list,
+    shared: dict,
+    *,
+    task: str,
+    device,
+    dtype: torch.dtype,
+    invariant: bool = False,
+    fast: bool = False,
+    graphed: bool = False,
+    languages: tuple[str | None, str | None] = (None, None),
+) -> tuple[RunLoader, list[Models]]:
     """The models of each of refdec.app.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` companion models (role -> path) and
     each run's own, each wrapped for its route (`routed`): with `invariant`, row-invariant
@@ -160,8 +204,10 @@ def load_models(specs: list, shared: dict, *, task: str, device, dtype: torch.dt
     own around the same model, the same one for every int8 run (so each lossless int8 run is checked
     against greedy on int8). Returns the loader (the tokenizer, the main checkpoint) and one Models per spec."""
     if graphed and any(s.int8 for s in specs):
-        raise UsageError("the graphed route has no int8 form: run --int8 (or :int8) without --graphed, on the fast "
-                         "or the reference route")
+        raise UsageError(
+            "the graphed route has no int8 form: run --int8 (or :int8) without --graphed, on the fast "
+            "or the reference route"
+        )
     loader = RunLoader(specs[0].path, task=task, device=device, dtype=dtype, languages=languages)
     for s in specs[1:]:
         loader.add(s.path)
@@ -187,15 +233,22 @@ def routed(models: Models, route: str, int8: bool, large=None) -> Models:
     drafter = models.drafter
     if drafter is not None:
         drafter = replace(drafter, model=beside(drafter.model, models.model, large, route, int8))
-    return replace(models, model=large, drafter=drafter, small=beside(models.small, models.model, large, route, int8),
-                   heads=None if models.heads is None else on_route(models.heads, route, int8))
+    return replace(
+        models,
+        model=large,
+        drafter=drafter,
+        small=beside(models.small, models.model, large, route, int8),
+        heads=None if models.heads is None else on_route(models.heads, route, int8),
+    )
 
 
 def beside(module, model, model_routed, route: str, int8: bool):
     """A companion `module` of `model` on `route`: an adapter reading `model` reads `model_routed`, the
     model's route; any other adapter or model is put on the route itself (None stays None)."""
+
     def on(m):
         return model_routed if m is model else on_route(m, route, int8)
+
     if isinstance(module, EarlyExit):
         return EarlyExit(on(module.base), module.layers)
     if isinstance(module, SharedEncoder):

@@ -1,9 +1,9 @@
 """What one decode.py invocation runs: a RunSpec per run, every choice resolved before any model loads.
 
-A run is an algorithm on a checkpoint with its option values, its own companion models (or the shared
-ones) and its batches: a batch size, or a token budget. The first run is --algo's; `--compare ALGO[@CKPT][:OPTION=VALUE...]` adds
-the others (`:int8` puts one on the int8 route, refdec.routes.int8); `--batch-sizes` repeats all of them at each size. Every run finds its default checkpoint
-by the same rule (`default_checkpoint`), so `--compare blockwise` runs on the model
+A run is an algorithm on a checkpoint with its option values, its own companion models (or the shared ones) and its
+batches: a batch size, or a token budget. The first run is --algo's; `--compare ALGO[@CKPT][:OPTION=VALUE...]` adds the
+others (`:int8` puts one on the int8 route, refdec.routes.int8); `--batch-sizes` repeats all of them at each size. Every
+run finds its default checkpoint by the same rule (`default_checkpoint`), so `--compare blockwise` runs on the model
 `--algo blockwise` would use.
 """
 
@@ -20,8 +20,10 @@ from .inputs import checkpoint_files
 
 CHECKPOINTS = REPO / "checkpoints"
 COMPANION_DIRS = {"drafter": "{task}-drafter", "small": "{task}-small-aligned"}
-COMPANION_WORDS = {"drafter": "block drafter on the same tokenizer (a checkpoint of train.py --drafter-k)",
-                   "small": "small model on the same tokenizer (a refdec checkpoint or a transformers folder)"}
+COMPANION_WORDS = {
+    "drafter": "block drafter on the same tokenizer (a checkpoint of train.py --drafter-k)",
+    "small": "small model on the same tokenizer (a refdec checkpoint or a transformers folder)",
+}
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,16 @@ class RunSpec:
     int8: bool = False  # its models on the int8 route (refdec.routes.int8)
 
 
-def check_counts(*, batch_size: int | None, max_len: int | None, limit: int | None, warmup: int, refs: list,
-                 input: str | None, batch_tokens: int | None = None) -> None:
+def check_counts(
+    *,
+    batch_size: int | None,
+    max_len: int | None,
+    limit: int | None,
+    warmup: int,
+    refs: list,
+    input: str | None,
+    batch_tokens: int | None = None,
+) -> None:
     """Numbers that cannot be right whatever the algorithm."""
     for flag, value in (("--batch-size", batch_size), ("--max-len", max_len), ("--batch-tokens", batch_tokens)):
         if value is not None and value < 1:
@@ -78,7 +88,7 @@ def parse_sizes(text: str | None, batch_size: int | None) -> list[int]:
 
 
 def parse_compare(spec: str) -> list[Compared]:
-    """"greedy,beam@ckpt.pt:beam-size=4" -> [Compared("greedy"), Compared("beam", "ckpt.pt", {"beam_size": 4})];
+    """ "greedy,beam@ckpt.pt:beam-size=4" -> [Compared("greedy"), Compared("beam", "ckpt.pt", {"beam_size": 4})];
     a bare ":int8" puts that run on the int8 route."""
     out = []
     for item in spec.split(","):
@@ -99,8 +109,9 @@ def parse_compare(spec: str) -> list[Compared]:
                 raise UsageError(f"--compare {item}: write an option as NAME=VALUE (or :int8 alone), not {setting!r}")
             if key in ("batch_size", "batch_tokens"):
                 if not value.isdigit() or int(value) < 1:
-                    raise UsageError(f"--compare {item}: {key.replace('_', '-')} must be a whole number of at least 1, "
-                                     f"not {value!r}")
+                    raise UsageError(
+                        f"--compare {item}: {key.replace('_', '-')} must be a whole number of at least 1, not {value!r}"
+                    )
                 size, tokens = (int(value), tokens) if key == "batch_size" else (size, int(value))
             elif key in ("small", "drafter"):
                 if key not in algo.companion_roles:
@@ -114,8 +125,10 @@ def parse_compare(spec: str) -> list[Compared]:
                 except ValueError as e:
                     raise UsageError(f"--compare {item}: {e}") from None
             else:
-                raise UsageError(f"--compare {item}: {key.replace('_', '-')} is not an option of {name} "
-                                 f"(its options: {', '.join(k.replace('_', '-') for k in algo.options) or 'none'})")
+                raise UsageError(
+                    f"--compare {item}: {key.replace('_', '-')} is not an option of {name} "
+                    f"(its options: {', '.join(k.replace('_', '-') for k in algo.options) or 'none'})"
+                )
         out.append(Compared(name, path or None, options, companions, size, tokens, int8))
     return out
 
@@ -126,8 +139,10 @@ def default_checkpoint(algo: Algorithm, task: str) -> Path:
     repo_file("checkpoints", algo.checkpoint_dir(task), "model.pt", flag="--model PATH")
     path = CHECKPOINTS / algo.checkpoint_dir(task) / "model.pt"
     if not path.exists():
-        raise UsageError(f"--algo {algo.name} --task {task}: no checkpoint at {shown(path)}; {shipped_for(algo)}; "
-                         f"pass --model PATH or {train_hint(algo.checkpoint_dir(task), task)}")
+        raise UsageError(
+            f"--algo {algo.name} --task {task}: no checkpoint at {shown(path)}; {shipped_for(algo)}; "
+            f"pass --model PATH or {train_hint(algo.checkpoint_dir(task), task)}"
+        )
     return path
 
 
@@ -136,23 +151,44 @@ def default_companion(role: str, task: str, algo: Algorithm) -> str:
     repo_file("checkpoints", folder, "model.pt", flag=f"--{role} PATH")
     path = CHECKPOINTS / folder / "model.pt"
     if not path.exists():
-        raise UsageError(f"--algo {algo.name} --task {task}: no {role} checkpoint at {shown(path)}; {shipped_for(algo)}; "
-                         f"pass --{role} PATH or {train_hint(folder, task)}")
+        raise UsageError(
+            f"--algo {algo.name} --task {task}: no {role} checkpoint at {shown(path)}; {shipped_for(algo)}; "
+            f"pass --{role} PATH or {train_hint(folder, task)}"
+        )
     return str(path)
 
 
 def shipped_for(algo: Algorithm) -> str:
     """Which tasks have a shipped checkpoint for `algo` (and its companion models): said when one is missing."""
     from ..data import TASKS
-    tasks = [t for t in TASKS if all((CHECKPOINTS / d / "model.pt").exists() for d in
-                                     [algo.checkpoint_dir(t)] + [COMPANION_DIRS[r].format(task=t) for r in algo.companion_roles])]
-    return (f"--algo {algo.name} has shipped models for --task {' and '.join(tasks)}" if tasks
-            else f"no task has shipped models for --algo {algo.name}")
+
+    tasks = [
+        t
+        for t in TASKS
+        if all(
+            (CHECKPOINTS / d / "model.pt").exists()
+            for d in [algo.checkpoint_dir(t)] + [COMPANION_DIRS[r].format(task=t) for r in algo.companion_roles]
+        )
+    ]
+    return (
+        f"--algo {algo.name} has shipped models for --task {' and '.join(tasks)}"
+        if tasks
+        else f"no task has shipped models for --algo {algo.name}"
+    )
 
 
-def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, compares: list[Compared],
-              batch_size: int | None, sizes: list[int], batch_tokens: int | None = None,
-              int8: bool = False) -> list[RunSpec]:
+def plan_runs(
+    algo_name: str,
+    task: str,
+    *,
+    model: str | None,
+    given: dict,
+    compares: list[Compared],
+    batch_size: int | None,
+    sizes: list[int],
+    batch_tokens: int | None = None,
+    int8: bool = False,
+) -> list[RunSpec]:
     """The runs, in order: --algo's first, then each compared one (all of them at each of `sizes`).
 
     Batches: a --compare run that sets its own batch-size or batch-tokens is batched by those alone
@@ -167,12 +203,16 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
     items = [Compared(algo_name)] + compares
     unread = set(given) - set().union(*(ALGORITHMS[c.name].options for c in items))
     if unread:
-        raise UsageError(f"--{sorted(unread)[0].replace('_', '-')} is not used by --algo {algo_name}"
-                         + (" or by any --compare algorithm" if compares else ""))
+        raise UsageError(
+            f"--{sorted(unread)[0].replace('_', '-')} is not used by --algo {algo_name}"
+            + (" or by any --compare algorithm" if compares else "")
+        )
     if sizes:
         if batch_tokens or any(c.batch_size or c.batch_tokens for c in compares):
-            raise UsageError("--batch-sizes sets every run's batches: leave out --batch-tokens; a --compare run "
-                             "cannot set its own batch-size or batch-tokens")
+            raise UsageError(
+                "--batch-sizes sets every run's batches: leave out --batch-tokens; a --compare run "
+                "cannot set its own batch-size or batch-tokens"
+            )
         items = [Compared(c.name, c.path, c.options, c.companions, n, int8=c.int8) for n in sizes for c in items]
     if model:
         check_checkpoint_path("--model ", model)
@@ -183,7 +223,9 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
         # Without --model, ALGO runs on the checkpoint --algo ALGO would use, except that an algorithm
         # on the task's plain model (greedy, beam, iad, ...) beside --algo blockwise runs on the heads'
         # file, whose base model it is, so the lossless check compares the two on one model.
-        run_path = c.path or (None if model or algo.model_dir in (first.model_dir, "{task}") else default_checkpoint(algo, task))
+        run_path = c.path or (
+            None if model or algo.model_dir in (first.model_dir, "{task}") else default_checkpoint(algo, task)
+        )
         options = {**algo.defaults(), **{k: v for k, v in given.items() if k in algo.options}, **c.options}
         try:
             check_options(algo, options, set(given) | set(c.options))
@@ -191,8 +233,9 @@ def plan_runs(algo_name: str, task: str, *, model: str | None, given: dict, comp
             raise UsageError(f"--compare {c.name}: {e}" if specs else str(e)) from None
         tokens = c.batch_tokens or (0 if c.batch_size else batch_tokens or 0)
         rows = c.batch_size or (0 if c.batch_tokens else batch_size) or (0 if tokens else 1)
-        specs.append(RunSpec(algo, Path(run_path) if run_path else main, options, c.companions, rows, "", tokens,
-                             int8 or c.int8))
+        specs.append(
+            RunSpec(algo, Path(run_path) if run_path else main, options, c.companions, rows, "", tokens, int8 or c.int8)
+        )
     names = model_names([s.path for s in specs])
     return [replace(s, label=label(s, c, names if len(names) > 1 else None, bool(sizes))) for s, c in zip(specs, items)]
 
@@ -208,20 +251,29 @@ def model_names(paths: list[Path]) -> dict[Path, str]:
     """Each distinct checkpoint's name in row labels: model_name, or where two share one (two folders
     of the same name under different parents) the path to the folder, so that no two rows read alike."""
     names = {p: model_name(p) for p in dict.fromkeys(p.resolve() for p in paths)}
-    return {p: (shown(p if p.is_dir() else p.parent) if list(names.values()).count(n) > 1 else n)
-            for p, n in names.items()}
+    return {
+        p: (shown(p if p.is_dir() else p.parent) if list(names.values()).count(n) > 1 else n) for p, n in names.items()
+    }
 
 
 def label(spec: RunSpec, item: Compared, names: dict[Path, str] | None, with_size: bool) -> str:
     """Row name: the algorithm, plus its checkpoint's name when the runs use several checkpoints
     (`names`, model_names), plus what the run sets itself (a companion model by its folder)."""
     name = f"{spec.algo.name}@{names[spec.path.resolve()]}" if names else spec.algo.name
-    settings = {**item.options, **item.companions,
-                **({"batch_size": spec.batch_size} if with_size or item.batch_size else {}),
-                **({"batch_tokens": spec.batch_tokens} if item.batch_tokens else {})}
+    settings = {
+        **item.options,
+        **item.companions,
+        **({"batch_size": spec.batch_size} if with_size or item.batch_size else {}),
+        **({"batch_tokens": spec.batch_tokens} if item.batch_tokens else {}),
+    }
     for k, v in settings.items():
-        v = (model_name(v) if k in ("small", "drafter") and v != "early-exit"
-             else f"{v:g}" if isinstance(v, float) else v)
+        v = (
+            model_name(v)
+            if k in ("small", "drafter") and v != "early-exit"
+            else f"{v:g}"
+            if isinstance(v, float)
+            else v
+        )
         name += f":{k.replace('_', '-')}={v}"
     return name + (":int8" if item.int8 else "")
 
@@ -238,9 +290,11 @@ def shared_companions(specs: list[RunSpec], task: str, given: dict) -> dict:
         if task is None and not given.get(role):  # --model and --input without --task: no shipped default
             s = next(s for s in specs if role in s.algo.companion_roles and role not in s.companions)
             flag = f"--algo {s.algo.name}" if s is specs[0] else f"--compare {s.algo.name}"
-            raise UsageError(f"{flag} needs a {COMPANION_WORDS[role]}, and without --task there is no shipped one "
-                             f"to take: pass --{role} PATH" + (f" (or --compare {s.algo.name}:{role}=PATH)"
-                                                                if s is not specs[0] else ""))
+            raise UsageError(
+                f"{flag} needs a {COMPANION_WORDS[role]}, and without --task there is no shipped one "
+                f"to take: pass --{role} PATH"
+                + (f" (or --compare {s.algo.name}:{role}=PATH)" if s is not specs[0] else "")
+            )
         out[role] = given.get(role) or default_companion(role, task, first)
         if out[role] != "early-exit" and given.get(role):
             check_checkpoint_path(f"--{role} ", out[role])
@@ -263,8 +317,10 @@ def checkpoints_read(specs: list[RunSpec], shared: dict) -> dict:
 def help_default(name: str) -> str:
     """ "default 5", or "default: bild 0.9, speculative 1" where algorithms differ."""
     per = option_defaults()[name]
-    show = {k: ("on" if v is True else "off" if v is False else f"{v:g}" if isinstance(v, float) else str(v))
-            for k, v in per.items()}
+    show = {
+        k: ("on" if v is True else "off" if v is False else f"{v:g}" if isinstance(v, float) else str(v))
+        for k, v in per.items()
+    }
     if len(set(show.values())) == 1:
         return f"default {next(iter(show.values()))}"
     return "default: " + ", ".join(f"{k} {v}" for k, v in show.items())
@@ -274,19 +330,35 @@ def add_route_flags(group) -> None:
     """decode.py's routes, the ways to compute one model: the reference route by default, or one of
     row-invariant mode, the fast route and the graphed route; the int8 route combines with the first two."""
     route = group.add_mutually_exclusive_group()  # two ways to compute one model: one at a time
-    route.add_argument("--invariant", action="store_true", help="row-invariant compute for every model: each position's "
-                   "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
-                   "ties included (slower; docs/algorithms.md, 'Row-invariant mode')")
-    route.add_argument("--fast", action="store_true", help="the fast route for every model it applies to: the same "
-                   "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
-                   "each product); float32 logits differ from the reference route's in the last bits "
-                   "(docs/fast.md)")
-    route.add_argument("--graphed", action="store_true", help="the graphed route: the fast route's decoder call and "
-                   "encoder on static shapes (a preallocated KV cache, calls padded to buckets), captured once per "
-                   "shape as a CUDA graph and replayed on a GPU, run as they are on a CPU (docs/graphed.md)")
-    group.add_argument("--int8", action="store_true", help="the int8 route for every model (a --compare run alone: :int8): "
-                   "linear layers as int8 products with per-row scales, so lossless algorithms still equal greedy; "
-                   "combines with --fast or --invariant (docs/int8.md)")
+    route.add_argument(
+        "--invariant",
+        action="store_true",
+        help="row-invariant compute for every model: each position's "
+        "logits bitwise the same whatever the call shape, so lossless algorithms equal greedy exactly, "
+        "ties included (slower; docs/algorithms.md, 'Row-invariant mode')",
+    )
+    route.add_argument(
+        "--fast",
+        action="store_true",
+        help="the fast route for every model it applies to: the same "
+        "model computed with fewer, fused operations (PyTorch's fused attention, the residual sum inside "
+        "each product); float32 logits differ from the reference route's in the last bits "
+        "(docs/fast.md)",
+    )
+    route.add_argument(
+        "--graphed",
+        action="store_true",
+        help="the graphed route: the fast route's decoder call and "
+        "encoder on static shapes (a preallocated KV cache, calls padded to buckets), captured once per "
+        "shape as a CUDA graph and replayed on a GPU, run as they are on a CPU (docs/graphed.md)",
+    )
+    group.add_argument(
+        "--int8",
+        action="store_true",
+        help="the int8 route for every model (a --compare run alone: :int8): "
+        "linear layers as int8 products with per-row scales, so lossless algorithms still equal greedy; "
+        "combines with --fast or --invariant (docs/int8.md)",
+    )
 
 
 def add_option_flags(group) -> None:
@@ -298,9 +370,23 @@ def add_option_flags(group) -> None:
         if isinstance(default, bool):
             group.add_argument(flag, action="store_const", const=True, help=help_text)
         else:
-            group.add_argument(flag, type=type(default), metavar=opt.metavar, choices=opt.choices or None, help=help_text)
+            group.add_argument(
+                flag, type=type(default), metavar=opt.metavar, choices=opt.choices or None, help=help_text
+            )
 
 
-__all__ = ["Compared", "OPTIONS", "RunSpec", "add_option_flags", "add_route_flags", "check_counts", "checkpoints_read", "default_checkpoint", "help_default", "parse_compare",
-           "parse_sizes", "plan_runs",
-           "shared_companions"]
+__all__ = [
+    "Compared",
+    "OPTIONS",
+    "RunSpec",
+    "add_option_flags",
+    "add_route_flags",
+    "check_counts",
+    "checkpoints_read",
+    "default_checkpoint",
+    "help_default",
+    "parse_compare",
+    "parse_sizes",
+    "plan_runs",
+    "shared_companions",
+]

@@ -29,7 +29,11 @@ COMMANDS = {
     "decode": ("decode", "decode a test set or any file with one of refdec's algorithms"),
     "train": ("train", "train a model, drafter, proposal heads or small model from a preset"),
     "bench": ("bench", "every GPU table in one command"),
-    "hf": ("hfcli", "Hugging Face transformers folders: import one as a checkpoint, export a checkpoint, audit transformers' decoders"),
+    "hf": (
+        "hfcli",
+        "Hugging Face transformers folders: import one as a checkpoint, export a checkpoint, "
+        "audit transformers' decoders",
+    ),
     "ctranslate2": ("ctranslate2", "refdec against CTranslate2 on the same weights"),
     "stepcost": ("stepcost", "the cost of one decoder call appending q tokens"),
     "ceiling": ("ceiling", "draft-then-verify speed when the draft is right"),
@@ -56,9 +60,13 @@ def as_typed(command: str) -> str:
 
 def usage() -> str:
     width = max(map(len, COMMANDS)) + 2
-    lines = [f"usage: {entry()} <command> [options]  ({entry()} <command> --help: the command's own)", "",
-             "A reference implementation of lossless and speculative decoding for seq2seq Transformers.", "",
-             "commands:"]
+    lines = [
+        f"usage: {entry()} <command> [options]  ({entry()} <command> --help: the command's own)",
+        "",
+        "A reference implementation of lossless and speculative decoding for seq2seq Transformers.",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:{width}}{summary}" for name, (_, summary) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -72,11 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "--version":
         from .. import __version__
+
         print(f"refdec {__version__}")
         return 0
     if argv[0] not in COMMANDS:
-        print(f"error: {entry()}: no command {argv[0]!r}; choose from {', '.join(COMMANDS)} "
-              f"({entry()} --help)", file=sys.stderr)
+        print(
+            f"error: {entry()}: no command {argv[0]!r}; choose from {', '.join(COMMANDS)} ({entry()} --help)",
+            file=sys.stderr,
+        )
         return 2
     return command_main(argv[0])(argv[1:])
 

@@ -82,7 +82,10 @@ ROUTES = ("reference", "fast", "graphed")
 MAX_BYTES = 62 * 2**20  # what a copy of the repository for a GPU machine may hold: 62 MiB (du -h's M)
 GEC_MODEL = "checkpoints/gec-uk-6x6/model.pt"
 MT = ["mt-en-de", "mt-en-de-drafter", "mt-en-de-blockwise", "mt-en-de-small-aligned"]
-TEST_SETS = {"mt-en-de": ("src", "tgt", "doc"), "gec-uk": ("src", "tgt", "tgt2")}  # the ceiling loads mt-en-de's doc ids
+TEST_SETS = {
+    "mt-en-de": ("src", "tgt", "doc"),
+    "gec-uk": ("src", "tgt", "tgt2"),
+}  # the ceiling loads mt-en-de's doc ids
 
 
 # The decoder sections: (task, --algo, --compare, model, batch sizes, baselines of the per-route table)
@@ -93,8 +96,11 @@ DECODERS = {
 }
 SECTIONS = (*DECODERS, "stepcost", "ceiling", "transformers")
 READS = {  # section -> (checkpoint folders, test sets) it reads
-    "mt-en-de": (MT, ["mt-en-de"]), "gec-uk": (["gec-uk-6x6"], ["gec-uk"]), "batched": (["gec-uk-6x6"], ["gec-uk"]),
-    "stepcost": (["mt-en-de"], []), "ceiling": (["mt-en-de", "mt-en-de-drafter"], ["mt-en-de"]),
+    "mt-en-de": (MT, ["mt-en-de"]),
+    "gec-uk": (["gec-uk-6x6"], ["gec-uk"]),
+    "batched": (["gec-uk-6x6"], ["gec-uk"]),
+    "stepcost": (["mt-en-de"], []),
+    "ceiling": (["mt-en-de", "mt-en-de-drafter"], ["mt-en-de"]),
     "transformers": (["mt-en-de", "mt-en-de-small-aligned", "gec-uk-6x6"], ["mt-en-de", "gec-uk"]),
 }
 
@@ -106,9 +112,12 @@ def files(sections: list[str]) -> list[Path]:
     code = sorted(p.relative_to(REPO) for p in (REPO / "refdec").rglob("*.py") if "__pycache__" not in p.parts)
     folders = sorted({f for s in sections for f in READS[s][0]})
     tasks = sorted({t for s in sections for t in READS[s][1]})
-    return [*code, Path("data/build.py"),
-            *(Path("checkpoints", f, name) for f in folders for name in ("model.pt", "tokenizer.json")),
-            *(Path("data", t, f"test.{part}.gz") for t in tasks for part in TEST_SETS[t])]
+    return [
+        *code,
+        Path("data/build.py"),
+        *(Path("checkpoints", f, name) for f in folders for name in ("model.pt", "tokenizer.json")),
+        *(Path("data", t, f"test.{part}.gz") for t in tasks for part in TEST_SETS[t]),
+    ]
 
 
 def settings(args, device: torch.device) -> dict:
@@ -120,23 +129,43 @@ def settings(args, device: torch.device) -> dict:
     sizes = DECODERS["batched"][4]
     if small:  # the sizes below the sentences' count, and the first that holds them all
         sizes = [b for b in sizes if b < n["batched"]] + [b for b in sizes if b >= n["batched"]][:1]
-    return {"sentences": n, "sizes": sizes, "rounds": 1 if small else 15, "warmup": 1 if small else 2,
-            "warm_all": args.warm_all,
-            "k": "4,8" if small else "4,8,16,25", "accept": "1" if small else "1,0.8"}
+    return {
+        "sentences": n,
+        "sizes": sizes,
+        "rounds": 1 if small else 15,
+        "warmup": 1 if small else 2,
+        "warm_all": args.warm_all,
+        "k": "4,8" if small else "4,8,16,25",
+        "accept": "1" if small else "1,0.8",
+    }
 
 
 def decoder_runs(section: str, n: int, sizes: list[int], device: torch.device) -> tuple:
     """The runs of a decoder section on the three routes (each model loaded once per route), its lines,
     references, ids and tokenizer."""
     task, algo, compare, model, _, _ = DECODERS[section]
-    specs = plan.plan_runs(algo, task, model=str(REPO / model) if model else None, given={},
-                           compares=plan.parse_compare(compare), batch_size=None, sizes=sizes)
+    specs = plan.plan_runs(
+        algo,
+        task,
+        model=str(REPO / model) if model else None,
+        given={},
+        compares=plan.parse_compare(compare),
+        batch_size=None,
+        sizes=sizes,
+    )
     shared = plan.shared_companions(specs, task, {})
     runs = []
     for route in ROUTES:
         labelled = [replace(s, label=f"{s.label} [{route}]") for s in specs]
-        loader, models = loading.load_models(labelled, shared, task=task, device=str(device), dtype=torch.float32,
-                                             fast=route == "fast", graphed=route == "graphed")
+        loader, models = loading.load_models(
+            labelled,
+            shared,
+            task=task,
+            device=str(device),
+            dtype=torch.float32,
+            fast=route == "fast",
+            graphed=route == "graphed",
+        )
         runs += runner.make_runs(labelled, models)
         tokenizer, max_positions = loader.tokenizer, loader.max_positions
     lines, refs = inputs.read_input(task, None, [], n)
@@ -164,27 +193,46 @@ def route_tables(section: str, runs: list, rows: list[dict], ids: list, device) 
         cells = [["run", "ms/tok", "tok/call", *(f"speed vs {b}" for b in baselines), "identical to greedy"]]
         table = []
         for run, row in pairs:
-            entry = {"run": base_name(run), "ms_per_token": row["ms_per_token"], "tokens_per_call": row["tokens_per_call"],
-                     **{f"speed_vs_{b}": base[b]["seconds"] / row["seconds"] if row["seconds"] else None for b in baselines},
-                     "sent_per_s": row["sent_per_s"]}
+            entry = {
+                "run": base_name(run),
+                "ms_per_token": row["ms_per_token"],
+                "tokens_per_call": row["tokens_per_call"],
+                **{f"speed_vs_{b}": base[b]["seconds"] / row["seconds"] if row["seconds"] else None for b in baselines},
+                "sent_per_s": row["sent_per_s"],
+            }
             greedy = next((r for r, _ in pairs if r.algo.name == "greedy" and r.batch_size == run.batch_size), None)
             entry["identical_to_greedy"] = identical_rate(greedy.outputs, run.outputs) if greedy else None
             table.append(entry)
-            cells.append([entry["run"], f"{row['ms_per_token']:.2f}", f"{row['tokens_per_call']:.2f}",
-                          *(report.relative_speed(entry[f"speed_vs_{b}"] or math.nan) for b in baselines),
-                          "" if entry["identical_to_greedy"] is None else f"{entry['identical_to_greedy']:.4f}"])
+            cells.append(
+                [
+                    entry["run"],
+                    f"{row['ms_per_token']:.2f}",
+                    f"{row['tokens_per_call']:.2f}",
+                    *(report.relative_speed(entry[f"speed_vs_{b}"] or math.nan) for b in baselines),
+                    "" if entry["identical_to_greedy"] is None else f"{entry['identical_to_greedy']:.4f}",
+                ]
+            )
         figures["routes"][route] = table
         text.append(f"{route} route\n" + columns(cells))
     ref_greedy = next(run for run in runs if run.algo.name == "greedy")
     for route in ROUTES[1:]:
-        other = next(run for run in runs if run.algo.name == "greedy" and route_of(run) == route
-                     and run.batch_size == ref_greedy.batch_size)
+        other = next(
+            run
+            for run in runs
+            if run.algo.name == "greedy" and route_of(run) == route and run.batch_size == ref_greedy.batch_size
+        )
         div = divergences(ref_greedy.models.model, ids, ref_greedy.outputs, other.outputs, device)
         same = identical_rate(ref_greedy.outputs, other.outputs)
         figures["greedy_against_reference"][route] = {"identical": same, "divergences": div}
-        text.append(f"{route} route's greedy against the reference route's: {same:.4f} identical, {len(div)} line(s) "
-                    f"differ" + "".join(f"\n  line {d['line']}: first divergence at token {d['position']}, top-1/top-2 "
-                                        f"logit margin {d['margin_top1_top2']:.3g}" for d in div))
+        text.append(
+            f"{route} route's greedy against the reference route's: {same:.4f} identical, {len(div)} line(s) "
+            f"differ"
+            + "".join(
+                f"\n  line {d['line']}: first divergence at token {d['position']}, top-1/top-2 "
+                f"logit margin {d['margin_top1_top2']:.3g}"
+                for d in div
+            )
+        )
     return "\n\n".join(text), figures
 
 
@@ -193,8 +241,11 @@ def throughput(runs: list, rows: list[dict], sizes: list[int]) -> tuple[str, lis
     cells, table = [["sent/s", *(f"batch {b}" for b in sizes)]], []
     for route in ROUTES:
         for algo in dict.fromkeys(run.algo.name for run in runs):
-            found = {run.batch_size: row["sent_per_s"] for run, row in zip(runs, rows)
-                     if route_of(run) == route and run.algo.name == algo}
+            found = {
+                run.batch_size: row["sent_per_s"]
+                for run, row in zip(runs, rows)
+                if route_of(run) == route and run.algo.name == algo
+            }
             table.append({"route": route, "algo": algo, "sent_per_s": {str(b): found.get(b) for b in sizes}})
             cells.append([f"{algo} [{route}]", *(f"{found[b]:.1f}" if b in found else "" for b in sizes)])
     return columns(cells), table
@@ -207,14 +258,27 @@ def decoder_section(section: str, args, device: torch.device, plan_: dict) -> di
     sizes = plan_["sizes"] if section == "batched" else []
     runs, lines, refs, ids, tokenizer, max_positions = decoder_runs(section, n, sizes, device)
     task, algo, compare, model, _, _ = DECODERS[section]
-    print(f"as python decode.py --algo {algo} --task {task}" + (f" --model {model}" if model else "")
-          + f" --compare {compare} --limit {len(lines)}" + (f" --batch-sizes {','.join(map(str, sizes))}" if sizes else "")
-          + "; every run on the reference route, the fast route (--fast) and the graphed route (--graphed), "
-          "interleaved in one process" + ("; every batch decoded once before the timed runs (--warm-all)"
-                                          if plan_["warm_all"] else ""), flush=True)
+    print(
+        f"as python decode.py --algo {algo} --task {task}"
+        + (f" --model {model}" if model else "")
+        + f" --compare {compare} --limit {len(lines)}"
+        + (f" --batch-sizes {','.join(map(str, sizes))}" if sizes else "")
+        + "; every run on the reference route, the fast route (--fast) and the graphed route (--graphed), "
+        "interleaved in one process"
+        + ("; every batch decoded once before the timed runs (--warm-all)" if plan_["warm_all"] else ""),
+        flush=True,
+    )
     log(f"{section}: {len(runs)} runs ({len(runs) // len(ROUTES)} on each route), {len(lines)} sentences")
-    runner.decode_lines(runs, ids, max_len=None, max_positions=max_positions, device=device, warmup=plan_["warmup"],
-                        warm_all=plan_["warm_all"], progress=True)
+    runner.decode_lines(
+        runs,
+        ids,
+        max_len=None,
+        max_positions=max_positions,
+        device=device,
+        warmup=plan_["warmup"],
+        warm_all=plan_["warm_all"],
+        progress=True,
+    )
     summary = report.summarise(task, runs, lines, refs, ids, tokenizer, device, matrix_text=False)
     print(summary.text)
     text, figures = route_tables(section, runs, summary.rows, ids, device)
@@ -222,44 +286,103 @@ def decoder_section(section: str, args, device: torch.device, plan_: dict) -> di
     if section == "batched":
         text, figures["throughput"] = throughput(runs, summary.rows, sizes)
         print("\n" + text)
-    return {"task": task, "model": inputs.shown_path(runs[0].models.path), "sentences": len(lines),
-            "batch_sizes": sizes or [1], "runs": summary.rows, "speedup_matrix": summary.matrix,
-            "lossless_checks": summary.checks, **figures}
+    return {
+        "task": task,
+        "model": inputs.shown_path(runs[0].models.path),
+        "sentences": len(lines),
+        "batch_sizes": sizes or [1],
+        "runs": summary.rows,
+        "speedup_matrix": summary.matrix,
+        "lossless_checks": summary.checks,
+        **figures,
+    }
 
 
 def command_sections(section: str, args, device: torch.device, plan_: dict, prefix: str) -> dict:
     """stepcost, ceiling and transformers: the repository's own commands, each writing its report
     beside the bench's; returns where they are and their exit statuses."""
     from . import command_main
+
     common = ["--device", str(device), "--threads", str(args.threads)]
     warmup = ["--warmup", str(plan_["warmup"])]
     out, commands = Path(args.out), []
     if section == "stepcost":
         for rows in (1, 32):
-            commands.append((f"stepcost-rows{rows}", command_main("stepcost"), [
-                "--task", "mt-en-de", "--model", str(REPO / "checkpoints/mt-en-de/model.pt"), "--rows", str(rows),
-                "--fast", "--graphed", "--rounds", str(plan_["rounds"]), *common]))
+            commands.append(
+                (
+                    f"stepcost-rows{rows}",
+                    command_main("stepcost"),
+                    [
+                        "--task",
+                        "mt-en-de",
+                        "--model",
+                        str(REPO / "checkpoints/mt-en-de/model.pt"),
+                        "--rows",
+                        str(rows),
+                        "--fast",
+                        "--graphed",
+                        "--rounds",
+                        str(plan_["rounds"]),
+                        *common,
+                    ],
+                )
+            )
     elif section == "ceiling":
         for route in ROUTES:
-            commands.append((f"ceiling-{route}", command_main("ceiling"), [
-                "--task", "mt-en-de", "--limit", str(plan_["sentences"]["ceiling"]), "--k", plan_["k"],
-                "--accept", plan_["accept"], *([f"--{route}"] if route != "reference" else []), *warmup, *common]))
+            commands.append(
+                (
+                    f"ceiling-{route}",
+                    command_main("ceiling"),
+                    [
+                        "--task",
+                        "mt-en-de",
+                        "--limit",
+                        str(plan_["sentences"]["ceiling"]),
+                        "--k",
+                        plan_["k"],
+                        "--accept",
+                        plan_["accept"],
+                        *([f"--{route}"] if route != "reference" else []),
+                        *warmup,
+                        *common,
+                    ],
+                )
+            )
     elif importlib.util.find_spec("transformers") is None:
-        print("transformers is not installed: its greedy, assisted generation and prompt lookup are left out "
-              f"({install_hint('hf')})")
+        print(
+            "transformers is not installed: its greedy, assisted generation and prompt lookup are left out "
+            f"({install_hint('hf')})"
+        )
         return {"skipped": "transformers is not installed"}
     else:
         n = str(plan_["sentences"]["transformers"])
         for task, model, small in (("mt-en-de", "mt-en-de", "mt-en-de-small-aligned"), ("gec-uk", "gec-uk-6x6", None)):
-            commands.append((f"transformers-{task}", command_main("hf"), [
-                "audit", "--task", task, "--model", str(REPO / "checkpoints" / model / "model.pt"),
-                *(["--small", str(REPO / "checkpoints" / small / "model.pt")] if small else []), "--limit", n,
-                "--routes", ",".join(ROUTES), *warmup, *common]))
+            commands.append(
+                (
+                    f"transformers-{task}",
+                    command_main("hf"),
+                    [
+                        "audit",
+                        "--task",
+                        task,
+                        "--model",
+                        str(REPO / "checkpoints" / model / "model.pt"),
+                        *(["--small", str(REPO / "checkpoints" / small / "model.pt")] if small else []),
+                        "--limit",
+                        n,
+                        "--routes",
+                        ",".join(ROUTES),
+                        *warmup,
+                        *common,
+                    ],
+                )
+            )
     reports = {}
     for name, main, argv in commands:
         path = out / f"{prefix}-{name}.json"
-        command = shlex.join([*shlex.split(invocation(main)),
-                              *(inputs.shown_path(a) if a.startswith("/") else a for a in argv)])
+        command = shlex.join(
+            [*shlex.split(invocation(main)), *(inputs.shown_path(a) if a.startswith("/") else a for a in argv)]
+        )
         log(f"{name}: {command}")
         print(f"\n# {name}: {command}", flush=True)
         status = main([*argv, "--report", str(path)])
@@ -281,17 +404,38 @@ def log(line: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = command_parser(__doc__, "bench")
     machine_options(p, device="cuda")
-    p.add_argument("--limit", type=int, metavar="N", help="sentences per run in every section (default: 100 at batch "
-                   "1, 256 batched, 50 for the ceiling, 40 for transformers)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"sections to run, by name, separated by commas "
-                   f"(default all: {', '.join(SECTIONS)})")
-    p.add_argument("--warm-all", action="store_true", help="the decoder sections (mt-en-de, gec-uk, batched) decode "
-                   "every batch once, untimed, before the timed runs (about twice their time): the graphed route's "
-                   "captures, one per new shape, then fall outside the timed runs")
-    p.add_argument("--out", metavar="DIR", default=str(REPO / "reports"), help="folder of the JSON reports "
-                   "(default: the repository's reports/; created if its parent exists; not in checkpoints/ or data/)")
-    p.add_argument("--files", action="store_true", help="print the repository files the chosen sections read, one "
-                   "per line, and their total size on stderr (checked against 62 MiB); run nothing")
+    p.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help="sentences per run in every section (default: 100 at batch "
+        "1, 256 batched, 50 for the ceiling, 40 for transformers)",
+    )
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"sections to run, by name, separated by commas (default all: {', '.join(SECTIONS)})",
+    )
+    p.add_argument(
+        "--warm-all",
+        action="store_true",
+        help="the decoder sections (mt-en-de, gec-uk, batched) decode "
+        "every batch once, untimed, before the timed runs (about twice their time): the graphed route's "
+        "captures, one per new shape, then fall outside the timed runs",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=str(REPO / "reports"),
+        help="folder of the JSON reports "
+        "(default: the repository's reports/; created if its parent exists; not in checkpoints/ or data/)",
+    )
+    p.add_argument(
+        "--files",
+        action="store_true",
+        help="print the repository files the chosen sections read, one "
+        "per line, and their total size on stderr (checked against 62 MiB); run nothing",
+    )
     return p
 
 
@@ -329,22 +473,32 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         print(f"\n## {section} ({device_name(device)}, torch {torch.__version__})", flush=True)
         try:
-            body = (decoder_section(section, args, device, plan_) if section in DECODERS
-                    else command_sections(section, args, device, plan_, prefix))
+            body = (
+                decoder_section(section, args, device, plan_)
+                if section in DECODERS
+                else command_sections(section, args, device, plan_, prefix)
+            )
         except Exception as e:  # noqa: BLE001 -- one section's failure leaves the others to run
             if os.environ.get("REFDEC_DEBUG"):
                 raise
             known = isinstance(e, (SectionError, UsageError, CheckpointError))
-            print(f"error: {section}: {'' if known else type(e).__name__ + ': '}{first_line(e)}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"error: {section}: {'' if known else type(e).__name__ + ': '}{first_line(e)}",
+                file=sys.stderr,
+                flush=True,
+            )
             failed.append(section)
             continue
         seconds = time.perf_counter() - t0
-        write_report(str(out / f"{prefix}-{section}.json"), {
-            "section": section, "seconds": round(seconds, 1), "settings": plan_, "environment": env, **body})
+        write_report(
+            str(out / f"{prefix}-{section}.json"),
+            {"section": section, "seconds": round(seconds, 1), "settings": plan_, "environment": env, **body},
+        )
         log(f"{section} done in {duration(seconds)}")
-    print(f"\n{len(sections) - len(failed)} of {len(sections)} sections in {duration(time.perf_counter() - t_start)}"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"\n{len(sections) - len(failed)} of {len(sections)} sections in {duration(time.perf_counter() - t_start)}"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -62,13 +62,23 @@ from .harness import command_parser, machine_options, report_option, set_up_mach
 
 def build_parser() -> argparse.ArgumentParser:
     p = command_parser(__doc__, "ceiling")
-    p.add_argument("--task", default="mt-en-de", choices=sorted(data_mod.TASKS),
-                   help="task whose test set and shipped checkpoints to use (default mt-en-de)")
+    p.add_argument(
+        "--task",
+        default="mt-en-de",
+        choices=sorted(data_mod.TASKS),
+        help="task whose test set and shipped checkpoints to use (default mt-en-de)",
+    )
     p.add_argument("--model", help="the verifier (default: checkpoints/<task>/model.pt)")
-    p.add_argument("--drafter", help="GAD drafter for the '+ drafter' rows (default: checkpoints/<task>-drafter/model.pt where "
-                                     "the task ships one; 'none' = free drafts only)")
-    p.add_argument("--small", help="autoregressive small model for '+ small model' rows (e.g. "
-                                   "checkpoints/<task>-small-aligned/model.pt; default: none)")
+    p.add_argument(
+        "--drafter",
+        help="GAD drafter for the '+ drafter' rows (default: checkpoints/<task>-drafter/model.pt where "
+        "the task ships one; 'none' = free drafts only)",
+    )
+    p.add_argument(
+        "--small",
+        help="autoregressive small model for '+ small model' rows (e.g. "
+        "checkpoints/<task>-small-aligned/model.pt; default: none)",
+    )
     p.add_argument("--limit", type=int, default=200, help="first N test sentences (default 200)")
     p.add_argument("--k", default="2,4,8,16", help="block sizes (default 2,4,8,16)")
     p.add_argument("--accept", default="1", help="probabilities that a drafted token is the model's own (default 1)")
@@ -77,8 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     machine_options(p)
     route = p.add_mutually_exclusive_group()
     route.add_argument("--fast", action="store_true", help="every model on the fast route (refdec.routes.fast)")
-    route.add_argument("--graphed", action="store_true", help="every model on the graphed route (refdec.routes.graphed; "
-                       "CUDA graphs on a GPU, its static-shape steps as they are on a CPU)")
+    route.add_argument(
+        "--graphed",
+        action="store_true",
+        help="every model on the graphed route (refdec.routes.graphed; "
+        "CUDA graphs on a GPU, its static-shape steps as they are on a CPU)",
+    )
     report_option(p)
     return p
 
@@ -109,8 +123,9 @@ def load_models(args, path: Path) -> tuple[Models, Tokenizer]:
     return models, loader.tokenizer
 
 
-def time_runs(runs: list[tuple], ids: list[list[int]], models: Models, warmup: int,
-              rng: random.Random) -> tuple[dict, int]:
+def time_runs(
+    runs: list[tuple], ids: list[list[int]], models: Models, warmup: int, rng: random.Random
+) -> tuple[dict, int]:
     """Each run on every sentence, the order rotating sentence by sentence: per run its seconds,
     calls, tokens and outputs identical to greedy's, summed over the sentences after the first
     `warmup`; and how many those are.
@@ -130,15 +145,24 @@ def time_runs(runs: list[tuple], ids: list[list[int]], models: Models, warmup: i
         max_len = max_len_for([s], None, model.cfg.max_positions)
         y, _ = greedy_output(model, src, max_len)
         timed = i >= warmup
-        order = runs[i % len(runs):] + runs[:i % len(runs)]
+        order = runs[i % len(runs) :] + runs[: i % len(runs)]
         for name, k, rate, cost in order:
             t0 = clock(src.device)
             if k is None:
                 out, c = greedy_output(model, src, max_len)
             else:
-                out, c = scripted_gad(model, src, y, k=k, accept=rate, max_len=max_len, rng=rng,
-                                      drafter=drafter if cost == "drafter" else None, layout=layout,
-                                      small=small if cost == "small" else None)
+                out, c = scripted_gad(
+                    model,
+                    src,
+                    y,
+                    k=k,
+                    accept=rate,
+                    max_len=max_len,
+                    rng=rng,
+                    drafter=drafter if cost == "drafter" else None,
+                    layout=layout,
+                    small=small if cost == "small" else None,
+                )
             dt = clock(src.device) - t0
             if timed:
                 t = totals[name]
@@ -175,18 +199,27 @@ def run(args: argparse.Namespace) -> int:
     args.device = str(set_up_machine(args))
     path = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
     repo_file("data", args.task)  # its test set: the repository's
-    check_outputs({"--report": args.report}, input_files(args.task, None) | checkpoint_files("the model", path)
-                  | checkpoint_files("the drafter", drafter_file(args)) | checkpoint_files("--small", args.small))
+    check_outputs(
+        {"--report": args.report},
+        input_files(args.task, None)
+        | checkpoint_files("the model", path)
+        | checkpoint_files("the drafter", drafter_file(args))
+        | checkpoint_files("--small", args.small),
+    )
     try:
         models, tokenizer = load_models(args, path)
     except ValueError as e:
         raise UsageError(first_line(e)) from None
-    sources = data_mod.load_split(args.task, "test").src[:args.limit + args.warmup]
+    sources = data_mod.load_split(args.task, "test").src[: args.limit + args.warmup]
     ids = [s for s in source_ids(tokenizer, sources, models.model.cfg.max_positions) if s]
-    costs = [("free drafts", None)] + ([("+ drafter", "drafter")] if models.drafter is not None else []) \
+    costs = (
+        [("free drafts", None)]
+        + ([("+ drafter", "drafter")] if models.drafter is not None else [])
         + ([("+ small model", "small")] if models.small is not None else [])
-    runs = [("greedy", None, None, None)] + [(f"k={k} accept={r:g} {name}", k, r, cost)
-                                             for k in ks for r in rates for name, cost in costs]
+    )
+    runs = [("greedy", None, None, None)] + [
+        (f"k={k} accept={r:g} {name}", k, r, cost) for k in ks for r in rates for name, cost in costs
+    ]
     totals, n = time_runs(runs, ids, models, args.warmup, random.Random(args.seed))
     if n == 0:
         raise UsageError("no sentence left to time after the warm-up (raise --limit)")
@@ -197,31 +230,53 @@ def run(args: argparse.Namespace) -> int:
 def report(args, path: Path, models: Models, runs: list[tuple], totals: dict, n: int) -> None:
     """One row per run on stdout; with --report, the same as JSON."""
     g = totals["greedy"]["seconds"]
-    rows = [{"run": name, "k": k, "accept": rate, "drafter": cost == "drafter", "small": cost == "small",
-             "seconds": totals[name]["seconds"],
-             "calls_per_sentence": totals[name]["calls"] / n,
-             "tokens_per_call": totals[name]["tokens"] / max(totals[name]["calls"], 1),
-             "speed_over_greedy": g / totals[name]["seconds"] if totals[name]["seconds"] else 0.0,
-             "identical": totals[name]["same"] / n}
-            for name, k, rate, cost in runs]
+    rows = [
+        {
+            "run": name,
+            "k": k,
+            "accept": rate,
+            "drafter": cost == "drafter",
+            "small": cost == "small",
+            "seconds": totals[name]["seconds"],
+            "calls_per_sentence": totals[name]["calls"] / n,
+            "tokens_per_call": totals[name]["tokens"] / max(totals[name]["calls"], 1),
+            "speed_over_greedy": g / totals[name]["seconds"] if totals[name]["seconds"] else 0.0,
+            "identical": totals[name]["same"] / n,
+        }
+        for name, k, rate, cost in runs
+    ]
     drafter, drafter_path, small = models.drafter, drafter_file(args), models.small
-    print(f"{n} sentences of the {args.task} test set, {args.threads} threads, {device_name(args.device)}, "
-          f"{route_name(args)} route, model {shown_path(path)}"
-          + (f", drafter {shown_path(drafter_path)}" if drafter is not None else "")
-          + (f", small {shown_path(args.small)}" if small else ""))
+    print(
+        f"{n} sentences of the {args.task} test set, {args.threads} threads, {device_name(args.device)}, "
+        f"{route_name(args)} route, model {shown_path(path)}"
+        + (f", drafter {shown_path(drafter_path)}" if drafter is not None else "")
+        + (f", small {shown_path(args.small)}" if small else "")
+    )
     print(machine_line(args.threads))
     print(f"{'run':>32}  {'seconds':>8}  {'calls/sent':>10}  {'tokens/call':>11}  {'speed':>6}  {'identical':>9}")
     for r in rows:
-        print(f"{r['run']:>32}  {r['seconds']:8.2f}  {r['calls_per_sentence']:10.2f}  {r['tokens_per_call']:11.2f}"
-              f"  {r['speed_over_greedy']:5.2f}x  {r['identical']:9.4f}")
+        print(
+            f"{r['run']:>32}  {r['seconds']:8.2f}  {r['calls_per_sentence']:10.2f}  {r['tokens_per_call']:11.2f}"
+            f"  {r['speed_over_greedy']:5.2f}x  {r['identical']:9.4f}"
+        )
     print("speed = greedy's seconds / the run's (above 1 = faster than greedy)")
     if args.report:
-        write_report(args.report, {
-            "task": args.task, "model": shown_path(path), "drafter": shown_path(drafter_path) if drafter is not None else None,
-            **({"small": shown_path(args.small)} if small is not None else {}),
-            "sentences": n, "threads": args.threads, "seed": args.seed, "rows": rows,
-            "device": device_name(args.device), "route": route_name(args),
-            "environment": environment(args.threads, args.device, torch.float32)})
+        write_report(
+            args.report,
+            {
+                "task": args.task,
+                "model": shown_path(path),
+                "drafter": shown_path(drafter_path) if drafter is not None else None,
+                **({"small": shown_path(args.small)} if small is not None else {}),
+                "sentences": n,
+                "threads": args.threads,
+                "seed": args.seed,
+                "rows": rows,
+                "device": device_name(args.device),
+                "route": route_name(args),
+                "environment": environment(args.threads, args.device, torch.float32),
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -18,18 +18,16 @@ The converted model (float32 weights; int8 is CTranslate2's quantisation of them
 cached in a folder named by the checkpoint's sha256 and the CTranslate2 version, under --cache-dir
 (default: $XDG_CACHE_HOME/refdec/ctranslate2, else ~/.cache/refdec/ctranslate2), never in the repository.
 
-Each CTranslate2 compute type is a run of refdec.app.runner's timing loop like any refdec decoder: one
-translate_batch call (beam_size 1, no minimum length, the same output budget as refdec's, eos
-returned so that it is counted) per batch. For each thread count, refdec greedy, optionally refdec
-IAD, with --fast both again on refdec's fast route (refdec.routes.fast), with --int8 both again on refdec's
-int8 route (refdec.routes.int8; on the fast route with --fast), and CTranslate2 greedy in float32 and int8,
-each at batch 1 and at every --batch-sizes value,
-decode the same lines interleaved after a warm-up; the table gives ms per output token (eos
-included), sentences per second and the identical rate against refdec greedy at batch 1 (token ids
-equal), and every differing line's first divergent position with refdec's top-1/top-2 margin there;
-each refdec int8 run's identical rate against refdec int8 greedy at batch 1, with the int8 model's
-margin at every line that differs; then, for each CTranslate2 run, how far its scores (the mean log-probability per output token of its
-own output) lie from refdec's log-probabilities of the same tokens.
+Each CTranslate2 compute type is a run of refdec.app.runner's timing loop like any refdec decoder: one translate_batch
+call (beam_size 1, no minimum length, the same output budget as refdec's, eos returned so that it is counted) per batch.
+For each thread count, refdec greedy, optionally refdec IAD, with --fast both again on refdec's fast route
+(refdec.routes.fast), with --int8 both again on refdec's int8 route (refdec.routes.int8; on the fast route with --fast),
+and CTranslate2 greedy in float32 and int8, each at batch 1 and at every --batch-sizes value, decode the same lines
+interleaved after a warm-up; the table gives ms per output token (eos included), sentences per second and the identical
+rate against refdec greedy at batch 1 (token ids equal), and every differing line's first divergent position with
+refdec's top-1/top-2 margin there; each refdec int8 run's identical rate against refdec int8 greedy at batch 1, with the
+int8 model's margin at every line that differs; then, for each CTranslate2 run, how far its scores (the mean
+log-probability per output token of its own output) lie from refdec's log-probabilities of the same tokens.
 """
 
 from __future__ import annotations
@@ -72,8 +70,9 @@ def _ctranslate2():
     try:
         import ctranslate2
     except ImportError:
-        raise UsageError(f"this needs the ctranslate2 package (pip install ctranslate2=={PINNED}, "
-                         f"listed in requirements.txt)") from None
+        raise UsageError(
+            f"this needs the ctranslate2 package (pip install ctranslate2=={PINNED}, listed in requirements.txt)"
+        ) from None
     return ctranslate2
 
 
@@ -129,6 +128,7 @@ def convert(ckpt: str | Path, model, tokenizer, cache_dir: Path) -> tuple[Path, 
 def vocabulary(folder: Path, vocab_size: int) -> list[str]:
     """The converted model's tokens, by id: the converter writes the tokenizer's vocabulary in id order."""
     import json
+
     tokens = json.loads((folder / "shared_vocabulary.json").read_text(encoding="utf-8"))
     if len(tokens) != vocab_size:
         raise UsageError(f"{folder}: {len(tokens)} tokens in the converted vocabulary, the model has {vocab_size}")
@@ -146,8 +146,15 @@ def ct2_algorithm(translator, tokens: list[str], name: str) -> Algorithm:
         cfg = model.cfg
         sources = source_rows(src, cfg.eos_id, cfg.pad_id)
         rows = [[tokens[t] for t in s + [cfg.eos_id]] for s in sources]
-        results = translator.translate_batch(rows, beam_size=1, max_decoding_length=max_len, min_decoding_length=0,
-                                             max_input_length=0, return_end_token=True, return_scores=True)
+        results = translator.translate_batch(
+            rows,
+            beam_size=1,
+            max_decoding_length=max_len,
+            min_decoding_length=0,
+            max_input_length=0,
+            return_end_token=True,
+            return_scores=True,
+        )
         outs = [[index[t] for t in r.hypotheses[0]] for r in results]  # eos included where produced
         decode_ct2.scored.update({tuple(s): (o, r.scores[0]) for s, o, r in zip(sources, outs, results)})
         return result_of(outs, cfg.eos_id, DecodeStats(sentences=len(rows), encoder_calls=1), None, src.device)
@@ -173,8 +180,14 @@ def logprob_gaps(model, ids: list, scored: dict) -> dict | None:
     return {"lines": len(gaps), "max": max(gaps), "median": statistics.median(gaps)} if gaps else None
 
 
-def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], fast: Models | None = None,
-              int8: Models | None = None) -> list[Run]:
+def make_runs(
+    args,
+    models: Models,
+    ct2: dict[str, object],
+    tokens: list[str],
+    fast: Models | None = None,
+    int8: Models | None = None,
+) -> list[Run]:
     """Every method at batch 1, at each --batch-sizes value and at each --batch-tokens budget; refdec
     greedy at batch 1 first (the reference of the identical rate). IAD once per --max-draft value.
     With `fast` (the same model on the fast route), refdec's methods again on it; with `int8` (on the
@@ -182,8 +195,10 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
     refdec = [(ALGORITHMS["greedy"], {}, "refdec-greedy")]
     if args.iad:
         iad = ALGORITHMS["iad"]
-        refdec += [(iad, {**iad.defaults(), "max_draft": n}, "refdec-iad" + (f"-draft{n}" if n else ""))
-                   for n in args.max_draft]
+        refdec += [
+            (iad, {**iad.defaults(), "max_draft": n}, "refdec-iad" + (f"-draft{n}" if n else ""))
+            for n in args.max_draft
+        ]
     methods = [(algo, options, label, models) for algo, options, label in refdec]
     if fast is not None:
         methods += [(algo, options, f"{label}-fast", fast) for algo, options, label in refdec]
@@ -193,31 +208,46 @@ def make_runs(args, models: Models, ct2: dict[str, object], tokens: list[str], f
     runs = []
     batchings = [(size, 0, f"b{size}") for size in args.batch_sizes] + [(0, n, f"t{n}") for n in args.batch_tokens]
     for size, budget, tag in batchings:  # a CTranslate2 algorithm per batching: each keeps its own lines' scores
-        ct2_methods = [(ct2_algorithm(translator, tokens, f"ct2-greedy-{c}"), {}, f"ct2-greedy-{c}", models)
-                       for c, translator in ct2.items()]
-        runs += [Run(algo, options, run_models, f"{label} {tag}", size, batch_tokens=budget, int8=run_models is int8)
-                 for algo, options, label, run_models in methods + ct2_methods]
+        ct2_methods = [
+            (ct2_algorithm(translator, tokens, f"ct2-greedy-{c}"), {}, f"ct2-greedy-{c}", models)
+            for c, translator in ct2.items()
+        ]
+        runs += [
+            Run(algo, options, run_models, f"{label} {tag}", size, batch_tokens=budget, int8=run_models is int8)
+            for algo, options, label, run_models in methods + ct2_methods
+        ]
     return runs
 
 
-def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, threads: int,
-            fast: Models | None = None, int8: Models | None = None) -> tuple[list[dict], int, dict | None]:
+def compare(
+    args,
+    models: Models,
+    folder: Path,
+    tokens: list[str],
+    ids: list,
+    threads: int,
+    fast: Models | None = None,
+    int8: Models | None = None,
+) -> tuple[list[dict], int, dict | None]:
     """One thread count: every run decodes every line, interleaved; a row of figures per run, how
     many leading lines every run finished (all of them unless Ctrl-C stopped the loop), and with
     --step-cost one decoder step's cost per route and compute type. An int8 run's row also holds its
     identical rate against int8 greedy at batch 1 and the lines where it differs from it."""
     ctranslate2 = _ctranslate2()
     ct2_threads = threads if args.ct2_threads is None else args.ct2_threads
-    ct2 = {c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=ct2_threads,
-                                     inter_threads=1) for c in COMPUTE_TYPES}
+    ct2 = {
+        c: ctranslate2.Translator(str(folder), device="cpu", compute_type=c, intra_threads=ct2_threads, inter_threads=1)
+        for c in COMPUTE_TYPES
+    }
     # After the translators: making one sets the OpenMP thread count of the calling thread, which
     # torch's own operations read too (CTranslate2 keeps its count in its own worker thread).
     torch.set_num_threads(threads)
     runs = make_runs(args, models, ct2, tokens, fast, int8)
     model = models.model
     int8_greedy = next((r for r in runs if int8 is not None and r.models is int8), None)  # int8 greedy at batch 1
-    done = decode_lines(runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu",
-                        warmup=args.warmup, progress=True)
+    done = decode_lines(
+        runs, ids, max_len=None, max_positions=model.cfg.max_positions, device="cpu", warmup=args.warmup, progress=True
+    )
     finished = done == len(ids)
     ran_threads = torch.get_num_threads()  # what refdec's runs had (threads, unless something set it since)
     ids = ids[:done]
@@ -227,24 +257,47 @@ def compare(args, models: Models, folder: Path, tokens: list[str], ids: list, th
         row = summary_row(run, {})
         outs = run.outputs[:done]
         scored = getattr(run.algo.decoder, "scored", None)
-        rows.append({**{k: row.get(k) for k in ROW_KEYS}, "threads": ran_threads if scored is None else ct2_threads,
-                     "identical": exactness.identical_rate(base, outs),
-                     "differing": exactness.divergences(model, ids, base, outs, "cpu"),
-                     **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {}),
-                     **({"int8_greedy": int8_greedy.name,
-                         "identical_int8_greedy": exactness.identical_rate(int8_greedy.outputs[:done], outs),
-                         "differing_int8_greedy": exactness.divergences(int8.model, ids, int8_greedy.outputs[:done], outs, "cpu")}
-                        if int8_greedy is not None and run.models is int8 and run is not int8_greedy else {})})
+        rows.append(
+            {
+                **{k: row.get(k) for k in ROW_KEYS},
+                "threads": ran_threads if scored is None else ct2_threads,
+                "identical": exactness.identical_rate(base, outs),
+                "differing": exactness.divergences(model, ids, base, outs, "cpu"),
+                **({"logprob_gap": logprob_gaps(model, ids, scored)} if scored is not None else {}),
+                **(
+                    {
+                        "int8_greedy": int8_greedy.name,
+                        "identical_int8_greedy": exactness.identical_rate(int8_greedy.outputs[:done], outs),
+                        "differing_int8_greedy": exactness.divergences(
+                            int8.model, ids, int8_greedy.outputs[:done], outs, "cpu"
+                        ),
+                    }
+                    if int8_greedy is not None and run.models is int8 and run is not int8_greedy
+                    else {}
+                ),
+            }
+        )
     steps = None
     if args.step_cost and finished:
-        routes = ([("refdec", model)] + ([("refdec-fast", fast.model)] if fast is not None else [])
-                  + ([("refdec" + "-fast" * args.fast + "-int8", int8.model)] if int8 is not None else []))
+        routes = (
+            [("refdec", model)]
+            + ([("refdec-fast", fast.model)] if fast is not None else [])
+            + ([("refdec" + "-fast" * args.fast + "-int8", int8.model)] if int8 is not None else [])
+        )
         steps = step_costs(routes, ct2, tokens, None if fast is None else fast.model)
     return rows, done, steps
 
 
-def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object], tokens: list[str],
-               fast=None, prefix: int = 30, src_len: int = 30, more: int = 20, rounds: int = 15) -> dict[str, float]:
+def step_costs(
+    models: list[tuple[str, torch.nn.Module]],
+    ct2: dict[str, object],
+    tokens: list[str],
+    fast=None,
+    prefix: int = 30,
+    src_len: int = 30,
+    more: int = 20,
+    rounds: int = 15,
+) -> dict[str, float]:
     """Milliseconds of one decoder step (one row, a cache of about `prefix` tokens, a source of
     `src_len`) for each refdec route (`models`: name, model; refdec.commands.harness.time_decode, the
     vocabulary projection included) and each CTranslate2 compute type: translate_batch forced to
@@ -271,8 +324,13 @@ def step_costs(models: list[tuple[str, torch.nn.Module]], ct2: dict[str, object]
                 ends = []
                 for n in (prefix, prefix + more):
                     t0 = time.perf_counter()
-                    translator.translate_batch([[tokens[t] for t in src[0].tolist()]], beam_size=1, min_decoding_length=n,
-                                               max_decoding_length=n, max_input_length=0)
+                    translator.translate_batch(
+                        [[tokens[t] for t in src[0].tolist()]],
+                        beam_size=1,
+                        min_decoding_length=n,
+                        max_decoding_length=n,
+                        max_input_length=0,
+                    )
                     ends.append(time.perf_counter() - t0)
                 times[f"ct2-{c}"].append((ends[1] - ends[0]) / more)
     return {name: 1000 * statistics.median(v[1:]) for name, v in times.items()}
@@ -284,18 +342,24 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if r.get("logprob_gap"):
             g = r["logprob_gap"]
-            out.append(f"{r['algo']}: its score (mean log-probability per token) against refdec's for the same tokens "
-                       f"on {g['lines']} lines: largest difference {g['max']:.2g}, median {g['median']:.2g}")
+            out.append(
+                f"{r['algo']}: its score (mean log-probability per token) against refdec's for the same tokens "
+                f"on {g['lines']} lines: largest difference {g['max']:.2g}, median {g['median']:.2g}"
+            )
     for r in rows:
         for d in r["differing"]:
-            out.append(f"{r['algo']}: line {d['line']} differs from refdec greedy at position {d['position']} "
-                       f"(refdec's top-1/top-2 margin there {d['margin_top1_top2']:.3g})")
+            out.append(
+                f"{r['algo']}: line {d['line']} differs from refdec greedy at position {d['position']} "
+                f"(refdec's top-1/top-2 margin there {d['margin_top1_top2']:.3g})"
+            )
     for r in rows:
         if "int8_greedy" in r:
             out.append(f"{r['algo']}: identical to {r['int8_greedy']} {r['identical_int8_greedy']:.4f}")
             for d in r["differing_int8_greedy"]:
-                out.append(f"{r['algo']}: line {d['line']} differs from {r['int8_greedy']} at position {d['position']} "
-                           f"(int8 top-1/top-2 margin there {d['margin_top1_top2']:.3g})")
+                out.append(
+                    f"{r['algo']}: line {d['line']} differs from {r['int8_greedy']} at position {d['position']} "
+                    f"(int8 top-1/top-2 margin there {d['margin_top1_top2']:.3g})"
+                )
     return "\n".join(out)
 
 
@@ -315,32 +379,71 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a refdec model.pt")
     p.add_argument("--input", help="decode this UTF-8 text file instead of the task's test set")
     p.add_argument("--limit", type=int, default=200, help="first N lines decoded (default 200)")
-    p.add_argument("--batch-sizes", type=int_list, default=[], metavar="B,B",
-                   help="batch sizes besides 1, comma-separated (default: batch 1 only)")
-    p.add_argument("--batch-tokens", type=int_list, default=[], metavar="N,N",
-                   help="token budgets, comma-separated: every method again in batches of neighbours in length "
-                        "holding at most N source tokens with their padding (decode.py --batch-tokens)")
-    p.add_argument("--threads", type=int_list, default=[1], metavar="T,T",
-                   help="thread counts, comma-separated: each one a round of every run (default 1)")
-    p.add_argument("--ct2-threads", type=int, metavar="T",
-                   help="CTranslate2's threads in every round, refdec's being each --threads count (default: the "
-                        "round's count). Where CTranslate2 is slower with more threads, its waiting workers also "
-                        "slow the refdec runs interleaved with them: T=1 keeps them out of refdec's rounds")
+    p.add_argument(
+        "--batch-sizes",
+        type=int_list,
+        default=[],
+        metavar="B,B",
+        help="batch sizes besides 1, comma-separated (default: batch 1 only)",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int_list,
+        default=[],
+        metavar="N,N",
+        help="token budgets, comma-separated: every method again in batches of neighbours in length "
+        "holding at most N source tokens with their padding (decode.py --batch-tokens)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int_list,
+        default=[1],
+        metavar="T,T",
+        help="thread counts, comma-separated: each one a round of every run (default 1)",
+    )
+    p.add_argument(
+        "--ct2-threads",
+        type=int,
+        metavar="T",
+        help="CTranslate2's threads in every round, refdec's being each --threads count (default: the "
+        "round's count). Where CTranslate2 is slower with more threads, its waiting workers also "
+        "slow the refdec runs interleaved with them: T=1 keeps them out of refdec's rounds",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches per run (default 2)")
     allocator_option(p, "; for both libraries")
     p.add_argument("--iad", action="store_true", help="time refdec IAD too (GEC: drafts a copy of the input)")
-    p.add_argument("--max-draft", type=lambda text: sorted(set(int_list(text, 0))), default=[0], metavar="N,N",
-                   help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source); "
-                        "several values, comma-separated: an IAD run for each (default 0)")
-    p.add_argument("--fast", action="store_true", help="time refdec's methods on its fast route too (refdec.routes.fast), "
-                   "each against refdec greedy on the reference route")
-    p.add_argument("--int8", action="store_true", help="time refdec's methods on its int8 route too (refdec.routes.int8; "
-                   "on the fast route with --fast): its greedy against refdec greedy, its IAD against its greedy")
-    p.add_argument("--step-cost", action="store_true", help="also time one decoder step on each refdec route and "
-                   "each CTranslate2 compute type (1 row, a cache of 30 tokens, a source of 30)")
-    p.add_argument("--cache-dir", default=str(cache_folder("ctranslate2")),
-                   help="where converted models are kept, one folder per checkpoint, outside the repository's "
-                        "checkpoints/ and data/ (default %(default)s)")
+    p.add_argument(
+        "--max-draft",
+        type=lambda text: sorted(set(int_list(text, 0))),
+        default=[0],
+        metavar="N,N",
+        help="with --iad: most tokens drafted per verifier call (0 = up to the end of the source); "
+        "several values, comma-separated: an IAD run for each (default 0)",
+    )
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="time refdec's methods on its fast route too (refdec.routes.fast), "
+        "each against refdec greedy on the reference route",
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="time refdec's methods on its int8 route too (refdec.routes.int8; "
+        "on the fast route with --fast): its greedy against refdec greedy, its IAD against its greedy",
+    )
+    p.add_argument(
+        "--step-cost",
+        action="store_true",
+        help="also time one decoder step on each refdec route and "
+        "each CTranslate2 compute type (1 row, a cache of 30 tokens, a source of 30)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=str(cache_folder("ctranslate2")),
+        help="where converted models are kept, one folder per checkpoint, outside the repository's "
+        "checkpoints/ and data/ (default %(default)s)",
+    )
     report_option(p)
     return p
 
@@ -359,8 +462,12 @@ def check_args(args) -> None:
             raise UsageError(f"{flag} must be at most the {usable_cores()} cores this machine gives the run")
     args.batch_sizes = sorted({1, *args.batch_sizes})
     args.threads = sorted(set(args.threads))
-    check_outputs({"--report": args.report}, input_files(args.task, args.input) | checkpoint_files("--model", args.model)
-                  | {"the converted models' folder (--cache-dir)": args.cache_dir})
+    check_outputs(
+        {"--report": args.report},
+        input_files(args.task, args.input)
+        | checkpoint_files("--model", args.model)
+        | {"the converted models' folder (--cache-dir)": args.cache_dir},
+    )
     check_not_shipped("--cache-dir", args.cache_dir)
 
 
@@ -390,23 +497,49 @@ def run(args) -> int:
     for threads in args.threads:
         rows, done, steps = compare(args, models, folder, tokens, ids, threads, fast, int8)
         interrupted = done < len(ids)
-        print(f"{args.task}: {sum(s is not None for s in ids[:done])} lines{' (interrupted)' if interrupted else ''}, "
-              f"{threads} thread(s){f' (CTranslate2 {args.ct2_threads})' if args.ct2_threads is not None else ''}, warm-up {args.warmup}")
+        print(
+            f"{args.task}: {sum(s is not None for s in ids[:done])} lines{' (interrupted)' if interrupted else ''}, "
+            f"{threads} thread(s){f' (CTranslate2 {args.ct2_threads})' if args.ct2_threads is not None else ''}, "
+            f"warm-up {args.warmup}"
+        )
         print(table(rows), flush=True)
         if steps:
-            print("one decoder step (1 row, a cache of 30, a source of 30): "
-                  + ", ".join(f"{name} {ms:.3f} ms" for name, ms in steps.items()), flush=True)
+            print(
+                "one decoder step (1 row, a cache of 30, a source of 30): "
+                + ", ".join(f"{name} {ms:.3f} ms" for name, ms in steps.items()),
+                flush=True,
+            )
         results.append({"threads": threads, "rows": rows, **({"step_ms": steps} if steps else {})})
         if interrupted:  # Ctrl-C: report what was finished, start no other thread count
             break
     if args.report:
-        write_report(args.report, {
-            "task": args.task, "model": shown_path(args.model), "input": args.input, "lines": len(ids),
-            "limit": args.limit, "warmup": args.warmup, "batch_sizes": args.batch_sizes, "batch_tokens": args.batch_tokens,
-            "threads": args.threads, "ct2_threads": args.ct2_threads,
-            "interrupted": interrupted, "iad": args.iad, "fast": args.fast, "int8": args.int8, "step_cost": args.step_cost, "max_draft": args.max_draft, "compute_types": list(COMPUTE_TYPES),
-            "checkpoint_sha256": file_sha256(args.model), "conversion": conversion, "ctranslate2": ctranslate2.__version__,
-            "environment": environment(args.threads, "cpu", torch.float32), "results": results})
+        write_report(
+            args.report,
+            {
+                "task": args.task,
+                "model": shown_path(args.model),
+                "input": args.input,
+                "lines": len(ids),
+                "limit": args.limit,
+                "warmup": args.warmup,
+                "batch_sizes": args.batch_sizes,
+                "batch_tokens": args.batch_tokens,
+                "threads": args.threads,
+                "ct2_threads": args.ct2_threads,
+                "interrupted": interrupted,
+                "iad": args.iad,
+                "fast": args.fast,
+                "int8": args.int8,
+                "step_cost": args.step_cost,
+                "max_draft": args.max_draft,
+                "compute_types": list(COMPUTE_TYPES),
+                "checkpoint_sha256": file_sha256(args.model),
+                "conversion": conversion,
+                "ctranslate2": ctranslate2.__version__,
+                "environment": environment(args.threads, "cpu", torch.float32),
+                "results": results,
+            },
+        )
     return 0
 
 

@@ -20,8 +20,18 @@ from ..errors import UsageError
 from ..machine import allocator_option, check_device, clock, set_allocator
 from . import COMMANDS, as_typed
 
-__all__ = ["columns", "command_parser", "invocation", "machine_options", "report_option", "set_up_machine",
-           "time_decode", "time_products", "time_replay", "write_report"]
+__all__ = [
+    "columns",
+    "command_parser",
+    "invocation",
+    "machine_options",
+    "report_option",
+    "set_up_machine",
+    "time_decode",
+    "time_products",
+    "time_replay",
+    "write_report",
+]
 
 SYNCHRONISED = "times are read after a device synchronisation"
 
@@ -30,12 +40,16 @@ def command_parser(doc: str | None, command: str) -> argparse.ArgumentParser:
     """The parser of `refdec <command>`, its docstring as the description, kept as written but for its
     examples, which read as the user typed the command (refdec.commands.as_typed)."""
     typed = as_typed(command)
-    return argparse.ArgumentParser(prog=typed, description=doc and doc.replace(f"python -m refdec {command}", typed),
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        prog=typed,
+        description=doc and doc.replace(f"python -m refdec {command}", typed),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
-def machine_options(p: argparse.ArgumentParser, *, device: str = "cpu", threads: int = 2,
-                    timed: str = SYNCHRONISED) -> None:
+def machine_options(
+    p: argparse.ArgumentParser, *, device: str = "cpu", threads: int = 2, timed: str = SYNCHRONISED
+) -> None:
     """--device (cpu or cuda) and --threads (torch's intra-op threads) with their defaults; `timed` says
     how the command reads its times."""
     other = "cpu" if device == "cuda" else "cuda"

@@ -36,34 +36,44 @@ def shapes(model) -> list[tuple[str, int, int]]:
     """(name, in, out) of each distinct product a decoder step makes, and the vocabulary projection."""
     cfg = model.cfg
     D, F_, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    return [("queries-keys-values", D, 3 * D), ("attention output", D, D), ("feed-forward in", D, F_),
-            ("feed-forward out", F_, D), ("vocabulary", D, V)]
+    return [
+        ("queries-keys-values", D, 3 * D),
+        ("attention output", D, D),
+        ("feed-forward in", D, F_),
+        ("feed-forward out", F_, D),
+        ("vocabulary", D, V),
+    ]
 
 
 def candidates(w: torch.Tensor, b: torch.Tensor) -> dict:
     """name -> f(x) for the weight w (out, in) and bias b."""
     w_in_out = w.t().contiguous()
     q = int8.QuantizedWeight(w.t(), w)
-    packed_q = torch.round(w / q.scale[:, None]).to(torch.int8).contiguous()  # (out, in), as _weight_int8pack_mm takes it
+    packed_q = (
+        torch.round(w / q.scale[:, None]).to(torch.int8).contiguous()
+    )  # (out, in), as _weight_int8pack_mm takes it
     layer = torch.nn.Linear(w.shape[1], w.shape[0])
     with torch.no_grad():
         layer.weight.copy_(w)
         layer.bias.copy_(b)
     with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated: timed here for comparison only
         warnings.simplefilter("ignore")
-        dynamic = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(layer), {torch.nn.Linear},
-                                                         dtype=torch.qint8)
-    return {"float32": lambda x: torch.addmm(b, x, w_in_out),
-            "weight-only": lambda x: torch.ops.aten._weight_int8pack_mm(x, packed_q, q.scale).add_(b),
-            "per-tensor": dynamic,
-            "per-row": lambda x: int8.linear(x, q, b)}
+        dynamic = torch.ao.quantization.quantize_dynamic(
+            torch.nn.Sequential(layer), {torch.nn.Linear}, dtype=torch.qint8
+        )
+    return {
+        "float32": lambda x: torch.addmm(b, x, w_in_out),
+        "weight-only": lambda x: torch.ops.aten._weight_int8pack_mm(x, packed_q, q.scale).add_(b),
+        "per-tensor": dynamic,
+        "per-row": lambda x: int8.linear(x, q, b),
+    }
 
 
 def measure(model, rows: list[int], rounds: int, reps: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     for name, n_in, n_out in shapes(model):
-        w = torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
+        w = torch.randn(n_out, n_in, generator=g) * n_in**-0.5
         b = torch.randn(n_out, generator=g) * 0.1
         fs = candidates(w, b)
         xs = {m: torch.randn(m, n_in, generator=g) for m in rows}
@@ -78,17 +88,31 @@ def measure(model, rows: list[int], rounds: int, reps: int) -> list[dict]:
                         times[c, m].append((time.perf_counter() - t0) / reps)
             for c, f in fs.items():
                 alone = f(xs[max(rows)][:1])
-                out.append({"product": name, "in": n_in, "out": n_out, "candidate": c,
-                            "us": {m: 1e6 * statistics.median(times[c, m][1:]) for m in rows},
-                            "row_0_same": {m: bool(torch.equal(f(xs[max(rows)][:m])[:1], alone)) for m in rows if m > 1}})
+                out.append(
+                    {
+                        "product": name,
+                        "in": n_in,
+                        "out": n_out,
+                        "candidate": c,
+                        "us": {m: 1e6 * statistics.median(times[c, m][1:]) for m in rows},
+                        "row_0_same": {m: bool(torch.equal(f(xs[max(rows)][:m])[:1], alone)) for m in rows if m > 1},
+                    }
+                )
     return out
 
 
 def table(results: list[dict], rows: list[int]) -> str:
-    head = ["product", "in x out", "candidate"] + [f"{m} row{'s' if m > 1 else ''} us" for m in rows] + \
-           [f"row 0 same at {m}" for m in rows if m > 1]
-    cells = [head] + [[r["product"], f"{r['in']} x {r['out']}", r["candidate"]] + [f"{r['us'][m]:.1f}" for m in rows]
-                      + ["yes" if r["row_0_same"][m] else "no" for m in rows if m > 1] for r in results]
+    head = (
+        ["product", "in x out", "candidate"]
+        + [f"{m} row{'s' if m > 1 else ''} us" for m in rows]
+        + [f"row 0 same at {m}" for m in rows if m > 1]
+    )
+    cells = [head] + [
+        [r["product"], f"{r['in']} x {r['out']}", r["candidate"]]
+        + [f"{r['us'][m]:.1f}" for m in rows]
+        + ["yes" if r["row_0_same"][m] else "no" for m in rows if m > 1]
+        for r in results
+    ]
     return columns(cells)
 
 
@@ -111,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     from ..errors import UsageError
+
     try:
         rows = sorted({int(v) for v in args.rows.split(",")})
     except ValueError:
@@ -122,12 +147,22 @@ def run(args) -> int:
     model, _, _ = load_model(args.model, task=args.task)
     warn_if_int8_slow("cpu", "its per-row figures show what the route costs here; decode with --fast, without --int8")
     results = measure(model, rows, args.rounds, args.reps)
-    print(f"{shown_path(args.model)}: d_model {model.cfg.d_model}, d_ff {model.cfg.d_ff}, vocabulary "
-          f"{model.cfg.vocab_size}; {machine_line(args.threads)}")
+    print(
+        f"{shown_path(args.model)}: d_model {model.cfg.d_model}, d_ff {model.cfg.d_ff}, vocabulary "
+        f"{model.cfg.vocab_size}; {machine_line(args.threads)}"
+    )
     print(table(results, rows))
     if args.report:
-        write_report(args.report, {"model": shown_path(args.model), "task": args.task, "rows": rows,
-                                   "environment": environment(args.threads, "cpu", torch.float32), "results": results})
+        write_report(
+            args.report,
+            {
+                "model": shown_path(args.model),
+                "task": args.task,
+                "rows": rows,
+                "environment": environment(args.threads, "cpu", torch.float32),
+                "results": results,
+            },
+        )
     return 0
 
 

@@ -58,10 +58,16 @@ SHIPPED = ModelConfig(vocab_size=8000, d_model=192, n_heads=4, d_ff=768, enc_lay
 
 def build_parser():
     p = command_parser(__doc__, "machine")
-    p.add_argument("--model", help="a refdec model.pt whose shapes are probed (default: the shapes of the shipped "
-                                   "gec-uk-6x6, d_model 192, d_ff 768, vocabulary 8000, 6+6 layers)")
-    p.add_argument("--threads", default=None,
-                   help="thread counts to probe at, comma-separated (default 1 and this machine's usable cores)")
+    p.add_argument(
+        "--model",
+        help="a refdec model.pt whose shapes are probed (default: the shapes of the shipped "
+        "gec-uk-6x6, d_model 192, d_ff 768, vocabulary 8000, 6+6 layers)",
+    )
+    p.add_argument(
+        "--threads",
+        default=None,
+        help="thread counts to probe at, comma-separated (default 1 and this machine's usable cores)",
+    )
     report_option(p)
     return p
 
@@ -87,9 +93,14 @@ def step_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
     """(name, in, out, how many per decoder step) of the fast int8 route's products, and the encoder's and
     cross-attention's (probed as the route would first meet them, counted 0: not a step's)."""
     D, F_, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.dec_layers
-    return [("self-attention q, k, v", D, 3 * D, L), ("attention outputs, cross queries", D, D, 3 * L),
-            ("feed-forward in", D, F_, L), ("feed-forward out", F_, D, L), ("vocabulary", D, V, 1),
-            ("cross-attention keys, values", D, 2 * L * D, 0)]
+    return [
+        ("self-attention q, k, v", D, 3 * D, L),
+        ("attention outputs, cross queries", D, D, 3 * L),
+        ("feed-forward in", D, F_, L),
+        ("feed-forward out", F_, D, L),
+        ("vocabulary", D, V, 1),
+        ("cross-attention keys, values", D, 2 * L * D, 0),
+    ]
 
 
 def plans(shapes, threads: int) -> list[list[str]]:
@@ -111,6 +122,7 @@ def timed(f):
         t0 = time.perf_counter()
         f(x)
         return (time.perf_counter() - t0) * 1e6
+
     return run
 
 
@@ -123,7 +135,7 @@ def int8_against_float32(shapes, levels_rows=(1, 32)) -> list[dict]:
         for _, k, n, count in shapes:
             if not count:
                 continue
-            w, b = torch.randn(n, k, generator=g) * k ** -0.5, torch.randn(n, generator=g) * 0.1
+            w, b = torch.randn(n, k, generator=g) * k**-0.5, torch.randn(n, generator=g) * 0.1
             qw, w_in_out, x = int8.QuantizedWeight(w.t(), w), w.t().contiguous(), torch.randn(m, k, generator=g)
             # each lambda runs within this iteration only, so its loop variables are this iteration's
             a, f = timed(lambda x: int8.product(x, qw, b)), timed(lambda x: torch.addmm(b, x, w_in_out))  # noqa: B023
@@ -163,8 +175,14 @@ def few_rows(shapes) -> list[dict]:
                 pairs = [(a(x), f(x)) for _ in range(ROUNDS)]
                 t_few += count * statistics.median(p[0] for p in pairs)
                 t_plain += count * statistics.median(p[1] for p in pairs)
-            out.append({"rows": m, "few_row_us": round(t_few, 1), "plain_us": round(t_plain, 1),
-                        "few_row_faster": round(t_plain / t_few, 2)})
+            out.append(
+                {
+                    "rows": m,
+                    "few_row_us": round(t_few, 1),
+                    "plain_us": round(t_plain, 1),
+                    "few_row_faster": round(t_plain / t_few, 2),
+                }
+            )
     return out
 
 
@@ -175,13 +193,19 @@ def run(args) -> int:
     if args.model:
         cfg, what = load_model(args.model)[0].cfg, shown_path(args.model)
     flags = reported_flags()
-    print(f"{cpu_model()}: torch {torch.__version__}, CPU capability {cpu_capability()}, {usable_cores()} usable "
-          f"core(s); flags {' '.join(flags) if flags is not None else 'not listed by this system'}")
-    print(f"shapes: {what} (d_model {cfg.d_model}, d_ff {cfg.d_ff}, vocabulary {cfg.vocab_size}, "
-          f"{cfg.dec_layers} decoder layers, {cfg.n_heads} heads)")
+    print(
+        f"{cpu_model()}: torch {torch.__version__}, CPU capability {cpu_capability()}, {usable_cores()} usable "
+        f"core(s); flags {' '.join(flags) if flags is not None else 'not listed by this system'}"
+    )
+    print(
+        f"shapes: {what} (d_model {cfg.d_model}, d_ff {cfg.d_ff}, vocabulary {cfg.vocab_size}, "
+        f"{cfg.dec_layers} decoder layers, {cfg.n_heads} heads)"
+    )
     levels = int8.weight_levels()
-    print(f"int8 products exact here: torch._int_mm sums int8 rows exactly with weights of +-{levels}"
-          + ("" if levels == 127 else " (7-bit weights: this CPU's int8 product saturates at full range)"))
+    print(
+        f"int8 products exact here: torch._int_mm sums int8 rows exactly with weights of +-{levels}"
+        + ("" if levels == 127 else " (7-bit weights: this CPU's int8 product saturates at full range)")
+    )
     shapes = step_shapes(cfg)
     before = torch.get_num_threads()
     found = {}
@@ -193,26 +217,50 @@ def run(args) -> int:
             print(columns(plans(shapes, threads)))
             versus = int8_against_float32(shapes)
             print("int8 against float32, one decoder step's products (us, medians of interleaved rounds):")
-            print(columns([["rows", "float32", "int8", "int8 faster"]]
-                          + [[str(v["rows"]), f"{v['float32_us']:.0f}", f"{v['int8_us']:.0f}", f"{v['int8_faster']:.2f}x"]
-                             for v in versus]))
+            print(
+                columns(
+                    [["rows", "float32", "int8", "int8 faster"]]
+                    + [
+                        [str(v["rows"]), f"{v['float32_us']:.0f}", f"{v['int8_us']:.0f}", f"{v['int8_faster']:.2f}x"]
+                        for v in versus
+                    ]
+                )
+            )
             groups = grouping(cfg)
             failed = groups["failed_lengths"]
-            print(f"grouped attention (refdec.routes.fast.attend_each): {groups['tried'] - len(failed)} of "
-                  f"{groups['tried']} (length, count) shapes "
-                  + ("hold: sources of one length share a call" if not failed else
-                     f"tried; it does not hold at lengths {', '.join(map(str, failed))}: sources of those "
-                     "lengths attend one by one (their encoding is the same alone and in any batch)"))
+            print(
+                f"grouped attention (refdec.routes.fast.attend_each): {groups['tried'] - len(failed)} of "
+                f"{groups['tried']} (length, count) shapes "
+                + (
+                    "hold: sources of one length share a call"
+                    if not failed
+                    else f"tried; it does not hold at lengths {', '.join(map(str, failed))}: sources of those "
+                    "lengths attend one by one (their encoding is the same alone and in any batch)"
+                )
+            )
             few = few_rows(shapes)
-            print("few-row product (refdec.routes.kernels, fixed: it changes rounding): "
-                  + ", ".join(f"{v['few_row_faster']:.2f}x F.linear's speed at {v['rows']} rows" for v in few))
+            print(
+                "few-row product (refdec.routes.kernels, fixed: it changes rounding): "
+                + ", ".join(f"{v['few_row_faster']:.2f}x F.linear's speed at {v['rows']} rows" for v in few)
+            )
             found[str(threads)] = {"int8_vs_float32": versus, "grouped_attention": groups, "few_row_product": few}
     finally:
         torch.set_num_threads(before)
     if args.report:
-        write_report(args.report, {"shapes": what, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "vocab": cfg.vocab_size,
-                                   "dec_layers": cfg.dec_layers, "n_heads": cfg.n_heads, "weight_levels": levels,
-                                   "by_threads": found, "environment": environment(counts, "cpu", torch.float32)})
+        write_report(
+            args.report,
+            {
+                "shapes": what,
+                "d_model": cfg.d_model,
+                "d_ff": cfg.d_ff,
+                "vocab": cfg.vocab_size,
+                "dec_layers": cfg.dec_layers,
+                "n_heads": cfg.n_heads,
+                "weight_levels": levels,
+                "by_threads": found,
+                "environment": environment(counts, "cpu", torch.float32),
+            },
+        )
         print(f"\nreport: {args.report}")
     return 0
 

@@ -71,14 +71,14 @@ from .harness import (
 
 def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float]:
     """Median seconds of the parts of one fast int8 route decoder call (refdec.routes.int8) appending q
-    tokens to every row of `memory`'s batch over a cache of `prefix`, each part timed alone on the
-    call's shapes: `products` the integer products alone (on rows already quantized, as the route
-    computes them: oneDNN's fused product, its channel scaling in the same pass, or torch._int_mm in
-    the route's blocks of rows; per layer the self-attention's queries-keys-values and output, the
-    cross-attention's queries and output, the two feed-forward products, then the vocabulary), `quantization` what the route's
-    products add around them (each row's scale, the rounding, the rescaling, the bias and residual),
-    `attention` the two float64 attention calls per layer (the self-attention over prefix + q keys,
-    masked when q > 1, and the cross-attention over the source, padding masked), and `call` the
+    tokens to every row of `memory`'s batch over a cache of `prefix`, each part timed alone on the call's shapes:
+    `products` the integer products alone (on rows already quantized, as the route computes them: oneDNN's fused
+    product, its channel scaling in the same pass, or torch._int_mm in the route's blocks of rows; per layer the
+    self-attention's queries-keys-values and output, the cross-attention's queries and output, the two feed-forward
+    products, then the vocabulary), `quantization` what the route's products add around them (each row's scale, the
+    rounding, the rescaling, the bias and residual), `attention` the two float64 attention calls per layer (the
+    self-attention over prefix + q keys, masked when q > 1, and the cross-attention over the source, padding masked),
+    and `call` the
     whole call; the rest of the call (norms, the cache, embeddings, dispatch) is call minus the three."""
     weights = route.decoder_weights()
     B, S, H, Dh = memory.states.shape[0], memory.states.shape[1], route.cfg.n_heads, route.cfg.head_dim
@@ -112,9 +112,14 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
             f()
             times.append(clock(memory.states.device) - t0)
         return statistics.median(times)
+
     with torch.inference_mode():
-        parts = {"products": median_of(products), "with quantization": median_of(whole_products),
-                 "attention": median_of(attention), "call": time_decode(route, memory, prefix, q, reps)}
+        parts = {
+            "products": median_of(products),
+            "with quantization": median_of(whole_products),
+            "attention": median_of(attention),
+            "call": time_decode(route, memory, prefix, q, reps),
+        }
     parts["quantization"] = parts.pop("with quantization") - parts["products"]
     parts["rest"] = parts["call"] - parts["products"] - parts["quantization"] - parts["attention"]
     return parts
@@ -142,12 +147,20 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
     W_t = W.t().contiguous()
     proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
-    encoder: dict[str, list[float]] = {"reference": [], **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
-                                       **({"graphed": [], "graphed replay, q = 1": []} if args.graphed else {}), **({"fast-int8": []} if args.int8 else {})}
+    encoder: dict[str, list[float]] = {
+        "reference": [],
+        **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
+        **({"graphed": [], "graphed replay, q = 1": []} if args.graphed else {}),
+        **({"fast-int8": []} if args.int8 else {}),
+    }
     src = torch.full((args.rows, args.src), 11, device=device)
     enc_src = ragged_sources(src, model.cfg.pad_id) if args.ragged_src else src  # the encoder's timed batch
-    print(f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
-          f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}", file=sys.stderr, flush=True)
+    print(
+        f"timing calls of {args.rows} row(s) at q = {','.join(map(str, qs))} on the {', '.join(routes)} route(s): "
+        f"a warm-up round, then {args.rounds} round{'s' * (args.rounds != 1)}",
+        file=sys.stderr,
+        flush=True,
+    )
     progress = ProgressLine(args.rounds + 1, "rounds")
     with torch.inference_mode():
         memories = {route: m.encode(src) for route, m in routes.items()}
@@ -175,7 +188,12 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                 for _ in range(10):
                     h @ w
                 proj[name].append((clock(device) - t0) / 10)
-            for name in ("reference", "fast", "graphed", "fast-int8"):  # the reference: the encoder as decode.py runs it
+            for name in (
+                "reference",
+                "fast",
+                "graphed",
+                "fast-int8",
+            ):  # the reference: the encoder as decode.py runs it
                 if name in encoder:
                     t0 = clock(device)
                     routes.get(name, model).encode(enc_src)
@@ -200,17 +218,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="mt-en-de", help="task whose shipped checkpoint to load (default mt-en-de)")
     p.add_argument("--model", help="checkpoint path (default: checkpoints/<task>/model.pt)")
     p.add_argument("--src", type=int, default=30, help="source tokens (default 30)")
-    p.add_argument("--ragged-src", action="store_true", help="time the encoder over sources of lengths spread "
-                   "evenly up to --src, padded (a batch of lines in input order), not all of --src tokens")
+    p.add_argument(
+        "--ragged-src",
+        action="store_true",
+        help="time the encoder over sources of lengths spread "
+        "evenly up to --src, padded (a batch of lines in input order), not all of --src tokens",
+    )
     p.add_argument("--prefix", type=int, default=30, help="tokens already in the cache (default 30)")
     p.add_argument("--rows", type=int, default=1, help="batch rows per call (default 1)")
     p.add_argument("--q", default="1,2,4,8,16,32,64", help="new-token counts to time (default 1,2,4,8,16,32,64)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
-    p.add_argument("--fast", action="store_true", help="time the fast route (refdec.routes.fast) too, in the same rounds")
-    p.add_argument("--int8", action="store_true", help="time the fast route on int8 products (refdec.routes.int8) too, "
-                   "and each call's parts alone: integer products, quantization, attention, the rest")
-    p.add_argument("--graphed", action="store_true", help="time the graphed route (refdec.routes.graphed) too, in the same "
-                   "rounds (CUDA graphs on a GPU; on the CPU its static-shape steps run as they are)")
+    p.add_argument(
+        "--fast", action="store_true", help="time the fast route (refdec.routes.fast) too, in the same rounds"
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="time the fast route on int8 products (refdec.routes.int8) too, "
+        "and each call's parts alone: integer products, quantization, attention, the rest",
+    )
+    p.add_argument(
+        "--graphed",
+        action="store_true",
+        help="time the graphed route (refdec.routes.graphed) too, in the same "
+        "rounds (CUDA graphs on a GPU; on the CPU its static-shape steps run as they are)",
+    )
     machine_options(p)
     report_option(p)
     return p
@@ -227,78 +259,144 @@ def run(args: argparse.Namespace) -> int:
         if min(qs) < 1 or args.rounds < 1 or args.threads < 1 or args.rows < 1 or args.src < 1:
             raise ValueError
     except ValueError:
-        raise UsageError("--q takes positive integers separated by commas; --rounds, --threads, --rows and --src "
-                         "at least 1") from None
+        raise UsageError(
+            "--q takes positive integers separated by commas; --rounds, --threads, --rows and --src at least 1"
+        ) from None
     device = set_up_machine(args)
     path = args.model or repo_file("checkpoints", args.task, "model.pt", flag="--model")
     check_outputs({"--report": args.report}, checkpoint_files("the model", path))
     model, _, _ = load_model(path, task=args.task, device=device)
     chosen = [f"--{name}" for name in ("fast", "graphed", "int8") if getattr(args, name)]
     if chosen and not applies_to(model.cfg):
-        raise UsageError(f"{'/'.join(chosen)}: the fast route does not write this model's layers (its family's "
-                         f"norm, feed-forward or positions: refdec.routes.fast.applies_to), so there is no such "
-                         f"route to time; without them stepcost times its layers on the few-row and plain products")
+        raise UsageError(
+            f"{'/'.join(chosen)}: the fast route does not write this model's layers (its family's "
+            f"norm, feed-forward or positions: refdec.routes.fast.applies_to), so there is no such "
+            f"route to time; without them stepcost times its layers on the few-row and plain products"
+        )
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
         raise UsageError(f"--src/--prefix/--q exceed the model's {model.cfg.max_positions} positions")
     samples, proj, encoder, parts = measure(model, args, qs)
     med = {key: statistics.median(v) for key, v in samples.items()}
     B = args.rows
-    other_routes = [route for route in ("fast", "graphed") if getattr(args, route)] + ["fast-int8"] * args.int8  # the routes beside the reference
-    rows = [{"q": q, "ms": 1000 * med["few-row", q], "ratio": med["few-row", q] / med["few-row", qs[0]],
-             "ms_per_position": 1000 * med["few-row", q] / (B * q),
-             "plain_ms": 1000 * med["plain", q], "plain_ratio": med["plain", q] / med["plain", qs[0]],
-             **{key: value for route in other_routes for key, value in ((f"{route}_ms", 1000 * med[route, q]),
-                                                                       (f"{route}_ratio", med[route, q] / med[route, qs[0]]))}}
-            for q in qs]
+    other_routes = [route for route in ("fast", "graphed") if getattr(args, route)] + [
+        "fast-int8"
+    ] * args.int8  # the routes beside the reference
+    rows = [
+        {
+            "q": q,
+            "ms": 1000 * med["few-row", q],
+            "ratio": med["few-row", q] / med["few-row", qs[0]],
+            "ms_per_position": 1000 * med["few-row", q] / (B * q),
+            "plain_ms": 1000 * med["plain", q],
+            "plain_ratio": med["plain", q] / med["plain", qs[0]],
+            **{
+                key: value
+                for route in other_routes
+                for key, value in (
+                    (f"{route}_ms", 1000 * med[route, q]),
+                    (f"{route}_ratio", med[route, q] / med[route, qs[0]]),
+                )
+            },
+        }
+        for q in qs
+    ]
     enc = {name: 1000 * statistics.median(v) for name, v in encoder.items()}
     enc_ms = enc["reference"]
-    print(f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
-          f"{args.threads} threads, {device}, {shown_path(path)}")
+    print(
+        f"decoder call of {B} row(s), each appending q tokens to a cache of {args.prefix}, source of {args.src}, "
+        f"{args.threads} threads, {device}, {shown_path(path)}"
+    )
     print(machine_line(args.threads))
-    print(f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
-          f"rows (refdec's default); plain: x @ W.T throughout")
+    print(
+        f"few-row route: linear layers compute (W @ x.T).T for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} "
+        f"rows (refdec's default); plain: x @ W.T throughout"
+    )
     columns = []  # (header, key, decimals) of each route beside the reference
     for route in other_routes:
-        columns += [(f"   {route} ms/call", f"{route}_ms", 3), (f"   {route} cost(q)/cost(q={qs[0]})", f"{route}_ratio", 2)]
-    print(f"    q   ms/call   cost(q)/cost(q={qs[0]})   ms/position   plain ms/call   plain cost(q)/cost(q={qs[0]})"
-          + "".join(head for head, _, _ in columns))
+        columns += [
+            (f"   {route} ms/call", f"{route}_ms", 3),
+            (f"   {route} cost(q)/cost(q={qs[0]})", f"{route}_ratio", 2),
+        ]
+    print(
+        f"    q   ms/call   cost(q)/cost(q={qs[0]})   ms/position   plain ms/call   plain cost(q)/cost(q={qs[0]})"
+        + "".join(head for head, _, _ in columns)
+    )
     for r in rows:
-        print(f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['ms_per_position']:8.4f}     "
-              f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}"
-              + "".join(f"{r[key]:{len(head)}.{digits}f}" for head, key, digits in columns))
+        print(
+            f"{r['q']:5d}  {r['ms']:8.3f}   {r['ratio']:6.2f}             {r['ms_per_position']:8.4f}     "
+            f"{r['plain_ms']:8.3f}        {r['plain_ratio']:6.2f}"
+            + "".join(f"{r[key]:{len(head)}.{digits}f}" for head, key, digits in columns)
+        )
     tokens = sum(source_lengths(B, args.src)) if args.ragged_src else B * args.src
-    sources = f"1-{args.src} tokens ({tokens} in all, padded to {args.src})" if args.ragged_src else f"{args.src} tokens"
-    print(f"encoder over {B} source(s) of {sources}: {enc_ms:.3f} ms ({enc_ms / tokens:.4f} ms per "
-          f"source token)" + "".join(f"; {route} route {enc[route]:.3f} ms ({enc[route] / tokens:.4f})"
-                                     for route in other_routes))
+    sources = (
+        f"1-{args.src} tokens ({tokens} in all, padded to {args.src})" if args.ragged_src else f"{args.src} tokens"
+    )
+    print(
+        f"encoder over {B} source(s) of {sources}: {enc_ms:.3f} ms ({enc_ms / tokens:.4f} ms per "
+        f"source token)"
+        + "".join(f"; {route} route {enc[route]:.3f} ms ({enc[route] / tokens:.4f})" for route in other_routes)
+    )
     if args.fast:
         whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
         print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")
     if args.graphed:
         whole = next((f" (of {r['graphed_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
-        print(f"graphed route, the q = 1 call's step alone (on a GPU its graph's replay): "
-              f"{enc['graphed replay, q = 1']:.3f} ms{whole}")
-    split = {f"{part}_ms": {q: 1000 * statistics.median(parts[part, q]) for q in qs}
-             for part in ("call", "products", "quantization", "attention", "rest")} if args.int8 else {}
+        print(
+            f"graphed route, the q = 1 call's step alone (on a GPU its graph's replay): "
+            f"{enc['graphed replay, q = 1']:.3f} ms{whole}"
+        )
+    split = (
+        {
+            f"{part}_ms": {q: 1000 * statistics.median(parts[part, q]) for q in qs}
+            for part in ("call", "products", "quantization", "attention", "rest")
+        }
+        if args.int8
+        else {}
+    )
     if args.int8:
-        print("fast int8 route, one call's parts timed alone (ms): q, the call, the integer products, the quantization "
-              "and rescaling around them, float64 attention, the rest")
+        print(
+            "fast int8 route, one call's parts timed alone (ms): q, the call, the integer products, the quantization "
+            "and rescaling around them, float64 attention, the rest"
+        )
         for q in qs:
-            print(f"{q:5d}  " + "  ".join(f"{split[f'{part}_ms'][q]:8.3f}"
-                                         for part in ("call", "products", "quantization", "attention", "rest")))
+            print(
+                f"{q:5d}  "
+                + "  ".join(
+                    f"{split[f'{part}_ms'][q]:8.3f}"
+                    for part in ("call", "products", "quantization", "attention", "rest")
+                )
+            )
     pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
     print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
     if args.report:
-        write_report(args.report, {"model": shown_path(path), "threads": args.threads, "device": str(device),
-                                   "rows": B, "src": args.src, "ragged_src": args.ragged_src, "source_tokens": tokens,
-                                   "prefix": args.prefix, "calls": rows, "encoder_ms": enc_ms,
-                                   **({"fast_encoder_ms": enc["fast"],
-                                       "fast_products_ms": enc["fast products, q = 1"]} if args.fast else {}),
-                                   **({"graphed_encoder_ms": enc["graphed"],
-                                       "graphed_replay_ms": enc["graphed replay, q = 1"]} if args.graphed else {}),
-                                   **({"int8_encoder_ms": enc["fast-int8"], "int8_parts": split} if args.int8 else {}),
-                                   "projection_ms": pm,
-                                   "environment": environment(args.threads, device, model.tgt_embed.weight.dtype)})
+        write_report(
+            args.report,
+            {
+                "model": shown_path(path),
+                "threads": args.threads,
+                "device": str(device),
+                "rows": B,
+                "src": args.src,
+                "ragged_src": args.ragged_src,
+                "source_tokens": tokens,
+                "prefix": args.prefix,
+                "calls": rows,
+                "encoder_ms": enc_ms,
+                **(
+                    {"fast_encoder_ms": enc["fast"], "fast_products_ms": enc["fast products, q = 1"]}
+                    if args.fast
+                    else {}
+                ),
+                **(
+                    {"graphed_encoder_ms": enc["graphed"], "graphed_replay_ms": enc["graphed replay, q = 1"]}
+                    if args.graphed
+                    else {}
+                ),
+                **({"int8_encoder_ms": enc["fast-int8"], "int8_parts": split} if args.int8 else {}),
+                "projection_ms": pm,
+                "environment": environment(args.threads, device, model.tgt_embed.weight.dtype),
+            },
+        )
     return 0
 
 

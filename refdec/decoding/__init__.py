@@ -16,5 +16,19 @@ from .result import DecodeResult, DecodeStats, check_eval
 from .speculative import decode_speculative
 from .verify import Verified, verify
 
-__all__ = ["DecodeResult", "DecodeStats", "MATCH_POLICIES", "Verified", "check_eval", "decode_beam", "decode_bild",
-           "decode_blockwise", "decode_gad", "decode_greedy", "decode_iad", "decode_speculative", "find_match", "verify"]
+__all__ = [
+    "DecodeResult",
+    "DecodeStats",
+    "MATCH_POLICIES",
+    "Verified",
+    "check_eval",
+    "decode_beam",
+    "decode_bild",
+    "decode_blockwise",
+    "decode_gad",
+    "decode_greedy",
+    "decode_iad",
+    "decode_speculative",
+    "find_match",
+    "verify",
+]

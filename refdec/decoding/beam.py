@@ -24,8 +24,15 @@ from .ties import best_candidates
 
 
 @torch.inference_mode()
-def decode_beam(model: Transformer, src: torch.Tensor, *, max_len: int, beam_size: int = 5,
-                length_penalty: float = 1.0, trace: bool = False) -> DecodeResult:
+def decode_beam(
+    model: Transformer,
+    src: torch.Tensor,
+    *,
+    max_len: int,
+    beam_size: int = 5,
+    length_penalty: float = 1.0,
+    trace: bool = False,
+) -> DecodeResult:
     """src (B, S) -> the best hypothesis per row. Score = sum log p / (length incl. eos) ** length_penalty."""
     check_eval(model)
     if beam_size < 1:
@@ -63,7 +70,7 @@ def decode_beam(model: Transformer, src: torch.Tensor, *, max_len: int, beam_siz
         ends[:, K:] = False
         for b, j in (ends & torch.isfinite(top_scores)).nonzero().tolist():
             if not done[b]:
-                hyp = torch.cat([prefixes[b, top_beam[b, j]], top_tok[b, j:j + 1]])
+                hyp = torch.cat([prefixes[b, top_beam[b, j]], top_tok[b, j : j + 1]])
                 finished[b].append((top_scores[b, j].item() / (t + 1) ** length_penalty, hyp))
 
         # Keep the K best candidates that do not end in eos (stable: ties keep their rank order).
@@ -80,7 +87,9 @@ def decode_beam(model: Transformer, src: torch.Tensor, *, max_len: int, beam_siz
         if steps is not None:
             for b in range(B):
                 if not done[b]:
-                    steps[b].append(Step(beams=tuple(map(tuple, prefixes[b].tolist())), scores=tuple(scores[b].tolist())))
+                    steps[b].append(
+                        Step(beams=tuple(map(tuple, prefixes[b].tolist())), scores=tuple(scores[b].tolist()))
+                    )
         for b in range(B):
             if not done[b] and len(finished[b]) >= K:
                 done[b] = True

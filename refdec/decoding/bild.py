@@ -57,30 +57,49 @@ from .verify import verify_rows
 
 def rollback_rule(threshold: float):
     """accept(logits, draft): keep a small-model token while -log p_L(token) <= threshold."""
+
     def accept(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
         nll = -torch.log_softmax(logits.double(), dim=-1).gather(-1, draft[:, None])[:, 0]
         return nll.le(threshold)
+
     return accept
 
 
 @torch.inference_mode()
-def decode_bild(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int,
-                fallback_threshold: float = 0.4, rollback_threshold: float = 2.0, max_window: int = 10,
-                sample: bool = False, top_p: float = 0.9, seed: int = 0, trace: bool = False) -> DecodeResult:
+def decode_bild(
+    large: Transformer,
+    small: Transformer,
+    src: torch.Tensor,
+    *,
+    max_len: int,
+    fallback_threshold: float = 0.4,
+    rollback_threshold: float = 2.0,
+    max_window: int = 10,
+    sample: bool = False,
+    top_p: float = 0.9,
+    seed: int = 0,
+    trace: bool = False,
+) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row."""
     check_pair(large, small)
     if max_window < 1:
         raise ValueError("max_window must be at least 1")
     cfg = large.cfg
     gen = torch.Generator().manual_seed(seed)
-    next_token = (lambda logits: draw(distribution(logits, top_p=top_p), gen)) if sample else (lambda logits: int(logits.argmax()))
+    next_token = (
+        (lambda logits: draw(distribution(logits, top_p=top_p), gen))
+        if sample
+        else (lambda logits: int(logits.argmax()))
+    )
     accept = rollback_rule(rollback_threshold)
     choose = (lambda row, n, rejected: next_token(row)) if sample else None
     B = src.shape[0]
     stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(large, small))
     mem_l = large.encode(src)
     follower = Follower(small, small_memory(large, small, mem_l, src), capacity=max_len + 1)
-    rows = Rows(cfg, B, max_len, stats, trace, memories=[mem_l], caches=[large.new_cache(B, capacity=max_len + 1), follower])
+    rows = Rows(
+        cfg, B, max_len, stats, trace, memories=[mem_l], caches=[large.new_cache(B, capacity=max_len + 1), follower]
+    )
     while rows:  # Algorithm 1, line 2: while y[-1] != eos
         # Lines 3-6: the small model writes while it is confident (each row until it falls back or ends).
         runs = small_run(follower, rows, next_token, fallback_threshold=fallback_threshold, max_window=max_window)
@@ -89,11 +108,20 @@ def decode_bild(large: Transformer, small: Transformer, src: torch.Tensor, *, ma
             break
         # The runs become the large model's draft: each output goes back to where its large-model call starts.
         for out, run in zip(rows.outputs(), runs):
-            del out[len(out) - len(run):]
+            del out[len(out) - len(run) :]
         # Lines 8-10: fall back; one large-model call over every token since its last call finds m,
         # the first small-model token with d(p_L[m], p_S[m]) > rollback_threshold.
-        verified = verify_rows(large, rows.memory, rows.cache, rows.lasts(), runs, budgets=rows.budgets(),
-                               eos_id=cfg.eos_id, accept=accept, choose=choose)
+        verified = verify_rows(
+            large,
+            rows.memory,
+            rows.cache,
+            rows.lasts(),
+            runs,
+            budgets=rows.budgets(),
+            eos_id=cfg.eos_id,
+            accept=accept,
+            choose=choose,
+        )
         stats.verifier_calls += 1
         stats.fallbacks += len(rows)
         rolled = [v.accepted < len(run) for v, run in zip(verified, runs)]
@@ -116,7 +144,9 @@ def end_unchecked(rows: Rows, runs: list[list[int]]) -> list[list[int]]:
     return [runs[r] for r in waiting]
 
 
-def small_run(follower: Follower, rows: Rows, next_token, *, fallback_threshold: float, max_window: int) -> list[list[int]]:
+def small_run(
+    follower: Follower, rows: Rows, next_token, *, fallback_threshold: float, max_window: int
+) -> list[list[int]]:
     """Algorithm 1, lines 3-6, for every batch row in the same small-model calls: the small model
     appends its token to a row's output while its max probability is at least fallback_threshold
     and it wrote fewer than max_window tokens in this run, and the row has not finished (eos or

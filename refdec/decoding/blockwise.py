@@ -46,8 +46,9 @@ from .verify import Verified, verify_rows
 BLOCK_RULES = ("exact", "top-k", "distance")
 
 
-def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | None = None, epsilon: float = 0.0,
-                min_block: int = 1):
+def accept_rule(
+    rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | None = None, epsilon: float = 0.0, min_block: int = 1
+):
     """The test a proposed token must pass against p_1's logits (None = exact: the argmax)."""
     if rule not in BLOCK_RULES:
         raise ValueError(f"unknown block rule {rule!r}; choose one of {', '.join(BLOCK_RULES)}")
@@ -77,9 +78,20 @@ def accept_rule(rule: str = "exact", *, top_k: int = 2, values: torch.Tensor | N
 
 
 @torch.inference_mode()
-def decode_blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor, *, max_len: int,
-                     block_rule: str = "exact", top_k: int = 2, values: torch.Tensor | None = None,
-                     epsilon: float = 0.0, min_block: int = 1, block_size: int = 0, trace: bool = False) -> DecodeResult:
+def decode_blockwise(
+    model: Transformer,
+    heads: ProposalHeads,
+    src: torch.Tensor,
+    *,
+    max_len: int,
+    block_rule: str = "exact",
+    top_k: int = 2,
+    values: torch.Tensor | None = None,
+    epsilon: float = 0.0,
+    min_block: int = 1,
+    block_size: int = 0,
+    trace: bool = False,
+) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row (greedy of p_1
     in exact mode). The block size k is heads.k, or block_size (2 .. heads.k): p_1 and the first
     block_size - 1 proposal heads, the others unused. block_rule: one of BLOCK_RULES (above)."""
@@ -92,14 +104,29 @@ def decode_blockwise(model: Transformer, heads: ProposalHeads, src: torch.Tensor
     cfg = model.cfg
     B = src.shape[0]
     stats = DecodeStats(sentences=B, encoder_calls=1)
-    rows = Rows(cfg, B, max_len, stats, trace, memories=[model.encode(src)],
-                caches=[model.new_cache(B, capacity=max_len + k + 1)])
+    rows = Rows(
+        cfg,
+        B,
+        max_len,
+        stats,
+        trace,
+        memories=[model.encode(src)],
+        caches=[model.new_cache(B, capacity=max_len + k + 1)],
+    )
     proposals: list[list[int]] = [[] for _ in rows.alive]  # per batch row; the first call proposes nothing
     while rows:
         # Verify (section 3): the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^,
         # all i in one call, which also gives p_1's own token after them.
-        verified = verify_rows(model, rows.memory, rows.cache, rows.lasts(), proposals, budgets=rows.budgets(),
-                               eos_id=cfg.eos_id, accept=accept)
+        verified = verify_rows(
+            model,
+            rows.memory,
+            rows.cache,
+            rows.lasts(),
+            proposals,
+            budgets=rows.budgets(),
+            eos_id=cfg.eos_id,
+            accept=accept,
+        )
         stats.verifier_calls += 1
         # Accept: extend the output by the k^ verified tokens (p_1's own included); j <- j + k^.
         going = rows.commit(proposals, verified, drafted_by="heads")

@@ -65,9 +65,18 @@ def gadpp_rule(top_beta: int = 1, tau: float = 0.0):
 
 
 @torch.inference_mode()
-def decode_gad(verifier: Transformer, drafter: Drafter, src: torch.Tensor, *, max_len: int, block_size: int = 0,
-               top_beta: int = 1, tau: float = 0.0, trace: bool = False,
-               times: PartTimes | None = None) -> DecodeResult:
+def decode_gad(
+    verifier: Transformer,
+    drafter: Drafter,
+    src: torch.Tensor,
+    *,
+    max_len: int,
+    block_size: int = 0,
+    top_beta: int = 1,
+    tau: float = 0.0,
+    trace: bool = False,
+    times: PartTimes | None = None,
+) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row.
 
     block_size: tokens drafted per iteration, the paper's k (0 = the k the drafter was trained for).
@@ -88,8 +97,15 @@ def decode_gad(verifier: Transformer, drafter: Drafter, src: torch.Tensor, *, ma
     with times("drafter encoder"):
         mem_d = small_memory(verifier, drafter.model, mem_v, src)  # from the verifier's when it reads that encoder
     cache_d = drafter.model.new_cache(B, capacity=max_len + k + 1) if drafter.layout == "causal" else None
-    rows = Rows(cfg, B, max_len, stats, trace, memories=[mem_v, mem_d],
-                caches=[verifier.new_cache(B, capacity=max_len + 1), cache_d])
+    rows = Rows(
+        cfg,
+        B,
+        max_len,
+        stats,
+        trace,
+        memories=[mem_v, mem_d],
+        caches=[verifier.new_cache(B, capacity=max_len + 1), cache_d],
+    )
     while rows:  # until eos or max_len
         mem_v, mem_d = rows.memories
         # Draft: o~_(j+1 .. j+k), the drafter's argmax at k masks after o_<=j (section 3.2).
@@ -98,8 +114,16 @@ def decode_gad(verifier: Transformer, drafter: Drafter, src: torch.Tensor, *, ma
         # Verify: o^_(j+i) given o_<=j and o~_(j+1 .. j+i-1), all i in one call (Eq. 7; GAD++: Eq. 8-9);
         # the bifurcation c is the first i where the draft fails.
         with times("verifier decoder"):
-            verified = verify_rows(verifier, mem_v, rows.cache, rows.lasts(), drafts, budgets=rows.budgets(),
-                                   eos_id=cfg.eos_id, accept=accept)
+            verified = verify_rows(
+                verifier,
+                mem_v,
+                rows.cache,
+                rows.lasts(),
+                drafts,
+                budgets=rows.budgets(),
+                eos_id=cfg.eos_id,
+                accept=accept,
+            )
         stats.drafter_calls += 1
         stats.verifier_calls += 1
         # Accept: o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)). Finished rows leave the batch.

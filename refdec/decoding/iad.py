@@ -87,13 +87,21 @@ def source_span(x: list[int], i: int | None, max_draft: int) -> list[int]:
     max_draft tokens (0 = no limit); nothing without a match."""
     if i is None:
         return []
-    draft = x[i + 1: len(x) - 1]
+    draft = x[i + 1 : len(x) - 1]
     return draft[:max_draft] if max_draft > 0 else draft
 
 
 @torch.inference_mode()
-def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: str = "unique", max_suffix: int = 0,
-               max_draft: int = 0, trace: bool = False) -> DecodeResult:
+def decode_iad(
+    model: Transformer,
+    src: torch.Tensor,
+    *,
+    max_len: int,
+    match: str = "unique",
+    max_suffix: int = 0,
+    max_draft: int = 0,
+    trace: bool = False,
+) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> the greedy output of each row.
 
     max_draft: most tokens drafted per call (the papers' L_max; 0 = up to the end of the source)."""
@@ -104,8 +112,15 @@ def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: st
     B = src.shape[0]
     stats = DecodeStats(sentences=B, encoder_calls=1)
     widest = (max_draft or src.shape[1]) + 1  # a verification call's widest: room for it past the budget
-    rows = Rows(cfg, B, max_len, stats, trace, memories=[model.encode(src)],
-                caches=[model.new_cache(B, capacity=max_len + widest)])
+    rows = Rows(
+        cfg,
+        B,
+        max_len,
+        stats,
+        trace,
+        memories=[model.encode(src)],
+        caches=[model.new_cache(B, capacity=max_len + widest)],
+    )
     xs = [[cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id] for row in src]
     while rows:  # Algorithm 1, line 2: while o_j != eos and j < max_len
         # Line 3: a suffix of o found in x, ending at x_i; line 4: draft x_(i+1) .., stopping before the pad.
@@ -113,8 +128,9 @@ def decode_iad(model: Transformer, src: torch.Tensor, *, max_len: int, match: st
         drafts = [source_span(xs[b], i, max_draft) for b, i in zip(rows.alive, matches)]
         # Lines 4-5 (an empty draft: line 9): one parallel call decodes o~_(j+1) .. after the draft
         # (Eq. 5-6) and finds the bifurcation j + k.
-        verified = verify_rows(model, rows.memory, rows.cache, rows.lasts(), drafts, budgets=rows.budgets(),
-                               eos_id=cfg.eos_id)
+        verified = verify_rows(
+            model, rows.memory, rows.cache, rows.lasts(), drafts, budgets=rows.budgets(), eos_id=cfg.eos_id
+        )
         stats.verifier_calls += 1
         # Lines 6-7 (10-11): o <- CAT(o, o~_(j+1 .. j+k)); j <- j + k. Finished rows leave the batch.
         rows.commit(drafts, verified, drafted_by="source", origin=matches)

@@ -36,16 +36,18 @@ class Companion(Protocol):
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache: ...
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from=None,
-                      real: torch.Tensor | None = None) -> torch.Tensor: ...
+    def decode_hidden(
+        self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache, open_from=None, real: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 def check_pair(large: Transformer, small: Companion) -> None:
     if large.cfg.vocab_size != small.cfg.vocab_size:
-        raise ValueError(f"the small model's vocabulary ({small.cfg.vocab_size}) is not the large model's "
-                         f"({large.cfg.vocab_size})")
+        raise ValueError(
+            f"the small model's vocabulary ({small.cfg.vocab_size}) is not the large model's ({large.cfg.vocab_size})"
+        )
     check_eval(large)
     check_eval(small)
 
@@ -95,11 +97,15 @@ class Follower:
         self.tokens = [list(seq) for seq in sequences]
         if len(sequences) == 1:
             self.cache.truncate(keeps[0])
-            return self.model.decode(torch.tensor(todo, dtype=torch.long, device=device), self.memory, self.cache)[:, -1]
+            return self.model.decode(torch.tensor(todo, dtype=torch.long, device=device), self.memory, self.cache)[
+                :, -1
+            ]
         self.cache.truncate(keeps)
         real = [len(t) for t in todo]
         width = max(real)
-        inp = torch.tensor([t + [self.model.cfg.pad_id] * (width - len(t)) for t in todo], dtype=torch.long, device=device)
+        inp = torch.tensor(
+            [t + [self.model.cfg.pad_id] * (width - len(t)) for t in todo], dtype=torch.long, device=device
+        )
         hidden = self.model.decode_hidden(inp, self.memory, self.cache, real=torch.tensor(real, device=device))
         self.cache.truncate([len(seq) for seq in sequences])
         last = hidden[torch.arange(len(todo), device=device), torch.tensor(real, device=device) - 1]  # (B, D)

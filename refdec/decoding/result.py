@@ -41,19 +41,34 @@ class DecodeStats:
         return sum(self.committed) / len(self.committed) if self.committed else 0.0
 
     def merge(self, other: DecodeStats) -> None:
-        for name in ("sentences", "tokens", "verifier_calls", "drafter_calls", "encoder_calls",
-                     "fallbacks", "rollbacks", "hit_max_len"):
+        for name in (
+            "sentences",
+            "tokens",
+            "verifier_calls",
+            "drafter_calls",
+            "encoder_calls",
+            "fallbacks",
+            "rollbacks",
+            "hit_max_len",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.committed.extend(other.committed)
         for k, v in other.module_seconds.items():
             self.module_seconds[k] = self.module_seconds.get(k, 0.0) + v
 
     def to_dict(self) -> dict:
-        return {"sentences": self.sentences, "tokens": self.tokens, "verifier_calls": self.verifier_calls,
-                "drafter_calls": self.drafter_calls, "encoder_calls": self.encoder_calls,
-                "tokens_per_call": self.mean_committed, "fallbacks": self.fallbacks,
-                "rollbacks": self.rollbacks, "hit_max_len": self.hit_max_len,
-                **({"module_seconds": dict(self.module_seconds)} if self.module_seconds else {})}
+        return {
+            "sentences": self.sentences,
+            "tokens": self.tokens,
+            "verifier_calls": self.verifier_calls,
+            "drafter_calls": self.drafter_calls,
+            "encoder_calls": self.encoder_calls,
+            "tokens_per_call": self.mean_committed,
+            "fallbacks": self.fallbacks,
+            "rollbacks": self.rollbacks,
+            "hit_max_len": self.hit_max_len,
+            **({"module_seconds": dict(self.module_seconds)} if self.module_seconds else {}),
+        }
 
 
 @dataclass
@@ -100,7 +115,8 @@ def finish_row(out: list[int], eos_id: int, stats: DecodeStats, device) -> torch
     return torch.tensor(out, dtype=torch.long, device=device)
 
 
-def result_of(outs: list[list[int]], eos_id: int, stats: DecodeStats, steps: list[list[Step]] | None,
-              device) -> DecodeResult:
+def result_of(
+    outs: list[list[int]], eos_id: int, stats: DecodeStats, steps: list[list[Step]] | None, device
+) -> DecodeResult:
     """A batch's DecodeResult from each row's output tokens (finish_row) and, on request, its trace."""
     return DecodeResult([finish_row(out, eos_id, stats, device) for out in outs], stats, steps)

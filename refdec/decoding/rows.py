@@ -31,8 +31,17 @@ class Rows:
     memories and caches whose batch rows follow them (a KVCache or a Follower: anything with
     `select(rows)`; None, a cache a decoder does without, is skipped). cfg: the verifier's (bos, eos)."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, stats: DecodeStats, trace: bool, *,
-                 memories: list[Memory], caches: list):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        max_len: int,
+        stats: DecodeStats,
+        trace: bool,
+        *,
+        memories: list[Memory],
+        caches: list,
+    ):
         self.max_len, self.bos_id, self.eos_id, self.stats = max_len, cfg.bos_id, cfg.eos_id, stats
         self.alive = list(range(batch)) if max_len > 0 else []  # source row of each batch row still decoding
         self.outs: list[list[int]] = [[] for _ in range(batch)]  # output tokens after bos, per source row
@@ -146,10 +155,9 @@ class GreedyRows:
 
     def outputs(self) -> list[list[int]]:
         """Each source row's tokens up to and including its first eos (all of them without one)."""
-        return [cut_at_eos(row, self.eos_id) for row in self.written[:, :self.steps].tolist()]
+        return [cut_at_eos(row, self.eos_id) for row in self.written[:, : self.steps].tolist()]
 
 
 def cut_at_eos(row: list[int], eos_id: int) -> list[int]:
     """A row's tokens up to and including its first eos (all of them without one: it reached max_len)."""
-    return row[:row.index(eos_id) + 1] if eos_id in row else row
-
+    return row[: row.index(eos_id) + 1] if eos_id in row else row

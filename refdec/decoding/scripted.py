@@ -38,7 +38,7 @@ def scripted_draft(y: list[int], done: int, k: int, accept: float, rng: random.R
     probability `accept`; the first one not kept becomes another token (so the verifier refuses it)
     and the draft ends there."""
     draft = []
-    for tok in y[done:done + k]:
+    for tok in y[done : done + k]:
         if rng.random() >= accept:
             draft.append((tok + 1) % vocab)
             break
@@ -47,8 +47,19 @@ def scripted_draft(y: list[int], done: int, k: int, accept: float, rng: random.R
 
 
 @torch.inference_mode()
-def scripted_gad(model: Transformer, src: torch.Tensor, y: list[int], *, k: int, accept: float, max_len: int,
-                 rng: random.Random, drafter=None, layout: str = "causal", small=None) -> tuple[list[int], int]:
+def scripted_gad(
+    model: Transformer,
+    src: torch.Tensor,
+    y: list[int],
+    *,
+    k: int,
+    accept: float,
+    max_len: int,
+    rng: random.Random,
+    drafter=None,
+    layout: str = "causal",
+    small=None,
+) -> tuple[list[int], int]:
     """GAD's loop for one sentence (src (1, S)) with the scripted draft of y (y ends in eos).
     With `drafter`, it also drafts each iteration; with `small`, that autoregressive model takes a
     step per drafted token (their tokens unused: only their cost counts). Returns (output, calls)."""

@@ -38,9 +38,19 @@ from .verify import verify_rows
 
 
 @torch.inference_mode()
-def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor, *, max_len: int, gamma: int = 3,
-                       sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-                       trace: bool = False) -> DecodeResult:
+def decode_speculative(
+    large: Transformer,
+    small: Transformer,
+    src: torch.Tensor,
+    *,
+    max_len: int,
+    gamma: int = 3,
+    sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    trace: bool = False,
+) -> DecodeResult:
     """src (B, S) right-padded source ids (each ending in eos) -> one output per row."""
     check_pair(large, small)
     if gamma < 1:
@@ -53,7 +63,9 @@ def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor
     stats = DecodeStats(sentences=B, encoder_calls=encoder_passes(large, small))
     mem_l = large.encode(src)
     follower = Follower(small, small_memory(large, small, mem_l, src), capacity=max_len + gamma + 1)
-    rows = Rows(cfg, B, max_len, stats, trace, memories=[mem_l], caches=[large.new_cache(B, capacity=max_len + 1), follower])
+    rows = Rows(
+        cfg, B, max_len, stats, trace, memories=[mem_l], caches=[large.new_cache(B, capacity=max_len + 1), follower]
+    )
     while rows:
         # Algorithm 1: sample gamma guesses x_1 .. x_gamma from M_q autoregressively (q: their distributions).
         drafts, qs = small_drafts(follower, rows, gamma, sample, temperature, top_p, gen)
@@ -63,16 +75,26 @@ def decode_speculative(large: Transformer, small: Transformer, src: torch.Tensor
             choose = [residual_draw(q, temperature, top_p, gen) for q in qs]
         # Algorithm 1: run M_p in parallel (p_1 .. p_(gamma+1)), determine the number of accepted
         # guesses n, adjust the distribution from M_p if needed and draw t from it.
-        verified = verify_rows(large, rows.memory, rows.cache, rows.lasts(), drafts, budgets=rows.budgets(),
-                               eos_id=cfg.eos_id, accept=accept, choose=choose)
+        verified = verify_rows(
+            large,
+            rows.memory,
+            rows.cache,
+            rows.lasts(),
+            drafts,
+            budgets=rows.budgets(),
+            eos_id=cfg.eos_id,
+            accept=accept,
+            choose=choose,
+        )
         stats.verifier_calls += 1
         # Algorithm 1: return prefix + [x_1 .. x_n, t]. Finished rows leave the batch.
         rows.commit(drafts, verified, drafted_by="small")
     return rows.result(src.device)
 
 
-def small_drafts(follower: Follower, rows: Rows, gamma: int, sample: bool, temperature: float, top_p: float,
-                 gen: torch.Generator) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def small_drafts(
+    follower: Follower, rows: Rows, gamma: int, sample: bool, temperature: float, top_p: float, gen: torch.Generator
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Each batch row's draft, written by the small model in shared calls, and (when sampling) the
     small model's distribution q_i at each drafted position. A row stops at gamma tokens, at a
     drafted eos, or where its budget leaves no room past the verifier's own token."""
@@ -80,7 +102,9 @@ def small_drafts(follower: Follower, rows: Rows, gamma: int, sample: bool, tempe
     drafts: list[list[int]] = [[] for _ in rows.alive]
     qs: list[list[torch.Tensor]] = [[] for _ in rows.alive]
     while True:
-        drafting = [r for r, d in enumerate(drafts) if len(d) < min(gamma, budgets[r] - 1) and (not d or d[-1] != eos_id)]
+        drafting = [
+            r for r, d in enumerate(drafts) if len(d) < min(gamma, budgets[r] - 1) and (not d or d[-1] != eos_id)
+        ]
         if not drafting:
             return drafts, qs
         logits = follower.next_logits([prefix + d for prefix, d in zip(rows.prefixes(), drafts)])
@@ -92,25 +116,30 @@ def small_drafts(follower: Follower, rows: Rows, gamma: int, sample: bool, tempe
             else:
                 drafts[r].append(int(logits[r].argmax()))
 
+
 def residual_test(q: list[torch.Tensor], temperature: float, top_p: float, gen: torch.Generator):
     """Speculative sampling's acceptance test for one row's draft, whose small-model distributions are q:
     accept x_i with probability min(1, p_i(x_i) / q_i(x_i))."""
+
     def accept(logits, draft):
         p = torch.stack([distribution(row, temperature, top_p) for row in logits]).cpu()
         i, x = torch.arange(len(draft)), draft.cpu()
         ratio = p[i, x] / torch.stack(q).cpu()[i, x]
         # Algorithm 1: r_i ~ U(0, 1); n = the first i - 1 with r_i > p_i(x_i) / q_i(x_i).
         return torch.rand(len(x), generator=gen, dtype=torch.float64) < ratio.clamp(max=1.0)
+
     return accept
 
 
 def residual_draw(q: list[torch.Tensor], temperature: float, top_p: float, gen: torch.Generator):
     """The token after the accepted prefix: from the residual max(0, p - q), renormalised, after a
     rejection; from p after a full acceptance."""
+
     def choose(row, n, rejected):
         p = distribution(row, temperature, top_p).cpu()
         if rejected:  # Algorithm 1: p'(x) = norm(max(0, p_(n+1)(x) - q_(n+1)(x))) when n < gamma
             residual = (p - q[n].cpu()).clamp(min=0.0)
             p = residual / residual.sum() if float(residual.sum()) > 0 else p
         return draw(p, gen)
+
     return choose

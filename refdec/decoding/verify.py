@@ -53,9 +53,17 @@ AcceptRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ChooseRule = Callable[[torch.Tensor, int, bool], int]
 
 
-def accept_row(draft: list[int], logits: torch.Tensor, argmax: list[int], *, budget: int, eos_id: int,
-               accept: AcceptRule | None = None, choose: ChooseRule | None = None,
-               draft_ids: torch.Tensor | None = None) -> tuple[list[int], int]:
+def accept_row(
+    draft: list[int],
+    logits: torch.Tensor,
+    argmax: list[int],
+    *,
+    budget: int,
+    eos_id: int,
+    accept: AcceptRule | None = None,
+    choose: ChooseRule | None = None,
+    draft_ids: torch.Tensor | None = None,
+) -> tuple[list[int], int]:
     """One row's acceptance, the step above: (the committed tokens, n the number of drafted tokens
     that passed). logits (m + 1, V) and argmax (m + 1 ids, the lowest among equal maxima) are the
     verifier's at positions last, d_1 .. d_m; draft_ids: the draft as a tensor on their device."""
@@ -65,7 +73,7 @@ def accept_row(draft: list[int], logits: torch.Tensor, argmax: list[int], *, bud
         passed = [d == p for d, p in zip(draft, argmax)]  # d_i passes when it is p_(i-1)
     else:
         ids = draft_ids if draft_ids is not None else torch.tensor(draft, device=logits.device)
-        passed = accept(logits[:len(draft)], ids).tolist()
+        passed = accept(logits[: len(draft)], ids).tolist()
     n = next((i for i, good in enumerate(passed) if not good), len(passed))  # the bifurcation
     tokens = draft[:n] + [argmax[n] if choose is None else choose(logits[n], n, n < len(draft))]
     if eos_id in tokens:
@@ -96,21 +104,40 @@ class Verified:
     hidden: torch.Tensor
 
 
-def verify(model: Transformer, memory: Memory, cache: KVCache, last: int, draft: list[int], *,
-           budget: int, eos_id: int, accept: AcceptRule | None = None,
-           choose: ChooseRule | None = None) -> Verified:
+def verify(
+    model: Transformer,
+    memory: Memory,
+    cache: KVCache,
+    last: int,
+    draft: list[int],
+    *,
+    budget: int,
+    eos_id: int,
+    accept: AcceptRule | None = None,
+    choose: ChooseRule | None = None,
+) -> Verified:
     """One decoder call over [last] + draft for a single sentence (batch row 0 of memory and cache):
     `verify_rows` with one row.
 
     On return the cache holds the committed output except its new last token (tokens[-1]), ready
     for the next call. `budget` >= 1 is the number of tokens the output may still grow by."""
-    return verify_rows(model, memory, cache, [last], [draft], budgets=[budget], eos_id=eos_id,
-                       accept=accept, choose=choose)[0]
+    return verify_rows(
+        model, memory, cache, [last], [draft], budgets=[budget], eos_id=eos_id, accept=accept, choose=choose
+    )[0]
 
 
-def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[int], drafts: list[list[int]], *,
-                budgets: list[int], eos_id: int, accept: AcceptRule | list[AcceptRule] | None = None,
-                choose: ChooseRule | list[ChooseRule] | None = None) -> list[Verified]:
+def verify_rows(
+    model: Transformer,
+    memory: Memory,
+    cache: KVCache,
+    lasts: list[int],
+    drafts: list[list[int]],
+    *,
+    budgets: list[int],
+    eos_id: int,
+    accept: AcceptRule | list[AcceptRule] | None = None,
+    choose: ChooseRule | list[ChooseRule] | None = None,
+) -> list[Verified]:
     """The step above for every batch row of memory and cache in one decoder call: row b verifies
     [lasts[b]] + drafts[b] with budgets[b] tokens left, and gets its own Verified. `accept` and
     `choose` are one rule for every row or a list of one per row (speculative sampling's rules hold
@@ -128,8 +155,11 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
     width = max(widths)
     base = cache.lengths
     pad = model.cfg.pad_id
-    inp = torch.tensor([[t] + d + [pad] * (width - w) for t, d, w in zip(lasts, drafts, widths)],
-                       dtype=torch.long, device=memory.states.device)  # (B, width)
+    inp = torch.tensor(
+        [[t] + d + [pad] * (width - w) for t, d, w in zip(lasts, drafts, widths)],
+        dtype=torch.long,
+        device=memory.states.device,
+    )  # (B, width)
     lengths = None if min(widths) == width else torch.tensor(widths, device=inp.device)  # (B,) fed positions per row
     hidden = model.decode_hidden(inp, memory, cache, real=lengths)  # (B, width, D)
     if lengths is None:
@@ -139,11 +169,19 @@ def verify_rows(model: Transformer, memory: Memory, cache: KVCache, lasts: list[
         flat = model.project(hidden[torch.arange(width, device=inp.device)[None, :] < lengths[:, None]][None])[0]
         logits = flat.split(widths)  # row b: (widths[b], V)
         ids = first_max(flat).tolist()  # one argmax for every row's positions, then split as the logits
-        argmax = [ids[start:start + w] for start, w in zip(itertools.accumulate([0] + widths), widths)]
+        argmax = [ids[start : start + w] for start, w in zip(itertools.accumulate([0] + widths), widths)]
     out, keep = [], []
     for b, (draft, w) in enumerate(zip(drafts, widths)):
-        tokens, n = accept_row(draft, logits[b], argmax[b], budget=budgets[b], eos_id=eos_id, accept=per_row(accept, b),
-                               choose=per_row(choose, b), draft_ids=inp[b, 1:w])
+        tokens, n = accept_row(
+            draft,
+            logits[b],
+            argmax[b],
+            budget=budgets[b],
+            eos_id=eos_id,
+            accept=per_row(accept, b),
+            choose=per_row(choose, b),
+            draft_ids=inp[b, 1:w],
+        )
         keep.append(int(base[b]) + len(tokens))  # last, d_1 .. d_(c-1): the committed output minus its new last token
         out.append(Verified(tokens, n, logits[b][:w], hidden[b, :w]))
     cache.truncate(keep[0] if len(keep) == 1 else keep)

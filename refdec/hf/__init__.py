@@ -28,6 +28,25 @@ from .convert import import_folder
 from .export import check_export, export, export_route, hf_state, write_folder
 from .importing import M2M100, PEGASUS, load_folder, load_tokenizer
 
-__all__ = ["LOGIT_TOLERANCE", "HFError", "is_hf_folder", "read_weights", "compare_with_folder", "hf_from_pretrained",
-           "hf_generate", "hf_inputs", "hf_logits", "refdec_logits", "import_folder", "check_export", "export",
-           "export_route", "hf_state", "write_folder", "M2M100", "PEGASUS", "load_folder", "load_tokenizer"]
+__all__ = [
+    "LOGIT_TOLERANCE",
+    "HFError",
+    "is_hf_folder",
+    "read_weights",
+    "compare_with_folder",
+    "hf_from_pretrained",
+    "hf_generate",
+    "hf_inputs",
+    "hf_logits",
+    "refdec_logits",
+    "import_folder",
+    "check_export",
+    "export",
+    "export_route",
+    "hf_state",
+    "write_folder",
+    "M2M100",
+    "PEGASUS",
+    "load_folder",
+    "load_tokenizer",
+]

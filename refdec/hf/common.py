@@ -11,7 +11,12 @@ from ..errors import CheckpointError, first_line
 from ..repo import install_hint
 
 LOGIT_TOLERANCE = 1e-12  # float64 logits of refdec and transformers on the same weights
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class HFError(CheckpointError):
@@ -32,8 +37,10 @@ def require_safetensors():
     try:
         import safetensors.torch
     except ImportError:
-        raise HFError(f"reading and writing model.safetensors needs the safetensors package "
-                      f"(it comes with transformers: {install_hint('hf')})") from None
+        raise HFError(
+            f"reading and writing model.safetensors needs the safetensors package "
+            f"(it comes with transformers: {install_hint('hf')})"
+        ) from None
     return safetensors.torch
 
 
@@ -72,5 +79,3 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
             raise HFError(f"cannot load {f}: {type(e).__name__}: {first_line(e, 200)}") from None
         state.update({k.removeprefix("model."): v for k, v in part.items()})
     return state
-
-

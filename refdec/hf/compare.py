@@ -40,12 +40,23 @@ def hf_generate(hf_model, cfg: ModelConfig, src_ids: list[int], max_len: int, **
     transformers = require_transformers()
     enc, dec = hf_inputs(cfg, src_ids, hf_model.device)
     gen = transformers.GenerationConfig(
-        max_new_tokens=max_len, do_sample=False, num_beams=1, decoder_start_token_id=cfg.bos_id,
-        eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id, bos_token_id=cfg.bos_id)
-    out = hf_model.generate(input_ids=enc, attention_mask=torch.ones_like(enc), decoder_input_ids=dec,
-                            generation_config=gen, **generate_args)[0, dec.shape[1]:].tolist()
+        max_new_tokens=max_len,
+        do_sample=False,
+        num_beams=1,
+        decoder_start_token_id=cfg.bos_id,
+        eos_token_id=cfg.eos_id,
+        pad_token_id=cfg.pad_id,
+        bos_token_id=cfg.bos_id,
+    )
+    out = hf_model.generate(
+        input_ids=enc,
+        attention_mask=torch.ones_like(enc),
+        decoder_input_ids=dec,
+        generation_config=gen,
+        **generate_args,
+    )[0, dec.shape[1] :].tolist()
     if cfg.eos_id in out:
-        out = out[:out.index(cfg.eos_id)]
+        out = out[: out.index(cfg.eos_id)]
     return torch.tensor(out, dtype=torch.long)
 
 
@@ -55,7 +66,7 @@ def hf_logits(hf_model, cfg: ModelConfig, src_ids: list[int], tgt_ids: list[int]
     enc, dec = hf_inputs(cfg, src_ids, hf_model.device)
     dec = torch.cat([dec, torch.tensor([tgt_ids], dtype=torch.long, device=dec.device)], dim=1)
     logits = hf_model(input_ids=enc, attention_mask=torch.ones_like(enc), decoder_input_ids=dec).logits[0]
-    return logits[len(cfg.decoder_prefix):]
+    return logits[len(cfg.decoder_prefix) :]
 
 
 @torch.inference_mode()
@@ -68,8 +79,6 @@ def refdec_logits(model: Transformer, src_ids: list[int], tgt_ids: list[int]) ->
     return model.decode(torch.tensor([[cfg.bos_id] + list(tgt_ids)]), memory, cache)[0]
 
 
-
-
 def compare_with_folder(model: Transformer, folder: str | Path, sources: list[list[int]], max_len: int = 32) -> dict:
     """refdec's model (a float64 copy) beside transformers' model of `folder` (loaded in float64) on
     each of `sources`: the largest logit difference along refdec's greedy output, and whether
@@ -77,6 +86,7 @@ def compare_with_folder(model: Transformer, folder: str | Path, sources: list[li
     generation_config.json forbids, which transformers forbids in generate, not in its forward pass) are
     left out of the difference. `said`: both in words."""
     from ..decoding import decode_greedy
+
     ref = Transformer(model.cfg)
     ref.load_state_dict(model.state_dict())
     ref.double().eval()

@@ -40,7 +40,9 @@ PROBE_TOKENS = 24  # ordinary tokens of the vocabulary, evenly spaced, as the se
 def held_exactly(folder: Path) -> bool:
     """Whether float32, the checkpoint's weights, holds every floating weight of the folder exactly
     (float32, float16 and bfloat16 weights; not float64 ones)."""
-    return all(not w.is_floating_point() or torch.equal(w, w.float().to(w.dtype)) for w in read_weights(folder).values())
+    return all(
+        not w.is_floating_point() or torch.equal(w, w.float().to(w.dtype)) for w in read_weights(folder).values()
+    )
 
 
 def probes(tokenizer: Tokenizer) -> list[list[int]]:
@@ -51,18 +53,29 @@ def probes(tokenizer: Tokenizer) -> list[list[int]]:
     return [ids for ids in (tokenizer.encode(PROBE), ordinary[::step][:PROBE_TOKENS]) if ids]
 
 
-def import_folder(folder: str | Path, out_dir: str | Path, *, task: str | None = None, src_lang: str | None = None,
-                  tgt_lang: str | None = None) -> dict:
+def import_folder(
+    folder: str | Path,
+    out_dir: str | Path,
+    *,
+    task: str | None = None,
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
+) -> dict:
     """Write `out_dir`/model.pt and tokenizer.json for the transformers folder, then check them (module
     docstring). `task`: recorded in the checkpoint, for the commands that take --task beside --model."""
     folder, out = Path(folder), Path(out_dir)
     require_transformers()  # the check needs it: told before anything is written
     model, tokenizer, info = load_folder(folder, src_lang=src_lang, tgt_lang=tgt_lang)
     if not isinstance(tokenizer, Tokenizer):
-        raise HFError(f"{folder} has no tokenizer.json (its tokenizer is source.spm and vocab.json): refdec reads "
-                      f"it, with decode.py --model {folder}, but has no tokenizer.json to write for it")
-    print(f"importing {folder} into {out}, then checking it against transformers (several seconds)",
-          file=sys.stderr, flush=True)
+        raise HFError(
+            f"{folder} has no tokenizer.json (its tokenizer is source.spm and vocab.json): refdec reads "
+            f"it, with decode.py --model {folder}, but has no tokenizer.json to write for it"
+        )
+    print(
+        f"importing {folder} into {out}, then checking it against transformers (several seconds)",
+        file=sys.stderr,
+        flush=True,
+    )
     checkpoint = make_checkpoint(model, task, tokenizer, step=0)
     checkpoint["imported"] = {"architecture": info["architecture"], "folder": folder.resolve().name}
     made = not out.exists()
@@ -74,13 +87,19 @@ def import_folder(folder: str | Path, out_dir: str | Path, *, task: str | None =
         result = compare_with_folder(back, folder, probes(back_tok))
         tolerance = LOGIT_TOLERANCE if held_exactly(folder) else ROUNDED_TOLERANCE
         if result["max_logit_difference"] > tolerance or not result["same_greedy"]:
-            raise HFError(f"the imported {out / 'model.pt'} does not reproduce {folder}: {result['said']}; "
-                          f"nothing is left in {out}")
+            raise HFError(
+                f"the imported {out / 'model.pt'} does not reproduce {folder}: {result['said']}; "
+                f"nothing is left in {out}"
+            )
     except BaseException:  # a checkpoint that failed its check (or was interrupted) is not left behind
         for name in ("model.pt", "tokenizer.json"):
             (out / name).unlink(missing_ok=True)
         if made:
             out.rmdir()
         raise
-    return {"model": str(out / "model.pt"), "architecture": info["architecture"],
-            "max_logit_difference": result["max_logit_difference"], "greedy_tokens": result["greedy_tokens"]}
+    return {
+        "model": str(out / "model.pt"),
+        "architecture": info["architecture"],
+        "max_logit_difference": result["max_logit_difference"],
+        "greedy_tokens": result["greedy_tokens"],
+    }

@@ -71,20 +71,39 @@ def hf_state(model: Transformer) -> tuple[str, dict, dict[str, torch.Tensor]]:
         out["model.decoder.embed_positions.weight"] = table.clone()
         out["final_logits_bias"] = torch.zeros(1, cfg.vocab_size, dtype=state["tgt_embed.weight"].dtype)
     fields = {
-        "architectures": [arch], "model_type": {v: k for k, v in MODEL_TYPES.items()}[arch],
-        "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "encoder_layers": cfg.enc_layers,
-        "decoder_layers": cfg.dec_layers, "encoder_attention_heads": cfg.n_heads, "decoder_attention_heads": cfg.n_heads,
-        "encoder_ffn_dim": cfg.d_ff, "decoder_ffn_dim": cfg.d_ff, "max_position_embeddings": cfg.max_positions,
-        "activation_function": "relu", "scale_embedding": True, "tie_word_embeddings": True,
-        "dropout": cfg.dropout, "attention_dropout": 0.0, "activation_dropout": 0.0,
-        "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0, "is_encoder_decoder": True,
-        "pad_token_id": cfg.pad_id, "eos_token_id": cfg.eos_id, "bos_token_id": cfg.bos_id,
-        "decoder_start_token_id": cfg.bos_id, "forced_eos_token_id": None, "forced_bos_token_id": None,
+        "architectures": [arch],
+        "model_type": {v: k for k, v in MODEL_TYPES.items()}[arch],
+        "vocab_size": cfg.vocab_size,
+        "d_model": cfg.d_model,
+        "encoder_layers": cfg.enc_layers,
+        "decoder_layers": cfg.dec_layers,
+        "encoder_attention_heads": cfg.n_heads,
+        "decoder_attention_heads": cfg.n_heads,
+        "encoder_ffn_dim": cfg.d_ff,
+        "decoder_ffn_dim": cfg.d_ff,
+        "max_position_embeddings": cfg.max_positions,
+        "activation_function": "relu",
+        "scale_embedding": True,
+        "tie_word_embeddings": True,
+        "dropout": cfg.dropout,
+        "attention_dropout": 0.0,
+        "activation_dropout": 0.0,
+        "encoder_layerdrop": 0.0,
+        "decoder_layerdrop": 0.0,
+        "is_encoder_decoder": True,
+        "pad_token_id": cfg.pad_id,
+        "eos_token_id": cfg.eos_id,
+        "bos_token_id": cfg.bos_id,
+        "decoder_start_token_id": cfg.bos_id,
+        "forced_eos_token_id": None,
+        "forced_bos_token_id": None,
     }
     return arch, fields, out
 
 
-def write_folder(model: Transformer, tokenizer: Tokenizer, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+def write_folder(
+    model: Transformer, tokenizer: Tokenizer, out_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> Path:
     """config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json.
     Weights in `dtype`; the position table (Pegasus) in float64."""
     transformers = require_transformers()
@@ -96,18 +115,29 @@ def write_folder(model: Transformer, tokenizer: Tokenizer, out_dir: str | Path, 
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(out)
     transformers.GenerationConfig(
-        decoder_start_token_id=model.cfg.bos_id, bos_token_id=model.cfg.bos_id, eos_token_id=model.cfg.eos_id,
-        pad_token_id=model.cfg.pad_id, do_sample=False, num_beams=1).save_pretrained(out)
+        decoder_start_token_id=model.cfg.bos_id,
+        bos_token_id=model.cfg.bos_id,
+        eos_token_id=model.cfg.eos_id,
+        pad_token_id=model.cfg.pad_id,
+        do_sample=False,
+        num_beams=1,
+    ).save_pretrained(out)
     tensors = {k: (v if k.endswith("embed_positions.weight") else v.to(dtype)).contiguous() for k, v in tensors.items()}
     (out / "model.safetensors").write_bytes(require_safetensors().save(tensors, metadata={"format": "pt"}))
     tokenizer.save(out / "tokenizer.json")
     specials = {}
-    for name, i in (("pad_token", tokenizer.pad_id), ("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
-                    ("unk_token", tokenizer.unk_id), ("mask_token", tokenizer.mask_id)):
+    for name, i in (
+        ("pad_token", tokenizer.pad_id),
+        ("bos_token", tokenizer.bos_id),
+        ("eos_token", tokenizer.eos_id),
+        ("unk_token", tokenizer.unk_id),
+        ("mask_token", tokenizer.mask_id),
+    ):
         if i is not None:
             specials[name] = tokenizer.tokens([i])[0]
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", **specials}, indent=2) + "\n", encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **specials}, indent=2) + "\n", encoding="utf-8"
+    )
     return out
 
 
@@ -127,22 +157,36 @@ def check_heads(ckpt: str | Path, stored: dict, without_heads: bool) -> None:
     if "proposal" not in stored or without_heads:
         return
     base = stored.get("frozen_base")
-    instead = f"export its frozen base {os.path.normpath(Path(ckpt).parent / base['path'])} instead, or " if base else ""
-    raise HFError(f"{ckpt} carries {stored['proposal']['config']['k'] - 1} blockwise proposal heads, which no "
-                  f"transformers architecture holds: {instead}pass --without-heads to export the model without them "
-                  f"(blockwise decoding needs the refdec checkpoint)")
+    instead = (
+        f"export its frozen base {os.path.normpath(Path(ckpt).parent / base['path'])} instead, or " if base else ""
+    )
+    raise HFError(
+        f"{ckpt} carries {stored['proposal']['config']['k'] - 1} blockwise proposal heads, which no "
+        f"transformers architecture holds: {instead}pass --without-heads to export the model without them "
+        f"(blockwise decoding needs the refdec checkpoint)"
+    )
 
 
-def export(ckpt: str | Path, out_dir: str | Path, probe: str = "A short sentence to check the export.", *,
-           without_heads: bool = False) -> dict:
+def export(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    probe: str = "A short sentence to check the export.",
+    *,
+    without_heads: bool = False,
+) -> dict:
     """A refdec checkpoint -> a transformers folder, checked by loading it back with transformers.
     A checkpoint with proposal heads is refused unless `without_heads` (check_heads)."""
     model, tokenizer, stored = load_model(ckpt)
     check_heads(ckpt, stored, without_heads)
-    print(f"exporting to {out_dir}, then loading it back with transformers to check it (several seconds)",
-          file=sys.stderr, flush=True)
+    print(
+        f"exporting to {out_dir}, then loading it back with transformers to check it (several seconds)",
+        file=sys.stderr,
+        flush=True,
+    )
     folder = write_folder(model, tokenizer, out_dir)
-    return {"folder": str(folder), "architecture": export_route(model.cfg), "heads_left_out": "proposal" in stored,
-            **check_export(model, folder, tokenizer.encode(probe))}
-
-
+    return {
+        "folder": str(folder),
+        "architecture": export_route(model.cfg),
+        "heads_left_out": "proposal" in stored,
+        **check_export(model, folder, tokenizer.encode(probe)),
+    }

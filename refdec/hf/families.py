@@ -50,18 +50,33 @@ def _activation(config: dict, need, default: str) -> str:
 
 def _bart_like(config: dict, need, *, activation: str, scale: bool) -> dict:
     """The fields every BART-shaped config names the same way (M2M100, Marian, BART, mBART, Pegasus)."""
-    need(config.get("encoder_attention_heads") == config.get("decoder_attention_heads"),
-         "different encoder and decoder head counts")
-    need(config.get("encoder_ffn_dim") == config.get("decoder_ffn_dim"), "different encoder and decoder feed-forward widths")
+    need(
+        config.get("encoder_attention_heads") == config.get("decoder_attention_heads"),
+        "different encoder and decoder head counts",
+    )
+    need(
+        config.get("encoder_ffn_dim") == config.get("decoder_ffn_dim"),
+        "different encoder and decoder feed-forward widths",
+    )
     need(config.get("encoder_layers", 0) >= 1, "no encoder layers")
     need(config.get("tie_word_embeddings", True) is not False, "untied input and output embeddings")
     start = config.get("decoder_start_token_id")
     need(start is not None, "no decoder_start_token_id")
-    return dict(vocab_size=config["vocab_size"], d_model=config["d_model"], n_heads=config["encoder_attention_heads"],
-                d_ff=config["encoder_ffn_dim"], enc_layers=config["encoder_layers"], dec_layers=config["decoder_layers"],
-                dropout=config.get("dropout", 0.1), max_positions=config["max_position_embeddings"],
-                pad_id=config["pad_token_id"], bos_id=start, eos_id=config["eos_token_id"],
-                activation=_activation(config, need, activation), scale_embeddings=bool(config.get("scale_embedding", scale)))
+    return dict(
+        vocab_size=config["vocab_size"],
+        d_model=config["d_model"],
+        n_heads=config["encoder_attention_heads"],
+        d_ff=config["encoder_ffn_dim"],
+        enc_layers=config["encoder_layers"],
+        dec_layers=config["decoder_layers"],
+        dropout=config.get("dropout", 0.1),
+        max_positions=config["max_position_embeddings"],
+        pad_id=config["pad_token_id"],
+        bos_id=start,
+        eos_id=config["eos_token_id"],
+        activation=_activation(config, need, activation),
+        scale_embeddings=bool(config.get("scale_embedding", scale)),
+    )
 
 
 def m2m100_fields(config: dict, need) -> dict:
@@ -75,30 +90,46 @@ def pegasus_fields(config: dict, need) -> dict:
 def marian_fields(config: dict, need) -> dict:
     """MarianConfig (Helsinki-NLP/opus-mt-*): post-norm layers, the static sinusoidal table, one
     vocabulary for both sides (share_encoder_decoder_embeddings), final_logits_bias."""
-    need(config.get("share_encoder_decoder_embeddings", True), "separate source and target vocabularies "
-         "(share_encoder_decoder_embeddings false)")
+    need(
+        config.get("share_encoder_decoder_embeddings", True),
+        "separate source and target vocabularies (share_encoder_decoder_embeddings false)",
+    )
     need(config.get("decoder_vocab_size") in (None, config.get("vocab_size")), "a decoder_vocab_size of its own")
     if config.get("decoder_start_token_id") is None:  # MarianConfig's default start: its pad token
         config = {**config, "decoder_start_token_id": config.get("pad_token_id", 58100)}
     config = {"pad_token_id": 58100, "eos_token_id": 0, **config}  # MarianConfig's defaults
-    return {**_bart_like(config, need, activation="gelu", scale=False), "norm_first": False, "positions": "marian",
-            "logits_bias": True}
+    return {
+        **_bart_like(config, need, activation="gelu", scale=False),
+        "norm_first": False,
+        "positions": "marian",
+        "logits_bias": True,
+    }
 
 
 def bart_fields(config: dict, need) -> dict:
     """BartConfig (facebook/bart-base, bart-large, their GEC and summarisation fine-tunes): post-norm,
     learned positions (offset 2), layernorm_embedding, final_logits_bias."""
     config = {"pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2, **config}  # BartConfig's defaults
-    return {**_bart_like(config, need, activation="gelu", scale=False), "norm_first": False, "positions": "learned",
-            "embed_norm": True, "logits_bias": True}
+    return {
+        **_bart_like(config, need, activation="gelu", scale=False),
+        "norm_first": False,
+        "positions": "learned",
+        "embed_norm": True,
+        "logits_bias": True,
+    }
 
 
 def mbart_fields(config: dict, need) -> dict:
     """MBartConfig (facebook/mbart-large-50*, mbart-large-cc25): pre-norm with final norms, learned
     positions (offset 2), layernorm_embedding, final_logits_bias."""
     config = {"pad_token_id": 1, "eos_token_id": 2, **config}
-    return {**_bart_like(config, need, activation="gelu", scale=False), "norm_first": True, "positions": "learned",
-            "embed_norm": True, "logits_bias": True}
+    return {
+        **_bart_like(config, need, activation="gelu", scale=False),
+        "norm_first": True,
+        "positions": "learned",
+        "embed_norm": True,
+        "logits_bias": True,
+    }
 
 
 def t5_fields(config: dict, need) -> dict:
@@ -112,19 +143,33 @@ def t5_fields(config: dict, need) -> dict:
     rescale = config.get("scale_decoder_outputs", config.get("tie_word_embeddings") is not False)
     pad = config.get("pad_token_id", 0)
     start = config.get("decoder_start_token_id")
-    return dict(vocab_size=config.get("vocab_size", 32128), d_model=config.get("d_model", 512),
-                n_heads=config.get("num_heads", 8), d_head=config.get("d_kv", 64), d_ff=config.get("d_ff", 2048),
-                enc_layers=config.get("num_layers", 6),
-                dec_layers=config.get("num_decoder_layers") or config.get("num_layers", 6),
-                dropout=config.get("dropout_rate", 0.1), norm_first=True, norm="rms",
-                norm_eps=config.get("layer_norm_epsilon", 1e-6), bias=False, scale_attention=False,
-                scale_embeddings=False, positions="relative", activation=HF_ACTIVATIONS[act],
-                gated_ff=proj.startswith("gated-"), rescale_head=bool(rescale),
-                relative_buckets=config.get("relative_attention_num_buckets", 32),
-                relative_max_distance=config.get("relative_attention_max_distance", 128),
-                # T5 has no position table: the longest sequence is the user's choice (n_positions, else 512)
-                max_positions=config.get("n_positions", 512), pad_id=pad, bos_id=pad if start is None else start,
-                eos_id=config.get("eos_token_id", 1))
+    return dict(
+        vocab_size=config.get("vocab_size", 32128),
+        d_model=config.get("d_model", 512),
+        n_heads=config.get("num_heads", 8),
+        d_head=config.get("d_kv", 64),
+        d_ff=config.get("d_ff", 2048),
+        enc_layers=config.get("num_layers", 6),
+        dec_layers=config.get("num_decoder_layers") or config.get("num_layers", 6),
+        dropout=config.get("dropout_rate", 0.1),
+        norm_first=True,
+        norm="rms",
+        norm_eps=config.get("layer_norm_epsilon", 1e-6),
+        bias=False,
+        scale_attention=False,
+        scale_embeddings=False,
+        positions="relative",
+        activation=HF_ACTIVATIONS[act],
+        gated_ff=proj.startswith("gated-"),
+        rescale_head=bool(rescale),
+        relative_buckets=config.get("relative_attention_num_buckets", 32),
+        relative_max_distance=config.get("relative_attention_max_distance", 128),
+        # T5 has no position table: the longest sequence is the user's choice (n_positions, else 512)
+        max_positions=config.get("n_positions", 512),
+        pad_id=pad,
+        bos_id=pad if start is None else start,
+        eos_id=config.get("eos_token_id", 1),
+    )
 
 
 def bart_names(cfg: ModelConfig) -> dict[str, str]:
@@ -145,14 +190,24 @@ _T5_ATTN = {"wq": "q", "wk": "k", "wv": "v", "wo": "o"}
 def t5_names(cfg: ModelConfig) -> dict[str, str]:
     """T5's block/layer names: encoder layer i = [SelfAttention, DenseReluDense], decoder layer i =
     [SelfAttention, EncDecAttention, DenseReluDense], each with its layer_norm."""
-    names = {"tgt_embed.weight": "shared.weight", "src_embed.weight": "shared.weight", "out_proj.weight": "lm_head.weight",
-             "enc_norm.weight": "encoder.final_layer_norm.weight", "dec_norm.weight": "decoder.final_layer_norm.weight",
-             "src_relative.embedding.weight": "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-             "tgt_relative.embedding.weight": "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"}
+    names = {
+        "tgt_embed.weight": "shared.weight",
+        "src_embed.weight": "shared.weight",
+        "out_proj.weight": "lm_head.weight",
+        "enc_norm.weight": "encoder.final_layer_norm.weight",
+        "dec_norm.weight": "decoder.final_layer_norm.weight",
+        "src_relative.embedding.weight": "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        "tgt_relative.embedding.weight": "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+    }
     ff = {"w1": "wi_0" if cfg.gated_ff else "wi", "w3": "wi_1", "w2": "wo"}
-    for side, n, parts in (("encoder", cfg.enc_layers, [("attn", "SelfAttention"), ("ff", "DenseReluDense")]),
-                           ("decoder", cfg.dec_layers, [("self_attn", "SelfAttention"),
-                                                        ("cross_attn", "EncDecAttention"), ("ff", "DenseReluDense")])):
+    for side, n, parts in (
+        ("encoder", cfg.enc_layers, [("attn", "SelfAttention"), ("ff", "DenseReluDense")]),
+        (
+            "decoder",
+            cfg.dec_layers,
+            [("self_attn", "SelfAttention"), ("cross_attn", "EncDecAttention"), ("ff", "DenseReluDense")],
+        ),
+    ):
         for i in range(n):
             for j, (ours, theirs) in enumerate(parts):
                 at = f"{side}.block.{i}.layer.{j}"
@@ -163,14 +218,17 @@ def t5_names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-FAMILIES = {f.name: f for f in (
-    Family("m2m_100", "M2M100ForConditionalGeneration", m2m100_fields, bart_names),
-    Family("pegasus", "PegasusForConditionalGeneration", pegasus_fields, bart_names),
-    Family("marian", "MarianMTModel", marian_fields, bart_names),
-    Family("bart", "BartForConditionalGeneration", bart_fields, bart_names),
-    Family("mbart", "MBartForConditionalGeneration", mbart_fields, bart_names),
-    Family("t5", "T5ForConditionalGeneration", t5_fields, t5_names),
-)}
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("m2m_100", "M2M100ForConditionalGeneration", m2m100_fields, bart_names),
+        Family("pegasus", "PegasusForConditionalGeneration", pegasus_fields, bart_names),
+        Family("marian", "MarianMTModel", marian_fields, bart_names),
+        Family("bart", "BartForConditionalGeneration", bart_fields, bart_names),
+        Family("mbart", "MBartForConditionalGeneration", mbart_fields, bart_names),
+        Family("t5", "T5ForConditionalGeneration", t5_fields, t5_names),
+    )
+}
 
 
 def family_of(config: dict, folder) -> Family:

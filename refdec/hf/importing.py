@@ -13,6 +13,7 @@ before every source and BART's <s> (encoder_prefix), the target language's code 
 forced_bos_token_id after the start token (decoder_prefix). A folder's bad_words_ids of one token
 each become -inf logits. BART's learned position tables lose their first 2 rows (its offset) here.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,9 +36,11 @@ LEARNED_OFFSET = 2  # BartLearnedPositionalEmbedding: position p is row p + 2 of
 def model_config(config: dict, family: Family, folder: Path, **over) -> ModelConfig:
     """refdec's ModelConfig for a transformers config.json (`over`: fields the folder's other files
     decide), or one line on what does not fit."""
+
     def need(cond: bool, what: str) -> None:
         if not cond:
             raise HFError(f"{folder}: {what}; refdec's Transformer cannot hold this model")
+
     try:
         return ModelConfig(**{**family.fields(config, need), **over})
     except KeyError as e:
@@ -48,7 +51,9 @@ def model_config(config: dict, family: Family, folder: Path, **over) -> ModelCon
 
 def _embedding(weights: dict[str, torch.Tensor], folder: Path, head_too: bool) -> torch.Tensor:
     """The shared embedding; every copy the files hold must be equal (the output one too if `head_too`)."""
-    names = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight") + (("lm_head.weight",) * head_too)
+    names = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight") + (
+        ("lm_head.weight",) * head_too
+    )
     present = [weights[n] for n in names if n in weights]
     if not present:
         raise HFError(f"{folder}: no embedding matrix (shared.weight) in the weights")
@@ -63,15 +68,20 @@ def load_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer | MarianPieces:
     path = folder / "tokenizer.json"
     if not path.is_file() and (folder / "source.spm").is_file() and (folder / "vocab.json").is_file():
         try:  # an opus-mt folder: its sentencepiece model and vocab.json, as transformers' MarianTokenizer reads them
-            return MarianPieces(folder / "source.spm", folder / "vocab.json", pad_id=cfg.pad_id, bos_id=cfg.bos_id,
-                                eos_id=cfg.eos_id)
+            return MarianPieces(
+                folder / "source.spm", folder / "vocab.json", pad_id=cfg.pad_id, bos_id=cfg.bos_id, eos_id=cfg.eos_id
+            )
         except Exception as e:
-            raise HFError(f"cannot load the tokenizer of {folder} (source.spm, vocab.json): {first_line(e, 200)}") from None
+            raise HFError(
+                f"cannot load the tokenizer of {folder} (source.spm, vocab.json): {first_line(e, 200)}"
+            ) from None
     if not path.is_file() and (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
         text = byte_level_bpe(folder)  # a BART folder from before tokenizer.json
     elif not path.is_file():
-        raise HFError(f"{folder} has no tokenizer.json (nor an opus-mt source.spm and vocab.json, nor a BART "
-                      f"vocab.json and merges.txt)")
+        raise HFError(
+            f"{folder} has no tokenizer.json (nor an opus-mt source.spm and vocab.json, nor a BART "
+            f"vocab.json and merges.txt)"
+        )
     else:
         text = path.read_text(encoding="utf-8")
     try:
@@ -104,14 +114,22 @@ def check_special_tokens(folder: Path, tokenizer, cfg: ModelConfig) -> None:
         if at is None and named:
             raise HFError(f"{folder}: its {key} {token!r} is not a token of its tokenizer {CONTRACT}")
         if at is not None and at != ids[field]:
-            raise HFError(f"{folder}: config.json's {field} is {ids[field]} but the tokenizer has its {role} token "
-                          f"{token!r} at {at}; the model and its tokenizer must agree on it {CONTRACT}")
-    used = {"eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id, "decoder_start_token_id": cfg.bos_id,
-            **{f"forced token {i}": i for i in (*cfg.encoder_prefix, *cfg.decoder_prefix)}}
+            raise HFError(
+                f"{folder}: config.json's {field} is {ids[field]} but the tokenizer has its {role} token "
+                f"{token!r} at {at}; the model and its tokenizer must agree on it {CONTRACT}"
+            )
+    used = {
+        "eos_token_id": cfg.eos_id,
+        "pad_token_id": cfg.pad_id,
+        "decoder_start_token_id": cfg.bos_id,
+        **{f"forced token {i}": i for i in (*cfg.encoder_prefix, *cfg.decoder_prefix)},
+    }
     for field, i in used.items():
         if not 0 <= i < tokenizer.vocab_size:
             where = field if field.startswith("forced") else f"config.json's {field} {i}"
-            raise HFError(f"{folder}: {where} is not a token of its tokenizer ({tokenizer.vocab_size} tokens) {CONTRACT}")
+            raise HFError(
+                f"{folder}: {where} is not a token of its tokenizer ({tokenizer.vocab_size} tokens) {CONTRACT}"
+            )
 
 
 def byte_level_bpe(folder: Path) -> str:
@@ -120,13 +138,24 @@ def byte_level_bpe(folder: Path) -> str:
     add_prefix_space from tokenizer_config.json (false by default)."""
     from tokenizers import Tokenizer as Tok
     from tokenizers import decoders, models, pre_tokenizers
+
     try:
         settings = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-        tok = Tok(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"), dropout=None,
-                                       continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        tok = Tok(
+            models.BPE.from_file(
+                str(folder / "vocab.json"),
+                str(folder / "merges.txt"),
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        )
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(settings.get("add_prefix_space", False)))
         tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([t for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>") if tok.token_to_id(t) is not None])
+        tok.add_special_tokens(
+            [t for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>") if tok.token_to_id(t) is not None]
+        )
         return tok.to_str()
     except Exception as e:
         raise HFError(f"cannot read {folder}/vocab.json and merges.txt: {first_line(e, 200)}") from None
@@ -135,11 +164,13 @@ def byte_level_bpe(folder: Path) -> str:
 def language_ids(tokenizer: Tokenizer, folder: Path, config: dict, src_lang: str | None, tgt_lang: str | None):
     """(encoder_prefix, decoder_prefix): the language-code tokens named, the target's defaulting to
     the folder's forced_bos_token_id (config.json or generation_config.json)."""
+
     def token(name: str, what: str) -> int:
         i = tokenizer.token_id(name)
         if i is None:
             raise HFError(f"{what} {name!r} is not a token of {folder}'s vocabulary")
         return i
+
     enc = (token(src_lang, "--src-lang"),) if src_lang else ()
     if tgt_lang:
         return enc, (token(tgt_lang, "--tgt-lang"),)
@@ -150,8 +181,14 @@ def language_ids(tokenizer: Tokenizer, folder: Path, config: dict, src_lang: str
     return enc, ((forced,) if forced is not None else ())
 
 
-def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                src_lang: str | None = None, tgt_lang: str | None = None) -> tuple[Transformer, Tokenizer, dict]:
+def load_folder(
+    folder: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
+) -> tuple[Transformer, Tokenizer, dict]:
     """A transformers model folder -> (refdec model in eval mode, tokenizer, a checkpoint-like dict)."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -170,10 +207,19 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype
     # T5 v1.1 / Flan-T5 keep an lm_head of their own; the other families tie it to the embedding
     untied = family.name == "t5" and "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"], shared)
     banned = banned_tokens(folder)
-    cfg = model_config(config, family, folder, encoder_prefix=enc, decoder_prefix=dec, tie_embeddings=not untied,
-                       **({"logits_bias": True} if banned else {}))
+    cfg = model_config(
+        config,
+        family,
+        folder,
+        encoder_prefix=enc,
+        decoder_prefix=dec,
+        tie_embeddings=not untied,
+        **({"logits_bias": True} if banned else {}),
+    )
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise HFError(f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
+        raise HFError(
+            f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size} embeddings"
+        )
     check_special_tokens(folder, tokenizer, cfg)
     model = Transformer(cfg)
     state = _state(model, family, weights, folder)
@@ -184,8 +230,18 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu", dtype
     except RuntimeError as e:
         raise HFError(f"{folder}: weights do not fit config.json: {first_line(e, 200)}") from None
     model.to(device=device, dtype=dtype).eval()
-    return model, tokenizer, {"format": "transformers", "task": None, "step": None, "architecture": family.architecture,
-                              "model_config": cfg.to_dict(), "meta": {"folder": str(folder)}}
+    return (
+        model,
+        tokenizer,
+        {
+            "format": "transformers",
+            "task": None,
+            "step": None,
+            "architecture": family.architecture,
+            "model_config": cfg.to_dict(),
+            "meta": {"folder": str(folder)},
+        },
+    )
 
 
 def banned_tokens(folder: Path) -> tuple[int, ...]:
@@ -198,12 +254,17 @@ def banned_tokens(folder: Path) -> tuple[int, ...]:
     return tuple(seq[0] for seq in bad)
 
 
-def _state(model: Transformer, family: Family, weights: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+def _state(
+    model: Transformer, family: Family, weights: dict[str, torch.Tensor], folder: Path
+) -> dict[str, torch.Tensor]:
     """refdec's state dict for `model` from the folder's tensors, renamed (and reshaped) per family."""
     cfg, names = model.cfg, family.names(model.cfg)
     keys = [k for k in model.state_dict() if k != "src_embed.weight" or not cfg.tie_embeddings]
-    missing = sorted(names.get(k, k) for k in keys if names.get(k, k) not in weights
-                     and names.get(k) not in ("shared.weight", "final_logits_bias"))
+    missing = sorted(
+        names.get(k, k)
+        for k in keys
+        if names.get(k, k) not in weights and names.get(k) not in ("shared.weight", "final_logits_bias")
+    )
     if missing:
         raise HFError(f"{folder}: {len(missing)} weight(s) missing from the files, e.g. {missing[0]}")
     state = {}
@@ -214,7 +275,7 @@ def _state(model: Transformer, family: Family, weights: dict[str, torch.Tensor],
         elif theirs == "final_logits_bias":  # transformers starts it at zeros when a folder has none
             t = weights.get(theirs, torch.zeros(1, cfg.vocab_size)).reshape(-1)
         elif key.endswith("_positions"):  # learned: drop the offset rows, keep max_positions
-            t = weights[theirs][LEARNED_OFFSET:LEARNED_OFFSET + cfg.max_positions]
+            t = weights[theirs][LEARNED_OFFSET : LEARNED_OFFSET + cfg.max_positions]
         else:
             t = weights[theirs]
         state[key] = t.float()
@@ -225,8 +286,10 @@ def _state(model: Transformer, family: Family, weights: dict[str, torch.Tensor],
         for side in ("encoder", "decoder"):
             stored = weights.get(f"{side}.embed_positions.weight")
             if stored is None or stored.shape != table.shape or not torch.equal(stored, table.to(stored.dtype)):
-                raise HFError(f"{folder}: the {side}'s position table is not refdec's sinusoidal table; refdec imports "
-                              f"Pegasus folders that `python -m refdec hf export` wrote")
+                raise HFError(
+                    f"{folder}: the {side}'s position table is not refdec's sinusoidal table; refdec imports "
+                    f"Pegasus folders that `python -m refdec hf export` wrote"
+                )
     if cfg.tie_embeddings:
         state["src_embed.weight"] = state["tgt_embed.weight"]
     return state

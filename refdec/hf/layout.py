@@ -8,21 +8,35 @@ import torch
 from ..config import ModelConfig
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "out_proj"}
-_ENC = {**{f"attn.{a}": f"self_attn.{b}" for a, b in _ATTN.items()},
-        "ff.w1": "fc1", "ff.w2": "fc2", "sub1.norm": "self_attn_layer_norm", "sub2.norm": "final_layer_norm"}
-_DEC = {**{f"self_attn.{a}": f"self_attn.{b}" for a, b in _ATTN.items()},
-        **{f"cross_attn.{a}": f"encoder_attn.{b}" for a, b in _ATTN.items()},
-        "ff.w1": "fc1", "ff.w2": "fc2", "sub1.norm": "self_attn_layer_norm", "sub2.norm": "encoder_attn_layer_norm",
-        "sub3.norm": "final_layer_norm"}
+_ENC = {
+    **{f"attn.{a}": f"self_attn.{b}" for a, b in _ATTN.items()},
+    "ff.w1": "fc1",
+    "ff.w2": "fc2",
+    "sub1.norm": "self_attn_layer_norm",
+    "sub2.norm": "final_layer_norm",
+}
+_DEC = {
+    **{f"self_attn.{a}": f"self_attn.{b}" for a, b in _ATTN.items()},
+    **{f"cross_attn.{a}": f"encoder_attn.{b}" for a, b in _ATTN.items()},
+    "ff.w1": "fc1",
+    "ff.w2": "fc2",
+    "sub1.norm": "self_attn_layer_norm",
+    "sub2.norm": "encoder_attn_layer_norm",
+    "sub3.norm": "final_layer_norm",
+}
 _READS = ("wq", "wk", "wv", "w1")  # linear maps whose input is the residual stream (d_model columns)
 _WRITES = ("wo", "w2")  # linear maps whose output is the residual stream (d_model rows)
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, str]:
     """refdec state-dict key -> the transformers key (without the "model." prefix) of the same tensor."""
-    names = {"tgt_embed.weight": "shared.weight", "enc_norm.weight": "encoder.layer_norm.weight",
-             "enc_norm.bias": "encoder.layer_norm.bias", "dec_norm.weight": "decoder.layer_norm.weight",
-             "dec_norm.bias": "decoder.layer_norm.bias"}
+    names = {
+        "tgt_embed.weight": "shared.weight",
+        "enc_norm.weight": "encoder.layer_norm.weight",
+        "enc_norm.bias": "encoder.layer_norm.bias",
+        "dec_norm.weight": "decoder.layer_norm.weight",
+        "dec_norm.bias": "decoder.layer_norm.bias",
+    }
     for side, n, table in (("encoder", cfg.enc_layers, _ENC), ("decoder", cfg.dec_layers, _DEC)):
         for i in range(n):
             for ours, theirs in table.items():
@@ -52,5 +66,3 @@ def permute_state(state: dict[str, torch.Tensor], perm: torch.Tensor) -> dict[st
             t = t[perm]
         out[key] = t.contiguous()
     return out
-
-

@@ -67,8 +67,14 @@ def applies_to(cfg: ModelConfig) -> bool:
     """Whether the fast route writes this configuration's layers: layer norm, an ungated feed-forward
     network with biases, scaled attention and absolute positions (the paper's model, Marian, BART, mBART,
     M2M100 and NLLB; not T5)."""
-    return (cfg.norm == "layer" and cfg.bias and not cfg.gated_ff and cfg.scale_attention
-            and cfg.positions != "relative" and not cfg.rescale_head)
+    return (
+        cfg.norm == "layer"
+        and cfg.bias
+        and not cfg.gated_ff
+        and cfg.scale_attention
+        and cfg.positions != "relative"
+        and not cfg.rescale_head
+    )
 
 
 def in_out(layer: nn.Linear) -> torch.Tensor | QuantizedWeight:
@@ -93,7 +99,9 @@ def linears(x: torch.Tensor, layers: list[nn.Linear], joined: dict) -> list[torc
     return [torch.addmm(b, x, w) for w, b in zip(weights, biases)]
 
 
-def residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
+def residual_linear(
+    x: torch.Tensor, h: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor
+) -> torch.Tensor:
     """x + (h @ w + b), the residual sum done by the product itself (int8: added to it, then the bias)."""
     if isinstance(w, QuantizedWeight):
         return int8.product(h, w, x).add_(b)
@@ -109,8 +117,16 @@ def heads(x: torch.Tensor, B: int, n: int, H: int) -> torch.Tensor:
     return x.view(B, n, H, -1).transpose(1, 2)  # (B*n, H*Dh) -> (B, H, n, Dh)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-           x: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    x: torch.Tensor,
+    wo: torch.Tensor,
+    bo: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of queries q (B, H, q, Dh) over k, v (B, H, L, Dh), `allowed` True = may attend,
     through the output projection wo (in, out), bo, added to the residual stream x (B*q, D), or with
     `rows` to x (N, D) of those positions of the (B*q) queries alone (a ragged call's real ones). On the
@@ -124,8 +140,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     return residual_linear(x, a if rows is None else a.index_select(0, rows), wo, bo)
 
 
-def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], H: int,
-                x: torch.Tensor, wo: torch.Tensor | QuantizedWeight, bo: torch.Tensor) -> torch.Tensor:
+def attend_each(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    H: int,
+    x: torch.Tensor,
+    wo: torch.Tensor | QuantizedWeight,
+    bo: torch.Tensor,
+) -> torch.Tensor:
     """Self-attention of a batch of sequences laid end to end, q, k, v (N, H*Dh) with sequence i
     `lengths[i]` rows long, each sequence over its own keys alone (no padding, no mask: what the
     sequence alone computes), through wo, bo, added to x (N, D). A batch of sources of different
@@ -178,7 +202,7 @@ def grouping_holds(n: int, r: int, H: int, Dh: int, dtype: torch.dtype) -> bool:
         together, alone = torch.empty_like(q), torch.empty_like(q)
         attend_together(q, k, v, n, together)
         for i in range(0, r * n, n):
-            attend_together(q[i:i + n], k[i:i + n], v[i:i + n], n, alone[i:i + n])
+            attend_together(q[i : i + n], k[i : i + n], v[i : i + n], n, alone[i : i + n])
         held = _grouping[key] = torch.equal(together, alone)
     return held
 
@@ -207,8 +231,19 @@ def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return residual_linear(x, ff["act"](linear(h, ff["w1"], ff["b1"])), ff["w2"], ff["b2"])
 
 
-def decoder_stack(layers: list[dict], x: torch.Tensor, B: int, q: int, H: int, store, allowed: torch.Tensor | None,
-                  cross_kv: list, src_allowed: torch.Tensor | None, rows: torch.Tensor | None, pre: bool) -> torch.Tensor:
+def decoder_stack(
+    layers: list[dict],
+    x: torch.Tensor,
+    B: int,
+    q: int,
+    H: int,
+    store,
+    allowed: torch.Tensor | None,
+    cross_kv: list,
+    src_allowed: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    pre: bool,
+) -> torch.Tensor:
     """The decoder layers (DecoderWeights.layers) of one call over the residual stream x (B*q, D) of q
     new positions per row: `store(i, k, v)` keeps layer i's new keys and values (B, H, q, Dh) and
     returns the keys and values its self-attention reads (a KVCache's append), `allowed` masks them
@@ -259,13 +294,28 @@ class DecoderWeights:
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, even when made mid-decoding
             for layer in model.decoder:
                 sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
-                w = {"qkv": self.place([sa.wq, sa.wk, sa.wv], "weight"), "qkv_b": self.place([sa.wq, sa.wk, sa.wv], "bias"),
-                     "o": self.place([sa.wo], "weight"), "cq": self.place([ca.wq], "weight"),
-                     "co": self.place([ca.wo], "weight"), "w1": self.place([ff.w1], "weight"),
-                     "w2": self.place([ff.w2], "weight")}
+                w = {
+                    "qkv": self.place([sa.wq, sa.wk, sa.wv], "weight"),
+                    "qkv_b": self.place([sa.wq, sa.wk, sa.wv], "bias"),
+                    "o": self.place([sa.wo], "weight"),
+                    "cq": self.place([ca.wq], "weight"),
+                    "co": self.place([ca.wo], "weight"),
+                    "w1": self.place([ff.w1], "weight"),
+                    "w2": self.place([ff.w2], "weight"),
+                }
                 norms = [norm_args(s.norm) for s in (layer.sub1, layer.sub2, layer.sub3)]  # the parameters themselves
-                self.layers.append({**w, "o_b": sa.wo.bias, "cq_b": ca.wq.bias, "co_b": ca.wo.bias, "b1": ff.w1.bias,
-                                    "b2": ff.w2.bias, "act": ff.act, "norms": norms})
+                self.layers.append(
+                    {
+                        **w,
+                        "o_b": sa.wo.bias,
+                        "cq_b": ca.wq.bias,
+                        "co_b": ca.wo.bias,
+                        "b1": ff.w1.bias,
+                        "b2": ff.w2.bias,
+                        "act": ff.act,
+                        "norms": norms,
+                    }
+                )
             # The output embedding (V, D), tied or not, as (D, V): a step's logits are hidden @ vocab.
             self.vocab = self.place([model.tgt_embed if model.out_proj is None else model.out_proj], "weight")
 
@@ -313,6 +363,7 @@ class FastRoute(Route):
             raise ValueError("the fast route does not write this model's layers (refdec.routes.fast.applies_to)")
         if int8:
             from .int8 import weight_levels
+
             weight_levels()  # refuse at once on a machine whose int8 product is not exact
         self.model, self.int8 = model, int8
         self.kernels = Kernels(few_rows=few_rows, int8=int8)
@@ -353,8 +404,13 @@ class FastRoute(Route):
         lengths = (~src_pad).sum(1).tolist() if cpu else None
         return self.encoder_stack(src, ~src_pad[:, None, None, :], real, lengths), src_pad
 
-    def encoder_stack(self, src: torch.Tensor, allowed: torch.Tensor | None,
-                      rows: torch.Tensor | None = None, lengths: list[int] | None = None) -> torch.Tensor:
+    def encoder_stack(
+        self,
+        src: torch.Tensor,
+        allowed: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
+        lengths: list[int] | None = None,
+    ) -> torch.Tensor:
         """The encoder over src (B, S), its forced tokens in, with `allowed` (B, 1, 1, S) True at the
         keys that are not padding (None: every key) -> states (B, S, D), computed as `decoder_stack`
         computes the decoder's layers: pre-norm x + f(norm(x)), else post-norm norm(x + f(x)). `rows`
@@ -394,9 +450,14 @@ class FastRoute(Route):
         rows = states.reshape(B * S, -1)
         rows = rows if real is None else rows.index_select(0, real)
         dtype = torch.float64 if self.int8 else states.dtype  # int8: its attention's dtype (refdec.routes.int8)
-        kv = [heads(spread(y.to(dtype), real, B * S), B, S, H).contiguous()
-              for y in linears(rows, [m for layer in self.reference.starting().decoder
-                                      for m in (layer.cross_attn.wk, layer.cross_attn.wv)], self.joined)]
+        kv = [
+            heads(spread(y.to(dtype), real, B * S), B, S, H).contiguous()
+            for y in linears(
+                rows,
+                [m for layer in self.reference.starting().decoder for m in (layer.cross_attn.wk, layer.cross_attn.wv)],
+                self.joined,
+            )
+        ]
         return LaidOutMemory(states, src_pad, list(zip(kv[0::2], kv[1::2])), self, self.decoder_weights())
 
     def decoder_weights(self) -> DecoderWeights | Int8Layout:
@@ -435,8 +496,9 @@ class FastRoute(Route):
         return self.project(self.decode_hidden(tgt_new, memory, cache))
 
     # -- teacher forcing -------------------------------------------------------------------------------
-    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
-                       memory: Memory | None = None) -> torch.Tensor:
+    def forward_hidden(
+        self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None, memory: Memory | None = None
+    ) -> torch.Tensor:
         """Teacher forcing, final decoder states (B, T, D), computed as decoding on this route computes
         them: the route's encoder (each source's attention alone, in the model's dtype on the int8
         route too) and one causal decoder call over the whole target in a fresh cache, the same function
@@ -448,7 +510,9 @@ class FastRoute(Route):
         if self_block is not None or not self.applies():
             return self.reference.forward_hidden(src, tgt, self_block, memory)
         memory = self.encode(src) if memory is None else memory
-        return self.decode_hidden(tgt, memory, self.new_cache(tgt.shape[0], tgt.shape[1] + len(self.cfg.decoder_prefix)))
+        return self.decode_hidden(
+            tgt, memory, self.new_cache(tgt.shape[0], tgt.shape[1] + len(self.cfg.decoder_prefix))
+        )
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """Teacher forcing without a cache of the caller's: src (B, S), tgt (B, T) -> logits (B, T, V), as
@@ -457,18 +521,40 @@ class FastRoute(Route):
 
     __call__ = forward
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
-                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
-                      real: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(
+        self,
+        tgt_new: torch.Tensor,
+        memory: Memory,
+        cache: KVCache,
+        open_from: int | torch.Tensor | None = None,
+        layers: int | None = None,
+        real: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if open_from is not None or layers is not None or not self.applies():
             return self.reference.decode_hidden(tgt_new, memory, cache, open_from, layers, real)
         new = cache.place(tgt_new, self.cfg.decoder_prefix, real=real)  # positions, masks, forced tokens
         B, q = new.tokens.shape
         allowed = None if new.self_block is None else ~new.self_block  # (q, keys), or (B, 1, q, keys) in a ragged cache
         rows = None if new.is_real is None else new.is_real.reshape(-1).nonzero().squeeze(1)
-        src_allowed = (memory.src_allowed if isinstance(memory, LaidOutMemory)
-                       else None if memory.src_block is None else ~memory.src_block)
+        src_allowed = (
+            memory.src_allowed
+            if isinstance(memory, LaidOutMemory)
+            else None
+            if memory.src_block is None
+            else ~memory.src_block
+        )
         x = self.model.embed_target(new.tokens, new.offset, new.real).reshape(B * q, -1)
-        x = decoder_stack(self.weights_for(memory).layers, x, B, q, self.cfg.n_heads, new.keys_values, allowed,
-                          memory.cross_kv, src_allowed, rows, self.cfg.norm_first)
+        x = decoder_stack(
+            self.weights_for(memory).layers,
+            x,
+            B,
+            q,
+            self.cfg.n_heads,
+            new.keys_values,
+            allowed,
+            memory.cross_kv,
+            src_allowed,
+            rows,
+            self.cfg.norm_first,
+        )
         return self.model.dec_norm(new.commit(x.view(B, q, -1)))

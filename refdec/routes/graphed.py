@@ -87,7 +87,12 @@ class Replay:
     and replayed at every later one; elsewhere it is called as it is."""
 
     def __init__(self, fn: Callable[[], None], device: torch.device, pool=None, cuda=None):
-        self.fn, self.graphed, self.pool, self.cuda = fn, device.type == "cuda", pool, cuda  # cuda: torch.cuda unless given
+        self.fn, self.graphed, self.pool, self.cuda = (
+            fn,
+            device.type == "cuda",
+            pool,
+            cuda,
+        )  # cuda: torch.cuda unless given
         self.graph = None
 
     def __call__(self) -> None:
@@ -110,7 +115,10 @@ class Slab:
     """A KV cache's storage: keys and values (layers, rows, H, capacity, Dh)."""
 
     def __init__(self, shape: tuple, device, dtype):
-        self.k, self.v = static_zeros(*shape, device=device, dtype=dtype), static_zeros(*shape, device=device, dtype=dtype)
+        self.k, self.v = (
+            static_zeros(*shape, device=device, dtype=dtype),
+            static_zeros(*shape, device=device, dtype=dtype),
+        )
         self.owner = None
 
 
@@ -119,8 +127,13 @@ class Slot:
     `allowed` (rows, 1, 1, width), True at the real source positions, as the decoder calls read them."""
 
     def __init__(self, layers: int, rows: int, heads: int, width: int, head_dim: int, device, dtype):
-        self.cross = [(static_zeros(rows, heads, width, head_dim, device=device, dtype=dtype),
-                       static_zeros(rows, heads, width, head_dim, device=device, dtype=dtype)) for _ in range(layers)]
+        self.cross = [
+            (
+                static_zeros(rows, heads, width, head_dim, device=device, dtype=dtype),
+                static_zeros(rows, heads, width, head_dim, device=device, dtype=dtype),
+            )
+            for _ in range(layers)
+        ]
         self.allowed = static_zeros(rows, 1, 1, width, device=device, dtype=torch.bool).fill_(True)
         self.owner = None
 
@@ -159,8 +172,18 @@ class StaticKVCache(KVCache):
     (KVCache's) keeps its rows in the leading rows of the same storage; growing past the capacity
     or the rows (a rare call) moves the cache to a larger slab."""
 
-    def __init__(self, pool: Pool, n_layers: int, batch: int, n_heads: int, head_dim: int, capacity: int = 64,
-                 *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        pool: Pool,
+        n_layers: int,
+        batch: int,
+        n_heads: int,
+        head_dim: int,
+        capacity: int = 64,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         self.pool, self.shape = pool, (n_layers, n_heads, head_dim)
         self.device, self.dtype = torch.device(device), dtype
         self._end, self._lengths, self.prefix = 0, None, 0
@@ -192,8 +215,9 @@ class StaticKVCache(KVCache):
 
     def clone(self) -> StaticKVCache:
         L, H, Dh = self.shape  # a slab of this one's capacity (a power of two: MAX_STEP to spare already)
-        other = StaticKVCache(self.pool, L, self.batch, H, Dh, self.capacity - MAX_STEP, device=self.device,
-                              dtype=self.dtype)
+        other = StaticKVCache(
+            self.pool, L, self.batch, H, Dh, self.capacity - MAX_STEP, device=self.device, dtype=self.dtype
+        )
         if other.slab.k.shape[1] != self.slab.k.shape[1]:  # as many rows of storage as this one's
             other._move(self.slab.k.shape[1], self.capacity, self.batch)
         other._end, other._lengths, other.prefix = self._end, self._lengths, self.prefix
@@ -254,8 +278,16 @@ class GraphedRoute(FastRoute):
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         p = self.model.tgt_embed.weight
-        return StaticKVCache(self._state().slabs, self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim,
-                             capacity, device=p.device, dtype=p.dtype)
+        return StaticKVCache(
+            self._state().slabs,
+            self.cfg.dec_layers,
+            batch,
+            self.cfg.n_heads,
+            self.cfg.head_dim,
+            capacity,
+            device=p.device,
+            dtype=p.dtype,
+        )
 
     # -- the encoder --------------------------------------------------------------------------------
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,16 +313,31 @@ class GraphedRoute(FastRoute):
 
         def run():
             out.copy_(self.encoder_stack(tokens, tokens.ne(self.cfg.pad_id)[:, None, None, :]))
+
         return Step(tokens, None, out, Replay(run, p.device, pool))
 
     # -- the decoder call -----------------------------------------------------------------------------
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
-                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
-                      real: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(
+        self,
+        tgt_new: torch.Tensor,
+        memory: Memory,
+        cache: KVCache,
+        open_from: int | torch.Tensor | None = None,
+        layers: int | None = None,
+        real: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         n, q = tgt_new.shape
         first_forced = bool(self.cfg.decoder_prefix) and not cache.ragged and cache.end == 0
-        if (open_from is not None or layers is not None or not self.applies() or not isinstance(cache, StaticKVCache)
-                or q > MAX_STEP or memory.batch != n or cache.batch != n or first_forced):
+        if (
+            open_from is not None
+            or layers is not None
+            or not self.applies()
+            or not isinstance(cache, StaticKVCache)
+            or q > MAX_STEP
+            or memory.batch != n
+            or cache.batch != n
+            or first_forced
+        ):
             return FastRoute.decode_hidden(self, tgt_new, memory, cache, open_from, layers, real)
         offsets = [cache.prefix + m for m in (cache.lengths.tolist() if cache.ragged else [cache.end] * n)]
         if max(offsets) + q > self.cfg.max_positions:
@@ -332,8 +379,16 @@ class GraphedRoute(FastRoute):
             state = self._state()
             n, S = memory.src_pad.shape
             k = memory.cross_kv[0][0]
-            slot = state.slots.take(memory, len(self.model.decoder), bucket(n), self.cfg.n_heads, bucket(S),
-                                    self.cfg.head_dim, k.device, k.dtype)
+            slot = state.slots.take(
+                memory,
+                len(self.model.decoder),
+                bucket(n),
+                self.cfg.n_heads,
+                bucket(S),
+                self.cfg.head_dim,
+                k.device,
+                k.dtype,
+            )
             slot.hold(memory)
             got = (state, slot)
             if own:
@@ -354,7 +409,7 @@ class GraphedRoute(FastRoute):
         K, V = slab.k[:, :rows], slab.v[:, :rows]
         model = self.model
         table = model.positions if model.tgt_positions is None else model.tgt_positions
-        scale = cfg.d_model ** 0.5 if cfg.scale_embeddings else 1.0
+        scale = cfg.d_model**0.5 if cfg.scale_embeddings else 1.0
         layers = self.decoder_weights().layers
 
         def run():
@@ -367,7 +422,20 @@ class GraphedRoute(FastRoute):
                 K[i].scatter_(2, where, k)
                 V[i].scatter_(2, where, v)
                 return K[i], V[i]
-            x = decoder_stack(layers, x.reshape(rows * width, D), rows, width, H, store, allowed, slot.cross,
-                              slot.allowed, None, cfg.norm_first)
+
+            x = decoder_stack(
+                layers,
+                x.reshape(rows * width, D),
+                rows,
+                width,
+                H,
+                store,
+                allowed,
+                slot.cross,
+                slot.allowed,
+                None,
+                cfg.norm_first,
+            )
             out.copy_(model.dec_norm(x.view(rows, width, D)))
+
         return Step(tokens, offset, out, Replay(run, device, pool), (slab, slot))

@@ -150,8 +150,12 @@ def quantize_relu_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(y, scale).round_().clamp_min_(0).to(torch.int8), scale
 
 
-def product(x: torch.Tensor, w: QuantizedWeight | JoinedWeight, add: torch.Tensor | None = None,
-            rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def product(
+    x: torch.Tensor,
+    w: QuantizedWeight | JoinedWeight,
+    add: torch.Tensor | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """`add` + x (M, K) float @ the quantized weight -> (M, N) in x's dtype: the int32 product, exact,
     times each output's scale, times each row's scale, plus `add` ((N,) a bias, or (M, N) the
     residual stream; none: zero). `rows`: quantize_rows(x), when several products read the same x.
@@ -169,8 +173,9 @@ def product(x: torch.Tensor, w: QuantizedWeight | JoinedWeight, add: torch.Tenso
     return out
 
 
-def integer_products(xq: torch.Tensor,
-                     w: QuantizedWeight | JoinedWeight) -> Iterator[tuple[slice | None, torch.Tensor]]:
+def integer_products(
+    xq: torch.Tensor, w: QuantizedWeight | JoinedWeight
+) -> Iterator[tuple[slice | None, torch.Tensor]]:
     """The integer product of xq (M, K) int8 and w as product() computes it, one block of rows at a
     time: yields (rows, their product), rows None for all M at once. oneDNN's fused kernel where this
     machine's plan takes it (`takes_fused`): all M rows, the int32 sums already converted and times the
@@ -202,8 +207,9 @@ def row_blocks(m: int, n: int, blocks: bool = True) -> list[slice]:
     return [slice(i, i + ROW_BLOCK) for i in range(0, m, ROW_BLOCK)]
 
 
-def rescale(p: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, add: torch.Tensor | None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+def rescale(
+    p: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`add` + the product p (M, N) times the channel scales sw (N,) and the row scales sx (M, 1), in
     sx's dtype, into `out` (M, N) (none: a new tensor, or p itself where p is the fused kernel's):
     float(p) * sw first, as oneDNN's fused kernel computes it, which hands over p already so (float32,
@@ -225,20 +231,24 @@ def takes_fused(xq: torch.Tensor, w: QuantizedWeight | JoinedWeight) -> bool:
     return start is not None and xq.shape[0] >= start
 
 
-def fused_kernel(xq: torch.Tensor, packed: torch.Tensor, zero_points: torch.Tensor,
-                 scale: torch.Tensor) -> torch.Tensor:
+def fused_kernel(
+    xq: torch.Tensor, packed: torch.Tensor, zero_points: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     """float(xq @ W_q) * scale (M, N) in float32, in one call of oneDNN's int8 linear on W_q packed for it
     (`onednn_packed`), with no input scale (1.0), no bias and zero points of zero, so that each value is
     the int32 sum converted and times its channel's scale, as `rescale` computes it."""
-    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, torch.float32,
-                                              "none", [], "")
+    return torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+    )
 
 
 def onednn_packed(q_in_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 (in, out) weight packed for oneDNN's int8 linear, and its zero points (zeros)."""
     with torch.inference_mode(False), torch.no_grad():
-        return (torch.ops.onednn.qlinear_prepack(q_in_out.t().contiguous(), None),
-                torch.zeros(q_in_out.shape[1], dtype=torch.long))
+        return (
+            torch.ops.onednn.qlinear_prepack(q_in_out.t().contiguous(), None),
+            torch.zeros(q_in_out.shape[1], dtype=torch.long),
+        )
 
 
 def pack(q_in_out: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -255,8 +265,9 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> to
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def linears(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor],
-            holder: dict, key) -> list[torch.Tensor]:
+def linears(
+    x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor], holder: dict, key
+) -> list[torch.Tensor]:
     """[linear(x, w, b) for each weight] for x (M, K), as one product of the weights side by side
     (their JoinedWeight, kept in `holder` as `key`: `joined`): bitwise the same outputs, since the int32
     sums are exact and every output channel keeps its own scale and bias, in one integer product and one
@@ -306,8 +317,10 @@ def weight_levels() -> int:
     a property of the machine, found once per process."""
     levels = next((n for n in (127, 63) if exact_products(n)), 0)
     if not levels:
-        raise RuntimeError("torch._int_mm does not compute int8 products exactly on this machine; "
-                           "the int8 route cannot run here (decode without --int8)")
+        raise RuntimeError(
+            "torch._int_mm does not compute int8 products exactly on this machine; "
+            "the int8 route cannot run here (decode without --int8)"
+        )
     return levels
 
 
@@ -404,6 +417,7 @@ def probe_plan(k: int, n: int) -> Plan:
 
         def fused_call(x, ones):
             return fused_kernel(x, *packed, scale)
+
         m0 = 1 if n >= FUSED_WIDTH else -(-FUSED_ELEMENTS // n)
         t_fused, t_plain = race(fused_call, plain, operands(1), give_up=GIVE_UP)
         timings.append(("fused", 1, t_fused, "plain", t_plain))
@@ -457,9 +471,14 @@ def plans_made() -> dict[str, dict]:
     out = {}
     for (k, n, threads), plan in sorted(_plans.items()):
         out[f"{k} x {n}, {threads} thread(s)"] = {
-            "fused_from_rows": plan.fused_from, "row_blocks": plan.blocks, "why": plan.why,
-            "timings_us": [{"kernel": a, "rows": m, "us": round(ta, 1), "against": b, "against_us": round(tb, 1)}
-                           for a, m, ta, b, tb in plan.timings]}
+            "fused_from_rows": plan.fused_from,
+            "row_blocks": plan.blocks,
+            "why": plan.why,
+            "timings_us": [
+                {"kernel": a, "rows": m, "us": round(ta, 1), "against": b, "against_us": round(tb, 1)}
+                for a, m, ta, b, tb in plan.timings
+            ],
+        }
     return out
 
 

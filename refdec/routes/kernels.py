@@ -59,8 +59,11 @@ INVARIANT_BLOCK = 1 << 16  # bytes per temporary in row-invariant mode
 def few_row_route(x: torch.Tensor) -> bool:
     """Whether `linear` takes the (W @ x.T).T route for x (..., D): inference on CPU, 2-16 rows."""
     # (a comparison, not `in FEW_ROWS`: torch.compile traces it for a row count of any size)
-    return (x.device.type == "cpu" and not torch.is_grad_enabled()
-            and FEW_ROWS.start <= x.numel() // x.shape[-1] < FEW_ROWS.stop)
+    return (
+        x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and FEW_ROWS.start <= x.numel() // x.shape[-1] < FEW_ROWS.stop
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = True) -> torch.Tensor:
@@ -85,14 +88,22 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     r_step = max(1, per_block // O) if o_step == O else 1
     for r in range(0, rows.shape[0], r_step):
         for o in range(0, O, o_step):
-            torch.sum(rows[r:r + r_step, None, :] * weight[o:o + o_step], dim=-1, out=out[r:r + r_step, o:o + o_step])
+            torch.sum(
+                rows[r : r + r_step, None, :] * weight[o : o + o_step], dim=-1, out=out[r : r + r_step, o : o + o_step]
+            )
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], O)
 
 
-def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
-                      scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def rowwise_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocked: torch.Tensor | None,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """refdec.model.attention computed so that each query sees exactly the keys it may attend to
     (never a masked longer row: more terms change how a sum rounds): queries that share their keys
     (no mask, or a mask without a query dimension) go together, the others one by one, batch row by row."""
@@ -103,18 +114,20 @@ def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked
     allowed = None if blocked is None else ~blocked.expand(B, 1, Q, L)
     shared = allowed is None or blocked.shape[-2] == 1
     for b in range(B):
-        for i0, i1 in ([(0, Q)] if shared else [(i, i + 1) for i in range(Q)]):
+        for i0, i1 in [(0, Q)] if shared else [(i, i + 1) for i in range(Q)]:
             keys = None if allowed is None else allowed[b, 0, i0].nonzero().squeeze(1)
-            kb, vb = (k[b], v[b]) if keys is None else (k[b].index_select(1, keys), v[b].index_select(1, keys))  # (H, n, Dh)
+            kb, vb = (
+                (k[b], v[b]) if keys is None else (k[b].index_select(1, keys), v[b].index_select(1, keys))
+            )  # (H, n, Dh)
             bb = None if bias is None else bias[b if bias.shape[0] > 1 else 0]  # (H, Q, L): T5's position bias
             bb = bb if bb is None or keys is None else bb.index_select(2, keys)
             step = max(1, INVARIANT_BLOCK // (max(1, kb.shape[1]) * H * Dh * q.element_size()))  # queries per temporary
             for j in range(i0, i1, step):
-                qj = q[b, :, j:min(j + step, i1)]  # (H, m, Dh)
+                qj = q[b, :, j : min(j + step, i1)]  # (H, m, Dh)
                 scores = (qj[:, :, None, :] * kb[:, None]).sum(-1) * scale  # (H, m, n)
-                scores = scores if bb is None else scores + bb[:, j:j + qj.shape[1]]
+                scores = scores if bb is None else scores + bb[:, j : j + qj.shape[1]]
                 p = torch.softmax(scores, dim=-1)
-                out[b, :, j:j + qj.shape[1]] = (p[..., None] * vb[:, None]).sum(-2)  # (H, m, Dh)
+                out[b, :, j : j + qj.shape[1]] = (p[..., None] * vb[:, None]).sum(-2)  # (H, m, Dh)
     return out
 
 
@@ -167,8 +180,9 @@ class RoutedLayerNorm(nn.Module):
         if not self.kernels.row_invariant:
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         rows = x.reshape(-1, x.shape[-1])
-        return torch.stack([F.layer_norm(r, self.normalized_shape, self.weight, self.bias, self.eps)
-                            for r in rows.unbind(0)]).reshape(x.shape)
+        return torch.stack(
+            [F.layer_norm(r, self.normalized_shape, self.weight, self.bias, self.eps) for r in rows.unbind(0)]
+        ).reshape(x.shape)
 
 
 class RoutedAttention(nn.Module):
@@ -179,8 +193,14 @@ class RoutedAttention(nn.Module):
         super().__init__()
         self.scale, self.kernels = heads.scale, kernels
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        blocked: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         kernel = rowwise_attention if self.kernels.row_invariant else attention
         if self.kernels.int8_now():
             return kernel(q.double(), k.double(), v.double(), blocked, self.scale, bias).to(q.dtype)
@@ -204,8 +224,12 @@ class RoutedOutput(nn.Module):
         return linear(hidden, W, None, self.kernels.few_rows)
 
 
-LEAVES = {nn.Linear: RoutedLinear, nn.LayerNorm: RoutedLayerNorm, ScaledDotProduct: RoutedAttention,
-          OutputProduct: RoutedOutput}
+LEAVES = {
+    nn.Linear: RoutedLinear,
+    nn.LayerNorm: RoutedLayerNorm,
+    ScaledDotProduct: RoutedAttention,
+    OutputProduct: RoutedOutput,
+}
 
 
 def twin(module: nn.Module, kernels: Kernels) -> nn.Module:
@@ -303,13 +327,26 @@ class KernelRoute(Route):
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         if self.kernels.int8_now():  # made in float64 alone: not the model's dtype first
-            return KVCache(self.cfg.dec_layers, batch, self.cfg.n_heads, self.cfg.head_dim, capacity,
-                           device=self.model.tgt_embed.weight.device, dtype=torch.float64)
+            return KVCache(
+                self.cfg.dec_layers,
+                batch,
+                self.cfg.n_heads,
+                self.cfg.head_dim,
+                capacity,
+                device=self.model.tgt_embed.weight.device,
+                dtype=torch.float64,
+            )
         return self.model.new_cache(batch, capacity)
 
-    def decode_hidden(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache,
-                      open_from: int | torch.Tensor | None = None, layers: int | None = None,
-                      real: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_hidden(
+        self,
+        tgt_new: torch.Tensor,
+        memory: Memory,
+        cache: KVCache,
+        open_from: int | torch.Tensor | None = None,
+        layers: int | None = None,
+        real: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.computing().decode_hidden(tgt_new, memory, cache, open_from, layers, real)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -318,8 +355,9 @@ class KernelRoute(Route):
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:
         return self.project(self.decode_hidden(tgt_new, memory, cache))
 
-    def forward_hidden(self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None,
-                       memory: Memory | None = None) -> torch.Tensor:
+    def forward_hidden(
+        self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None, memory: Memory | None = None
+    ) -> torch.Tensor:
         return self.starting().forward_hidden(src, tgt, self_block, memory)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,13 @@ def frozen_model(checkpoint: dict, device: torch.device) -> Transformer:
     return model.to(device).eval().requires_grad_(False)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, base: dict | None = None, encoder: Transformer | None = None,
-                device: torch.device | str = "cpu") -> Transformer:
+def build_model(
+    cfg: TrainConfig,
+    vocab_size: int,
+    base: dict | None = None,
+    encoder: Transformer | None = None,
+    device: torch.device | str = "cpu",
+) -> Transformer:
     """The model a run trains: a new one of cfg's shape (reading `encoder`'s states, the frozen encoder
     of encoder_from, if given), or that of the init_from checkpoint `base` with cfg's dropout (on
     `encoder`: decoder_from)."""
@@ -47,17 +52,25 @@ def decoder_from(base: dict, cfg: TrainConfig, encoder: Transformer) -> Transfor
     state = {k: v.float() for k, v in base["model"].items()}
     if shape.enc_layers == 0:
         if shape.memory_dim != encoder.cfg.d_model:
-            raise TrainingError(f"{cfg.init_from} reads encoder states of width {shape.memory_dim}, "
-                                f"{cfg.encoder_from} gives {encoder.cfg.d_model}")
+            raise TrainingError(
+                f"{cfg.init_from} reads encoder states of width {shape.memory_dim}, "
+                f"{cfg.encoder_from} gives {encoder.cfg.d_model}"
+            )
         model = Transformer(replace(shape, dropout=cfg.dropout))
     else:
-        differ = [f"{f} {getattr(cfg, f)} (the model's: {getattr(shape, f)})" for f in ("d_model", "n_heads", "d_ff")
-                  if getattr(cfg, f) != getattr(shape, f)]
+        differ = [
+            f"{f} {getattr(cfg, f)} (the model's: {getattr(shape, f)})"
+            for f in ("d_model", "n_heads", "d_ff")
+            if getattr(cfg, f) != getattr(shape, f)
+        ]
         if differ or cfg.dec_layers > shape.dec_layers:
-            raise TrainingError(f"a decoder started from {cfg.init_from} takes its width and at most its "
-                                f"{shape.dec_layers} decoder layers: {', '.join(differ) or f'dec_layers {cfg.dec_layers}'}")
-        model = Transformer(replace(shape, enc_layers=0, dec_layers=cfg.dec_layers, d_memory=encoder.cfg.d_model,
-                                    dropout=cfg.dropout))
+            raise TrainingError(
+                f"a decoder started from {cfg.init_from} takes its width and at most its "
+                f"{shape.dec_layers} decoder layers: {', '.join(differ) or f'dec_layers {cfg.dec_layers}'}"
+            )
+        model = Transformer(
+            replace(shape, enc_layers=0, dec_layers=cfg.dec_layers, d_memory=encoder.cfg.d_model, dropout=cfg.dropout)
+        )
         state = {k: state[k] for k in model.state_dict()}  # the first dec_layers layers; no encoder
     model.load_state_dict(state)
     return model

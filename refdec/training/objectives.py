@@ -31,8 +31,13 @@ from .models import frozen_model
 def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_id: int) -> torch.Tensor:
     """Label-smoothed cross-entropy (Szegedy et al. 2016), mean over non-pad target tokens."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bfloat16 (autocast) up, float64 kept
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                            ignore_index=pad_id, label_smoothing=eps, reduction="sum")
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        target.reshape(-1),
+        ignore_index=pad_id,
+        label_smoothing=eps,
+        reduction="sum",
+    )
     # Divided by at least 1: a batch with no target (a far proposal head on short sentences) gives 0, not NaN.
     return total / target.ne(pad_id).sum().clamp(min=1)
 
@@ -65,9 +70,11 @@ class Objective(torch.nn.Module):
         # submodule: its weights are not trained, saved, or switched to training mode with the rest.
         self.frozen_encoder = (encoder,) if encoder is not None else ()
         # Where that encoder is, from the run's folder, and which file it was (checkpoints record both).
-        self.shared_encoder = ({"path": os.path.relpath(cfg.encoder_from, cfg.out_dir),
-                                "sha256": file_sha256(cfg.encoder_from)} if encoder is not None and cfg.encoder_from
-                               else None)
+        self.shared_encoder = (
+            {"path": os.path.relpath(cfg.encoder_from, cfg.out_dir), "sha256": file_sha256(cfg.encoder_from)}
+            if encoder is not None and cfg.encoder_from
+            else None
+        )
         self.step = 0  # set by the trainer: the drafter's glancing ratio decays with it
         self.compiled_with = ""  # the torch.compile backend of the passes' tensor work ("" = eager)
 
@@ -85,23 +92,38 @@ class Objective(torch.nn.Module):
         self.compiled_with = backend
 
     @classmethod
-    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> Objective:
+    def load(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        tok: Tokenizer,
+        device: torch.device,
+        encoder: Transformer | None = None,
+    ) -> Objective:
         """The mode's loss on `model`, with whatever else the mode loads or creates (after the model:
         new weights draw from torch's generator in that order)."""
         return cls.of_parts(cfg, model, encoder=encoder)
 
     @classmethod
-    def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> Objective:
+    def of_parts(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        *,
+        heads: ProposalHeads | None = None,
+        encoder: Transformer | None = None,
+        teacher: Transformer | None = None,
+    ) -> Objective:
         """The mode's loss over parts already built (those the mode does not use are ignored)."""
         return cls(model, cfg, encoder)
 
     def describe(self) -> str:
         """What the run's log line about the model adds for this mode."""
-        return ((f"; reads the frozen encoder of {self.cfg.encoder_from}" if self.frozen_encoder else "")
-                + (f"; passes compiled (torch.compile, {self.compiled_with}: each new kind of pass compiles first)"
-                   if self.compiled_with else ""))
+        return (f"; reads the frozen encoder of {self.cfg.encoder_from}" if self.frozen_encoder else "") + (
+            f"; passes compiled (torch.compile, {self.compiled_with}: each new kind of pass compiles first)"
+            if self.compiled_with
+            else ""
+        )
 
     def eval_note(self, dev_size: int) -> str:
         """What the log line of an evaluation adds after the scores."""
@@ -154,8 +176,12 @@ class Objective(torch.nn.Module):
             for j, i in enumerate(which):
                 target = head_targets(to, i)
                 logits = head_logits(m, heads, hidden, i)
-                total[j] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                                            ignore_index=tok.pad_id, reduction="sum").item()
+                total[j] += F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(),
+                    target.reshape(-1),
+                    ignore_index=tok.pad_id,
+                    reduction="sum",
+                ).item()
                 count[j] += target.ne(tok.pad_id).sum().item()
         n = min(self.cfg.eval_sentences, len(src))
         # With heads, blockwise decoding (exact: greedy's output) gives the BLEU of the first n
@@ -165,14 +191,19 @@ class Objective(torch.nn.Module):
         for rows, first in decode_batches(src, n, speed):
             x = data_mod.source_tensor(rows).to(device)
             max_len = min(m.cfg.max_positions - 1, 2 * max(map(len, rows)) + 10)
-            res = (decode_greedy(self.decoding_model(), x, max_len=max_len) if heads is None
-                   else decode_blockwise(m, heads, x, max_len=max_len))
+            res = (
+                decode_greedy(self.decoding_model(), x, max_len=max_len)
+                if heads is None
+                else decode_blockwise(m, heads, x, max_len=max_len)
+            )
             hyps += [tok.decode(t.tolist()) for t in res.tokens]
             if first:
                 stats.merge(res.stats)
         self.train()
-        out = {"dev_loss": sum(t / max(c, 1) for t, c in zip(total, count)) / len(which),
-               "dev_bleu": corpus_bleu(hyps[:n], dev.tgt[:n])}
+        out = {
+            "dev_loss": sum(t / max(c, 1) for t, c in zip(total, count)) / len(which),
+            "dev_bleu": corpus_bleu(hyps[:n], dev.tgt[:n]),
+        }
         if heads is not None:
             out["dev_loss_per_head"] = {str(i): t / max(c, 1) for i, t, c in zip(which, total, count)}
             out["dev_tokens_per_call"] = stats.mean_committed  # per row: tokens each sentence gains per call
@@ -184,7 +215,7 @@ def decode_batches(src: list[list[int]], n: int, speed: int, size: int = 32):
     (rows, whether they are among the first `speed`)."""
     for lo, hi in ((0, speed), (speed, max(n, speed))):
         for i in range(lo, hi, size):
-            yield src[i:min(i + size, hi)], hi == speed
+            yield src[i : min(i + size, hi)], hi == speed
 
 
 def dev_batches(tok: Tokenizer, dev: data_mod.Split, limit: int, device: torch.device):
@@ -192,8 +223,10 @@ def dev_batches(tok: Tokenizer, dev: data_mod.Split, limit: int, device: torch.d
     batches (src, tgt_in, tgt_out) of the dev pairs, 8000 tokens each at most."""
     src = [s[:limit] for s in tok.encode_batch(dev.src)]
     tgt = [t[:limit] for t in tok.encode_batch(dev.tgt)]
-    batches = (tuple(x.to(device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
-               for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None))
+    batches = (
+        tuple(x.to(device) for x in data_mod.training_tensors([src[i] for i in idx], [tgt[i] for i in idx]))
+        for idx in data_mod.token_batches([(len(s), len(t)) for s, t in zip(src, tgt)], 8000, None)
+    )
     return src, batches
 
 
@@ -213,8 +246,14 @@ class DistillationLoss(Objective):
         self.teacher = (teacher,)  # frozen, kept out of the submodules as the frozen encoder is
 
     @classmethod
-    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> DistillationLoss:
+    def load(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        tok: Tokenizer,
+        device: torch.device,
+        encoder: Transformer | None = None,
+    ) -> DistillationLoss:
         """The teacher of kd_from, frozen; it must be on the run's task and vocabulary."""
         checkpoint = load_checkpoint(cfg.kd_from)
         if checkpoint.get("tokenizer_sha256") != tok.sha256 or checkpoint.get("task") != cfg.task:
@@ -222,8 +261,15 @@ class DistillationLoss(Objective):
         return cls(model, cfg, frozen_model(checkpoint, device), encoder)
 
     @classmethod
-    def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> DistillationLoss:
+    def of_parts(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        *,
+        heads: ProposalHeads | None = None,
+        encoder: Transformer | None = None,
+        teacher: Transformer | None = None,
+    ) -> DistillationLoss:
         return cls(model, cfg, teacher, encoder)
 
     def describe(self) -> str:
@@ -242,16 +288,23 @@ class EarlyExitLoss(Objective):
     """BiLD's early exit: the mean of the full model's loss and that of its first early_exit layers."""
 
     @classmethod
-    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> EarlyExitLoss:
+    def load(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        tok: Tokenizer,
+        device: torch.device,
+        encoder: Transformer | None = None,
+    ) -> EarlyExitLoss:
         if not cfg.early_exit < model.cfg.dec_layers:
             raise ValueError(f"early_exit={cfg.early_exit} needs more than {cfg.early_exit} decoder layers")
         return cls(model, cfg)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         final, early = self.model.early_exit_hidden(src, tgt_in, self.cfg.early_exit)
-        return 0.5 * (self.smoothed(self.model.project(final), tgt_out)
-                      + self.smoothed(self.model.project(early), tgt_out))
+        return 0.5 * (
+            self.smoothed(self.model.project(final), tgt_out) + self.smoothed(self.model.project(early), tgt_out)
+        )
 
     def checkpoint_entries(self, half: bool) -> dict:
         return {"early_exit": self.cfg.early_exit, **super().checkpoint_entries(half)}
@@ -272,12 +325,21 @@ class ProposalHeadsLoss(Objective):
         # Heads on a frozen base ship without the base's weights: model.pt names the file holding them
         # (init_from, or the base that init_from's heads stand on) instead.
         self.base_file = base_file = base_file or cfg.init_from
-        self.frozen_base = ({"path": os.path.relpath(base_file, cfg.out_dir), "sha256": file_sha256(base_file)}
-                            if cfg.freeze_base and base_file else None)
+        self.frozen_base = (
+            {"path": os.path.relpath(base_file, cfg.out_dir), "sha256": file_sha256(base_file)}
+            if cfg.freeze_base and base_file
+            else None
+        )
 
     @classmethod
-    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> ProposalHeadsLoss:
+    def load(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        tok: Tokenizer,
+        device: torch.device,
+        encoder: Transformer | None = None,
+    ) -> ProposalHeadsLoss:
         """Heads of cfg's shape on the model, whose weights are frozen with freeze_base: new ones, or
         those of init_from when it has heads of that shape (trained heads continued)."""
         heads = ProposalHeads(model.cfg.d_model, cfg.proposal_d_ff or model.cfg.d_ff, cfg.proposal_k).to(device)
@@ -286,31 +348,47 @@ class ProposalHeadsLoss(Objective):
             checkpoint = load_checkpoint(cfg.init_from)
             if "proposal" in checkpoint:
                 if checkpoint["proposal"]["config"] != heads.config():
-                    raise TrainingError(f"{cfg.init_from} holds heads of shape {checkpoint['proposal']['config']}, not "
-                                        f"{heads.config()}: give --proposal-k and --proposal-d-ff as they were trained")
+                    raise TrainingError(
+                        f"{cfg.init_from} holds heads of shape {checkpoint['proposal']['config']}, not "
+                        f"{heads.config()}: give --proposal-k and --proposal-d-ff as they were trained"
+                    )
                 heads.load_state_dict({k: v.float() for k, v in checkpoint["proposal"]["state"].items()})
             if "frozen_base" in checkpoint:  # heads alone: the weights are those of the base they name
-                base_file = str(referenced_file(cfg.init_from, checkpoint["frozen_base"], "holds proposal heads on the frozen model"))
+                base_file = str(
+                    referenced_file(
+                        cfg.init_from, checkpoint["frozen_base"], "holds proposal heads on the frozen model"
+                    )
+                )
         if cfg.freeze_base:
             model.requires_grad_(False)
         return cls(model, heads, cfg, base_file)
 
     @classmethod
-    def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> ProposalHeadsLoss:
+    def of_parts(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        *,
+        heads: ProposalHeads | None = None,
+        encoder: Transformer | None = None,
+        teacher: Transformer | None = None,
+    ) -> ProposalHeadsLoss:
         return cls(model, heads, cfg)
 
     def compile(self, backend: str = "inductor") -> None:
         """Objective.compile; each head drawn is a graph of its own (its index picks a slice of the
         heads' weights and of the targets), so torch.compile may keep one per head, not its default 8."""
         import torch._dynamo
+
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.heads.k + 8)
         super().compile(backend)
 
     def describe(self) -> str:
         cfg = self.cfg
-        return super().describe() + (f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
-                                     f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss")
+        return super().describe() + (
+            f"; {cfg.proposal_k - 1} proposal heads ({sum(p.numel() for p in self.heads.parameters()) / 1e6:.2f}M), "
+            f"base {'frozen' if cfg.freeze_base else 'fine-tuned'}, {cfg.head_loss} head loss"
+        )
 
     def load_entries(self, checkpoint: dict) -> None:
         self.heads.load_state_dict({k: v.float() for k, v in checkpoint["proposal"]["state"].items()})
@@ -329,12 +407,15 @@ class ProposalHeadsLoss(Objective):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         return self.heads_loss(src, tgt_in, tgt_out, self.chosen_heads())
 
-    def heads_loss(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+    def heads_loss(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, chosen: list[int]
+    ) -> torch.Tensor:
         """The mean of the heads `chosen`'s losses."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cfg.freeze_base):
             hidden = self.model.forward_hidden(src, tgt_in)
-        losses = [self.smoothed(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i))
-                  for i in chosen]
+        losses = [
+            self.smoothed(head_logits(self.model, self.heads, hidden, i), head_targets(tgt_out, i)) for i in chosen
+        ]
         return sum(losses) / len(losses)
 
     def checkpoint_entries(self, half: bool) -> dict:
@@ -359,26 +440,46 @@ class DrafterLoss(Objective):
     # chosen in Python between the two passes of the model, outside what is compiled.
     compiled_parts = ("block_prediction", "block_loss")
 
-    def __init__(self, model: Transformer, cfg: TrainConfig, encoder: Transformer | None = None,
-                 verifier: Transformer | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        cfg: TrainConfig,
+        encoder: Transformer | None = None,
+        verifier: Transformer | None = None,
+    ):
         super().__init__(model, cfg, encoder)
         self.verifier = (verifier,) if verifier is not None else ()  # frozen, out of the submodules
 
     @classmethod
-    def load(cls, cfg: TrainConfig, model: Transformer, tok: Tokenizer, device: torch.device,
-             encoder: Transformer | None = None) -> DrafterLoss:
+    def load(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        tok: Tokenizer,
+        device: torch.device,
+        encoder: Transformer | None = None,
+    ) -> DrafterLoss:
         verifier = encoder
         if verifier is None and cfg.init_from:
             checkpoint = load_checkpoint(cfg.init_from)
             verifier = None if "drafter" in checkpoint else frozen_model(checkpoint, device)
         if verifier is None and cfg.pick == "tokens-per-call":
-            raise TrainingError("pick tokens-per-call needs the drafter's verifier: --encoder-from (or --init-from "
-                                "a model that is not a drafter)")
+            raise TrainingError(
+                "pick tokens-per-call needs the drafter's verifier: --encoder-from (or --init-from "
+                "a model that is not a drafter)"
+            )
         return cls(model, cfg, encoder, verifier)
 
     @classmethod
-    def of_parts(cls, cfg: TrainConfig, model: Transformer, *, heads: ProposalHeads | None = None,
-                 encoder: Transformer | None = None, teacher: Transformer | None = None) -> DrafterLoss:
+    def of_parts(
+        cls,
+        cfg: TrainConfig,
+        model: Transformer,
+        *,
+        heads: ProposalHeads | None = None,
+        encoder: Transformer | None = None,
+        teacher: Transformer | None = None,
+    ) -> DrafterLoss:
         return cls(model, cfg, encoder, encoder)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
@@ -393,7 +494,9 @@ class DrafterLoss(Objective):
         with torch.no_grad():
             return self.model.project(self.hidden(src, inp, block)).argmax(dim=-1)
 
-    def block_loss(self, src: torch.Tensor, inp: torch.Tensor, block: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def block_loss(
+        self, src: torch.Tensor, inp: torch.Tensor, block: torch.Tensor, target: torch.Tensor
+    ) -> torch.Tensor:
         return self.smoothed(self.model.project(self.hidden(src, inp, block)), target)
 
     @torch.no_grad()
@@ -407,8 +510,9 @@ class DrafterLoss(Objective):
         for s, _, to in batches:
             inp, gold, block = self.drafter_batch(to, gen)
             logits = self.model.project(self.hidden(s, inp, block))
-            loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), gold.reshape(-1),
-                                    ignore_index=tok.pad_id, reduction="sum").item()
+            loss += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), gold.reshape(-1), ignore_index=tok.pad_id, reduction="sum"
+            ).item()
             on = gold.ne(tok.pad_id)
             correct += (logits.argmax(-1).eq(gold) & on).sum().item()
             count += on.sum().item()
@@ -424,7 +528,7 @@ class DrafterLoss(Objective):
         verifier, cfg = self.verifier[0], self.cfg
         drafter = Drafter(self.decoding_model(), k=cfg.drafter_k, layout=cfg.drafter_layout)
         room = min(verifier.cfg.max_positions, self.model.cfg.max_positions - cfg.drafter_k) - 1
-        src = [s[:room] for s in tok.encode_batch(dev.src[:cfg.speed_sentences])]
+        src = [s[:room] for s in tok.encode_batch(dev.src[: cfg.speed_sentences])]
         stats = DecodeStats()
         for rows, _ in decode_batches(src, len(src), 0):
             x = data_mod.source_tensor(rows).to(device)
@@ -432,12 +536,15 @@ class DrafterLoss(Objective):
         return stats.mean_committed
 
     def checkpoint_entries(self, half: bool) -> dict:
-        return {"drafter": {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout},
-                **super().checkpoint_entries(half)}
+        return {
+            "drafter": {"k": self.cfg.drafter_k, "layout": self.cfg.drafter_layout},
+            **super().checkpoint_entries(half),
+        }
 
     def eval_note(self, dev_size: int) -> str:
-        return (f" (GAD with the verifier on {min(self.cfg.speed_sentences, dev_size)} sentences)" if self.verifier
-                else "")
+        return (
+            f" (GAD with the verifier on {min(self.cfg.speed_sentences, dev_size)} sentences)" if self.verifier else ""
+        )
 
     def drafter_batch(self, tgt_out: torch.Tensor, generator: torch.Generator | None = None):
         """Block inputs for every row: a random prefix length p in 0 .. len(y), then k masks."""
@@ -460,7 +567,12 @@ def objective_class(cfg: TrainConfig) -> type[Objective]:
     return CrossEntropyLoss
 
 
-def build_objective(cfg: TrainConfig, model: Transformer, heads: ProposalHeads | None = None,
-                    encoder: Transformer | None = None, teacher: Transformer | None = None) -> Objective:
+def build_objective(
+    cfg: TrainConfig,
+    model: Transformer,
+    heads: ProposalHeads | None = None,
+    encoder: Transformer | None = None,
+    teacher: Transformer | None = None,
+) -> Objective:
     """The loss of the run's mode over parts already built (a run loads its own: Objective.load)."""
     return objective_class(cfg).of_parts(cfg, model, heads=heads, encoder=encoder, teacher=teacher)

@@ -20,5 +20,18 @@ from .memory import check_fits
 from .output import OutputLines, decode_to_output, keep_first, text_line, texts
 from .record import Run, make_runs
 
-__all__ = ["batches", "length_chunks", "WARMUP_ROWS", "decode_lines", "run_batch", "check_fits", "OutputLines",
-           "decode_to_output", "keep_first", "text_line", "texts", "Run", "make_runs"]
+__all__ = [
+    "batches",
+    "length_chunks",
+    "WARMUP_ROWS",
+    "decode_lines",
+    "run_batch",
+    "check_fits",
+    "OutputLines",
+    "decode_to_output",
+    "keep_first",
+    "text_line",
+    "texts",
+    "Run",
+    "make_runs",
+]

@@ -15,8 +15,9 @@ def length_chunks(ids: list[list[int] | None], runs: list[Run]) -> list[list[int
     todo = [i for i, s in enumerate(ids) if s is not None]
     if any(run.batch_size != 1 for run in runs):
         todo.sort(key=lambda i: len(ids[i]))
-    return cut_batches(todo, lambda i: (len(ids[i]),),
-                       lambda rows, longest: any(run.fits(rows, *longest) for run in runs))
+    return cut_batches(
+        todo, lambda i: (len(ids[i]),), lambda rows, longest: any(run.fits(rows, *longest) for run in runs)
+    )
 
 
 def batches(run: Run, chunk: list[int], ids: list[list[int]]) -> list[list[int]]:

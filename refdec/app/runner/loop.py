@@ -36,16 +36,19 @@ def tried_batch(run: Run, b: list[int], ids: list, budget: int, device, warm_up:
         return run_batch(run, [ids[i] for i in b], budget, device)
     except (RuntimeError, ValueError) as e:
         after = "; the timed run decodes them again" if warm_up else "; writing empty output line(s) in their place"
-        warn(f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}"
-             f"{' in the warm-up' if warm_up else ''}: {first_line(e, 200)}{after}")
+        warn(
+            f"{run.algo.name} failed on input line(s) {', '.join(str(i + 1) for i in b)}"
+            f"{' in the warm-up' if warm_up else ''}: {first_line(e, 200)}{after}"
+        )
         return None
 
 
 WARMUP_ROWS = 16  # a warm-up batch holds at most this many sentences, whatever --batch-size
 
 
-def warm_up(runs: list[Run], chunks: list[list[int]], ids: list, max_len: int | None, max_positions: int, device,
-            whole: bool) -> None:
+def warm_up(
+    runs: list[Run], chunks: list[list[int]], ids: list, max_len: int | None, max_positions: int, device, whole: bool
+) -> None:
     """Decode `chunks` with every run, untimed and not kept (the allocator, the kernels, the caches warm):
     the first rows of each chunk's first batch, or with `whole` every batch of the chunk, with the
     chunk's budget, so that the timed loop meets no shape the warm-up did not."""
@@ -61,9 +64,18 @@ def warm_up(runs: list[Run], chunks: list[list[int]], ids: list, max_len: int | 
                 tried_batch(run, b, ids, budget, device, warm_up=True)
 
 
-def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
-                 max_len: int | None, max_positions: int, device, warmup: int = 2, warm_all: bool = False,
-                 progress: bool = True, on_line: Callable[[int, torch.Tensor | None], None] | None = None) -> int:
+def decode_lines(
+    runs: list[Run],
+    ids: list[list[int] | None],
+    *,
+    max_len: int | None,
+    max_positions: int,
+    device,
+    warmup: int = 2,
+    warm_all: bool = False,
+    progress: bool = True,
+    on_line: Callable[[int, torch.Tensor | None], None] | None = None,
+) -> int:
     """The interleaved timing loop: fill each run's outputs, seconds, stats and per-line times, the
     runs alternating chunk by chunk (and which goes first alternating too), after `warmup` untimed
     chunks. Any tool that times decoders against each other on the same lines calls this: decode.py,
@@ -93,7 +105,9 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
     def advance() -> None:  # hand over every line up to the first one not done, the empty ones too
         nonlocal complete
         while complete < len(ids) and done[complete]:
-            with sigint_deferred():  # the line written and counted together: a Ctrl-C or SIGTERM falls before or after both
+            with (
+                sigint_deferred()
+            ):  # the line written and counted together: a Ctrl-C or SIGTERM falls before or after both
                 if on_line is not None:
                     on_line(complete, runs[0].outputs[complete])
                 complete += 1
@@ -129,8 +143,11 @@ def decode_lines(runs: list[Run], ids: list[list[int] | None], *,
             if progress and now - last_print > 5 and n < len(chunks) - 1:  # a line every 5 s on long work
                 rate = finished / (now - t_start)
                 total = len(ids) - sum(s is None for s in ids)
-                print(f"  {finished}/{total} sentences, {rate:.1f}/s, ETA {(total - finished) / rate:.0f}s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {finished}/{total} sentences, {rate:.1f}/s, ETA {(total - finished) / rate:.0f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 last_print = now
         advance()
     except KeyboardInterrupt:

@@ -52,8 +52,19 @@ def texts(tokenizer: Tokenizer, outputs: list) -> list[str]:
     return [text_line(tokenizer, t)[0] for t in outputs]
 
 
-def decode_to_output(runs: list[Run], ids: list, tokenizer: Tokenizer, *, output: str | None, max_len: int | None,
-                     max_positions: int, device, warmup: int, progress: bool, busy: BusyCores) -> int:
+def decode_to_output(
+    runs: list[Run],
+    ids: list,
+    tokenizer: Tokenizer,
+    *,
+    output: str | None,
+    max_len: int | None,
+    max_positions: int,
+    device,
+    warmup: int,
+    progress: bool,
+    busy: BusyCores,
+) -> int:
     """Decode every line with every run, writing the first run's outputs as they are finished (one
     line per input line, UTF-8 whatever the locale); returns how many leading lines every run finished.
     Warns first if other processes keep the cores this run's threads need busy (`busy`: started with
@@ -73,8 +84,16 @@ def decode_to_output(runs: list[Run], ids: list, tokenizer: Tokenizer, *, output
         busy_now = busy_warning(busy.others(), torch.get_num_threads(), usable_cores(), "keep")
         if busy_now:  # measured since the run started (at least MIN_WINDOW seconds), before any decoding
             warn(busy_now)
-        complete = decode_lines(runs, ids, max_len=max_len, max_positions=max_positions, device=device,
-                                warmup=warmup, progress=progress, on_line=OutputLines(out, render).put)
+        complete = decode_lines(
+            runs,
+            ids,
+            max_len=max_len,
+            max_positions=max_positions,
+            device=device,
+            warmup=warmup,
+            progress=progress,
+            on_line=OutputLines(out, render).put,
+        )
     finally:
         if output:
             out.close()
@@ -83,19 +102,26 @@ def decode_to_output(runs: list[Run], ids: list, tokenizer: Tokenizer, *, output
         budget = f"--max-len {max_len}" if max_len else "the default length (2 x the longest source of the batch + 10)"
         warn(f"outputs cut at {budget} before their eos: {', '.join(cut)}; a larger --max-len lets them end")
     if invalid:
-        warn(f"{len(invalid)} output line(s) hold bytes that are not valid UTF-8 (the model wrote part of a "
-             f"character, shown as U+FFFD, the replacement character): line(s) "
-             f"{', '.join(map(str, list(invalid)[:20]))}" + (" ..." if len(invalid) > 20 else ""))
+        warn(
+            f"{len(invalid)} output line(s) hold bytes that are not valid UTF-8 (the model wrote part of a "
+            f"character, shown as U+FFFD, the replacement character): line(s) "
+            f"{', '.join(map(str, list(invalid)[:20]))}" + (" ..." if len(invalid) > 20 else "")
+        )
     return complete
 
 
 def keep_first(runs: list[Run], n: int, total: int, output: str | None) -> None:
     """After an interruption (Ctrl-C, SIGTERM) that left `n` of `total` lines finished: a warning that
     says so, and every run's figures cut to those lines, which are the lines written."""
-    warn(f"{stopped_by()[0]} after {n} of {total} input lines: those lines are written"
-         + (f" to {output}" if output else "")
-         + ("; the scores below cover them alone, the times and counts every batch finished (batches are "
+    warn(
+        f"{stopped_by()[0]} after {n} of {total} input lines: those lines are written"
+        + (f" to {output}" if output else "")
+        + (
+            "; the scores below cover them alone, the times and counts every batch finished (batches are "
             "formed by length, so some of those lines come later in the input)"
-            if any(r.batch_size != 1 for r in runs) else "; the figures below cover them alone"))
+            if any(r.batch_size != 1 for r in runs)
+            else "; the figures below cover them alone"
+        )
+    )
     for r in runs:
         r.outputs, r.traces, r.times, r.calls = r.outputs[:n], r.traces[:n], r.times[:n], r.calls[:n]

@@ -39,10 +39,13 @@ class Run:
         """Whether a batch of `rows` sources, the longest `longest` ids, is within this run's limits:
         its batch size, and its token budget counted as the padded source tensor (rows x (longest + 1),
         eos included)."""
-        return ((not self.batch_size or rows <= self.batch_size)
-                and (not self.batch_tokens or rows * (longest + 1) <= self.batch_tokens))
+        return (not self.batch_size or rows <= self.batch_size) and (
+            not self.batch_tokens or rows * (longest + 1) <= self.batch_tokens
+        )
 
 
 def make_runs(specs: list, models: list[Models], *, trace: bool = False) -> list[Run]:
     """A Run per refdec.app.plan RunSpec, on the models refdec.app.loading.load_models gave it."""
-    return [Run(s.algo, s.options, m, s.label, s.batch_size, trace, s.batch_tokens, s.int8) for s, m in zip(specs, models)]
+    return [
+        Run(s.algo, s.options, m, s.label, s.batch_size, trace, s.batch_tokens, s.int8) for s, m in zip(specs, models)
+    ]
