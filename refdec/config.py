@@ -164,7 +164,7 @@ class TrainConfig:
     seed: int = 1
     train_limit: int = 0  # use only the first N training pairs (0 = all); for smoke runs
     dev_limit: int = 0  # validate on only the first N dev pairs (0 = all); for smoke runs
-    data_dir: str = ""  # folder holding <task>/*.gz ("" = the repo's data/)
+    data_dir: str = ""  # folder holding <task>/ (train.src, train.tgt ..., plain or .gz; "" = the repo's data/)
     threads: int = 0  # torch threads (0 = torch's default)
     log_every: int = 50
     # Starting point and proposal heads (blockwise parallel decoding, Stern et al. 2018, section 6).

@@ -14,7 +14,7 @@ repeat is in harness.py. decode.py and train.py at the repository's root run dec
     int8bench.py       the candidate int8 products timed on a model's shapes
     machine.py         what this machine's probes choose for the routes, with their figures
     stepcost.py        the cost of one decoder call appending q tokens
-    train_drafters.py  the mt-en-de drafter and heads on one GPU
+    train_drafters.py  a drafter and heads: the mt-en-de ones on one GPU, or your model's (--verifier)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ COMMANDS = {
     "ceiling": ("ceiling", "draft-then-verify speed when the draft is right"),
     "distill": ("distill", "sequence-level distillation of a teacher's outputs into a data folder"),
     "fuzz": ("fuzz", "every lossless decoder against greedy on random tiny models"),
-    "train-drafters": ("train_drafters", "the mt-en-de drafter and heads on one GPU"),
+    "train-drafters": ("train_drafters", "a drafter and heads: the mt-en-de ones on one GPU, or your model's"),
     "int8bench": ("int8bench", "the candidate int8 products timed on a model's shapes"),
     "machine": ("machine", "this machine's kernel choices and rounding properties, probed, with their figures"),
 }

@@ -51,13 +51,13 @@ from pathlib import Path
 import torch
 
 from .. import data as data_mod
+from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..checkpoint import file_sha256, load_model
 from ..decoding import decode_beam, decode_greedy
 from ..errors import UsageError, run_command
-from ..repo import repo_file
-from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..machine import BusyCores, check_device, clock, fit_threads
 from ..progress import ProgressLine
+from ..repo import repo_file
 from .harness import command_parser
 
 
@@ -96,18 +96,31 @@ def doc_sibling(path: Path) -> Path | None:
     return path.with_name(doc_name) if doc_name != name and path.with_name(doc_name).exists() else None
 
 
-def check_paths(task: str, model_path: Path, folder: Path, data_dir: Path, sources: Path | None,
-                add: Path | None, overwrite: bool = False) -> None:
+def check_paths(
+    task: str,
+    model_path: Path,
+    folder: Path,
+    data_dir: Path,
+    sources: Path | None,
+    add: Path | None,
+    overwrite: bool = False,
+) -> None:
     """None of the files distill writes into `folder` is one it reads, and `folder` is in the shipped
     data/ or checkpoints/ only with --overwrite (refdec.app.inputs.check_outputs)."""
-    copied = sorted(f.name for split in ("dev", "test") for f in (data_dir / task).glob(f"{split}.*.gz"))
+    copied = sorted(f.name for split in ("dev", "test") for f in (data_dir / task).glob(f"{split}.*"))
     reads = checkpoint_files("the teacher (--model)", model_path) | {
         f"the data folder of {task} ({shown_path(data_dir / task)})": data_dir / task,
-        "--sources": sources, "the document ids beside --sources": sources and doc_sibling(sources),
-        f"the training data of --add ({add and add / task})": add and add / task}
+        "--sources": sources,
+        "the document ids beside --sources": sources and doc_sibling(sources),
+        f"the training data of --add ({add and add / task})": add and add / task,
+    }
     written = ["train.src.gz", "train.tgt.gz", "train.doc.gz", "distill.json", *copied]
-    check_outputs({"--out": [folder.parent, *(folder / name for name in written)]}, reads, folders_made=True,
-                  opt_in=("--overwrite", overwrite))
+    check_outputs(
+        {"--out": [folder.parent, *(folder / name for name in written)]},
+        reads,
+        folders_made=True,
+        opt_in=("--overwrite", overwrite),
+    )
 
 
 def partial_name(rank: int, world: int) -> str:
@@ -130,8 +143,12 @@ def saved_work(partial: Path, options: dict, barrier) -> dict[int, str]:
     mine = read_partial(partial, options) or {}
     done = read_partials(partial.parent, options)
     barrier()
-    partial.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in
-                               [options, *({"i": i, "out": t} for i, t in mine.items())]), encoding="utf-8")
+    partial.write_text(
+        "".join(
+            json.dumps(x, ensure_ascii=False) + "\n" for x in [options, *({"i": i, "out": t} for i, t in mine.items())]
+        ),
+        encoding="utf-8",
+    )
     return done
 
 
@@ -157,10 +174,26 @@ def added_pairs(add: Path, task: str, options: dict) -> data_mod.Split:
     return data_mod.load_split(task, "train", add)
 
 
-def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_size: int = 5,
-            batch_size: int = 64, limit: int = 0, save_every: int = 20, data_dir: Path | None = None,
-            sources: Path | None = None, add: Path | None = None, overwrite: bool = False, device: str = "cpu",
-            log=print, rank: int = 0, world: int = 1, barrier=lambda: None) -> dict:
+def distill(
+    task: str,
+    model_path: Path,
+    out: Path,
+    *,
+    algo: str = "beam",
+    beam_size: int = 5,
+    batch_size: int = 64,
+    limit: int = 0,
+    save_every: int = 20,
+    data_dir: Path | None = None,
+    sources: Path | None = None,
+    add: Path | None = None,
+    overwrite: bool = False,
+    device: str = "cpu",
+    log=print,
+    rank: int = 0,
+    world: int = 1,
+    barrier=lambda: None,
+) -> dict:
     """Decode the task's training sources (or the sentences of `sources`) with the teacher and write
     the training folder <out>/<task>/ (see the module docstring); returns what distill.json holds.
     Process `rank` of `world` (torchrun) decodes every world-th batch; `barrier` waits for all of
@@ -177,8 +210,13 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
         src, docs = read_sources(Path(sources))
         refs = None
     n = min(limit, len(src)) if limit else len(src)
-    options = {"teacher": shown_path(model_path), "teacher_sha256": file_sha256(model_path),
-               "algo": algo, "beam_size": beam_size if algo == "beam" else None, "sentences": n}
+    options = {
+        "teacher": shown_path(model_path),
+        "teacher_sha256": file_sha256(model_path),
+        "algo": algo,
+        "beam_size": beam_size if algo == "beam" else None,
+        "sentences": n,
+    }
     if sources is not None:
         options |= {"sources": shown_path(sources), "sources_sha256": file_sha256(Path(sources))}
     added = added_pairs(Path(add), task, options) if add is not None else None
@@ -195,7 +233,7 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
         if not ids[i]:
             done[i] = ""  # an empty source gives an empty target, as in decode.py
     t0, pending = clock(device), []
-    batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)][rank::world]
+    batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)][rank::world]
     batches = [idx for idx in batches if not all(i in done for i in idx)]
     mine = sum(map(len, batches))  # this process's sentences still to decode
     total, already = (n, n - mine) if world == 1 else (mine, 0)
@@ -205,8 +243,11 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
             rows = [ids[i] for i in idx]
             batch = data_mod.source_tensor(rows).to(device)
             max_len = min(limit_len, 2 * max(map(len, rows)) + 10)
-            res = (decode_beam(model, batch, max_len=max_len, beam_size=beam_size) if algo == "beam"
-                   else decode_greedy(model, batch, max_len=max_len))
+            res = (
+                decode_beam(model, batch, max_len=max_len, beam_size=beam_size)
+                if algo == "beam"
+                else decode_greedy(model, batch, max_len=max_len)
+            )
             for i, t in zip(idx, res.tokens):
                 text = tok.decode(t.tolist()).replace("\r", " ").replace("\n", " ")
                 done[i] = text
@@ -216,7 +257,9 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
                 with open(partial, "a", encoding="utf-8") as f:
                     f.write("".join(p + "\n" for p in pending))
                 pending = []
-            progress.update(already + mine - sum(map(len, batches[b:])), now=saved)  # a line at each save, and every few seconds
+            progress.update(
+                already + mine - sum(map(len, batches[b:])), now=saved
+            )  # a line at each save, and every few seconds
     barrier()  # every process has saved its batches
     if rank:
         return {**options, "rank": rank, "batches": len(batches)}
@@ -238,8 +281,9 @@ def distill(task: str, model_path: Path, out: Path, *, algo: str = "beam", beam_
     return report
 
 
-def write_folder(folder: Path, task_data: Path, src: list[str], targets: list[str], docs: list[str] | None,
-                 report: dict) -> None:
+def write_folder(
+    folder: Path, task_data: Path, src: list[str], targets: list[str], docs: list[str] | None, report: dict
+) -> None:
     """The distilled folder: the pairs (and document ids) as train.*.gz, the task's dev and test files
     unchanged, distill.json; the partial files of the run removed."""
     write_gz(folder / "train.src.gz", src)
@@ -249,7 +293,7 @@ def write_folder(folder: Path, task_data: Path, src: list[str], targets: list[st
     else:
         (folder / "train.doc.gz").unlink(missing_ok=True)  # an earlier run's ids would not line up
     for split in ("dev", "test"):
-        for f in sorted(task_data.glob(f"{split}.*.gz")):
+        for f in sorted(task_data.glob(f"{split}.*")):  # gzip or plain, as the task's folder holds them
             shutil.copyfile(f, folder / f.name)
     (folder / "distill.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     for path in folder.glob(".partial*.jsonl"):
@@ -258,23 +302,41 @@ def write_folder(folder: Path, task_data: Path, src: list[str], targets: list[st
 
 def main(argv: list[str] | None = None) -> int:
     p = command_parser(__doc__, "distill")
-    p.add_argument("--task", required=True, choices=sorted(data_mod.TASKS))
-    p.add_argument("--model", help="teacher checkpoint (default: checkpoints/<task>/model.pt)")
-    p.add_argument("--out", required=True, help="output data folder (the task's files go to <out>/<task>/); one "
-                                             "inside the repository's data/ or checkpoints/ only with --overwrite")
-    p.add_argument("--overwrite", action="store_true", help="let --out lie inside the repository's data/ or "
-                                                            "checkpoints/ (data/distilled/<name>), replacing its files")
+    p.add_argument(
+        "--task",
+        required=True,
+        help=f"the task: {', '.join(sorted(data_mod.TASKS))}, or one of your own (its folder in --data-dir, "
+        "its teacher --model)",
+    )
+    p.add_argument("--model", help="teacher checkpoint (default: checkpoints/<task>/model.pt, for a shipped task)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output data folder (the task's files go to <out>/<task>/); one "
+        "inside the repository's data/ or checkpoints/ only with --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="let --out lie inside the repository's data/ or checkpoints/ (data/distilled/<name>), replacing its files",
+    )
     p.add_argument("--algo", default="beam", choices=["beam", "greedy"], help="teacher decoding (default beam)")
     p.add_argument("--beam-size", type=int, default=5, help="beams (default 5)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch (default 64)")
     p.add_argument("--limit", type=int, default=0, help="distill only the first N sources (0 = all)")
-    p.add_argument("--sources", help="distill the sentences of this file (one per line, gzip or text; document ids "
-                                     "from its .doc sibling) instead of the task's training sources")
+    p.add_argument(
+        "--sources",
+        help="distill the sentences of this file (one per line, gzip or text; document ids "
+        "from its .doc sibling) instead of the task's training sources",
+    )
     p.add_argument("--add", help="a folder distilled by the same teacher and decoding whose training pairs go first")
     p.add_argument("--save-every", type=int, default=20, help="save progress every N batches (default 20)")
     p.add_argument("--data-dir", help="source data folder (default: the repo's data/)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's count, cut to the cores other "
-                                                "processes leave idle)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's count, cut to the cores other processes leave idle)",
+    )
     p.add_argument("--device", help="cpu or cuda (default: cuda when one is available, else cpu)")
     return run_command(lambda: run(p.parse_args(argv)), known=(FileNotFoundError, ValueError))
 
@@ -285,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
     barrier = lambda: None  # noqa: E731
     if world > 1:  # torchrun: gloo only to wait for each other (no tensors are exchanged)
         import torch.distributed as dist
+
         dist.init_process_group("gloo")
         barrier = dist.barrier
         if device == "cuda":
@@ -298,15 +361,33 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     elif note := fit_threads(BusyCores().others()):  # a half-second look at the other processes
         print(f"note: {note}", file=sys.stderr, flush=True)
+    if args.task not in data_mod.TASKS and not (args.model and args.data_dir):
+        raise UsageError(
+            f"--task {args.task} is not a shipped task ({', '.join(sorted(data_mod.TASKS))}): give its teacher "
+            f"--model and the --data-dir whose {args.task}/ holds its train.src and train.tgt"
+        )
     model = Path(args.model) if args.model else repo_file("checkpoints", args.task, "model.pt", flag="--model")
     if not args.data_dir:
         repo_file("data", args.task, flag="--data-dir")  # the task's sources, dev and test sets
-    report = distill(args.task, model, Path(args.out), algo=args.algo, beam_size=args.beam_size,
-                     batch_size=args.batch_size, limit=args.limit, save_every=args.save_every,
-                     data_dir=Path(args.data_dir) if args.data_dir else None,
-                     sources=Path(args.sources) if args.sources else None,
-                     add=Path(args.add) if args.add else None, overwrite=args.overwrite, device=device,
-                     log=lambda m: print(m, file=sys.stderr, flush=True), rank=rank, world=world, barrier=barrier)
+    report = distill(
+        args.task,
+        model,
+        Path(args.out),
+        algo=args.algo,
+        beam_size=args.beam_size,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        save_every=args.save_every,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        sources=Path(args.sources) if args.sources else None,
+        add=Path(args.add) if args.add else None,
+        overwrite=args.overwrite,
+        device=device,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+        rank=rank,
+        world=world,
+        barrier=barrier,
+    )
     if rank == 0:
         print(json.dumps(report, indent=2))
     if world > 1:

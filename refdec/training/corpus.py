@@ -14,25 +14,32 @@ import torch
 from .. import data as data_mod
 from ..checkpoint import file_sha256, save_atomic
 from ..config import TrainConfig
-from ..repo import cache_folder
+from ..repo import cache_folder, shown
 from ..tokenizer import Tokenizer, iter_training_text
 from .processes import Processes
 
 
-def load_data(cfg: TrainConfig) -> tuple[list[tuple[str, str]], data_mod.Split]:
-    """The training pairs and the dev set, each cut to train_limit / dev_limit when set."""
+def load_data(cfg: TrainConfig, log=None) -> tuple[list[tuple[str, str]], data_mod.Split, int]:
+    """The training pairs and the dev set, each cut to train_limit / dev_limit when set, and how many
+    training pairs were held out as the dev set (0: the task's folder has dev files; otherwise
+    refdec.data.training_splits holds out the same pairs in every run, and a line of the log says so)."""
     data_dir = cfg.data_dir or data_mod.DATA_DIR
-    train = data_mod.load_split(cfg.task, "train", data_dir)
-    dev = data_mod.load_split(cfg.task, "dev", data_dir)
+    train, dev, held_out = data_mod.training_splits(cfg.task, data_dir)
+    if held_out and log is not None:
+        log(
+            f"dev: {shown(Path(data_dir) / cfg.task)} has no dev.src/dev.tgt, so {held_out} of its "
+            f"{len(train) + held_out} training pairs are held out as the dev set (1 in {data_mod.DEV_SHARE}, at "
+            f"most {data_mod.DEV_MAX}, the same pairs in every run; never trained on)"
+        )
     if cfg.dev_limit:  # smoke runs: validate on the first dev pairs only
-        n = cfg.dev_limit
-        dev = data_mod.Split(dev.src[:n], [r[:n] for r in dev.refs], dev.docs[:n])
+        dev = dev.rows(list(range(min(cfg.dev_limit, len(dev)))))
     pairs = list(zip(train.src, train.tgt))
-    return (pairs[: cfg.train_limit] if cfg.train_limit else pairs), dev
+    return (pairs[: cfg.train_limit] if cfg.train_limit else pairs), dev, held_out
 
 
-def prepare_tokenizer(cfg: TrainConfig, procs: Processes, pairs: list[tuple[str, str]], base: dict | None,
-                      base_path: str, log) -> Tokenizer:
+def prepare_tokenizer(
+    cfg: TrainConfig, procs: Processes, pairs: list[tuple[str, str]], base: dict | None, base_path: str, log
+) -> Tokenizer:
     """out_dir/tokenizer.json (rank 0 writes it once): the starting model's (or the encoder's), the
     tokenizer_from file, or a new BPE trained on the pairs; then every rank reads it."""
     out = Path(cfg.out_dir)
@@ -48,8 +55,11 @@ def prepare_tokenizer(cfg: TrainConfig, procs: Processes, pairs: list[tuple[str,
             log(f"tokenizer: training a BPE vocabulary of up to {cfg.vocab_size} tokens on {len(pairs)} pairs")
             trained = Tokenizer.train(iter_training_text(iter(pairs)), cfg.vocab_size)
             trained.save(tok_path)
-            why = ("no pair of tokens left in the training text occurs twice" if trained.vocab_size < cfg.vocab_size
-                   else "the 256 bytes and the special tokens come first")
+            why = (
+                "no pair of tokens left in the training text occurs twice"
+                if trained.vocab_size < cfg.vocab_size
+                else "the 256 bytes and the special tokens come first"
+            )
             asked = f" ({cfg.vocab_size} asked for: {why})" if trained.vocab_size != cfg.vocab_size else ""
             log(f"tokenizer: {trained.vocab_size} BPE tokens trained{asked} in {time.time() - t0:.0f}s -> {tok_path}")
     procs.barrier()
@@ -59,11 +69,19 @@ def prepare_tokenizer(cfg: TrainConfig, procs: Processes, pairs: list[tuple[str,
     return tok
 
 
-def encode_pairs(cfg: TrainConfig, tok: Tokenizer, pairs: list[tuple[str, str]], dev_size: int,
-                 log, procs: Processes | None = None) -> tuple[list[list[int]], list[list[int]]]:
+def encode_pairs(
+    cfg: TrainConfig,
+    tok: Tokenizer,
+    pairs: list[tuple[str, str]],
+    dev_size: int,
+    log,
+    procs: Processes | None = None,
+    held_out: int = 0,
+) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of the pairs that fit: both sides non-empty and within max_train_len tokens. The ids
-    of a whole training set come from its cache (TokenCache) when it has one for this vocabulary."""
-    cache = TokenCache(cfg, tok)
+    of a whole training set come from its cache (TokenCache) when it has one for this vocabulary
+    (`held_out`: the training pairs load_data held out as the dev set, which the cached pairs lack)."""
+    cache = TokenCache(cfg, tok, held_out)
     ids = cache.read(len(pairs))
     if ids is None:
         t0 = time.time()
@@ -76,8 +94,10 @@ def encode_pairs(cfg: TrainConfig, tok: Tokenizer, pairs: list[tuple[str, str]],
     keep = [i for i in range(len(pairs)) if 0 < len(src_ids[i]) <= limit and 0 < len(tgt_ids[i]) <= limit]
     src_ids, tgt_ids = [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
     n_tok = sum(map(len, src_ids)) + sum(map(len, tgt_ids))
-    log(f"train: {len(keep)} pairs ({len(pairs) - len(keep)} skipped: empty or over {limit} tokens), "
-        f"{n_tok} tokens; dev: {dev_size} pairs")
+    log(
+        f"train: {len(keep)} pairs ({len(pairs) - len(keep)} skipped: empty or over {limit} tokens), "
+        f"{n_tok} tokens; dev: {dev_size} pairs"
+    )
     return src_ids, tgt_ids
 
 
@@ -89,15 +109,21 @@ class TokenCache:
     is used only while all of them are the same (an edited corpus or another vocabulary is tokenized
     anew and the cache rewritten)."""
 
-    def __init__(self, cfg: TrainConfig, tok: Tokenizer):
+    def __init__(self, cfg: TrainConfig, tok: Tokenizer, held_out: int = 0):
         self.folder = Path(cfg.data_dir or data_mod.DATA_DIR) / cfg.task
         where = hashlib.sha256(str(self.folder.resolve()).encode("utf-8")).hexdigest()[:12]
         self.path = cache_folder("train-ids") / f"{cfg.task}-{where}-{tok.sha256[:16]}.pt"
-        self.tok_sha = tok.sha256
+        self.tok_sha, self.held_out = tok.sha256, held_out
 
     def key(self) -> dict:
-        return {"tokenizer": self.tok_sha, **{name: file_sha256(self.folder / name)
-                                              for name in ("train.src.gz", "train.tgt.gz")}}
+        """What the ids depend on: the vocabulary, the training files (plain or gzip) and the pairs held
+        out of them as the dev set (a folder given dev files later trains on every pair)."""
+        files = [data_mod.split_file(self.folder, "train", side) for side in ("src", "tgt")]
+        return {
+            "tokenizer": self.tok_sha,
+            **{path.name: file_sha256(path) for path in files},
+            **({"dev_held_out": self.held_out} if self.held_out else {}),
+        }
 
     def read(self, n: int) -> tuple[list[list[int]], list[list[int]]] | None:
         """The ids of the first n pairs, or None without a cache that holds this corpus's ids."""
@@ -127,6 +153,6 @@ class TokenCache:
     def unflatten(flat: torch.Tensor, lengths: torch.Tensor, n: int) -> list[list[int]]:
         values, rows, at = flat.tolist(), [], 0
         for length in lengths[:n].tolist():
-            rows.append(values[at:at + length])
+            rows.append(values[at : at + length])
             at += length
         return rows

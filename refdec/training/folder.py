@@ -24,14 +24,24 @@ from ..tokenizer import Tokenizer
 from .objectives import Objective
 from .processes import Processes
 
-
 # What a training run writes into its out_dir (and what --overwrite removes).
 RUN_FILES = ("tokenizer.json", "last.pt", "best.pt", "average.pt", "model.pt", "log.jsonl", "snapshots")
 
 
 # Fields a resumed run may change: how long and how verbosely it runs, not what it trains.
-RESUMABLE_CHANGES = ("max_steps", "time_limit_min", "threads", "log_every", "eval_every", "eval_sentences",
-                     "speed_sentences", "pass_tokens", "compile", "dev_limit", "out_dir")
+RESUMABLE_CHANGES = (
+    "max_steps",
+    "time_limit_min",
+    "threads",
+    "log_every",
+    "eval_every",
+    "eval_sentences",
+    "speed_sentences",
+    "pass_tokens",
+    "compile",
+    "dev_limit",
+    "out_dir",
+)
 
 
 PATH_FIELDS = ("init_from", "tokenizer_from", "encoder_from", "kd_from", "data_dir")
@@ -52,13 +62,15 @@ def check_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
         if not (out / "last.pt").is_file():
             raise TrainingError(f"nothing to resume: {out}/last.pt does not exist (drop --resume to start a new run)")
     elif present and not overwrite:
-        raise TrainingError(f"{out} already holds a training run ({', '.join(present)}); pass --resume to continue "
-                            f"it, --overwrite to replace it, or another --out-dir")
+        raise TrainingError(
+            f"{out} already holds a training run ({', '.join(present)}); pass --resume to continue "
+            f"it, --overwrite to replace it, or another --out-dir"
+        )
 
 
 def check_out_dir_data(out_dir: str, data_dir: str | None, task: str) -> None:
     """Refuse, before any work, an --out-dir among the run's training data: the folder its data files
-    are read from (<data folder>/<task>/: train.src.gz, train.tgt.gz, dev.src.gz ...) or a folder
+    are read from (<data folder>/<task>/: train.src, train.tgt, dev.src ..., plain or .gz) or a folder
     inside it, and the data folder itself (--data-dir, the repository's data/ by default), which
     holds the task folders. The run's model.pt, tokenizer.json, log.jsonl and snapshots/ would
     otherwise lie among the files it reads, and --overwrite deletes those names there. A folder that
@@ -66,14 +78,20 @@ def check_out_dir_data(out_dir: str, data_dir: str | None, task: str) -> None:
     and any other folder pass."""
     data = Path(data_dir or DATA_DIR).resolve()
     folder, out = data / task, Path(out_dir).resolve()
-    written, instead = "model.pt, tokenizer.json, log.jsonl and snapshots/ would be written among", \
-        "give a folder of the run's own outside it, such as runs/<name>"
+    written, instead = (
+        "model.pt, tokenizer.json, log.jsonl and snapshots/ would be written among",
+        "give a folder of the run's own outside it, such as runs/<name>",
+    )
     if out == folder or folder in out.parents:
-        raise TrainingError(f"--out-dir {out_dir} {'is' if out == folder else 'lies inside'} the folder of the run's "
-                            f"training data ({shown(folder)}, its train and dev files): {written} them; {instead}")
+        raise TrainingError(
+            f"--out-dir {out_dir} {'is' if out == folder else 'lies inside'} the folder of the run's "
+            f"training data ({shown(folder)}, its train and dev files): {written} them; {instead}"
+        )
     if out == data:
-        raise TrainingError(f"--out-dir {out_dir} is the data folder the run reads ({shown(data)}, whose {task}/ "
-                            f"holds its training data): {written} the task folders; {instead}")
+        raise TrainingError(
+            f"--out-dir {out_dir} is the data folder the run reads ({shown(data)}, whose {task}/ "
+            f"holds its training data): {written} the task folders; {instead}"
+        )
 
 
 def remove_run(out: Path, keep: tuple[str, ...] = ()) -> None:
@@ -93,11 +111,16 @@ def remove_run(out: Path, keep: tuple[str, ...] = ()) -> None:
 def config_changes(stored: dict, cfg: TrainConfig) -> list[str]:
     """The fields in which `cfg` differs from a run's stored configuration, beyond RESUMABLE_CHANGES
     (paths compared as resolved files, so `a/b` and `./a/b` agree)."""
+
     def norm(name, value):
         return str(Path(value).resolve()) if name in PATH_FIELDS and value else value
+
     new = cfg.to_dict()
-    return [f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in new.items()
-            if k not in RESUMABLE_CHANGES and norm(k, stored.get(k)) != norm(k, v)]
+    return [
+        f"{k}: {stored.get(k)!r} -> {v!r}"
+        for k, v in new.items()
+        if k not in RESUMABLE_CHANGES and norm(k, stored.get(k)) != norm(k, v)
+    ]
 
 
 def claim_out_dir(cfg: TrainConfig, procs: Processes, *, resume: bool, overwrite: bool) -> dict | None:
@@ -113,8 +136,10 @@ def claim_out_dir(cfg: TrainConfig, procs: Processes, *, resume: bool, overwrite
     last = load_checkpoint(out / "last.pt")
     changed = config_changes(last.get("meta", {}).get("train_config", {}), cfg)
     if changed:
-        raise TrainingError(f"{out}/last.pt was trained with another configuration ({'; '.join(changed)}); "
-                            f"resume with the same options, or start a new run in another --out-dir")
+        raise TrainingError(
+            f"{out}/last.pt was trained with another configuration ({'; '.join(changed)}); "
+            f"resume with the same options, or start a new run in another --out-dir"
+        )
     return last
 
 
@@ -130,12 +155,19 @@ class Progress:
     snapshots: list[str] = field(default_factory=list)
 
     def state(self, opt: torch.optim.Optimizer) -> dict:
-        return {"optimizer": opt.state_dict(), "step": self.step, "epoch": self.epoch,
-                "batch_in_epoch": self.batch_in_epoch, "elapsed": self.elapsed, "best_loss": self.best_loss,
-                "snapshots": self.snapshots, "rng": torch.get_rng_state()}
+        return {
+            "optimizer": opt.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "elapsed": self.elapsed,
+            "best_loss": self.best_loss,
+            "snapshots": self.snapshots,
+            "rng": torch.get_rng_state(),
+        }
 
     @classmethod
-    def restore(cls, st: dict, opt: torch.optim.Optimizer) -> "Progress":
+    def restore(cls, st: dict, opt: torch.optim.Optimizer) -> Progress:
         opt.load_state_dict(st["optimizer"])
         torch.set_rng_state(st["rng"])
         return cls(st["step"], st["epoch"], st["batch_in_epoch"], st["elapsed"], st["best_loss"], list(st["snapshots"]))
@@ -165,8 +197,10 @@ class RunFolder:
         self.objective.model.load_state_dict(checkpoint["model"])
         self.objective.load_entries(checkpoint)
         progress = Progress.restore(checkpoint["train_state"], opt)
-        self.log(f"resumed from {self.out}/last.pt at step {progress.step} (epoch {progress.epoch}, "
-                 f"{progress.elapsed / 60:.1f} min trained)")
+        self.log(
+            f"resumed from {self.out}/last.pt at step {progress.step} (epoch {progress.epoch}, "
+            f"{progress.elapsed / 60:.1f} min trained)"
+        )
         return progress
 
     def rank(self, scores: dict) -> float:
@@ -203,9 +237,14 @@ class RunFolder:
             self.log(f"average of {len(snaps)} snapshots: " + format_scores(avg))
         if (self.out / "best.pt").exists():
             best = load_checkpoint(self.out / "best.pt")
-            results["best"] = {**{k: best["meta"][k] for k in ("dev_loss", "dev_bleu", "dev_block_accuracy",
-                                                               "dev_tokens_per_call") if k in best["meta"]},
-                               "step": best["step"]}
+            results["best"] = {
+                **{
+                    k: best["meta"][k]
+                    for k in ("dev_loss", "dev_bleu", "dev_block_accuracy", "dev_tokens_per_call")
+                    if k in best["meta"]
+                },
+                "step": best["step"],
+            }
         chosen = "average" if "average" in results and self.rank(results["average"]) <= progress.best_loss else "best"
         if self.cfg.pick == "last":  # e.g. alignment to a teacher: the references' dev loss is not the aim
             chosen = "last"
@@ -221,6 +260,10 @@ class RunFolder:
 
 
 def format_scores(scores: dict) -> str:
-    names = {"dev_loss": "dev loss", "dev_bleu": "dev BLEU", "dev_tokens_per_call": "tokens per call",
-             "dev_block_accuracy": "block accuracy"}
+    names = {
+        "dev_loss": "dev loss",
+        "dev_bleu": "dev BLEU",
+        "dev_tokens_per_call": "tokens per call",
+        "dev_block_accuracy": "block accuracy",
+    }
     return " | ".join(f"{names[k]} {scores[k]:.4f}" for k in names if k in scores)

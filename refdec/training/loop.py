@@ -39,13 +39,17 @@ def build_run_objective(cfg: TrainConfig, tok: Tokenizer, base: dict | None, dev
     order: each new one draws its initial weights from torch's generator."""
     encoder = None
     if cfg.encoder_from:
-        encoder_checkpoint = load_checkpoint(cfg.encoder_from) if cfg.init_from else base  # `base` is init_from's when both are set
+        encoder_checkpoint = (
+            load_checkpoint(cfg.encoder_from) if cfg.init_from else base
+        )  # `base` is init_from's when both are set
         if encoder_checkpoint.get("tokenizer_sha256") != tok.sha256 or encoder_checkpoint.get("task") != cfg.task:
             raise TrainingError(f"{cfg.encoder_from} is not on the task and vocabulary of {cfg.init_from}")
         spec = base.get("shared_encoder") if cfg.init_from else None
         if spec and spec["sha256"] != file_sha256(cfg.encoder_from):
-            raise TrainingError(f"{cfg.init_from} was trained on another encoder than {cfg.encoder_from}'s: give "
-                                f"--encoder-from the model it reads ({spec['path']} from its folder)")
+            raise TrainingError(
+                f"{cfg.init_from} was trained on another encoder than {cfg.encoder_from}'s: give "
+                f"--encoder-from the model it reads ({spec['path']} from its folder)"
+            )
         encoder = frozen_model(encoder_checkpoint, device)
     model = build_model(cfg, tok.vocab_size, base if cfg.init_from else None, encoder, device)
     return objective_class(cfg).load(cfg, model, tok, device, encoder)
@@ -71,13 +75,13 @@ class Trainer:
         and on --resume the state of last.pt."""
         cfg = self.cfg
         last = claim_out_dir(cfg, self.procs, resume=self.resume, overwrite=self.overwrite)
-        pairs, self.dev = load_data(cfg)
+        pairs, self.dev, held_out = load_data(cfg, self.log)
         base_path = cfg.init_from or cfg.encoder_from  # a starting model, or the model whose encoder is read
         base = load_checkpoint(base_path) if base_path else None
         if base is not None and base.get("task") != cfg.task:
             raise ValueError(f"{base_path} was trained for {base.get('task')}, not {cfg.task}")
         self.tok = prepare_tokenizer(cfg, self.procs, pairs, base, base_path, self.log)
-        self.src_ids, self.tgt_ids = encode_pairs(cfg, self.tok, pairs, len(self.dev), self.log, self.procs)
+        self.src_ids, self.tgt_ids = encode_pairs(cfg, self.tok, pairs, len(self.dev), self.log, self.procs, held_out)
         self.lengths = [(len(s), len(t)) for s, t in zip(self.src_ids, self.tgt_ids)]
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -86,20 +90,31 @@ class Trainer:
         params = [p for p in self.objective.parameters() if p.requires_grad]
         # Adam (0.9, 0.98, 1e-9) as AdamW without weight decay (the same update, bit for bit), fused into
         # one kernel per step on a GPU.
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0,
-                                     fused=True if self.device.type == "cuda" else None)
+        self.opt = torch.optim.AdamW(
+            params,
+            lr=cfg.lr,
+            betas=(0.9, 0.98),
+            eps=1e-9,
+            weight_decay=0.0,
+            fused=True if self.device.type == "cuda" else None,
+        )
         self.pass_tokens = cfg.pass_tokens or device_pass_tokens(cfg, self.model.cfg, self.device)
         if compiles(cfg, self.device):
             self.objective.compile()
         self.folder = RunFolder(cfg, self.objective, self.tok, self.log)
         self.progress = Progress() if last is None else self.folder.load_last(last, self.opt)
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.objective,
-                                                              find_unused_parameters=self.objective.unused_parameters)
-                    if self.procs.world > 1 else self.objective)
+        self.ddp = (
+            torch.nn.parallel.DistributedDataParallel(
+                self.objective, find_unused_parameters=self.objective.unused_parameters
+            )
+            if self.procs.world > 1
+            else self.objective
+        )
         mc = self.model.cfg
-        self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, {mc.enc_layers}+{mc.dec_layers} "
-                 f"layers, d_model {mc.d_model}; {self.procs.world} process(es) on {self.device}"
-                 + self.objective.describe())
+        self.log(
+            f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, {mc.enc_layers}+{mc.dec_layers} "
+            f"layers, d_model {mc.d_model}; {self.procs.world} process(es) on {self.device}" + self.objective.describe()
+        )
 
     def evaluate(self) -> dict:
         """The run's mode's dev scores (Objective.evaluate, DrafterLoss.evaluate)."""
@@ -114,13 +129,24 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = self.lr
         self.objective.step = p.step
-        pieces = ([idx] if self.pass_tokens >= cfg.batch_tokens else
-                  [[idx[j] for j in part] for part in
-                   data_mod.token_batches([self.lengths[i] for i in idx], self.pass_tokens, None)])
+        pieces = (
+            [idx]
+            if self.pass_tokens >= cfg.batch_tokens
+            else [
+                [idx[j] for j in part]
+                for part in data_mod.token_batches([self.lengths[i] for i in idx], self.pass_tokens, None)
+            ]
+        )
         self.opt.zero_grad(set_to_none=True)
-        loss, n_tok = accumulate(self.ddp, [data_mod.training_tensors([self.src_ids[i] for i in part],
-                                                                      [self.tgt_ids[i] for i in part])
-                                            for part in pieces], self.model.cfg.pad_id, self.device)
+        loss, n_tok = accumulate(
+            self.ddp,
+            [
+                data_mod.training_tensors([self.src_ids[i] for i in part], [self.tgt_ids[i] for i in part])
+                for part in pieces
+            ],
+            self.model.cfg.pad_id,
+            self.device,
+        )
         torch.nn.utils.clip_grad_norm_(self.objective.parameters(), cfg.clip_norm)
         self.opt.step()
         p.step += 1
@@ -135,7 +161,7 @@ class Trainer:
         self.run_tokens, self.run_seconds = 0, 0.0  # this process's updates: the tokens/s log.jsonl records
         while p.step < cfg.max_steps and not self._should_stop(limit_s):
             batches = data_mod.token_batches(self.lengths, cfg.batch_tokens, seed=cfg.seed * 1000 + p.epoch)
-            mine = batches[self.procs.rank::world]
+            mine = batches[self.procs.rank :: world]
             n_steps = len(batches) // world  # every rank must run the same number of steps
             while p.batch_in_epoch < n_steps and p.step < cfg.max_steps and not self._should_stop(limit_s):
                 loss, n_tok = self.update(mine[p.batch_in_epoch])
@@ -146,9 +172,11 @@ class Trainer:
                 t_last = now
                 if self.procs.is_main() and p.step % cfg.log_every == 0:
                     eta = min((cfg.max_steps - p.step) * p.elapsed / max(p.step, 1), limit_s - p.elapsed)
-                    self.log(f"step {p.step:6d} | epoch {p.epoch} | loss {loss_sum / loss_n:.3f} | lr {self.lr:.2e} | "
-                             f"{tok_count * world / max(now - window_start, 1e-9):,.0f} tok/s | "
-                             f"{p.elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min")
+                    self.log(
+                        f"step {p.step:6d} | epoch {p.epoch} | loss {loss_sum / loss_n:.3f} | lr {self.lr:.2e} | "
+                        f"{tok_count * world / max(now - window_start, 1e-9):,.0f} tok/s | "
+                        f"{p.elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min"
+                    )
                     tok_count, loss_sum, loss_n = 0, 0.0, 0
                     window_start = now
                 if p.step % cfg.eval_every == 0:
@@ -160,8 +188,9 @@ class Trainer:
             if self.procs.is_main():
                 self.folder.save_last(p, self.opt)
             self.procs.barrier()
-            raise Interrupted(f"interrupted at step {p.step}: {self.out}/last.pt saved; "
-                              f"continue with the same command and --resume")
+            raise Interrupted(
+                f"interrupted at step {p.step}: {self.out}/last.pt saved; continue with the same command and --resume"
+            )
         if p.step % cfg.eval_every:
             self._eval_and_save()
         results = self.folder.finish(p, self.evaluate) if self.procs.is_main() else {}
@@ -179,7 +208,9 @@ class Trainer:
             scores = self.evaluate()
             if self.run_seconds:  # training tokens per second since the run (or its resumption) started
                 scores["tokens_per_s"] = round(self.run_tokens / self.run_seconds)
-            self.log(f"eval step {self.progress.step}: " + format_scores(scores) + self.objective.eval_note(len(self.dev)))
+            self.log(
+                f"eval step {self.progress.step}: " + format_scores(scores) + self.objective.eval_note(len(self.dev))
+            )
             self.folder.save_evaluation(scores, self.progress, self.opt)
         self.procs.barrier()
 
@@ -191,8 +222,9 @@ class Trainer:
             return self.train()
 
 
-def accumulate(objective: torch.nn.Module, pieces: list[tuple[torch.Tensor, ...]], pad_id: int,
-               device: torch.device) -> tuple[float, int]:
+def accumulate(
+    objective: torch.nn.Module, pieces: list[tuple[torch.Tensor, ...]], pad_id: int, device: torch.device
+) -> tuple[float, int]:
     """The gradients of one batch's loss, run as `pieces` (src, tgt_in, tgt_out): each piece's mean
     loss weighted by its share of the batch's target tokens, so that for the losses that are a mean
     over target tokens (plain, distillation, early exit) the gradient is the whole batch's (for the
@@ -221,8 +253,10 @@ def compiles(cfg: TrainConfig, device: torch.device) -> bool:
     if cfg.compile == "off" or (cfg.compile == "auto" and device.type != "cuda"):
         return False
     if device.type == "cpu" and cpp_compiler() is None:
-        raise TrainingError("--compile on needs a C++ compiler on a CPU (torch.compile builds its kernels with "
-                            "one): install g++, or train with --compile off")
+        raise TrainingError(
+            "--compile on needs a C++ compiler on a CPU (torch.compile builds its kernels with "
+            "one): install g++, or train with --compile off"
+        )
     return True
 
 
@@ -230,6 +264,7 @@ def cpp_compiler() -> str | None:
     """The C++ compiler torch.compile would build CPU kernels with (g++, clang++, $CXX), or None."""
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
+
         compiler = get_cpp_compiler()
     except Exception:  # none found (torch raises its own error), or a torch without this helper
         return None
