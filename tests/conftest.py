@@ -1,10 +1,13 @@
 """Shared fixtures and helpers: tiny random models in float64 (exactness), a tiny trained checkpoint (CLI),
-the batch-1 greedy reference and row-by-row comparisons, adversarial drafts, and commands' one-line errors."""
+the batch-1 greedy reference and row-by-row comparisons, adversarial drafts, commands' one-line errors, and
+a tiny corpus of one's own task (own_corpus)."""
 
 from __future__ import annotations
 
 import copy
+import gzip
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -420,3 +423,23 @@ def one_line_error(r) -> str:
     err = r.stderr.decode().strip()
     assert r.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error:"), err
     return err
+
+
+OWN_CORPUS_WORDS = "the a cat dog sat on mat red blue big small house tree runs sees eats".split()
+
+
+def own_corpus(data_dir: Path, task: str = "up", n_train: int = 200, n_test: int = 4, gz: bool = False) -> Path:
+    """A task of one's own in data_dir/task: each target is its source's words in reverse order;
+    train and test files only (plain text, or gzip with `gz`). Returns data_dir."""
+    rng = random.Random(5)
+    folder = data_dir / task
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        src = [" ".join(rng.choice(OWN_CORPUS_WORDS) for _ in range(rng.randint(2, 6))) for _ in range(n)]
+        for side, lines in (("src", src), ("tgt", [" ".join(reversed(s.split())) for s in src])):
+            text = "".join(line + "\n" for line in lines).encode("utf-8")
+            if gz:
+                (folder / f"{split}.{side}.gz").write_bytes(gzip.compress(text))
+            else:
+                (folder / f"{split}.{side}").write_bytes(text)
+    return data_dir

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, fake_models, run_py
+from conftest import REPO, fake_models, own_corpus, run_py
 
 TINY = ["train.py", "--preset", "tiny", "--train-limit", "400", "--threads", "1", "--dev-limit", "16"]
 DECODE = ["decode.py", "--task", "mt-en-de", "--threads", "1", "--quiet"]
@@ -80,8 +80,18 @@ def test_readme_training_commands_leave_the_shipped_checkpoints_untouched(tmp_pa
     for n, command in enumerate(commands):
         args = shlex.split(command)[2:]
         preset = args[args.index("--preset") + 1]
-        # each command in a folder of its own; --resume in the folder of the run it continues
-        cwd = folder_of[preset] if "--resume" in args else tmp_path / str(n)
+        # each command in a folder of its own; --resume in the folder of the run it continues; the
+        # own-corpus recipe's commands (--data-dir mydata) one after the other in one folder that
+        # holds such a corpus, so that a later one finds the model an earlier one wrote
+        own = "--data-dir" in args and args[args.index("--data-dir") + 1] == "mydata"
+        if "--resume" in args:
+            cwd = folder_of[preset]
+        elif own:
+            cwd = tmp_path / "own"
+            if not cwd.exists():
+                own_corpus(cwd / "mydata")
+        else:
+            cwd = tmp_path / str(n)
         cwd.mkdir(exist_ok=True)
         folder_of[preset] = cwd
         r = subprocess.run(

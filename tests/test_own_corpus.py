@@ -6,35 +6,16 @@ and never trained on."""
 
 from __future__ import annotations
 
-import gzip
 import json
-import random
 from pathlib import Path
 
 import pytest
+from conftest import OWN_CORPUS_WORDS as WORDS
 from conftest import REPO, random_checkpoint, run_py
+from conftest import own_corpus as corpus
 
 from refdec import data as data_mod
 from refdec.data import carve_dev, load_split, training_splits
-
-WORDS = "the a cat dog sat on mat red blue big small house tree runs sees eats".split()
-
-
-def corpus(data_dir: Path, task: str = "up", n_train: int = 200, n_test: int = 4, gz: bool = False) -> Path:
-    """A task of one's own in data_dir/task: each target is its source's words in reverse order;
-    train and test files only (plain text, or gzip with `gz`). Returns data_dir."""
-    rng = random.Random(5)
-    folder = data_dir / task
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", n_train), ("test", n_test)):
-        src = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))) for _ in range(n)]
-        for side, lines in (("src", src), ("tgt", [" ".join(reversed(s.split())) for s in src])):
-            text = "".join(line + "\n" for line in lines).encode("utf-8")
-            if gz:
-                (folder / f"{split}.{side}.gz").write_bytes(gzip.compress(text))
-            else:
-                (folder / f"{split}.{side}").write_bytes(text)
-    return data_dir
 
 
 def test_plain_and_gzipped_files_read_alike(tmp_path):
