@@ -98,26 +98,12 @@ def _audit(args, lines: list[str], tmp: Path) -> dict:
     from .runner import Run, decode_lines
 
     device = getattr(args, "device", "cpu")
-    model, tok, hf = _load_pair(
-        args.model,
-        task=args.task,
-        src_lang=args.src_lang,
-        tgt_lang=args.tgt_lang,
-        workdir=tmp,
-        name="model",
-        device=device,
-    )
+    # The model, and the small one where BiLD runs: each as refdec loads it and as transformers does.
+    shared = dict(task=args.task, src_lang=args.src_lang, tgt_lang=args.tgt_lang, workdir=tmp, device=device)
+    model, tok, hf = _load_pair(args.model, name="model", **shared)
     small = hf_small = None
     if args.small:
-        small, small_tok, hf_small = _load_pair(
-            args.small,
-            task=args.task,
-            src_lang=args.src_lang,
-            tgt_lang=args.tgt_lang,
-            workdir=tmp,
-            name="small",
-            device=device,
-        )
+        small, small_tok, hf_small = _load_pair(args.small, name="small", **shared)
         if (
             small_tok.sha256 != tok.sha256
             or small.cfg.encoder_prefix != model.cfg.encoder_prefix
