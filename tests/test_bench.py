@@ -16,6 +16,7 @@ from conftest import REPO
 
 from refdec import machine
 from refdec.commands import bench
+from refdec.training import cpp_compiler
 
 
 def listed(capsys, *args: str) -> tuple[list[str], str]:
@@ -432,3 +433,45 @@ def test_warm_all_decodes_every_batch_once_before_the_timed_runs(monkeypatch):
             assert warm == list(range(40))
         else:
             assert 0 < len(warm) <= loop.WARMUP_ROWS
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpp_compiler() is None, reason="torch.compile's CPU kernels need a C++ compiler")
+def test_stepcost_times_the_fused_graphed_route_and_checks_its_logits(tmp_path, capsys):
+    """stepcost --fused times the graphed route with its steps compiled (refdec.routes.graphed.fused)
+    beside the graphed route, and its step alone; every route beside the reference has its largest logit
+    difference from the reference route printed and reported, within float32 rounding here."""
+    from conftest import random_checkpoint
+
+    from refdec.commands import stepcost
+
+    path = random_checkpoint(tmp_path / "m")
+    report = tmp_path / "cost.json"
+    common = ["--task", "mt-en-de", "--model", str(path), "--rows", "2", "--q", "1,4", "--src", "5", "--prefix", "4"]
+    assert (
+        stepcost.main([*common, "--rounds", "1", "--graphed", "--fused", "--threads", "1", "--report", str(report)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "graphed-fused ms/call" in out and "graphed-fused route, the q = 1 call's step alone" in out
+    gaps = json.loads(report.read_text())["logit_gaps"]
+    assert set(gaps) == {"graphed", "graphed-fused"} and all(0 <= g < 1e-3 for r in gaps.values() for g in r.values())
+    line = "graphed-fused route, largest |logit difference| from the reference route's: q = 1"
+    assert f"{line} {gaps['graphed-fused']['1']:.2e}" in out
+
+
+def test_stepcost_fused_without_a_compiler_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    from conftest import random_checkpoint
+
+    from refdec.commands import stepcost
+
+    monkeypatch.setattr(stepcost, "cpp_compiler", lambda: None)
+    path = random_checkpoint(tmp_path / "m")
+    assert (
+        stepcost.main(
+            ["--task", "mt-en-de", "--model", str(path), "--q", "1", "--graphed", "--fused", "--threads", "1"]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "--fused on the CPU needs a C++ compiler" in err and "Traceback" not in err

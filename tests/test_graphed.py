@@ -33,6 +33,7 @@ from refdec.model import Transformer
 from refdec.routes import graphed, on_route
 from refdec.routes.fast import FastRoute
 from refdec.routes.graphed import GraphedRoute, Replay, StaticKVCache
+from refdec.training import cpp_compiler
 
 TOL = 1e-12  # float64: the routes sum in different orders
 
@@ -481,3 +482,49 @@ def test_time_replay_times_the_step_that_the_call_runs(monkeypatch):
         step.run()
         assert torch.equal(step.out[:2, :3], states)
         assert timing.time_replay(route, memory, 5, 3, 2) > 0
+
+
+# -- the fused form: each step compiled before its capture (stepcost --fused) -----------------------------
+needs_cpp = pytest.mark.skipif(cpp_compiler() is None, reason="torch.compile's CPU kernels need a C++ compiler")
+
+
+@pytest.mark.slow
+@needs_cpp
+def test_fused_steps_compute_what_the_graphed_steps_compute():
+    """on_route(model, "graphed", fused=True) runs each step compiled by torch.compile (one whole graph,
+    fixed shapes), so every shape compiles: k tokens, one token, a ragged call, batched and batch-1 greedy,
+    then calls of 1 to 16 tokens in 1 and 2 rows. Its logits within float64 rounding of the reference
+    route's, its caches the same, its greedy the reference's tokens; each step is the compiled function,
+    more decoder shapes than torch.compile's default 8 compilations of one function (past which, with
+    fullgraph, it raises) all compiled."""
+    m = tiny_model(3, norm_first=True)
+    fused = on_route(copy.deepcopy(m), "graphed", fused=True)
+    assert fused.fuse and copy.deepcopy(fused).fuse
+    src, tgt = random_src(3, 3, 40), decode_tokens(3, 3)
+    assert_calls_close(calls(m, src, tgt), calls(fused, src, tgt), "fused graphed route vs reference")
+    ref = decode_greedy(m, src, max_len=12).tokens
+    assert_rows_equal(decode_greedy(fused, src, max_len=12).tokens, ref, "fused greedy, batch 3")
+    assert_rows_equal(batch1_greedy(fused, src, 12), ref, "fused greedy, batch 1")
+    with torch.inference_mode():
+        for rows in (1, 2):
+            for q in (1, 2, 4, 8, 16):
+                new = torch.arange(5, 5 + q).expand(rows, q)
+                got = []
+                for route in (m, fused):
+                    memory, cache = route.encode(src[:rows]), route.new_cache(rows)
+                    route.decode(tgt[:rows], memory, cache)
+                    got.append(route.decode(new, memory, cache))
+                assert (got[0] - got[1]).abs().max() < TOL, (rows, q)
+    steps = fused._state().steps
+    assert sum(key[0] == "decoder" for key in steps) > 8
+    assert all(hasattr(s.run.fn, "_torchdynamo_orig_callable") for s in steps.values())
+
+
+def test_only_the_graphed_route_has_a_fused_form():
+    m = tiny_model(0)
+    with pytest.raises(ValueError, match="only the graphed route has a fused form"):
+        on_route(m, "fast", fused=True)
+    plain = on_route(m, "graphed")
+    assert not plain.fuse and not hasattr(
+        plain._replay(lambda: None, torch.device("cpu"), None).fn, "_torchdynamo_orig_callable"
+    )

@@ -7,6 +7,7 @@
     python -m refdec stepcost --task gec-uk --rows 32 --fast --int8  # and the int8 route, its calls split
     python -m refdec stepcost --task gec-uk --rows 32 --q 1 --fast --ragged-src   # the encoder over unequal sources
     python -m refdec stepcost --task mt-en-de --fast --graphed --device cuda   # and the graphed route, on a GPU
+    python -m refdec stepcost --task mt-en-de --graphed --fused --device cuda  # and its steps compiled (fused)
 
 For q in 1, 2, 4, ... it times `model.decode` of q new tokens over a cache of --prefix tokens with
 --src source tokens, interleaving the q values round by round, and prints the median cost and
@@ -34,7 +35,13 @@ quantization and rescaling around them, the float64 attention, and the rest of t
 
 With --device cuda every time is read after torch.cuda.synchronize(), so it covers the GPU's work
 and not only its launch. --graphed times the graphed route (refdec.routes.graphed) beside: its first call
-of each shape is captured in the warm-up round, the timed calls replay.
+of each shape is captured in the warm-up round, the timed calls replay. --fused times the graphed
+route once more with each step compiled by torch.compile before its capture
+(refdec.routes.graphed.fused: its elementwise work fused into fewer kernels), its first call of each
+shape compiled in the warm-up round (seconds each); on the CPU the compiled steps run as they are, and
+their kernels are built by a C++ compiler, which must be there. Each route beside the reference is
+checked too: the largest difference of its logits from the reference route's over the same calls
+(the q new tokens after the prefix), printed and reported.
 
 The table goes to stdout; stderr says what is timed and, every few seconds, how many rounds are done
 and how long the rest should take (64 rows x 30 rounds take minutes).
@@ -57,6 +64,7 @@ from ..progress import ProgressLine
 from ..repo import repo_file
 from ..routes import applies_to, int8, on_route
 from ..routes.kernels import FEW_ROWS
+from ..training.loop import cpp_compiler
 from .harness import (
     command_parser,
     machine_options,
@@ -138,6 +146,8 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     for name in ("fast", "graphed"):
         if getattr(args, name):
             routes[name] = on_route(model, name)  # the same model, wrapped
+    if args.fused:
+        routes["graphed-fused"] = on_route(model, "graphed", fused=True)
     if args.int8:
         routes["fast-int8"] = on_route(model, "fast", int8=True)
     parts: dict[tuple[str, int], list[float]] = {}
@@ -151,6 +161,7 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
         "reference": [],
         **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
         **({"graphed": [], "graphed replay, q = 1": []} if args.graphed else {}),
+        **({"graphed-fused": [], "graphed-fused replay, q = 1": []} if args.fused else {}),
         **({"fast-int8": []} if args.int8 else {}),
     }
     src = torch.full((args.rows, args.src), 11, device=device)
@@ -175,8 +186,8 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                         samples[route, q].append(cost)
                 if timed and route == "fast":  # right after its calls, as warm as they were
                     encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
-                if timed and route == "graphed":
-                    encoder["graphed replay, q = 1"].append(time_replay(m, memories[route], args.prefix, 1, reps))
+                if timed and route in ("graphed", "graphed-fused"):
+                    encoder[f"{route} replay, q = 1"].append(time_replay(m, memories[route], args.prefix, 1, reps))
                 if timed and route == "fast-int8":
                     for q in qs:
                         for part, t in int8_parts(m, memories[route], args.prefix, q, reps).items():
@@ -188,17 +199,34 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                 for _ in range(10):
                     h @ w
                 proj[name].append((clock(device) - t0) / 10)
-            for name in (
-                "reference",
-                "fast",
-                "graphed",
-                "fast-int8",
-            ):  # the reference: the encoder as decode.py runs it
+            for name in ("reference", "fast", "graphed", "graphed-fused", "fast-int8"):  # the reference: decode.py's
                 if name in encoder:
                     t0 = clock(device)
                     routes.get(name, model).encode(enc_src)
                     encoder[name].append(clock(device) - t0)
-    return samples, proj, encoder, parts
+    with torch.inference_mode():
+        gaps = {route: logit_gaps(model, m, src, args.prefix, qs) for route, m in routes.items() if route in BESIDE}
+    return samples, proj, encoder, parts, gaps
+
+
+BESIDE = ("fast", "graphed", "graphed-fused", "fast-int8")  # the routes checked against the reference route
+
+
+def logit_gaps(model, route, src: torch.Tensor, prefix: int, qs: list[int]) -> dict[int, float]:
+    """For each q, the largest absolute difference between the route's logits and the reference route's
+    (`model` as model.py reads it) for the q new tokens of a call after a prefix of `prefix` tokens,
+    over the same source: what the route's other order of sums (or int8 products) moves them by."""
+    gaps = {}
+    for q in qs:
+        tokens = torch.arange(prefix + q, device=src.device) % 50 + 10  # ordinary ids past the special ones
+        logits = []
+        for m in (model, route):
+            memory = m.encode(src)
+            cache = m.new_cache(src.shape[0], capacity=prefix + q)
+            m.decode(tokens[:prefix].expand(src.shape[0], -1), memory, cache)
+            logits.append(m.decode(tokens[prefix:].expand(src.shape[0], -1), memory, cache))
+        gaps[q] = (logits[1].double() - logits[0].double()).abs().max().item()
+    return gaps
 
 
 def source_lengths(B: int, S: int) -> list[int]:
@@ -243,6 +271,13 @@ def parser() -> argparse.ArgumentParser:
         help="time the graphed route (refdec.routes.graphed) too, in the same "
         "rounds (CUDA graphs on a GPU; on the CPU its static-shape steps run as they are)",
     )
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="time the graphed route with each step compiled by torch.compile "
+        "(refdec.routes.graphed.fused) too: what fusing its elementwise work buys (compiled in the warm-up round, "
+        "seconds per shape; on the CPU a C++ compiler must be there)",
+    )
     machine_options(p)
     report_option(p)
     return p
@@ -266,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     path = args.model or repo_file("checkpoints", args.task, "model.pt", flag="--model")
     check_outputs({"--report": args.report}, checkpoint_files("the model", path))
     model, _, _ = load_model(path, task=args.task, device=device)
-    chosen = [f"--{name}" for name in ("fast", "graphed", "int8") if getattr(args, name)]
+    chosen = [f"--{name}" for name in ("fast", "graphed", "int8", "fused") if getattr(args, name)]
     if chosen and not applies_to(model.cfg):
         raise UsageError(
             f"{'/'.join(chosen)}: the fast route does not write this model's layers (its family's "
@@ -275,12 +310,18 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
         raise UsageError(f"--src/--prefix/--q exceed the model's {model.cfg.max_positions} positions")
-    samples, proj, encoder, parts = measure(model, args, qs)
+    if args.fused and device.type == "cpu" and cpp_compiler() is None:
+        raise UsageError(
+            "--fused on the CPU needs a C++ compiler (torch.compile builds its kernels with one): install g++"
+        )
+    samples, proj, encoder, parts, gaps = measure(model, args, qs)
     med = {key: statistics.median(v) for key, v in samples.items()}
     B = args.rows
-    other_routes = [route for route in ("fast", "graphed") if getattr(args, route)] + [
-        "fast-int8"
-    ] * args.int8  # the routes beside the reference
+    other_routes = (
+        [route for route in ("fast", "graphed") if getattr(args, route)]
+        + ["fast-int8"] * args.int8
+        + ["graphed-fused"] * args.fused
+    )  # the routes beside the reference
     rows = [
         {
             "q": q,
@@ -339,11 +380,17 @@ def run(args: argparse.Namespace) -> int:
     if args.fast:
         whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
         print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")
-    if args.graphed:
-        whole = next((f" (of {r['graphed_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
+    for route in ("graphed", "graphed-fused"):
+        if route in other_routes:
+            whole = next((f" (of {r[f'{route}_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
+            print(
+                f"{route} route, the q = 1 call's step alone (on a GPU its graph's replay): "
+                f"{enc[f'{route} replay, q = 1']:.3f} ms{whole}"
+            )
+    for route, by_q in gaps.items():
         print(
-            f"graphed route, the q = 1 call's step alone (on a GPU its graph's replay): "
-            f"{enc['graphed replay, q = 1']:.3f} ms{whole}"
+            f"{route} route, largest |logit difference| from the reference route's: "
+            + ", ".join(f"q = {q} {gap:.2e}" for q, gap in by_q.items())
         )
     split = (
         {
@@ -393,6 +440,12 @@ def run(args: argparse.Namespace) -> int:
                     else {}
                 ),
                 **({"int8_encoder_ms": enc["fast-int8"], "int8_parts": split} if args.int8 else {}),
+                **(
+                    {"fused_encoder_ms": enc["graphed-fused"], "fused_replay_ms": enc["graphed-fused replay, q = 1"]}
+                    if args.fused
+                    else {}
+                ),
+                "logit_gaps": {route: {str(q): gap for q, gap in by_q.items()} for route, by_q in gaps.items()},
                 "projection_ms": pm,
                 "environment": environment(args.threads, device, model.tgt_embed.weight.dtype),
             },

@@ -37,10 +37,11 @@ from .kernels import KernelRoute, Kernels, twin
 ROUTES = ("reference", "invariant", "fast", "graphed")
 
 
-def on_route(module: nn.Module, route: str = "reference", int8: bool = False):
+def on_route(module: nn.Module, route: str = "reference", int8: bool = False, fused: bool = False):
     """`module` (a Transformer, or proposal heads) on `route` (ROUTES), with `int8` its products in int8
-    (refdec.routes.int8; not on the graphed route). The module is not changed; the reference route
-    without int8 returns it as it is.
+    (refdec.routes.int8; not on the graphed route), and `fused` the graphed route's steps compiled
+    (refdec.routes.graphed.fused: a measuring form, stepcost --fused). The module is not changed; the
+    reference route without int8 returns it as it is.
 
         reference   the model as model.py reads (int8: a KernelRoute on the int8 products)
         invariant   a KernelRoute in row-invariant mode (int8 too: the int8 products, row-invariant)
@@ -54,9 +55,11 @@ def on_route(module: nn.Module, route: str = "reference", int8: bool = False):
         raise ValueError(f"unknown route {route!r}: one of {', '.join(ROUTES)}")
     if route == "graphed" and int8:
         raise ValueError("the graphed route has no int8 form")
+    if fused and route != "graphed":
+        raise ValueError("only the graphed route has a fused form")
     kernels = Kernels(few_rows=route in ("fast", "graphed"), row_invariant=route == "invariant", int8=int8)
     if not isinstance(module, Transformer):
         return module if kernels == Kernels() else twin(module, kernels)
     if route in ("reference", "invariant") or not applies_to(module.cfg):
         return module if kernels == Kernels() else KernelRoute(module, kernels)
-    return GraphedRoute(module) if route == "graphed" else FastRoute(module, int8)
+    return GraphedRoute(module, fuse=fused) if route == "graphed" else FastRoute(module, int8)

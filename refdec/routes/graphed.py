@@ -81,6 +81,21 @@ def capture(fn: Callable[[], None], pool, cuda=torch.cuda):
     return graph
 
 
+def fused(fn: Callable[[], None]) -> Callable[[], None]:
+    """fn compiled by torch.compile (inductor) as one whole graph of fixed shapes: its elementwise work
+    (norms, masks, softmax, residuals, the writes into the cache) fused into fewer kernels, the matrix
+    products left to the BLAS (a GPU's cuBLAS, a CPU's oneDNN or MKL). Compiled at its first call (on a
+    GPU, the warm-up run before the capture), once per shape of step. A measuring form of the route
+    (`on_route(model, "graphed", fused=True)`, timed by `stepcost --fused`): what fusing buys, not a
+    decoding route."""
+    # every shape of step is one more compilation of the same function: let each have its own, not the
+    # few torch.compile allows before it falls back to running the function as it is
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 1024)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
 class Replay:
     """A step: a function of static tensors alone (no arguments; it reads inputs filled before each
     call and writes its results into other static tensors). On CUDA it is captured at the first call
@@ -259,12 +274,16 @@ class GraphedRoute(FastRoute):
     """Wraps a Transformer so that its encoder and decoder calls take the graphed route where it applies
     (the module docstring), and the fast route's calls (FastRoute) where it does not."""
 
-    def __init__(self, model: Transformer, few_rows: bool = True):
+    def __init__(self, model: Transformer, few_rows: bool = True, fuse: bool = False):
         super().__init__(model, few_rows=few_rows)
+        self.fuse = fuse  # each step compiled before its capture (`fused`): a measuring form
         self.state: RouteState | None = None  # the captured steps and static storage (made at first use)
 
     def __deepcopy__(self, memo: dict) -> GraphedRoute:
-        return GraphedRoute(copy.deepcopy(self.model, memo), few_rows=self.kernels.few_rows)
+        return GraphedRoute(copy.deepcopy(self.model, memo), few_rows=self.kernels.few_rows, fuse=self.fuse)
+
+    def _replay(self, run: Callable[[], None], device: torch.device, pool) -> Replay:
+        return Replay(fused(run) if self.fuse else run, device, pool)
 
     def _state(self) -> RouteState:
         """The route's steps, checked against its layout and where the parameters live (once per decoding call)."""
@@ -314,7 +333,7 @@ class GraphedRoute(FastRoute):
         def run():
             out.copy_(self.encoder_stack(tokens, tokens.ne(self.cfg.pad_id)[:, None, None, :]))
 
-        return Step(tokens, None, out, Replay(run, p.device, pool))
+        return Step(tokens, None, out, self._replay(run, p.device, pool))
 
     # -- the decoder call -----------------------------------------------------------------------------
     def decode_hidden(
@@ -406,7 +425,8 @@ class GraphedRoute(FastRoute):
         offset = static_zeros(rows, device=device, dtype=torch.long)
         out = static_zeros(rows, width, D, device=device, dtype=slab.k.dtype)
         steps, keys = torch.arange(width, device=device), torch.arange(C, device=device)
-        K, V = slab.k[:, :rows], slab.v[:, :rows]
+        layer, row = torch.arange(cfg.dec_layers, device=device), torch.arange(rows, device=device)[:, None, None]
+        head = torch.arange(H, device=device)[None, :, None]
         model = self.model
         table = model.positions if model.tgt_positions is None else model.tgt_positions
         scale = cfg.d_model**0.5 if cfg.scale_embeddings else 1.0
@@ -416,12 +436,13 @@ class GraphedRoute(FastRoute):
             at = offset[:, None] + steps  # (rows, width): each new token's position
             x = model.tgt_embed_norm(model.tgt_embed(tokens) * scale + table[at.clamp(max=cfg.max_positions - 1)])
             allowed = (keys <= at[:, :, None])[:, None]  # (rows, 1, width, C)
-            where = at.clamp(max=C - 1)[:, None, :, None].expand(rows, H, width, cfg.head_dim)
+            where = (row, head, at.clamp(max=C - 1)[:, None, :])  # (rows, H, width) positions in a layer's storage
 
             def store(i, k, v):  # the new keys and values at their positions; every position is read
-                K[i].scatter_(2, where, k)
-                V[i].scatter_(2, where, v)
-                return K[i], V[i]
+                # written into the slab itself (not a view of it), which a compiled step (`fused`) writes in place
+                slab.k.index_put_((layer[i], *where), k)
+                slab.v.index_put_((layer[i], *where), v)
+                return slab.k[i, :rows], slab.v[i, :rows]
 
             x = decoder_stack(
                 layers,
@@ -438,4 +459,4 @@ class GraphedRoute(FastRoute):
             )
             out.copy_(model.dec_norm(x.view(rows, width, D)))
 
-        return Step(tokens, offset, out, Replay(run, device, pool), (slab, slot))
+        return Step(tokens, offset, out, self._replay(run, device, pool), (slab, slot))
