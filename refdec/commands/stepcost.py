@@ -205,11 +205,9 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                     routes.get(name, model).encode(enc_src)
                     encoder[name].append(clock(device) - t0)
     with torch.inference_mode():
-        gaps = {route: logit_gaps(model, m, src, args.prefix, qs) for route, m in routes.items() if route in BESIDE}
+        beside = [route for route in routes if route not in ("few-row", "plain")]  # the reference's own layers
+        gaps = {route: logit_gaps(model, routes[route], src, args.prefix, qs) for route in beside}
     return samples, proj, encoder, parts, gaps
-
-
-BESIDE = ("fast", "graphed", "graphed-fused", "fast-int8")  # the routes checked against the reference route
 
 
 def logit_gaps(model, route, src: torch.Tensor, prefix: int, qs: list[int]) -> dict[int, float]:

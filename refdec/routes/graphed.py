@@ -88,8 +88,8 @@ def fused(fn: Callable[[], None]) -> Callable[[], None]:
     GPU, the warm-up run before the capture), once per shape of step. A measuring form of the route
     (`on_route(model, "graphed", fused=True)`, timed by `stepcost --fused`): what fusing buys, not a
     decoding route."""
-    # every shape of step is one more compilation of the same function: let each have its own, not the
-    # few torch.compile allows before it falls back to running the function as it is
+    # every shape of step is one more compilation of the same function: let each have its own, past the 8
+    # torch.compile allows by default (beyond which, with fullgraph, it raises)
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 1024)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
