@@ -37,11 +37,17 @@ DATA_DIR = REPO / "data"
 TASKS = {"mt-en-de": "mt", "gec-uk": "gec", "gec-en": "gec"}
 
 
-def read_lines(path: str | Path) -> list[str]:
+def read_lines(path: str | Path, *, bad_lines: str | None = None) -> list[str]:
     """The lines of a UTF-8 text file (gzip if its name ends in .gz; '-' reads stdin), without their
     line endings (LF or CRLF), as every command reads text. A leading byte-order mark, which some
     editors save, is dropped (a note says so): it is no part of the first line. A file that cannot be
-    read, is not gzip though named .gz, or is not UTF-8 is a UsageError naming it."""
+    read, is not gzip though named .gz, or is not UTF-8 is a UsageError naming it.
+
+    bad_lines: what bytes that are not valid UTF-8 do. None (every command without decode's --bad-lines):
+    the UsageError names the first such line. "fail": the same, and it names `--bad-lines replace`.
+    "replace": each invalid sequence becomes U+FFFD, Unicode's replacement character, and one warning
+    names the lines that held one, so that every line still gives one output line (a line's bytes
+    never hold a newline, so each line's characters are the same whichever way the file is decoded)."""
     name = str(path) if str(path) == "-" else shown(Path(path))
     try:
         raw = sys.stdin.buffer.read() if name == "-" else Path(path).read_bytes()
@@ -66,14 +72,38 @@ def read_lines(path: str | Path) -> list[str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line, start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
-        raise UsageError(
-            f"{name}: line {line} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start - start + 1})"
-        ) from None
+        if bad_lines != "replace":
+            line, start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
+            raise UsageError(
+                f"{name}: line {line} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start - start + 1})"
+                + ("; `--bad-lines replace` decodes the rest with U+FFFD in its place" if bad_lines else "")
+            ) from None
+        bad = [i for i, line in enumerate(raw.split(b"\n"), 1) if not valid_utf8(line)]
+        print(
+            f"warning: {name}: {len(bad)} line(s) hold bytes that are not valid UTF-8, decoded with U+FFFD in "
+            f"their place: {which_lines(bad)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        text = raw.decode("utf-8", errors="replace")
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()
     return [line.rstrip("\r") for line in lines]
+
+
+def which_lines(numbers: list[int], shown: int = 20) -> str:
+    """Line numbers as a warning names them: "line(s) 3, 17", the first `shown`, then "..."."""
+    return "line(s) " + ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
+
+
+def valid_utf8(raw: bytes) -> bool:
+    """Whether `raw` decodes as UTF-8 (read_lines names the lines that do not)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 @dataclass

@@ -273,15 +273,53 @@ def int8_products_fast() -> bool:
     return cpu_capability() == "AVX512" or (flags is not None and set(AVX512_CORE) <= flags)
 
 
+# The product int8_slowdown times: docs/int8.md's, (rows, in, out), a verification call's few rows on a
+# shipped-size layer.
+SLOWDOWN_SHAPE = (17, 256, 1024)
+_int8_slowdowns: dict[int, float] = {}  # thread count -> int8_slowdown's measurement, kept for the process
+
+
+def int8_slowdown() -> float:
+    """How many times longer torch._int_mm takes here than the float32 product of the same shape
+    (SLOWDOWN_SHAPE, random operands: the values do not change which instructions run), the fastest of
+    interleaved calls (refdec.routes.int8.race, which stops after one round where int8 is ten times
+    slower: on a CPU where it is hundreds of times slower each call takes milliseconds). Measured once per
+    process and thread count, then kept (`_int8_slowdowns`), so that the warning reports what this machine
+    did rather than a figure from another."""
+    threads = torch.get_num_threads()
+    if threads not in _int8_slowdowns:
+        from .routes.int8 import GIVE_UP, race
+
+        m, k, n = SLOWDOWN_SHAPE
+        g = torch.Generator().manual_seed(0)
+        xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+        wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).t()  # laid out as the route's weights
+        x, w = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        t_int8, t_float = race(torch._int_mm, lambda _x, _w: x @ w, (xq, wq), give_up=GIVE_UP)
+        _int8_slowdowns[threads] = t_int8 / t_float
+    return _int8_slowdowns[threads]
+
+
 def int8_warning(device, instead: str) -> str | None:
     """The warning for a run on the int8 route on `device` where int8 products are slow (a CPU without
-    AVX-512), ending with `instead`, what to run instead; None on a GPU or where they are fast."""
+    AVX-512), ending with `instead`, what to run instead; None on a GPU or where they are fast. It gives the
+    slowdown measured here (int8_slowdown), and says what the int8 route's outputs are checked against:
+    its own greedy, whose outputs may differ from float32 greedy's."""
     if torch.device(device).type != "cpu" or int8_products_fast():
         return None
+    ratio, (m, k, n) = int8_slowdown(), SLOWDOWN_SHAPE
+    product = f"one {m} x {k} by {k} x {n} product"
+    measured = (
+        f"int8 products measured {ratio:.1f}x slower than float32 here ({product}): the int8 route will be several "
+        f"times slower than float32 here"
+        if ratio >= 1  # else the flags and the timing disagree (a CPU held below what it has): both are said
+        else f"yet int8 products measured {1 / ratio:.1f}x faster than float32 here ({product}), where CPUs "
+        f"without AVX-512 have run the int8 route several times slower than float32: time it before relying on it"
+    )
     return (
         f"torch's int8 products are slow on this CPU ({cpu_model()}, CPU capability {cpu_capability()}; their "
-        f"fast kernel needs AVX-512): the int8 route will be several times slower than float32 here "
-        f"(docs/int8.md); {instead}"
+        f"fast kernel needs AVX-512): {measured} (docs/int8.md); a run on it equals int8 greedy (the int8 "
+        f"route's own greedy), not float32 greedy; {instead}"
     )
 
 

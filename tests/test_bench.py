@@ -419,7 +419,11 @@ def test_warm_all_decodes_every_batch_once_before_the_timed_runs(monkeypatch):
     monkeypatch.setattr(loop, "tried_batch", fake)
     ids = [[5] * (1 + i % 7) for i in range(40)]
     run = SimpleNamespace(
-        batch_size=8, algo=SimpleNamespace(name="greedy"), seconds=0.0, fits=lambda rows, longest: rows <= 8
+        batch_size=8,
+        algo=SimpleNamespace(name="greedy"),
+        seconds=0.0,
+        fits=lambda rows, longest: rows <= 8,
+        cuts_to_budget=True,
     )
     for warm_all in (False, True):
         calls.clear()

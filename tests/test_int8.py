@@ -605,6 +605,7 @@ def test_decode_compares_int8_runs_with_float_runs_in_one_process(tmp_path, caps
         "--quiet",
         "--output",
         str(tmp_path / "out.txt"),
+        "--overwrite",
         "--report",
         str(tmp_path / "r.json"),
     ]
@@ -652,6 +653,7 @@ def test_decode_warns_once_where_int8_is_slower_than_float32(cpu, warned, tmp_pa
         "--quiet",
         "--output",
         str(tmp_path / "out.txt"),
+        "--overwrite",
         "--report",
         str(tmp_path / "r.json"),
     ]

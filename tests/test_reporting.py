@@ -203,7 +203,7 @@ def test_decoding_on_a_busy_machine_warns_before_it_starts(tmp_path, capsys, mon
         progress=False,
         busy=BusyCores(sample=machine.sample, sleep=machine.sleep),
     )
-    assert done == 2 and (tmp_path / "out.txt").read_text() == "\n\n"
+    assert done == ([0, 1], True) and (tmp_path / "out.txt").read_text() == "\n\n"
     assert "warning: other processes keep about 1.8 of this machine's 2 cores busy" in capsys.readouterr().err
 
 

@@ -1,6 +1,6 @@
 """What a run reads and where it writes, checked before any model loads: input files (UTF-8, gzip),
-reference files, output paths (never a file the run reads, nor one in the shipped checkpoints/ or
-data/: check_outputs, which every command calls),
+text piped to a run that does not read it, reference files, output paths (never a file the run reads,
+nor one in the shipped checkpoints/ or data/: check_outputs, which every command calls),
 the device and thread count; the source ids and output budget of each
 line; and how a path is recorded in a report (as given, or relative to the repository).
 """
@@ -8,6 +8,9 @@ line; and how a path is recorded in a report (as given, or relative to the repos
 from __future__ import annotations
 
 import os
+import re
+import select
+import stat
 import sys
 from pathlib import Path
 
@@ -22,6 +25,25 @@ from ..tokenizer import Tokenizer
 
 def warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def check_no_piped_text(path: str | None) -> None:
+    """Refuse text piped to a run without --input: it would decode the task's test set and leave the text
+    unread without a word. Only text that is there counts: stdin must be a pipe or a file, readable now
+    (select), and give a byte. A terminal, /dev/null, a closed stdin, and a pipe that is open but empty
+    or not written yet (as CI runners and test harnesses leave it) go on."""
+    if path:
+        return
+    try:
+        if not (stat.S_ISFIFO(mode := os.fstat(0).st_mode) or stat.S_ISREG(mode)):
+            return
+        if not select.select([0], [], [], 0)[0] or not os.read(0, 1):
+            return
+    except (OSError, ValueError):
+        return
+    raise UsageError(
+        "text was piped to stdin, but without --input the task's test set is decoded; give --input - to decode it"
+    )
 
 
 def check_writable(path: str | Path, flag: str) -> None:
@@ -136,13 +158,15 @@ def check_machine(device: str, threads: int | None, allocator: str = "system") -
 
 
 def read_input(
-    task: str, path: str | None, ref_paths: list[str], limit: int | None
+    task: str, path: str | None, ref_paths: list[str], limit: int | None, *, bad_lines: str | None = None
 ) -> tuple[list[str], list[list[str]]]:
-    """The input lines and their reference streams (the task's test set unless `path`)."""
+    """The input lines and their reference streams (the task's test set unless `path`). bad_lines:
+    decode.py's --bad-lines, what bytes that are not valid UTF-8 do in the input and references
+    (refdec.data.read_lines; None: refused, as every other command does)."""
     task_dir = data_mod.DATA_DIR / task
     if path:
-        lines = data_mod.read_lines(path)
-        refs = [data_mod.read_lines(r) for r in ref_paths]
+        lines = data_mod.read_lines(path, bad_lines=bad_lines)
+        refs = [data_mod.read_lines(r, bad_lines=bad_lines) for r in ref_paths]
         for ref, r in zip(ref_paths, refs):
             if len(r) != len(lines):
                 raise UsageError(f"--ref {ref} has {len(r)} lines but the input has {len(lines)}")
@@ -150,9 +174,9 @@ def read_input(
         repo_file("data", task, "test.src.gz", flag="--input FILE")  # an installed copy without the repository
         if not (task_dir / "test.src.gz").exists():
             raise UsageError(f"{task_dir}/test.src.gz not found; rebuild it with python data/build.py")
-        lines = data_mod.read_lines(task_dir / "test.src.gz")
+        lines = data_mod.read_lines(task_dir / "test.src.gz", bad_lines=bad_lines)
         refs = [
-            data_mod.read_lines(task_dir / name)
+            data_mod.read_lines(task_dir / name, bad_lines=bad_lines)
             for name in ("test.tgt.gz", "test.tgt2.gz")
             if (task_dir / name).exists()
         ]
@@ -161,12 +185,33 @@ def read_input(
     return lines, refs
 
 
+# Unicode's control characters (category Cc): C0 (tab among them), DEL and C1. Line ends never reach
+# source_ids: read_lines splits on them.
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def source_ids(tokenizer: Tokenizer, lines: list[str], max_positions: int) -> list[list[int] | None]:
     """Token ids per line; None for an empty line (its output is empty). Overlong lines are cut
-    to what the model accepts, with a warning: the line still gets an output."""
+    to what the model accepts, with a warning: the line still gets an output.
+
+    Every tab and other control character (CONTROL) is a space before tokenising, with one note naming
+    the lines: the shipped models' training text holds none, so a byte token the model never saw would
+    otherwise change the output of the words around it ("This sentence\\thas" decodes as "This sentence
+    has"). The rule lives here, not in read_input, because every command that decodes text turns it into
+    ids here (decode.py, bench, ceiling, ctranslate2, hf audit), so all apply it alike, while the lines as
+    read stay as the user gave them in the report and the HTML page."""
     out = []
     limit = max_positions - 1  # room for the eos that ends every source
+    controlled = [i for i, line in enumerate(lines, 1) if CONTROL.search(line)]
+    if controlled:
+        print(
+            f"note: {len(controlled)} input line(s) hold tabs or control characters, replaced by spaces before "
+            f"tokenising (the shipped models never saw them): {data_mod.which_lines(controlled)}",
+            file=sys.stderr,
+            flush=True,
+        )
     for i, line in enumerate(lines, 1):
+        line = CONTROL.sub(" ", line)
         if not line.strip():
             out.append(None)
             continue

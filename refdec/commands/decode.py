@@ -33,8 +33,11 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 from . import as_typed
+
+WINDOW = 1000  # input lines sorted by length together (docs/usage.md, "Decoding a large file", measures it)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +66,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE|-",
         help="source sentences, one per line, UTF-8 ('-' = stdin; default: the task's test set with its references)",
     )
-    g.add_argument("--output", metavar="FILE", help="write outputs here instead of stdout")
+    g.add_argument(
+        "--bad-lines",
+        choices=["fail", "replace"],
+        default="fail",
+        help="bytes that are not valid UTF-8 in the input or a reference: fail refuses the file naming the "
+        "line (default); replace decodes them as U+FFFD, with a warning naming every such line",
+    )
+    g.add_argument(
+        "--output",
+        metavar="FILE|-",
+        help="write the outputs here, each line as soon as every line before it is done ('-' or none: stdout); "
+        "a job record FILE.job.json beside it says what was decoded, so that --resume can continue it",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the job whose output --output holds (a stopped run): its whole lines are kept, the rest "
+        "decoded; the result is byte-identical to an uninterrupted run (refused if the options differ)",
+    )
+    g.add_argument(
+        "--overwrite", action="store_true", help="replace an --output that holds earlier work (refused without)"
+    )
     g.add_argument(
         "--ref",
         metavar="FILE",
@@ -154,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
         "its small model or drafter (:small=PATH|early-exit, :drafter=PATH), its batches (:batch-size=N, "
         ":batch-tokens=N), :int8",
     )
+    g.add_argument(
+        "--window",
+        type=int,
+        default=WINDOW,
+        metavar="N",
+        help=f"sort by length only within windows of N input lines (default {WINDOW}; 0: the whole input), so "
+        "that outputs stream out in input order and a stopped run is at most one window behind what it decoded",
+    )
     g.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed warm-up batches (default 2)")
     add_route_flags(g)
     add_option_flags(p.add_argument_group("algorithm options (read from the decoders' signatures)"))
@@ -189,11 +221,13 @@ def run(args) -> int:
     from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores, warn_if_int8_slow
 
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
+    inputs.check_no_piped_text(args.input)  # piped text without --input - would go unread
     busy = BusyCores()  # other processes' CPU use from now on: it sees the machine while the models load
     if args.task is None and not (args.model and args.input):
         raise UsageError(
             "--task is needed unless --model names the checkpoint (or Hugging Face folder) and --input the text"
         )
+    world, rank = runner.check_job_flags(args)  # torchrun's processes, or (1, 0)
     inputs.check_machine(args.device, args.threads, args.allocator)
     input_path = inputs.shown_path(args.input or DATA_DIR / (args.task or "") / "test.src.gz")
     plan.check_counts(
@@ -223,11 +257,15 @@ def run(args) -> int:
         {"--output": args.output, "--report": args.report, "--html": args.html},  # none a file read
         inputs.input_files(args.task, args.input, args.ref) | plan.checkpoints_read(specs, shared),
     )
+    barrier = runner.start_processes(world)
+    if args.output:
+        runner.check_existing(Path(args.output), resume=args.resume, overwrite=args.overwrite)
+    barrier()  # every process has looked at the output before the first one starts the job
     if args.html:
         from refdec.app.htmlreport import check_available
 
         check_available()
-    lines, refs = inputs.read_input(args.task or "", args.input, args.ref, args.limit)
+    lines, refs = inputs.read_input(args.task or "", args.input, args.ref, args.limit, bad_lines=args.bad_lines)
     dtype = getattr(torch, args.dtype)
     loader, models = load_models(
         specs,
@@ -257,7 +295,10 @@ def run(args) -> int:
     ids = inputs.source_ids(loader.tokenizer, lines, loader.max_positions)
     for r in runs:
         runner.check_fits(r, ids, args.max_len, loader.max_positions, dtype)
-    complete = runner.decode_to_output(
+    job = runner.start_job(args, specs[0], shared, input_path, lines, loader, world, rank, barrier)
+    if job is not None and job.complete:
+        return 0
+    handed, finished = runner.decode_to_output(
         runs,
         ids,
         loader.tokenizer,
@@ -268,11 +309,14 @@ def run(args) -> int:
         warmup=args.warmup,
         progress=not args.quiet,
         busy=busy,
+        window=args.window,
+        job=job,
     )
     others_busy = busy.others()  # over the whole run: said again under the table if they kept the cores
-    if interrupted := complete < len(lines):  # the figures cover the lines every run finished (the lines written)
-        runner.keep_first(runs, complete, len(lines), args.output)
-        lines, ids, refs = lines[:complete], ids[:complete], [r[:complete] for r in refs]
+    runner.end_job(job, handed, finished, len(lines), runs, barrier)
+    if (interrupted := not finished) or len(handed) < len(lines):  # the figures cover the lines this run wrote
+        runner.keep_lines_of(runs, handed)
+        lines, ids, refs = [lines[i] for i in handed], [ids[i] for i in handed], [[r[i] for i in handed] for r in refs]
     summary = report.summarise(
         args.task,
         runs,
@@ -338,5 +382,10 @@ def run(args) -> int:
             batch_tokens=args.batch_tokens,
             command=shlex.join([*shlex.split(as_typed("decode")), *args.argv]),
         )
-    print(summary.text, file=sys.stderr if not args.output else sys.stdout)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if rank == 0:
+        print(summary.text, file=sys.stderr if not args.output else sys.stdout)
     return stopped_by()[1] if interrupted else 0

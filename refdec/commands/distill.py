@@ -52,6 +52,7 @@ import torch
 
 from .. import data as data_mod
 from ..app.inputs import check_outputs, checkpoint_files, shown_path
+from ..app.resume import Records, partial_files, partial_name, read_partials, start_partial
 from ..checkpoint import file_sha256, load_model
 from ..decoding import decode_beam, decode_greedy
 from ..errors import UsageError, run_command
@@ -60,33 +61,13 @@ from ..progress import ProgressLine
 from ..repo import repo_file
 from .harness import command_parser
 
+PARTIAL = ".partial"  # <out>/<task>/.partial.jsonl, .partial.<rank>.jsonl under torchrun (refdec.app.resume)
+
 
 def write_gz(path: Path, lines: list[str]) -> None:
     """gzip text with mtime 0, so the same content always gives the same bytes."""
     with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
         f.write("".join(line + "\n" for line in lines).encode("utf-8"))
-
-
-def read_partial(partial: Path, options: dict) -> dict[int, str] | None:
-    """The outputs saved in a .partial.jsonl whose header equals `options` ({index: text}), or None
-    when there is no such file or it was written with other options. A last line cut off by a
-    kill is ignored (its sentence is decoded again)."""
-    if not partial.exists():
-        return None
-    lines = partial.read_text(encoding="utf-8").split("\n")
-    try:
-        if json.loads(lines[0]) != options:
-            return None
-    except json.JSONDecodeError:
-        return None
-    done = {}
-    for line in lines[1:]:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the empty string after the last newline, or a line cut off mid-write
-        done[rec["i"]] = rec["out"]
-    return done
 
 
 def doc_sibling(path: Path) -> Path | None:
@@ -121,35 +102,6 @@ def check_paths(
         folders_made=True,
         opt_in=("--overwrite", overwrite),
     )
-
-
-def partial_name(rank: int, world: int) -> str:
-    """The file a process saves its outputs to: .partial.jsonl alone, .partial.<rank>.jsonl under torchrun."""
-    return ".partial.jsonl" if world == 1 else f".partial.{rank}.jsonl"
-
-
-def read_partials(folder: Path, options: dict) -> dict[int, str]:
-    """The outputs saved in every partial file of `folder` written with `options` (by any process)."""
-    done = {}
-    for path in sorted(folder.glob(".partial*.jsonl")):
-        done.update(read_partial(path, options) or {})
-    return done
-
-
-def saved_work(partial: Path, options: dict, barrier) -> dict[int, str]:
-    """The outputs saved by this process and any other (an earlier run's too) with `options`; then
-    this process's own partial file rewritten whole with its records, so that new records never
-    follow a line cut off mid-write (after `barrier`: every process has read the files by then)."""
-    mine = read_partial(partial, options) or {}
-    done = read_partials(partial.parent, options)
-    barrier()
-    partial.write_text(
-        "".join(
-            json.dumps(x, ensure_ascii=False) + "\n" for x in [options, *({"i": i, "out": t} for i, t in mine.items())]
-        ),
-        encoding="utf-8",
-    )
-    return done
 
 
 def read_sources(path: Path) -> tuple[list[str], list[str] | None]:
@@ -221,8 +173,8 @@ def distill(
         options |= {"sources": shown_path(sources), "sources_sha256": file_sha256(Path(sources))}
     added = added_pairs(Path(add), task, options) if add is not None else None
     folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / partial_name(rank, world)
-    done = saved_work(partial, options, barrier)
+    partial = folder / partial_name(PARTIAL, rank, world)
+    done = start_partial(partial, options, barrier)
     if done:
         log(f"continuing: {len(done)} of {n} sentences already distilled")
 
@@ -251,11 +203,10 @@ def distill(
             for i, t in zip(idx, res.tokens):
                 text = tok.decode(t.tolist()).replace("\r", " ").replace("\n", " ")
                 done[i] = text
-                pending.append(json.dumps({"i": i, "out": text}, ensure_ascii=False))
+                pending.append((i, text))
             saved = b % save_every == 0 or b == len(batches)
             if saved:
-                with open(partial, "a", encoding="utf-8") as f:
-                    f.write("".join(p + "\n" for p in pending))
+                Records(partial).put_many(pending)
                 pending = []
             progress.update(
                 already + mine - sum(map(len, batches[b:])), now=saved
@@ -263,7 +214,7 @@ def distill(
     barrier()  # every process has saved its batches
     if rank:
         return {**options, "rank": rank, "batches": len(batches)}
-    done |= read_partials(folder, options)
+    done |= read_partials(folder, PARTIAL, options)
     missing = n - sum(i in done for i in range(n))
     if missing:
         raise RuntimeError(f"{missing} of {n} sentences are in no partial file of {folder}: rerun the same command")
@@ -296,7 +247,7 @@ def write_folder(
         for f in sorted(task_data.glob(f"{split}.*")):  # gzip or plain, as the task's folder holds them
             shutil.copyfile(f, folder / f.name)
     (folder / "distill.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    for path in folder.glob(".partial*.jsonl"):
+    for path in partial_files(folder, PARTIAL):
         path.unlink()
 
 

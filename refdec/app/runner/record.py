@@ -35,6 +35,15 @@ class Run:
     def name(self) -> str:
         return self.label or self.algo.name
 
+    @property
+    def cuts_to_budget(self) -> bool:
+        """Whether a line's output under its own budget is its output under a larger one cut to that
+        budget, so that a batch may decode to its largest line's budget and cut each row to its own:
+        true of greedy and of every lossless algorithm (each equals greedy, which decides token by token),
+        not of beam search, BiLD or sampling, whose batches then hold lines of one budget. A trace is
+        kept whole, so a traced run takes batches of one budget too."""
+        return self.algo.is_lossless(self.options) and not self.trace
+
     def fits(self, rows: int, longest: int) -> bool:
         """Whether a batch of `rows` sources, the longest `longest` ids, is within this run's limits:
         its batch size, and its token budget counted as the padded source tensor (rows x (longest + 1),
