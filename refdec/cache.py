@@ -14,10 +14,14 @@ Every decoder in refdec uses one KVCache and only its verbs:
 and one call that opens a decoder call on it, `place(tgt_new, prefix, open_from, real)`: where the
 call's new tokens go (the model's forced tokens in, refdec.forced), the masks of what each may attend
 to, and the positions that are real, all that the decoder layers need (NewPositions); the layers
-append their keys and values through it, and its `commit` advances the cache.
+append their keys and values through it, and its `commit` advances the cache. A route that writes
+the storage itself rather than through append (refdec.routes.graphed) first calls `reserve(n)`:
+room for storage positions [0, n), every one of them a number (append reserves what it writes).
 
 Storage is preallocated, (layers, B, H, capacity, Dh), zeroed as calls reach it, and grows by
-doubling, so appending a token never copies the cache.
+doubling, so appending a token never copies the cache. A caller may hand a new cache the storage to
+keep it in (`storage`: keys and values of that shape, such as a route's static storage,
+refdec.routes.graphed), which the cache then holds as its own.
 
 Lengths. While every row holds the same number of positions (greedy and beam advance all rows together) the cache is
 uniform: `length` is that one number and append writes one slice. A batched verification step commits a different number
@@ -60,10 +64,14 @@ class KVCache:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         shape = (n_layers, batch, n_heads, max(1, capacity), head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)  # zeroed as the calls reach it (_reserve)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        if storage is None:  # new storage, zeroed as the calls reach it (reserve)
+            storage = torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
+        elif storage[0].shape != shape or storage[1].shape != shape:  # given storage: its device and dtype
+            raise ValueError(f"storage of shape {tuple(storage[0].shape)} for a cache of shape {shape}")
+        self.k, self.v = storage
         self._zeroed = 0  # storage positions [0, _zeroed) of every row hold numbers: written, or zeros
         self._end = 0  # positions committed by advance() in the longest row
         self._lengths: torch.Tensor | None = None  # (B,) per row while rows differ, else None
@@ -113,7 +121,8 @@ class KVCache:
         else:
             self._end, self._lengths = int(lengths.max()), lengths
 
-    def _reserve(self, needed: int) -> None:
+    # -- verbs ----------------------------------------------------------------------------------
+    def reserve(self, needed: int) -> None:
         """Room for storage positions [0, needed), every one of them a number. A call's attention
         reads every row's keys up to the longest row's end, masked past the row's own length: those
         must be numbers too (a masked weight is 0, and 0 x NaN is NaN), so the storage is zeroed up to
@@ -134,7 +143,6 @@ class KVCache:
             self.v[:, :, :, self._zeroed : needed] = 0
             self._zeroed = needed
 
-    # -- verbs ----------------------------------------------------------------------------------
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H, q, Dh) at positions [lengths[b], lengths[b]+q) of row b in `layer`.
 
@@ -144,16 +152,15 @@ class KVCache:
         """
         q = k.shape[2]
         start, end = self.prefix + self._end, self.prefix + self._end + q
-        self._reserve(end)
+        self.reserve(end)
         if self._lengths is None:  # a cache may keep another dtype (the int8 route's float64, refdec.routes.int8):
             self.k[layer, :, :, start:end] = k  # the copy converts
             self.v[layer, :, :, start:end] = v
         else:
             k, v = k.to(self.k.dtype), v.to(self.v.dtype)
             B, H, _, Dh = k.shape
-            pos = (
-                self.prefix + self._lengths[:, None] + torch.arange(q, device=k.device)
-            )  # (B, q) each row's own offsets
+            # (B, q) each row's own offsets
+            pos = self.prefix + self._lengths[:, None] + torch.arange(q, device=k.device)
             index = pos[:, None, :, None].expand(B, H, q, Dh)
             self.k[layer].scatter_(2, index, k)  # self.k[layer] is a view: written in place
             self.v[layer].scatter_(2, index, v)

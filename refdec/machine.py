@@ -161,14 +161,6 @@ def check_device(name: str) -> torch.device:
     return device
 
 
-def clock(device: torch.device | str) -> float:
-    """time.perf_counter() once the device has finished the work queued on it (a GPU runs
-    asynchronously: without the synchronisation a time would be the launch's alone)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def device_name(device: torch.device | str) -> str:
     """What a report says the device is: the GPU's name on CUDA, else the device type."""
     device = torch.device(device)
@@ -179,8 +171,11 @@ def environment(threads, device, dtype) -> dict:
     """What every timing report records of the machine it ran on: the CPU by name, the vector instructions
     torch's kernels use there (its CPU capability) and the CPU's flags that decide which kernels run,
     whether int8 products are fast on it, torch's version, the thread count (a list where a command
-    times several), the device and dtype, the allocator, and what the routes' probes found in this run
-    (`probes_made`)."""
+    times several), the device and dtype, the allocator, and what the routes' probes decided in this run
+    (refdec.routes.probes.found: each int8 weight shape's plan with its timings, where the fast route's
+    encoder may attend over sources of one length in one call, the machine report they were read from)."""
+    from .routes import probes
+
     return {
         "cpu": cpu_model(),
         "cpu_capability": cpu_capability(),
@@ -193,18 +188,8 @@ def environment(threads, device, dtype) -> dict:
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "allocator": allocator(),
-        "probes": probes_made(),
+        "probes": probes.found(),
     }
-
-
-def probes_made() -> dict:
-    """What the routes' probes of this machine found in this process (none: no run needed one): each int8
-    weight shape's plan with its timings (refdec.routes.int8.plans_made) and where the fast route's encoder
-    may attend over sources of one length in one call (refdec.routes.fast.groupings_found).
-    `python -m refdec machine` runs them all."""
-    from .routes import fast, int8
-
-    return {"int8_plans": int8.plans_made(), "grouped_attention": fast.groupings_found()}
 
 
 def machine_line(threads) -> str:
@@ -273,41 +258,17 @@ def int8_products_fast() -> bool:
     return cpu_capability() == "AVX512" or (flags is not None and set(AVX512_CORE) <= flags)
 
 
-# The product int8_slowdown times: docs/int8.md's, (rows, in, out), a verification call's few rows on a
-# shipped-size layer.
-SLOWDOWN_SHAPE = (17, 256, 1024)
-_int8_slowdowns: dict[int, float] = {}  # thread count -> int8_slowdown's measurement, kept for the process
-
-
-def int8_slowdown() -> float:
-    """How many times longer torch._int_mm takes here than the float32 product of the same shape
-    (SLOWDOWN_SHAPE, random operands: the values do not change which instructions run), the fastest of
-    interleaved calls (refdec.routes.int8.race, which stops after one round where int8 is ten times
-    slower: on a CPU where it is hundreds of times slower each call takes milliseconds). Measured once per
-    process and thread count, then kept (`_int8_slowdowns`), so that the warning reports what this machine
-    did rather than a figure from another."""
-    threads = torch.get_num_threads()
-    if threads not in _int8_slowdowns:
-        from .routes.int8 import GIVE_UP, race
-
-        m, k, n = SLOWDOWN_SHAPE
-        g = torch.Generator().manual_seed(0)
-        xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
-        wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).t()  # laid out as the route's weights
-        x, w = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-        t_int8, t_float = race(torch._int_mm, lambda _x, _w: x @ w, (xq, wq), give_up=GIVE_UP)
-        _int8_slowdowns[threads] = t_int8 / t_float
-    return _int8_slowdowns[threads]
-
-
 def int8_warning(device, instead: str) -> str | None:
     """The warning for a run on the int8 route on `device` where int8 products are slow (a CPU without
     AVX-512), ending with `instead`, what to run instead; None on a GPU or where they are fast. It gives the
-    slowdown measured here (int8_slowdown), and says what the int8 route's outputs are checked against:
-    its own greedy, whose outputs may differ from float32 greedy's."""
+    slowdown measured here (refdec.routes.probes.int8_slowdown, once per process and thread count, or as a
+    machine report records it), and says what the int8 route's outputs are checked against: its own
+    greedy, whose outputs may differ from float32 greedy's."""
+    from .routes import probes
+
     if torch.device(device).type != "cpu" or int8_products_fast():
         return None
-    ratio, (m, k, n) = int8_slowdown(), SLOWDOWN_SHAPE
+    ratio, (m, k, n) = probes.int8_slowdown(), probes.SLOWDOWN_SHAPE
     product = f"one {m} x {k} by {k} x {n} product"
     measured = (
         f"int8 products measured {ratio:.1f}x slower than float32 here ({product}): the int8 route will be several "

@@ -103,9 +103,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, d_kv: int = 0):
         super().__init__()  # d_kv: the width of the states keys and values are made from (0 = d_model)
-        D = (
-            cfg.d_model
-        )  # Dh = D / H, biases, scores scaled by 1/sqrt(Dh): the paper's, unless an imported family's cfg differs
+        # Dh = D / H, biases, scores scaled by 1/sqrt(Dh): the paper's, unless an imported family's cfg differs
+        D = cfg.d_model
         self.h, self.dh = cfg.n_heads, cfg.head_dim
         self.heads = ScaledDotProduct(None if cfg.scale_attention else 1.0)  # every head at once
         inner = self.h * self.dh

@@ -443,3 +443,17 @@ def own_corpus(data_dir: Path, task: str = "up", n_train: int = 200, n_test: int
             else:
                 (folder / f"{split}.{side}").write_bytes(text)
     return data_dir
+
+
+def counting_probes(monkeypatch) -> list:
+    """refdec.routes.probes.probe_plan made to record each (in, out, threads) it probes, in the list returned."""
+    from refdec.routes import probes
+
+    probed, probe_plan = [], probes.probe_plan
+
+    def counted(k, n, kernels):
+        probed.append((k, n, torch.get_num_threads()))
+        return probe_plan(k, n, kernels)
+
+    monkeypatch.setattr(probes, "probe_plan", counted)
+    return probed

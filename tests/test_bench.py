@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from refdec import machine
+from refdec import timing
 from refdec.commands import bench
 from refdec.training import cpp_compiler
 
@@ -166,9 +166,9 @@ def test_inner_settings_are_small_on_the_cpu_or_with_a_small_limit():
 def test_clock_waits_for_the_gpu_and_not_for_the_cpu(monkeypatch):
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
-    machine.clock(torch.device("cpu"))
+    timing.clock(torch.device("cpu"))
     assert waited == []
-    machine.clock(torch.device("cuda", 0))
+    timing.clock(torch.device("cuda", 0))
     assert waited == [torch.device("cuda", 0)]
 
 

@@ -191,10 +191,10 @@ def test_missing_ctranslate2_is_one_line_error(tmp_path, monkeypatch, capsys):
     "flags, message",
     [
         (["--max-draft", "4"], "error: --max-draft has no effect without --iad"),
-        (["--threads", "1,100000"], "error: --threads must be at most the"),
+        (["--threads", "1,100000"], "error: --threads 100000: must be between 1 and the"),
         (["--limit", "0"], "error: --limit must be at least 1"),
-        (["--ct2-threads", "0"], "error: --ct2-threads must be at least 1"),
-        (["--ct2-threads", "100000"], "error: --ct2-threads must be at most the"),
+        (["--ct2-threads", "0"], "error: --ct2-threads 0: must be between 1 and the"),
+        (["--ct2-threads", "100000"], "error: --ct2-threads 100000: must be between 1 and the"),
     ],
 )
 def test_bad_options_are_one_line_errors(tmp_path, capsys, flags, message):

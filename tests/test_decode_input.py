@@ -98,7 +98,7 @@ def test_tabs_and_control_characters_are_spaces_before_tokenising(tmp_path, caps
     assert ids[1] == ids[0] == tok.encode("This sentence has") and ids[2] == ids[0] and ids[3] is None
     assert capsys.readouterr().err.splitlines() == [
         "note: 3 input line(s) hold tabs or control characters, replaced by spaces before tokenising (the shipped "
-        "models never saw them): line(s) 2, 3, 4"
+        "models were trained on text without them): line(s) 2, 3, 4"
     ]
     source_ids(tok, ["a\tb"] * 21, 128)
     assert capsys.readouterr().err.rstrip().endswith(", 20, ...")
@@ -230,9 +230,10 @@ def test_the_int8_warning_gives_the_slowdown_measured_here(cpu, warned, monkeypa
     reproduces int8 greedy rather than float32 greedy. It now gives the slowdown measured here (kept per
     thread count), and says which greedy the int8 route equals; a CPU with AVX-512 is not warned."""
     from refdec import machine
+    from refdec.routes import probes
 
     fake_cpu(monkeypatch, *cpu)
-    monkeypatch.setattr(machine, "_int8_slowdowns", {torch.get_num_threads(): 7.94})
+    monkeypatch.setattr(probes.decided, "slowdowns", {torch.get_num_threads(): 7.94})
     warning = machine.int8_warning("cpu", "decode with --fast")
     if not warned:
         assert warning is None
@@ -240,16 +241,15 @@ def test_the_int8_warning_gives_the_slowdown_measured_here(cpu, warned, monkeypa
     assert "int8 products measured 7.9x slower than float32 here (one 17 x 256 by 256 x 1024 product)" in warning
     assert "equals int8 greedy (the int8 route's own greedy), not float32 greedy" in warning
     assert f"CPU capability {cpu[0]}" in warning and warning.endswith("; decode with --fast") and "\n" not in warning
-    monkeypatch.setattr(machine, "_int8_slowdowns", {torch.get_num_threads(): 0.25})  # flags and timing disagree
+    monkeypatch.setattr(probes.decided, "slowdowns", {torch.get_num_threads(): 0.25})  # flags and timing disagree
     assert "yet int8 products measured 4.0x faster than float32 here" in machine.int8_warning("cpu", "x")
 
 
 def test_the_int8_slowdown_is_measured_once_and_kept(monkeypatch):
-    from refdec import machine
-    from refdec.routes import int8
+    from refdec.routes import probes
 
-    monkeypatch.setattr(machine, "_int8_slowdowns", {})
-    first = machine.int8_slowdown()
-    assert first > 0 and machine._int8_slowdowns == {torch.get_num_threads(): first}
-    monkeypatch.setattr(int8, "race", lambda *a, **k: pytest.fail("measured twice"))
-    assert machine.int8_slowdown() == first
+    monkeypatch.setattr(probes, "decided", probes.Decisions(environment_read=True))
+    first = probes.int8_slowdown()
+    assert first > 0 and probes.decided.slowdowns == {torch.get_num_threads(): first}
+    monkeypatch.setattr(probes, "race", lambda *a, **k: pytest.fail("measured twice"))
+    assert probes.int8_slowdown() == first

@@ -27,13 +27,15 @@ from conftest import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from refdec.cache import KVCache
+from refdec.commands import stepcost
+from refdec.commands.stepcost import fused_route
+from refdec.compiling import cpp_compiler
 from refdec.config import BOS_ID
 from refdec.decoding import decode_beam, decode_greedy
 from refdec.model import Transformer
 from refdec.routes import graphed, on_route
 from refdec.routes.fast import FastRoute
 from refdec.routes.graphed import GraphedRoute, Replay, StaticKVCache
-from refdec.training import cpp_compiler
 
 TOL = 1e-12  # float64: the routes sum in different orders
 
@@ -491,15 +493,15 @@ needs_cpp = pytest.mark.skipif(cpp_compiler() is None, reason="torch.compile's C
 @pytest.mark.slow
 @needs_cpp
 def test_fused_steps_compute_what_the_graphed_steps_compute():
-    """on_route(model, "graphed", fused=True) runs each step compiled by torch.compile (one whole graph,
+    """stepcost's fused_route runs each step compiled by torch.compile (one whole graph,
     fixed shapes), so every shape compiles: k tokens, one token, a ragged call, batched and batch-1 greedy,
     then calls of 1 to 16 tokens in 1 and 2 rows. Its logits within float64 rounding of the reference
     route's, its caches the same, its greedy the reference's tokens; each step is the compiled function,
     more decoder shapes than torch.compile's default 8 compilations of one function (past which, with
     fullgraph, it raises) all compiled."""
     m = tiny_model(3, norm_first=True)
-    fused = on_route(copy.deepcopy(m), "graphed", fused=True)
-    assert fused.fuse and copy.deepcopy(fused).fuse
+    fused = fused_route(copy.deepcopy(m))
+    assert copy.deepcopy(fused).prepare_step is stepcost.fused
     src, tgt = random_src(3, 3, 40), decode_tokens(3, 3)
     assert_calls_close(calls(m, src, tgt), calls(fused, src, tgt), "fused graphed route vs reference")
     ref = decode_greedy(m, src, max_len=12).tokens
@@ -517,14 +519,14 @@ def test_fused_steps_compute_what_the_graphed_steps_compute():
                 assert (got[0] - got[1]).abs().max() < TOL, (rows, q)
     steps = fused._state().steps
     assert sum(key[0] == "decoder" for key in steps) > 8
-    assert all(hasattr(s.run.fn, "_torchdynamo_orig_callable") for s in steps.values())
+    assert all(s.run.fn.__wrapped__ is not None for s in steps.values())  # each step the compiled one
 
 
-def test_only_the_graphed_route_has_a_fused_form():
-    m = tiny_model(0)
-    with pytest.raises(ValueError, match="only the graphed route has a fused form"):
-        on_route(m, "fast", fused=True)
-    plain = on_route(m, "graphed")
-    assert not plain.fuse and not hasattr(
-        plain._replay(lambda: None, torch.device("cpu"), None).fn, "_torchdynamo_orig_callable"
-    )
+def test_a_plain_graphed_route_prepares_no_step():
+    """Only stepcost's measuring form compiles the steps: the graphed route on_route makes runs each step
+    function as it is, and on_route takes no measuring flag."""
+    plain = on_route(tiny_model(0), "graphed")
+    step = lambda: None  # noqa: E731
+    assert plain.prepare_step is None and plain._replay(step, torch.device("cpu"), None).fn is step
+    with pytest.raises(TypeError):
+        on_route(tiny_model(0), "graphed", fused=True)

@@ -23,6 +23,7 @@ from conftest import (
     batch1_greedy,
     check_batched_iad,
     copy_model,
+    counting_probes,
     error_of,
     fake_cpu,
     ragged_src,
@@ -42,7 +43,7 @@ from refdec.decoding.gad import decode_gad
 from refdec.decoding.speculative import decode_speculative
 from refdec.drafter import Drafter
 from refdec.errors import UsageError
-from refdec.routes import fast, int8, on_route
+from refdec.routes import fast, int8, on_route, probes
 from refdec.routes.int8 import QuantizedWeight
 from refdec.routes.kernels import is_int8
 
@@ -61,8 +62,8 @@ def int8_copy(model, route: str = "reference", dtype: torch.dtype | None = None)
 def test_this_machines_int8_product_is_exact():
     """torch._int_mm sums int8 products in int32 without saturating (the route refuses a machine
     where it does not at any weight range)."""
-    assert int8.weight_levels() in (127, 63)
-    assert int8.exact_products(int8.weight_levels())
+    assert probes.weight_levels() in (127, 63)
+    assert probes.exact_products(probes.weight_levels())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -95,7 +96,7 @@ def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype, monkeypatch):
     rows) equals (torch.equal) the same product in one integer product and one rescaling, with a bias,
     with a residual stream and with neither; each row alone, on either side of a block's edge, too. The
     plan is forced to blocks, whatever this machine's probe finds."""
-    monkeypatch.setattr(int8, "plan_for", planned(None, blocks=True))
+    monkeypatch.setattr(int8, "plan", planned(None, blocks=True))
     g = torch.Generator().manual_seed(5)
     w = torch.randn(8000, 192, generator=g, dtype=dtype)
     b, qw = torch.randn(8000, generator=g, dtype=dtype), QuantizedWeight(w.t(), w)
@@ -113,53 +114,58 @@ def test_a_product_in_blocks_of_rows_equals_it_in_one(dtype, monkeypatch):
             assert torch.equal(alone, blocked[i : i + 1])
 
 
-fused_here = pytest.mark.skipif(not int8.fused_kernel_exact(), reason="no oneDNN fused int8 kernel in this torch build")
+@pytest.fixture
+def fused_here():
+    """Skips the test where this torch build has no oneDNN fused int8 kernel that agrees with the plain
+    product (probes.fused_kernel_exact, checked when the test runs: seconds on a CPU where the kernel is
+    slow, none at collection)."""
+    if not probes.fused_kernel_exact(int8.KERNELS):
+        pytest.skip("no oneDNN fused int8 kernel in this torch build")
 
 
 def planned(fused_from, blocks=False):
-    """A stand-in for int8.plan_for: every shape's plan as given, whatever this machine's probe finds
+    """A stand-in for int8.plan: every shape's plan as given, whatever this machine's probe finds
     (`fused_from` may be a function of the weight's (k, n))."""
-    return lambda k, n: int8.Plan(fused_from(k, n) if callable(fused_from) else fused_from, blocks)
+    return lambda k, n: probes.Plan(fused_from(k, n) if callable(fused_from) else fused_from, blocks)
 
 
-@fused_here
 @pytest.mark.parametrize("k,n", [(16, 12), (192, 576), (768, 192), (192, 8000)])
-def test_onednns_fused_product_equals_the_plain_one(k, n, monkeypatch):
+def test_onednns_fused_product_equals_the_plain_one(k, n, fused_here, monkeypatch):
     """Where a plan takes oneDNN's fused int8 linear (int8.takes_fused), it equals (torch.equal) torch._int_mm
     with int8.rescale, whole and in blocks of rows, with a bias, a residual stream and neither, at 1 to 600
-    rows, so that a row's values do not depend on which of the two computes it. Both plans are forced,
-    whatever this machine's probe finds (on a CPU where the fused product is slow, fewer rows)."""
+    rows (130 for the vocabulary's width, where a slow fused call costs most), so that a row's values do
+    not depend on which of the two computes it. Both plans are forced, and the rows are the same on every
+    machine, whatever its probe finds."""
     g = torch.Generator().manual_seed(k * n)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
-    monkeypatch.setattr(int8, "plan_for", planned(1))
+    monkeypatch.setattr(int8, "plan", planned(1))
     qw = QuantizedWeight(w.t(), w)
     assert qw.packed is not None
-    slow = int8.probe_plan(k, n).fused_from is None
-    for m in (1, 3, 17, 64, 130 if slow and n > 1000 else 600):
+    for m in (1, 3, 17, 64, 130 if n > 1000 else 600):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 10
         res = torch.randn(m, n, generator=g)
         for add in (b, res, None):
-            monkeypatch.setattr(int8, "plan_for", planned(1))
+            monkeypatch.setattr(int8, "plan", planned(1))
             fused = int8.product(x, qw, add)
             assert int8.takes_fused(int8.quantize_rows(x)[0], qw)
             for blocks in (False, True):
-                monkeypatch.setattr(int8, "plan_for", planned(None, blocks))
+                monkeypatch.setattr(int8, "plan", planned(None, blocks))
                 assert not int8.takes_fused(int8.quantize_rows(x)[0], qw)
                 assert torch.equal(fused, int8.product(x, qw, add)), (m, add is None, blocks)
     assert QuantizedWeight(w.t().double(), w.double()).packed is None  # float64 takes the plain product
-    monkeypatch.setattr(int8, "plan_for", planned(None))
+    monkeypatch.setattr(int8, "plan", planned(None))
     assert QuantizedWeight(w.t(), w).packed is None  # a plan without the fused product packs nothing
 
 
 def test_the_products_plan_is_the_probes_timing_both_ways(monkeypatch):
-    """int8.probe_plan takes oneDNN's fused product from the first row count from which it was faster at
+    """probes.probe_plan takes oneDNN's fused product from the first row count from which it was faster at
     every count timed, never where it was slower, and times it at one row only where it was GIVE_UP
     times slower there (a CPU where it is a thousand times slower); row blocks where they were faster.
-    The kernels' timings are forced (int8.race), so that every outcome is tested on every machine."""
-    monkeypatch.setattr(int8, "fused_available", lambda: True)
-    monkeypatch.setattr(int8, "fused_kernel_exact", lambda: True)
-    monkeypatch.setattr(int8, "onednn_packed", lambda q: (None, None))
+    The kernels' timings are forced (probes.race) on stand-in kernels, so that every outcome is tested on
+    every machine."""
+    kernels = int8.KERNELS._replace(fused_available=lambda: True, pack=lambda q: (None, None))
+    monkeypatch.setattr(probes, "fused_kernel_exact", lambda kernels: True)
 
     def timed(fused_us: dict, blocks_faster: bool):
         calls = []
@@ -171,38 +177,51 @@ def test_the_products_plan_is_the_probes_timing_both_ways(monkeypatch):
                 return fused_us.get(m, fused_us.get("else")), 100.0
             return (90.0, 100.0) if blocks_faster else (110.0, 100.0)
 
-        monkeypatch.setattr(int8, "race", race)
+        monkeypatch.setattr(probes, "race", race)
         return calls
 
-    n, m0 = 768, -(-int8.FUSED_ELEMENTS // 768)  # 86 rows: where the fused product is first tried
+    n, m0 = 768, -(-probes.FUSED_ELEMENTS // 768)  # 86 rows: where the fused product is first tried
     calls = timed({"else": 50.0}, True)
-    plan = int8.probe_plan(192, n)
+    plan = probes.probe_plan(192, n, kernels)
     assert (plan.fused_from, plan.blocks) == (m0, False) and calls == [1, m0, 4 * m0]  # blocks: the fused takes them
     timed({1: 500.0, m0: 120.0, "else": 50.0}, False)
-    assert int8.probe_plan(192, n).fused_from == 4 * m0  # faster from 4 x m0 on only
+    assert probes.probe_plan(192, n, kernels).fused_from == 4 * m0  # faster from 4 x m0 on only
     timed({1: 50.0, m0: 50.0, "else": 120.0}, True)
-    plan = int8.probe_plan(192, n)
+    plan = probes.probe_plan(192, n, kernels)
     assert plan.fused_from is None and plan.blocks  # slower at the larger count: never
-    calls = timed({"else": 100.0 * int8.GIVE_UP + 1}, False)
-    plan = int8.probe_plan(192, n)
+    calls = timed({"else": 100.0 * probes.GIVE_UP + 1}, False)
+    plan = probes.probe_plan(192, n, kernels)
     assert plan.fused_from is None and not plan.blocks and calls == [1, 384] and "slower" in plan.why
     calls = timed({"else": 1.0}, False)
-    assert int8.probe_plan(192, 8000).fused_from == 1 and calls == [1, 4]  # the vocabulary's width: from one row
-    monkeypatch.setattr(int8, "fused_kernel_exact", lambda: False)
+    assert probes.probe_plan(192, 8000, kernels).fused_from == 1 and calls == [1, 4]  # the vocabulary: from one row
+    monkeypatch.setattr(probes, "fused_kernel_exact", lambda kernels: False)
     timed({"else": 1.0}, False)
-    assert int8.probe_plan(192, n).fused_from is None  # faster, but not bitwise the plain form: never
-    monkeypatch.setattr(int8, "fused_available", lambda: False)
+    assert probes.probe_plan(192, n, kernels).fused_from is None  # faster, but not bitwise the plain form: never
     calls = timed({}, True)
-    assert int8.probe_plan(192, n).fused_from is None and calls == [384]  # 384 rows: the first with blocks
+    plan = probes.probe_plan(192, n, kernels._replace(fused_available=lambda: False))
+    assert plan.fused_from is None and calls == [384]  # 384 rows: the first with blocks
 
 
-def test_this_machines_plans_are_found_once_and_reported():
-    """int8.plan_for probes a shape once per thread count and keeps the plan; plans_made lists it with
-    the timings it was chosen by (what `refdec machine` and every timing report show)."""
-    plan = int8.plan_for(24, 40)
-    assert int8.plan_for(24, 40) is plan
-    made = int8.plans_made()[f"24 x 40, {torch.get_num_threads()} thread(s)"]
-    assert made["fused_from_rows"] == plan.fused_from and made["row_blocks"] == plan.blocks and made["timings_us"]
+def test_this_machines_plans_are_found_once_and_reported(monkeypatch):
+    """int8.plan asks probes.plan_for, which probes a shape once per thread count and keeps the plan: a
+    second call probes nothing, another thread count probes again; plans_made lists each plan with the
+    timings it was chosen by (what `refdec machine` and every timing report show)."""
+    monkeypatch.setattr(probes, "decided", probes.Decisions(environment_read=True))
+    probed = counting_probes(monkeypatch)
+    threads = torch.get_num_threads()
+    other = 2 if threads == 1 else 1
+    plan = int8.plan(24, 40)
+    assert int8.plan(24, 40) is plan and probed == [(24, 40, threads)]
+    torch.set_num_threads(other)
+    try:
+        assert int8.plan(24, 40) is not plan and int8.plan(24, 40) is int8.plan(24, 40)
+    finally:
+        torch.set_num_threads(threads)
+    assert int8.plan(24, 40) is plan and probed == [(24, 40, threads), (24, 40, other)]
+    made = probes.plans_made()
+    assert set(made) == {f"24 x 40, {t} thread(s)" for t in (threads, other)}
+    mine = made[f"24 x 40, {threads} thread(s)"]
+    assert mine["fused_from_rows"] == plan.fused_from and mine["row_blocks"] == plan.blocks and mine["timings_us"]
 
 
 def test_a_deep_copy_of_the_int8_weights_computes_the_same_products():
@@ -219,13 +238,12 @@ def test_a_deep_copy_of_the_int8_weights_computes_the_same_products():
         assert torch.equal(int8.product(x, other), int8.product(x, w))
 
 
-@fused_here
-def test_lossless_decoders_on_int8_equal_int8_greedy_on_the_fused_product(monkeypatch):
+def test_lossless_decoders_on_int8_equal_int8_greedy_on_the_fused_product(fused_here, monkeypatch):
     """Products of 128 output values or more on oneDNN's fused form, the others on torch._int_mm (a
-    one-row greedy step takes both), whatever this machine's plans, float32 on the fast route: batched IAD (drafts
-    uncapped and of
-    at most 4), blockwise and speculative decoding write batch-1 int8 greedy's tokens."""
-    monkeypatch.setattr(int8, "plan_for", planned(lambda k, n: -(-128 // n), blocks=True))
+    one-row greedy step takes both), whatever this machine's plans, float32 on the fast route: batched
+    IAD (drafts uncapped and of at most 4), blockwise and speculative decoding write batch-1 int8
+    greedy's tokens."""
+    monkeypatch.setattr(int8, "plan", planned(lambda k, n: -(-128 // n), blocks=True))
     m = int8_copy(copy_model(), "fast", torch.float32)
     src = random_src(901, 8, 16, min_len=1, max_len=14)
     ref = batch1_greedy(m, src, 30)
@@ -338,7 +356,7 @@ def test_a_sources_encoding_does_not_depend_on_its_batch_in_float32(threads):
     order and sorted by length) and within a batch of sources of its own length, for lengths of 1 to
     141 tokens on both sides of the attention kernel's blocks and vector widths, on 1 and 2 threads,
     with neighbours of one length in one call where this machine's probe found that it holds
-    (fast.grouping_holds; on an AMD EPYC at 2 threads it does not for odd lengths of 9 to 31)."""
+    (probes.grouping_holds; on an AMD EPYC at 2 threads it does not for odd lengths of 9 to 31)."""
     m = on_route(tiny_model(31, max_positions=160).to(torch.float32), "fast", int8=True)
     g = torch.Generator().manual_seed(31)
     lengths = torch.tensor([33, 1, 141, 16, 2, 65, 17, 128, 31, 64, 15, 32])  # eos included
@@ -364,11 +382,12 @@ def test_a_sources_encoding_does_not_depend_on_its_batch_in_float32(threads):
 
 
 def encode_counting(monkeypatch, held: bool | None, src):
-    """The fast int8 route's encoding (float32) of `src` and of each source alone, with grouping_holds
-    forced to `held` (None: this machine's probe), and the row counts of the attention calls made."""
+    """The fast int8 route's encoding (float32) of `src` and of each source alone, with
+    probes.grouping_holds forced to `held` (None: this machine's probe), and the row counts of the
+    attention calls made."""
     m = on_route(tiny_model(32, max_positions=64).to(torch.float32), "fast", int8=True)
     if held is not None:
-        monkeypatch.setattr(fast, "grouping_holds", lambda *key: held)
+        monkeypatch.setattr(probes, "grouping_holds", lambda *key: held)
     calls = []
     together = fast.attend_together
 
@@ -386,7 +405,7 @@ def encode_counting(monkeypatch, held: bool | None, src):
 
 @pytest.mark.parametrize("held", [True, False])
 def test_the_encoders_grouped_attention_follows_the_probe_both_ways(held, monkeypatch):
-    """Where fast.grouping_holds says so, the sources of one length share an attention call; where it
+    """Where probes.grouping_holds says so, the sources of one length share an attention call; where it
     does not, each source attends in a call of its own, and its states then equal (torch.equal) its
     own alone, whatever the machine's kernel does. Both outcomes forced, on every machine; grouped, the
     states are within float32 rounding of each alone."""
@@ -406,27 +425,38 @@ def test_the_encoders_grouped_attention_follows_the_probe_both_ways(held, monkey
 
 def test_the_grouping_probe_finds_a_kernel_that_rounds_by_batch_size(monkeypatch):
     """An attention kernel whose results move with the call's batch size (a last-bit offset per extra
-    sequence) fails fast.grouping_holds; every source then attends alone and equals (torch.equal) its
-    encoding alone. The true kernel's outcome is kept per (length, count, heads, head size, dtype,
-    threads) and reported by fast.groupings_found."""
-    sdpa = F.scaled_dot_product_attention
+    sequence) fails probes.grouping_holds; every source then attends alone and equals (torch.equal) its
+    encoding alone. What the probe found is kept per (length, count, heads, head size, dtype, threads):
+    with the true kernel back, that shape is not checked again and still attends alone; a new count is
+    checked once (one call of all its sources, then one each), and groupings_found reports both."""
+    monkeypatch.setattr(probes, "decided", probes.Decisions(environment_read=True))
+    sdpa, together = F.scaled_dot_product_attention, fast.attend_together
 
     def by_batch(q, k, v, **kw):
         return sdpa(q, k, v, **kw) * (1 + 2**-20 * (q.shape[0] - 1))
 
-    monkeypatch.setattr(fast, "_grouping", {})
-    monkeypatch.setattr(fast.F, "scaled_dot_product_attention", by_batch)
-    assert not fast.grouping_holds(7, 4, 4, 8, torch.float32)  # 4 sources of 7 tokens, 4 heads of 8
     src = torch.full((4, 7), PAD_ID)
     src[:, :6], src[:, 6] = torch.arange(5, 29).view(4, 6), EOS_ID
-    batch, ones, calls = encode_counting(monkeypatch, None, src)
+    with monkeypatch.context() as mp:
+        mp.setattr(fast.F, "scaled_dot_product_attention", by_batch)
+        assert not probes.grouping_holds(7, 4, 4, 8, torch.float32, fast.attend_together)  # 4 of 7 tokens, 4 heads of 8
+        batch, ones, calls = encode_counting(mp, None, src)
+        assert calls == [1] * 8
+        for b in range(4):
+            assert torch.equal(batch.states[b], ones[b].states[0])
+    batch, ones, calls = encode_counting(monkeypatch, None, src)  # the true kernel: the outcome kept
     assert calls == [1] * 8
-    for b in range(4):
-        assert torch.equal(batch.states[b], ones[b].states[0])
-    monkeypatch.undo()
-    held = fast.grouping_holds(7, 3, 4, 8, torch.float32)
-    assert fast.groupings_found()[f"{torch.get_num_threads()} thread(s)"]["tried"] >= 1
-    assert held == fast.grouping_holds(7, 3, 4, 8, torch.float32)
+    checked = []
+
+    def attend(q, k, v, n, out):
+        checked.append(q.shape[0] // n)
+        together(q, k, v, n, out)
+
+    held = probes.grouping_holds(7, 3, 4, 8, torch.float32, attend)
+    assert checked == [3, 1, 1, 1] and probes.grouping_holds(7, 3, 4, 8, torch.float32, attend) is held
+    assert checked == [3, 1, 1, 1]  # kept: checked once
+    found = probes.groupings_found()[f"{torch.get_num_threads()} thread(s)"]
+    assert found == {"tried": 2, "held": int(held), "failed_lengths": [7]}
 
 
 def test_the_fast_int8_routes_forward_computes_what_its_decoding_computes():
@@ -729,4 +759,4 @@ def test_int8_and_the_graphed_route_are_refused_together_in_one_line():
         "greedy", "gec-en", model=None, given={}, compares=[], batch_size=None, sizes=None, batch_tokens=None, int8=True
     )
     with pytest.raises(UsageError, match="graphed route has no int8 form"):
-        load_models(specs, {}, task="gec-en", device="cpu", dtype=torch.float32, graphed=True)
+        load_models(specs, {}, task="gec-en", device="cpu", dtype=torch.float32, route="graphed")

@@ -18,7 +18,7 @@ import torch
 
 from .. import data as data_mod
 from ..errors import UsageError
-from ..machine import allocator_option, check_device, set_allocator, usable_cores
+from ..machine import allocator_option, check_device, usable_cores
 from ..repo import check_not_shipped, repo_file
 from ..tokenizer import Tokenizer
 
@@ -129,32 +129,61 @@ def checkpoint_files(what: str, path: str | Path | None) -> dict[str, str | Path
     return {what: p, f"the tokenizer beside {what}": p.parent / "tokenizer.json"}
 
 
-def add_machine_flags(g) -> None:
-    """decode.py's --device, --dtype, --threads and --allocator (checked and set by check_machine)."""
-    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
-    g.add_argument(
+def add_threads(p, *, default: int | str | None = None, several: bool = False, says: str = "") -> None:
+    """The one --threads of every command: torch's intra-op threads, one count, or with `several` a
+    comma-separated list of counts (a round of the measurement each); `says` what the default does.
+    Checked by check_threads."""
+    p.add_argument(
         "--threads",
-        type=int,
-        metavar="N",
-        help="torch threads (default: torch's count, from OMP_NUM_THREADS or the cores, cut to the "
-        "cores other processes leave idle while the models load, at least one; a note says so)",
+        type=str if several else int,
+        default=default,
+        metavar="T,T" if several else "N",
+        help=("thread counts, comma-separated" if several else "torch threads") + f" (default: {says or default})",
+    )
+
+
+def check_threads(value: int | str | None, several: bool = False, flag: str = "--threads") -> int | list[int] | None:
+    """The one check of a thread count (add_threads): each a whole number between 1 and the cores this
+    machine gives the run (more threads than cores only slows the work down). Returns the count, or with
+    `several` the sorted counts; None stays None (the command's own default)."""
+    if value is None:
+        return None
+    try:
+        counts = sorted({int(v) for v in str(value).split(",")}) if several else [int(value)]
+    except ValueError:
+        raise UsageError(f"{flag} takes whole numbers separated by commas, not {value!r}") from None
+    for n in counts:
+        if not 1 <= n <= usable_cores():
+            raise UsageError(
+                f"{flag} {n}: must be between 1 and the {usable_cores()} cores this machine gives the run "
+                "(more threads than cores only slows the work down)"
+            )
+    return counts if several else counts[0]
+
+
+def add_device(p, *, default: str | None = "cpu", says: str = "") -> None:
+    """The one --device of every command (cpu or cuda; checked by refdec.machine.check_device)."""
+    p.add_argument("--device", default=default, help=f"cpu or cuda (default {default})" + (f"; {says}" if says else ""))
+
+
+def add_machine_flags(g) -> None:
+    """decode.py's --device, --dtype, --threads (checked and set by check_machine) and --allocator."""
+    add_device(g)
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype (default float32)")
+    add_threads(
+        g,
+        says="torch's count, from OMP_NUM_THREADS or the cores, cut to the cores other processes leave idle while "
+        "the models load, at least one; a note says so",
     )
     allocator_option(g)
 
 
-def check_machine(device: str, threads: int | None, allocator: str = "system") -> None:
-    """The device and the thread count this machine has, checked before any model loads; the C
-    allocator set (refdec.machine.set_allocator)."""
+def check_machine(device: str, threads: int | None) -> None:
+    """The device and the thread count this machine has, checked before any model loads (the C allocator
+    is the command's to set: refdec.machine.set_allocator)."""
     check_device(device)
-    if threads is not None:
-        if not 1 <= threads <= usable_cores():
-            raise UsageError(
-                f"--threads must be between 1 and the {usable_cores()} cores this machine gives "
-                f"the run (more threads than cores only slows decoding down)"
-            )
+    if (threads := check_threads(threads)) is not None:
         torch.set_num_threads(threads)
-    set_allocator(allocator)
 
 
 def read_input(
@@ -206,7 +235,7 @@ def source_ids(tokenizer: Tokenizer, lines: list[str], max_positions: int) -> li
     if controlled:
         print(
             f"note: {len(controlled)} input line(s) hold tabs or control characters, replaced by spaces before "
-            f"tokenising (the shipped models never saw them): {data_mod.which_lines(controlled)}",
+            f"tokenising (the shipped models were trained on text without them): {data_mod.which_lines(controlled)}",
             file=sys.stderr,
             flush=True,
         )

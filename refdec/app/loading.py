@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointError, file_sha256, load_model
 from ..drafter import Drafter
 from ..errors import UsageError
 from ..proposal import load_proposal
-from ..routes import on_route
+from ..routes import check_route, on_route
 from ..tokenizer import Tokenizer
 
 
@@ -191,30 +191,26 @@ def load_models(
     task: str,
     device,
     dtype: torch.dtype,
-    invariant: bool = False,
-    fast: bool = False,
-    graphed: bool = False,
+    route: str = "reference",
     languages: tuple[str | None, str | None] = (None, None),
 ) -> tuple[RunLoader, list[Models]]:
     """The models of each of refdec.app.plan's `specs`, every checkpoint loaded once: the first run's
     model, the other checkpoints compared runs name, the `shared` companion models (role -> path) and
-    each run's own, each wrapped for its route (`routed`): with `invariant`, row-invariant
-    mode; with `fast`, the fast route (refdec.routes.fast); with `graphed`, the graphed route
+    each run's own, each wrapped for `route` (one of refdec.routes.ROUTES: `routed`): reference,
+    row-invariant mode (invariant), the fast route (refdec.routes.fast) or the graphed route
     (refdec.routes.graphed); a spec with `int8` in int8 (refdec.routes.int8), on a route object of its
     own around the same model, the same one for every int8 run (so each lossless int8 run is checked
     against greedy on int8). Returns the loader (the tokenizer, the main checkpoint) and one Models per spec."""
-    if graphed and any(s.int8 for s in specs):
-        raise UsageError(
-            "the graphed route has no int8 form: run --int8 (or :int8) without --graphed, on the fast "
-            "or the reference route"
-        )
+    try:  # before anything is loaded
+        check_route(route, any(s.int8 for s in specs))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     loader = RunLoader(specs[0].path, task=task, device=device, dtype=dtype, languages=languages)
     for s in specs[1:]:
         loader.add(s.path)
     for role, value in shared.items():
         loader.share(role, value)
     models = [loader.models_for(s.path, s.algo.model_args, s.companions) for s in specs]
-    route = "invariant" if invariant else "graphed" if graphed else "fast" if fast else "reference"
     large: dict = {}  # (checkpoint, int8) -> its model on the route: the runs on it share one route object
     for s, m in zip(specs, models):
         if (m.path, s.int8) not in large:

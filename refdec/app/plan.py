@@ -361,6 +361,12 @@ def add_route_flags(group) -> None:
     )
 
 
+def chosen_route(args) -> str:
+    """The route add_route_flags' flags choose: one of refdec.routes.ROUTES (the int8 route is a flag of
+    its own, args.int8)."""
+    return "invariant" if args.invariant else "graphed" if args.graphed else "fast" if args.fast else "reference"
+
+
 def add_option_flags(group) -> None:
     """One flag per algorithm option (--fallback-threshold ...), its type and help read from the
     decoders' signatures (refdec.app.algorithms), onto decode.py's argparse group."""
@@ -383,6 +389,7 @@ __all__ = [
     "add_route_flags",
     "check_counts",
     "checkpoints_read",
+    "chosen_route",
     "default_checkpoint",
     "help_default",
     "parse_compare",

@@ -53,9 +53,10 @@ from ..app.inputs import check_outputs, checkpoint_files, input_files, max_len_f
 from ..app.loading import Models, RunLoader, routed
 from ..decoding.scripted import greedy_output, scripted_gad
 from ..errors import UsageError, first_line, run_command
-from ..machine import clock, device_name, environment, machine_line
+from ..machine import device_name, environment, machine_line
 from ..progress import ProgressLine
 from ..repo import REPO, repo_file
+from ..timing import clock
 from ..tokenizer import Tokenizer
 from .harness import command_parser, machine_options, report_option, set_up_machine, write_report
 
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         raise UsageError(f"--accept {args.accept}: give numbers in [0, 1], separated by commas") from None
-    bounds = (("--limit", args.limit, 1), ("--threads", args.threads, 1), ("--warmup", args.warmup, 0))
+    bounds = (("--limit", args.limit, 1), ("--warmup", args.warmup, 0))
     for flag, value, least in bounds:
         if value < least:
             raise UsageError(f"{flag} {value}: must be at least {least}")

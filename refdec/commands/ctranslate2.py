@@ -38,14 +38,22 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from ..app import exactness
 from ..app.algorithms import ALGORITHMS, Algorithm
-from ..app.inputs import check_outputs, checkpoint_files, input_files, read_input, shown_path, source_ids
+from ..app.inputs import (
+    add_threads,
+    check_outputs,
+    check_threads,
+    checkpoint_files,
+    input_files,
+    read_input,
+    shown_path,
+    source_ids,
+)
 from ..app.loading import Models
 from ..app.report import format_table, summary_row, write_report
 from ..app.runner import Run, decode_lines
@@ -54,10 +62,11 @@ from ..data import source_rows, source_tensor
 from ..decoding.result import DecodeResult, DecodeStats, result_of
 from ..errors import UsageError, run_command
 from ..hf import PEGASUS, check_export, export_route, write_folder
-from ..machine import allocator_option, environment, machine_line, set_allocator, usable_cores, warn_if_int8_slow
+from ..machine import allocator_option, environment, machine_line, set_allocator, warn_if_int8_slow
 from ..progress import ProgressLine
 from ..repo import cache_folder, check_not_shipped, repo_file
 from ..routes import on_route
+from ..timing import seconds
 from . import as_typed
 from .harness import report_option, time_decode, time_products
 
@@ -323,15 +332,14 @@ def step_costs(
             for c, translator in ct2.items():
                 ends = []
                 for n in (prefix, prefix + more):
-                    t0 = time.perf_counter()
-                    translator.translate_batch(
+                    call = lambda n=n, translator=translator: translator.translate_batch(  # noqa: E731
                         [[tokens[t] for t in src[0].tolist()]],
                         beam_size=1,
                         min_decoding_length=n,
                         max_decoding_length=n,
                         max_input_length=0,
                     )
-                    ends.append(time.perf_counter() - t0)
+                    ends.append(seconds(call))
                 times[f"ct2-{c}"].append((ends[1] - ends[0]) / more)
     return {name: 1000 * statistics.median(v[1:]) for name, v in times.items()}
 
@@ -394,13 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budgets, comma-separated: every method again in batches of neighbours in length "
         "holding at most N source tokens with their padding (decode.py --batch-tokens)",
     )
-    p.add_argument(
-        "--threads",
-        type=int_list,
-        default=[1],
-        metavar="T,T",
-        help="thread counts, comma-separated: each one a round of every run (default 1)",
-    )
+    add_threads(p, default="1", several=True, says="1; each count a round of every run")
     p.add_argument(
         "--ct2-threads",
         type=int,
@@ -455,13 +457,9 @@ def check_args(args) -> None:
         raise UsageError("--warmup must be at least 0")
     if args.max_draft != [0] and not args.iad:
         raise UsageError("--max-draft has no effect without --iad")
-    if args.ct2_threads is not None and args.ct2_threads < 1:
-        raise UsageError("--ct2-threads must be at least 1")
-    for flag, count in (("--threads", max(args.threads)), ("--ct2-threads", args.ct2_threads or 1)):
-        if count > usable_cores():
-            raise UsageError(f"{flag} must be at most the {usable_cores()} cores this machine gives the run")
+    args.threads = check_threads(args.threads, several=True)
+    check_threads(args.ct2_threads, flag="--ct2-threads")
     args.batch_sizes = sorted({1, *args.batch_sizes})
-    args.threads = sorted(set(args.threads))
     check_outputs(
         {"--report": args.report},
         input_files(args.task, args.input)

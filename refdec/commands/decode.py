@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="most output tokens per sentence, eos included "
-        "(default: 2 x the longest source of the batch + 10, within the model's positions)",
+        "(default: 2 x the sentence's own source + 10, within the model's positions, so that no batching "
+        "changes an output)",
     )
     g.add_argument(
         "--batch-size",
@@ -218,7 +219,15 @@ def run(args) -> int:
     from refdec.data import DATA_DIR
     from refdec.errors import UsageError
     from refdec.interrupt import release_sigint, stopped_by
-    from refdec.machine import BusyCores, busy_warning, environment, fit_threads, usable_cores, warn_if_int8_slow
+    from refdec.machine import (
+        BusyCores,
+        busy_warning,
+        environment,
+        fit_threads,
+        set_allocator,
+        usable_cores,
+        warn_if_int8_slow,
+    )
 
     release_sigint()  # every import is done: a Ctrl-C held so far stops here, later ones at once
     inputs.check_no_piped_text(args.input)  # piped text without --input - would go unread
@@ -228,7 +237,8 @@ def run(args) -> int:
             "--task is needed unless --model names the checkpoint (or Hugging Face folder) and --input the text"
         )
     world, rank = runner.check_job_flags(args)  # torchrun's processes, or (1, 0)
-    inputs.check_machine(args.device, args.threads, args.allocator)
+    inputs.check_machine(args.device, args.threads)
+    set_allocator(args.allocator)  # this process's malloc, as --allocator asks (refdec.machine)
     input_path = inputs.shown_path(args.input or DATA_DIR / (args.task or "") / "test.src.gz")
     plan.check_counts(
         batch_size=args.batch_size,
@@ -273,9 +283,7 @@ def run(args) -> int:
         task=args.task,
         device=args.device,
         dtype=dtype,
-        invariant=args.invariant,
-        fast=args.fast,
-        graphed=args.graphed,
+        route=plan.chosen_route(args),
         languages=(args.src_lang, args.tgt_lang),
     )
     if any(s.int8 for s in specs):  # once, however many runs are on the int8 route
@@ -325,7 +333,7 @@ def run(args) -> int:
         ids,
         loader.tokenizer,
         args.device,
-        warning=busy_warning(others_busy, torch.get_num_threads(), usable_cores(), "kept"),
+        warning=busy_warning(others_busy, torch.get_num_threads(), usable_cores(), "kept") if world == 1 else None,
     )
     model_path = inputs.shown_path(loader.main_path)
     settings = {

@@ -51,14 +51,15 @@ from pathlib import Path
 import torch
 
 from .. import data as data_mod
-from ..app.inputs import check_outputs, checkpoint_files, shown_path
+from ..app.inputs import add_device, add_threads, check_outputs, check_threads, checkpoint_files, shown_path
 from ..app.resume import Records, partial_files, partial_name, read_partials, start_partial
 from ..checkpoint import file_sha256, load_model
 from ..decoding import decode_beam, decode_greedy
 from ..errors import UsageError, run_command
-from ..machine import BusyCores, check_device, clock, fit_threads
+from ..machine import BusyCores, check_device, fit_threads
 from ..progress import ProgressLine
 from ..repo import repo_file
+from ..timing import clock
 from .harness import command_parser
 
 PARTIAL = ".partial"  # <out>/<task>/.partial.jsonl, .partial.<rank>.jsonl under torchrun (refdec.app.resume)
@@ -283,12 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--add", help="a folder distilled by the same teacher and decoding whose training pairs go first")
     p.add_argument("--save-every", type=int, default=20, help="save progress every N batches (default 20)")
     p.add_argument("--data-dir", help="source data folder (default: the repo's data/)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        help="torch threads (default: torch's count, cut to the cores other processes leave idle)",
-    )
-    p.add_argument("--device", help="cpu or cuda (default: cuda when one is available, else cpu)")
+    add_threads(p, says="torch's count, cut to the cores other processes leave idle")
+    add_device(p, default=None, says="None: cuda when one is available, else cpu")
     return run_command(lambda: run(p.parse_args(argv)), known=(FileNotFoundError, ValueError))
 
 
@@ -306,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     device = str(check_device(device))
     if args.beam_size < 1 or args.batch_size < 1 or args.limit < 0 or args.save_every < 1:
         raise UsageError("--beam-size, --batch-size and --save-every must be at least 1, --limit at least 0")
-    if args.threads:
+    if check_threads(args.threads):
         torch.set_num_threads(args.threads)
     elif world > 1:  # the machine's cores shared between its processes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))

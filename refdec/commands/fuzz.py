@@ -42,10 +42,11 @@ import torch
 
 from ..config import DRAFTER_LAYOUTS, EOS_ID, PAD_ID, ModelConfig
 from ..errors import UsageError, run_command
-from ..machine import clock, device_name
+from ..machine import device_name
 from ..model import Transformer
 from ..progress import ProgressLine
 from ..routes import on_route
+from ..timing import clock
 from .harness import command_parser, machine_options, set_up_machine
 
 FAMILIES = ("random", "exact", "near", "constant")
@@ -224,19 +225,20 @@ def comparisons(case: dict):
 @contextmanager
 def gadpp_rule_at_exact():
     """Within: decode_gad verifies through GAD++'s acceptance test at top_beta 1 and tau 0, which it
-    otherwise replaces by argmax equality; the two must agree, ties included."""
-    from ..decoding import gad
+    otherwise replaces by argmax equality; the two must agree, ties included. (Every Rows.verify call
+    within takes that test: only decode_gad is run within.)"""
+    from ..decoding import gad, rows
 
-    real = gad.verify_rows
+    real = rows.verify_rows
 
     def with_rule(*args, accept=None, **kwargs):
         return real(*args, accept=gad.gadpp_rule(1, 0.0), **kwargs)
 
-    gad.verify_rows = with_rule
+    rows.verify_rows = with_rule
     try:
         yield
     finally:
-        gad.verify_rows = real
+        rows.verify_rows = real
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,14 +10,14 @@ ceiling's scripted loop aside: its time_runs says why); the repository's files t
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 
+from ..app.inputs import add_device, add_threads, check_threads
 from ..app.report import columns, write_report
-from ..errors import UsageError
-from ..machine import allocator_option, check_device, clock, set_allocator
+from ..machine import allocator_option, check_device, set_allocator, usable_cores
+from ..timing import median_seconds
 from . import COMMANDS, as_typed
 
 __all__ = [
@@ -50,11 +50,11 @@ def command_parser(doc: str | None, command: str) -> argparse.ArgumentParser:
 def machine_options(
     p: argparse.ArgumentParser, *, device: str = "cpu", threads: int = 2, timed: str = SYNCHRONISED
 ) -> None:
-    """--device (cpu or cuda) and --threads (torch's intra-op threads) with their defaults; `timed` says
-    how the command reads its times."""
-    other = "cpu" if device == "cuda" else "cuda"
-    p.add_argument("--device", default=device, help=f"{device} or {other} (default {device}); {timed}")
-    p.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    """--device (cpu or cuda) and --threads (torch's intra-op threads, refdec.app.inputs' one definition of
+    each) with their defaults (threads: at most the machine's usable cores); `timed` says how the command
+    reads its times."""
+    add_device(p, default=device, says=timed)
+    add_threads(p, default=min(threads, usable_cores()), says=f"{threads}, or the cores there are if fewer")
     allocator_option(p)
 
 
@@ -65,9 +65,7 @@ def report_option(p: argparse.ArgumentParser) -> None:
 def set_up_machine(args: argparse.Namespace) -> torch.device:
     """The device --device names (one line saying why where it cannot serve) and torch set to --threads."""
     device = check_device(args.device)
-    if args.threads < 1:
-        raise UsageError(f"--threads must be at least 1, not {args.threads}")
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(check_threads(args.threads))
     set_allocator(args.allocator)
     return device
 
@@ -87,13 +85,9 @@ def time_decode(model, memory, prefix: int, q: int, reps: int) -> float:
     cache = model.new_cache(rows, capacity=prefix + q)
     model.decode(torch.full((rows, prefix), 7, device=device), memory, cache)
     new = torch.full((rows, q), 9, device=device)
-    times = []
-    for _ in range(reps):
-        t0 = clock(device)
-        model.decode(new, memory, cache)
-        times.append(clock(device) - t0)
-        cache.truncate(prefix)
-    return statistics.median(times)
+    return median_seconds(
+        lambda: model.decode(new, memory, cache), reps, device, between=lambda: cache.truncate(prefix)
+    )
 
 
 def time_replay(route, memory, prefix: int, q: int, reps: int) -> float:
@@ -105,40 +99,14 @@ def time_replay(route, memory, prefix: int, q: int, reps: int) -> float:
     cache = route.new_cache(rows, capacity=prefix + q)
     route.decode(torch.full((rows, prefix), 7, device=device), memory, cache)
     route.decode(torch.full((rows, q), 9, device=device), memory, cache)  # the step made (and captured)
-    step = route.step_of(memory, cache, q)
-    times = []
-    for _ in range(reps):
-        t0 = clock(device)
-        step.run()
-        times.append(clock(device) - t0)
-    return statistics.median(times)
-
-
-def products(weights, x: torch.Tensor) -> torch.Tensor:
-    """The matrix products of a fast-route decoder step over rows x (N, D) and nothing else, in the
-    step's order, on its laid-out weights (refdec.routes.fast.DecoderWeights): per layer the
-    self-attention's queries-keys-values and output, the cross-attention's queries and output, the two
-    feed-forward products; then the vocabulary projection. Not a decoder step (no attention, norms or
-    cache): what the step's products alone cost."""
-    for w in weights.layers:
-        torch.addmm(w["qkv_b"], x, w["qkv"])
-        torch.addmm(x, x, w["o"])
-        torch.addmm(w["cq_b"], x, w["cq"])
-        torch.addmm(x, x, w["co"])
-        torch.addmm(x, torch.addmm(w["b1"], x, w["w1"]), w["w2"])
-    return x @ weights.vocab
+    return median_seconds(route.step_of(memory, cache, q).run, reps, device)
 
 
 def time_products(model, reps: int, rows: int = 1) -> float:
     """Median seconds of the matrix products alone of one fast-route decoder step that appends one token
     to each of `rows` rows (`products`), on the route's laid-out weights,
     with nothing between them: the part of the step that attention, norms, the cache and dispatch
-    come on top of. `model` is on the fast route."""
+    come on top of. `model` is on the fast route (refdec.routes.fast.DecoderWeights.products)."""
     weights = model.decoder_weights()
     x = weights.vocab.new_zeros(rows, model.cfg.d_model)
-    times = []
-    for _ in range(reps):
-        t0 = clock(x.device)
-        products(weights, x)
-        times.append(clock(x.device) - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: weights.products(x), reps, x.device)

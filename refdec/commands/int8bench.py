@@ -18,16 +18,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import warnings
 
 import torch
 
-from ..app.inputs import check_outputs, checkpoint_files, shown_path
+from ..app.inputs import add_threads, check_outputs, check_threads, checkpoint_files, shown_path
 from ..checkpoint import load_model
 from ..errors import run_command
 from ..machine import environment, machine_line, warn_if_int8_slow
 from ..routes import int8
+from ..timing import seconds
 from . import as_typed
 from .harness import columns, report_option, write_report
 
@@ -82,10 +82,7 @@ def measure(model, rows: list[int], rounds: int, reps: int) -> list[dict]:
             for _ in range(rounds + 1):  # the first round warms up
                 for m in rows:
                     for c, f in fs.items():
-                        t0 = time.perf_counter()
-                        for _ in range(reps):
-                            f(xs[m])
-                        times[c, m].append((time.perf_counter() - t0) / reps)
+                        times[c, m].append(seconds(lambda f=f, x=xs[m]: [f(x) for _ in range(reps)]) / reps)
             for c, f in fs.items():
                 alone = f(xs[max(rows)][:1])
                 out.append(
@@ -124,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
     p.add_argument("--reps", type=int, default=20, help="calls per candidate per round (default 20)")
     report_option(p)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_threads(p, default=1)
     return p
 
 
@@ -140,8 +137,9 @@ def run(args) -> int:
         rows = sorted({int(v) for v in args.rows.split(",")})
     except ValueError:
         raise UsageError(f"--rows takes whole numbers separated by commas, not {args.rows!r}") from None
-    if rows[0] < 1 or args.rounds < 1 or args.reps < 1 or args.threads < 1:
-        raise UsageError("--rows, --rounds, --reps and --threads must be at least 1")
+    if rows[0] < 1 or args.rounds < 1 or args.reps < 1:
+        raise UsageError("--rows, --rounds and --reps must be at least 1")
+    check_threads(args.threads)
     check_outputs({"--report": args.report}, checkpoint_files("--model", args.model))
     torch.set_num_threads(args.threads)
     model, _, _ = load_model(args.model, task=args.task)

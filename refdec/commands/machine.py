@@ -9,7 +9,7 @@ probes run on the machine, once per process (the first call that needs one runs 
 them all now, on a model's shapes (random values: the shapes and the thread count decide which
 instructions run), and prints what each found, at each thread count:
 
-  int8 products      refdec.routes.int8's plan for each weight shape of the fast int8 route: whether
+  int8 products      refdec.routes.probes' plan for each weight shape of the fast int8 route: whether
                      oneDNN's fused int8 product is taken, and from how many rows (only where it is faster
                      here than torch._int_mm with a rescaling, and bitwise the same), whether a large plain
                      product goes in blocks of rows; microseconds per call of each kernel as the probe timed
@@ -18,7 +18,8 @@ instructions run), and prints what each found, at each thread count:
                      the int8 route's kernels against float32's, at 1 row (greedy) and at 32 (a batch, a
                      verification call): whether the int8 route pays here. Products alone: attention,
                      norms and dispatch come on top, the same for both (decode.py --compare, and `refdec
-                     ctranslate2`, time whole runs).
+                     ctranslate2`, time whole runs); and torch._int_mm's time against float32's on one
+                     product, the figure the int8 route's warning quotes on a CPU without AVX-512.
   grouped attention  whether the fast route's encoder may attend over sources of one length in one call
                      (refdec.routes.fast.attend_each): where the kernel's results for one sequence depend
                      on how many share its call, each source attends alone (the encoding of a source is
@@ -30,24 +31,29 @@ instructions run), and prints what each found, at each thread count:
                      says what it costs or saves here.
 
 Every timing report of refdec's commands records, beside the machine, the probes its run made
-(`environment.probes`).
+(`environment.probes`). This command's report (--report FILE) also records every decision its probes
+made, exactly ("decisions"), with the CPU and torch they were made on: a later process run with
+REFDEC_MACHINE_REPORT=FILE in its environment takes them as they are and probes only what FILE lacks
+(another shape, another thread count; docs/machines.md). This command itself reads no such file: it
+probes everything now.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..app.inputs import check_outputs, checkpoint_files, shown_path
+from ..app.inputs import add_threads, check_outputs, check_threads, checkpoint_files, shown_path
 from ..checkpoint import load_model
 from ..config import ModelConfig
-from ..errors import UsageError, run_command
+from ..errors import run_command
 from ..machine import cpu_capability, cpu_model, environment, reported_flags, usable_cores
-from ..routes import fast, int8, kernels
+from ..routes import fast, int8, kernels, probes
+from ..timing import interleaved
 from .harness import columns, command_parser, report_option, write_report
 
 ROUNDS = 5  # interleaved timing rounds of the int8 / float32 and few-row comparisons; the median counts
@@ -63,11 +69,7 @@ def build_parser():
         help="a refdec model.pt whose shapes are probed (default: the shapes of the shipped "
         "gec-uk-6x6, d_model 192, d_ff 768, vocabulary 8000, 6+6 layers)",
     )
-    p.add_argument(
-        "--threads",
-        default=None,
-        help="thread counts to probe at, comma-separated (default 1 and this machine's usable cores)",
-    )
+    add_threads(p, several=True, says="1 and this machine's usable cores; the counts to probe at")
     report_option(p)
     return p
 
@@ -78,15 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def thread_counts(text: str | None) -> list[int]:
-    if text is None:
-        return sorted({1, usable_cores()})
-    try:
-        counts = sorted({int(v) for v in text.split(",")})
-    except ValueError:
-        raise UsageError(f"--threads takes whole numbers separated by commas, not {text!r}") from None
-    if counts[0] < 1:
-        raise UsageError("--threads: every count must be at least 1")
-    return counts
+    """The thread counts to probe at: --threads (refdec.app.inputs.check_threads), else 1 and the usable cores."""
+    return sorted({1, usable_cores()}) if text is None else check_threads(text, several=True)
 
 
 def step_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
@@ -106,24 +101,21 @@ def step_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
 def plans(shapes, threads: int) -> list[list[str]]:
     rows = [["product", "in x out", "fused product", "row blocks", "probe's timings (us per call)"]]
     for name, k, n, _ in shapes:
-        plan = int8.plan_for(k, n)
+        plan = int8.plan(k, n)
         fused = f"from {plan.fused_from} row(s)" if plan.fused_from is not None else "no"
         timed = "; ".join(f"{a} {ta:.0f} vs {b} {tb:.0f} at {m}" for a, m, ta, b, tb in plan.timings)
         rows.append([name, f"{k} x {n}", fused, "yes" if plan.blocks else "no", timed])
     return rows
 
 
-def median_us(f, x) -> float:
-    return statistics.median(f(x) for _ in range(ROUNDS))
-
-
-def timed(f):
-    def run(x):
-        t0 = time.perf_counter()
-        f(x)
-        return (time.perf_counter() - t0) * 1e6
-
-    return run
+def summed_medians(pairs: list[tuple[int, Callable[[], object], Callable[[], object]]]) -> tuple[float, float]:
+    """Microseconds of two forms of a step's products, each (count, first form, second form) timed
+    interleaved over ROUNDS rounds (refdec.timing.interleaved), the medians times the count summed."""
+    first = second = 0.0
+    for count, a, b in pairs:
+        ta, tb = interleaved([a, b], ROUNDS)
+        first, second = first + count * statistics.median(ta), second + count * statistics.median(tb)
+    return first * 1e6, second * 1e6
 
 
 def int8_against_float32(shapes, levels_rows=(1, 32)) -> list[dict]:
@@ -131,30 +123,33 @@ def int8_against_float32(shapes, levels_rows=(1, 32)) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     for m in levels_rows:
-        t8 = t32 = 0.0
+        pairs = []
         for _, k, n, count in shapes:
             if not count:
                 continue
             w, b = torch.randn(n, k, generator=g) * k**-0.5, torch.randn(n, generator=g) * 0.1
             qw, w_in_out, x = int8.QuantizedWeight(w.t(), w), w.t().contiguous(), torch.randn(m, k, generator=g)
-            # each lambda runs within this iteration only, so its loop variables are this iteration's
-            a, f = timed(lambda x: int8.product(x, qw, b)), timed(lambda x: torch.addmm(b, x, w_in_out))  # noqa: B023
-            a(x), f(x)  # warm-up
-            pairs = [(a(x), f(x)) for _ in range(ROUNDS)]
-            t8 += count * statistics.median(p[0] for p in pairs)
-            t32 += count * statistics.median(p[1] for p in pairs)
+            pairs.append(
+                (
+                    count,
+                    lambda qw=qw, x=x, b=b: int8.product(x, qw, b),
+                    lambda w=w_in_out, x=x, b=b: torch.addmm(b, x, w),
+                )
+            )
+        t8, t32 = summed_medians(pairs)
         out.append({"rows": m, "float32_us": round(t32, 1), "int8_us": round(t8, 1), "int8_faster": round(t32 / t8, 2)})
     return out
 
 
 def grouping(cfg: ModelConfig) -> dict:
-    """fast.grouping_holds over LENGTHS x COUNTS at the model's heads, in float32."""
+    """probes.grouping_holds over LENGTHS x COUNTS at the model's heads, in float32, on the fast route's
+    encoder's attention call (fast.attend_together)."""
     H, Dh = cfg.n_heads, cfg.d_model // cfg.n_heads
     tried, failed = 0, []
     for n in (n for n in LENGTHS if n <= cfg.max_positions):
         for r in COUNTS:
             tried += 1
-            if not fast.grouping_holds(n, r, H, Dh, torch.float32) and n not in failed:
+            if not probes.grouping_holds(n, r, H, Dh, torch.float32, fast.attend_together) and n not in failed:
                 failed.append(n)
     return {"tried": tried, "failed_lengths": failed}
 
@@ -165,16 +160,15 @@ def few_rows(shapes) -> list[dict]:
     out = []
     with torch.inference_mode():
         for m in (4, 16):
-            t_few = t_plain = 0.0
+            pairs = []
             for _, k, n, count in shapes:
                 if not count:
                     continue
                 w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
-                a, f = timed(lambda x: kernels.linear(x, w, None, True)), timed(lambda x: F.linear(x, w))  # noqa: B023
-                a(x), f(x)
-                pairs = [(a(x), f(x)) for _ in range(ROUNDS)]
-                t_few += count * statistics.median(p[0] for p in pairs)
-                t_plain += count * statistics.median(p[1] for p in pairs)
+                pairs.append(
+                    (count, lambda w=w, x=x: kernels.linear(x, w, None, True), lambda w=w, x=x: F.linear(x, w))
+                )
+            t_few, t_plain = summed_medians(pairs)
             out.append(
                 {
                     "rows": m,
@@ -201,7 +195,8 @@ def run(args) -> int:
         f"shapes: {what} (d_model {cfg.d_model}, d_ff {cfg.d_ff}, vocabulary {cfg.vocab_size}, "
         f"{cfg.dec_layers} decoder layers, {cfg.n_heads} heads)"
     )
-    levels = int8.weight_levels()
+    probes.forget(read_report=False)  # every decision probed now, whatever REFDEC_MACHINE_REPORT says
+    levels = probes.weight_levels()
     print(
         f"int8 products exact here: torch._int_mm sums int8 rows exactly with weights of +-{levels}"
         + ("" if levels == 127 else " (7-bit weights: this CPU's int8 product saturates at full range)")
@@ -213,9 +208,10 @@ def run(args) -> int:
         for threads in counts:
             torch.set_num_threads(threads)
             print(f"\n-- {threads} thread(s) --")
-            print("int8 products' plans (refdec.routes.int8):")
+            print("int8 products' plans (refdec.routes.probes):")
             print(columns(plans(shapes, threads)))
             versus = int8_against_float32(shapes)
+            slowdown, (m, k, n) = probes.int8_slowdown(), probes.SLOWDOWN_SHAPE
             print("int8 against float32, one decoder step's products (us, medians of interleaved rounds):")
             print(
                 columns(
@@ -225,6 +221,10 @@ def run(args) -> int:
                         for v in versus
                     ]
                 )
+            )
+            print(
+                f"torch._int_mm alone, one {m} x {k} by {k} x {n} product: {slowdown:.2f}x float32's time "
+                "(the figure the int8 warning quotes where a CPU has no AVX-512)"
             )
             groups = grouping(cfg)
             failed = groups["failed_lengths"]
@@ -243,13 +243,19 @@ def run(args) -> int:
                 "few-row product (refdec.routes.kernels, fixed: it changes rounding): "
                 + ", ".join(f"{v['few_row_faster']:.2f}x F.linear's speed at {v['rows']} rows" for v in few)
             )
-            found[str(threads)] = {"int8_vs_float32": versus, "grouped_attention": groups, "few_row_product": few}
+            found[str(threads)] = {
+                "int8_vs_float32": versus,
+                "int8_mm_times_float32": round(slowdown, 2),
+                "grouped_attention": groups,
+                "few_row_product": few,
+            }
     finally:
         torch.set_num_threads(before)
     if args.report:
         write_report(
             args.report,
             {
+                "command": probes.MACHINE_REPORT,
                 "shapes": what,
                 "d_model": cfg.d_model,
                 "d_ff": cfg.d_ff,
@@ -259,6 +265,7 @@ def run(args) -> int:
                 "weight_levels": levels,
                 "by_threads": found,
                 "environment": environment(counts, "cpu", torch.float32),
+                "decisions": probes.recorded(),
             },
         )
         print(f"\nreport: {args.report}")

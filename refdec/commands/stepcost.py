@@ -37,7 +37,7 @@ With --device cuda every time is read after torch.cuda.synchronize(), so it cove
 and not only its launch. --graphed times the graphed route (refdec.routes.graphed) beside: its first call
 of each shape is captured in the warm-up round, the timed calls replay. --fused times the graphed
 route once more with each step compiled by torch.compile before its capture
-(refdec.routes.graphed.fused: its elementwise work fused into fewer kernels), its first call of each
+(`fused`: its elementwise work fused into fewer kernels), its first call of each
 shape compiled in the warm-up round (seconds each); on the CPU the compiled steps run as they are, and
 their kernels are built by a C++ compiler, which must be there. Each route beside the reference is
 checked too: the largest difference of its logits from the reference route's over the same calls
@@ -52,19 +52,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..checkpoint import load_model
+from ..compiling import compiled, cpp_compiler
 from ..errors import UsageError, run_command
-from ..machine import clock, environment, machine_line
+from ..machine import environment, machine_line
 from ..progress import ProgressLine
 from ..repo import repo_file
-from ..routes import applies_to, int8, on_route
+from ..routes import ROUTES, applies_to, int8, on_route
 from ..routes.kernels import FEW_ROWS
-from ..training.loop import cpp_compiler
+from ..timing import median_seconds, seconds
 from .harness import (
     command_parser,
     machine_options,
@@ -79,15 +82,15 @@ from .harness import (
 
 def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float]:
     """Median seconds of the parts of one fast int8 route decoder call (refdec.routes.int8) appending q
-    tokens to every row of `memory`'s batch over a cache of `prefix`, each part timed alone on the call's shapes:
-    `products` the integer products alone (on rows already quantized, as the route computes them: oneDNN's fused
-    product, its channel scaling in the same pass, or torch._int_mm in the route's blocks of rows; per layer the
-    self-attention's queries-keys-values and output, the cross-attention's queries and output, the two feed-forward
-    products, then the vocabulary), `quantization` what the route's products add around them (each row's scale, the
-    rounding, the rescaling, the bias and residual), `attention` the two float64 attention calls per layer (the
-    self-attention over prefix + q keys, masked when q > 1, and the cross-attention over the source, padding masked),
-    and `call` the
-    whole call; the rest of the call (norms, the cache, embeddings, dispatch) is call minus the three."""
+    tokens to every row of `memory`'s batch over a cache of `prefix`, each part timed alone on the call's
+    shapes: `products` the integer products alone (on rows already quantized, as the route computes them:
+    oneDNN's fused product, its channel scaling in the same pass, or torch._int_mm in the route's blocks of
+    rows; per layer the self-attention's queries-keys-values and output, the cross-attention's queries and
+    output, the two feed-forward products, then the vocabulary), `quantization` what the route's products
+    add around them (each row's scale, the rounding, the rescaling, the bias and residual), `attention` the
+    two float64 attention calls per layer (the self-attention over prefix + q keys, masked when q > 1, and
+    the cross-attention over the source, padding masked), and `call` the whole call; the rest of the call
+    (norms, the cache, embeddings, dispatch) is call minus the three."""
     weights = route.decoder_weights()
     B, S, H, Dh = memory.states.shape[0], memory.states.shape[1], route.cfg.n_heads, route.cfg.head_dim
     n = memory.states.shape[0] * q
@@ -113,19 +116,12 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
             F.scaled_dot_product_attention(qs, ks, ks, attn_mask=causal)
             F.scaled_dot_product_attention(qs, src_kv, src_kv, attn_mask=src_allowed)
 
-    def median_of(f):
-        times = []
-        for _ in range(reps):
-            t0 = clock(memory.states.device)
-            f()
-            times.append(clock(memory.states.device) - t0)
-        return statistics.median(times)
-
+    device = memory.states.device
     with torch.inference_mode():
         parts = {
-            "products": median_of(products),
-            "with quantization": median_of(whole_products),
-            "attention": median_of(attention),
+            "products": median_seconds(products, reps, device),
+            "with quantization": median_seconds(whole_products, reps, device),
+            "attention": median_seconds(attention, reps, device),
             "call": time_decode(route, memory, prefix, q, reps),
         }
     parts["quantization"] = parts.pop("with quantization") - parts["products"]
@@ -133,23 +129,30 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
     return parts
 
 
-def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
-    """Seconds per call of each route at each q, of the one-row projection both ways, and of the
-    encoder, over interleaved rounds after a warm-up. Routes: few-row and plain (refdec.routes.kernels), and
-    with --fast the fast route (refdec.routes.fast) wrapping the model, whose encoder is timed too, and
-    the matrix products alone of its q = 1 call (time_products; kept with the encoder's figures), and
-    with --graphed the graphed route (refdec.routes.graphed) wrapping it too, and the step of its q = 1
-    call alone (time_replay: on a GPU the replay of its graph, without the Python around it)."""
+def beside(args) -> dict[str, Callable]:
+    """The routes timed beside the reference, by the name their columns take, each with how it is made from
+    the model: the routes of refdec.routes' table that a flag asks for (--fast, --graphed), the fast route on
+    int8 products (--int8) and the graphed route with its steps compiled (--fused, `fused_route`)."""
+    made = {name: partial(on_route, route=name) for name in ROUTES if getattr(args, name, False)}
+    if args.int8:
+        made["fast-int8"] = partial(on_route, route="fast", int8=True)
+    if args.fused:
+        made["graphed-fused"] = fused_route
+    return made
+
+
+def measure(model, args, qs: list[int]) -> tuple[dict, dict, dict, dict, dict]:
+    """Seconds per call of each route at each q (samples), of the one-row projection both ways (proj), of
+    the encoder (encoder), of the int8 route's parts (parts), over interleaved rounds after a warm-up, and
+    each route's logit_gaps (gaps). Routes: few-row and plain (refdec.routes.kernels), and those `beside`
+    gives, each wrapping the model, whose encoders are timed too; with --fast the matrix products alone of
+    the fast route's q = 1 call (time_products; kept with the encoder's figures), and for a graphed route
+    the step of its q = 1 call alone (time_replay: on a GPU the replay of its graph, without the Python
+    around it)."""
     # the model's own layers on the few-row product: the fast route's `reference` (for a family the fast
     # route does not write, on_route gives that KernelRoute itself, whose `reference` it is)
     routes = {"few-row": on_route(model, "fast").reference, "plain": model}
-    for name in ("fast", "graphed"):
-        if getattr(args, name):
-            routes[name] = on_route(model, name)  # the same model, wrapped
-    if args.fused:
-        routes["graphed-fused"] = on_route(model, "graphed", fused=True)
-    if args.int8:
-        routes["fast-int8"] = on_route(model, "fast", int8=True)
+    routes |= {name: make(model) for name, make in beside(args).items()}  # the same model, wrapped
     parts: dict[tuple[str, int], list[float]] = {}
     fast = routes.get("fast")
     device = model.tgt_embed.weight.device
@@ -157,13 +160,9 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
     W = model.tgt_embed.weight if model.out_proj is None else model.out_proj.weight
     W_t = W.t().contiguous()
     proj: dict[str, list[float]] = {"strided W.t()": [], "contiguous copy": []}
-    encoder: dict[str, list[float]] = {
-        "reference": [],
-        **({"fast": [], "fast products, q = 1": []} if args.fast else {}),
-        **({"graphed": [], "graphed replay, q = 1": []} if args.graphed else {}),
-        **({"graphed-fused": [], "graphed-fused replay, q = 1": []} if args.fused else {}),
-        **({"fast-int8": []} if args.int8 else {}),
-    }
+    encoder: dict[str, list[float]] = {"reference": [], **{name: [] for name in beside(args)}}
+    encoder |= {"fast products, q = 1": []} if args.fast else {}
+    encoder |= {f"{name} replay, q = 1": [] for name, m in routes.items() if hasattr(m, "step_of")}
     src = torch.full((args.rows, args.src), 11, device=device)
     enc_src = ragged_sources(src, model.cfg.pad_id) if args.ragged_src else src  # the encoder's timed batch
     print(
@@ -186,7 +185,7 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
                         samples[route, q].append(cost)
                 if timed and route == "fast":  # right after its calls, as warm as they were
                     encoder["fast products, q = 1"].append(time_products(fast, reps, args.rows))
-                if timed and route in ("graphed", "graphed-fused"):
+                if timed and hasattr(m, "step_of"):  # a graphed route: its step alone too
                     encoder[f"{route} replay, q = 1"].append(time_replay(m, memories[route], args.prefix, 1, reps))
                 if timed and route == "fast-int8":
                     for q in qs:
@@ -195,19 +194,33 @@ def measure(model, args, qs: list[int]) -> tuple[dict, dict, list[float]]:
             if not timed:
                 continue
             for name, w in (("strided W.t()", W.t()), ("contiguous copy", W_t)):
-                t0 = clock(device)
-                for _ in range(10):
-                    h @ w
-                proj[name].append((clock(device) - t0) / 10)
-            for name in ("reference", "fast", "graphed", "graphed-fused", "fast-int8"):  # the reference: decode.py's
-                if name in encoder:
-                    t0 = clock(device)
-                    routes.get(name, model).encode(enc_src)
-                    encoder[name].append(clock(device) - t0)
+                proj[name].append(seconds(lambda w=w: [h @ w for _ in range(10)], device) / 10)
+            for name in ("reference", *beside(args)):  # the reference: decode.py's
+                encoder[name].append(seconds(lambda name=name: routes.get(name, model).encode(enc_src), device))
     with torch.inference_mode():
-        beside = [route for route in routes if route not in ("few-row", "plain")]  # the reference's own layers
-        gaps = {route: logit_gaps(model, routes[route], src, args.prefix, qs) for route in beside}
+        gaps = {route: logit_gaps(model, routes[route], src, args.prefix, qs) for route in beside(args)}
     return samples, proj, encoder, parts, gaps
+
+
+def fused(step):
+    """A graphed route's step compiled by torch.compile (inductor) as one whole graph of fixed shapes: its
+    elementwise work (norms, masks, softmax, residuals, the writes into the cache) fused into fewer kernels,
+    the matrix products left to the BLAS (a GPU's cuBLAS, a CPU's oneDNN or MKL). Compiled at its first call
+    (on a GPU, the warm-up run before the capture), once per shape of step: every shape is one more
+    compilation of the same function, so it may keep more than torch.compile's default 8 (past which, with
+    fullgraph, it raises), for its own calls alone (refdec.compiling.compiled)."""
+    return compiled(step, FUSED_SHAPES, dynamic=False, fullgraph=True)
+
+
+FUSED_SHAPES = 1024  # compilations a fused step may keep: one per shape of step a measurement meets
+
+
+def fused_route(model):
+    """The graphed route with each step compiled before its capture (`fused`): a form to measure what
+    fusing buys, not a decoding route."""
+    route = on_route(model, "graphed")
+    route.prepare_step = fused
+    return route
 
 
 def logit_gaps(model, route, src: torch.Tensor, prefix: int, qs: list[int]) -> dict[int, float]:
@@ -273,7 +286,7 @@ def parser() -> argparse.ArgumentParser:
         "--fused",
         action="store_true",
         help="time the graphed route with each step compiled by torch.compile "
-        "(refdec.routes.graphed.fused) too: what fusing its elementwise work buys (compiled in the warm-up round, "
+        "(fused) too: what fusing its elementwise work buys (compiled in the warm-up round, "
         "seconds per shape; on the CPU a C++ compiler must be there)",
     )
     machine_options(p)
@@ -315,11 +328,7 @@ def run(args: argparse.Namespace) -> int:
     samples, proj, encoder, parts, gaps = measure(model, args, qs)
     med = {key: statistics.median(v) for key, v in samples.items()}
     B = args.rows
-    other_routes = (
-        [route for route in ("fast", "graphed") if getattr(args, route)]
-        + ["fast-int8"] * args.int8
-        + ["graphed-fused"] * args.fused
-    )  # the routes beside the reference
+    other_routes = list(beside(args))  # the routes beside the reference
     rows = [
         {
             "q": q,
@@ -378,8 +387,8 @@ def run(args: argparse.Namespace) -> int:
     if args.fast:
         whole = next((f" (of {r['fast_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
         print(f"fast route, the q = 1 call's matrix products alone: {enc['fast products, q = 1']:.3f} ms{whole}")
-    for route in ("graphed", "graphed-fused"):
-        if route in other_routes:
+    for route in other_routes:
+        if f"{route} replay, q = 1" in enc:
             whole = next((f" (of {r[f'{route}_ms']:.3f} ms for the whole call)" for r in rows if r["q"] == 1), "")
             print(
                 f"{route} route, the q = 1 call's step alone (on a GPU its graph's replay): "

@@ -70,7 +70,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..app.inputs import check_outputs
+from ..app.inputs import add_device, check_outputs
 from ..config import COMPILE_MODES
 from ..errors import UsageError, run_command
 from ..repo import REPO, check_files, list_files
@@ -185,11 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace the runs already in --out-dir (and let it lie in checkpoints/ or data/)",
     )
-    p.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        help="where the jobs train: cuda (the default, refused where "
-        "there is none, but for a smoke run, which then trains on the CPU) or cpu (even beside a GPU)",
+    add_device(
+        p,
+        default=None,
+        says="None: where the jobs train, cuda, refused where there is none but for a smoke run, which then "
+        "trains on the CPU; cpu trains there even beside a GPU",
     )
     p.add_argument(
         "--compile",
@@ -274,6 +274,8 @@ def job_environment(args) -> dict[str, str]:
     --verifier is sized for a CPU)."""
     import torch
 
+    if args.device not in (None, "cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: the jobs train on cuda or cpu")
     if args.device == "cpu":
         return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     if args.verifier and args.device == "cuda" and not torch.cuda.is_available():

@@ -52,7 +52,6 @@ from .pairing import Follower, check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats
 from .rows import Rows
 from .sampling import distribution, draw
-from .verify import verify_rows
 
 
 def rollback_rule(threshold: float):
@@ -111,18 +110,7 @@ def decode_bild(
             del out[len(out) - len(run) :]
         # Lines 8-10: fall back; one large-model call over every token since its last call finds m,
         # the first small-model token with d(p_L[m], p_S[m]) > rollback_threshold.
-        verified = verify_rows(
-            large,
-            rows.memory,
-            rows.cache,
-            rows.lasts(),
-            runs,
-            budgets=rows.budgets(),
-            eos_id=cfg.eos_id,
-            accept=accept,
-            choose=choose,
-        )
-        stats.verifier_calls += 1
+        verified = rows.verify(large, runs, accept=accept, choose=choose)
         stats.fallbacks += len(rows)
         rolled = [v.accepted < len(run) for v, run in zip(verified, runs)]
         stats.rollbacks += sum(rolled)

@@ -27,9 +27,10 @@ output. Approximate inference (section 5), each lossy:
     min_block  accept the first min_block - 1 proposals unconditionally, so every call adds at least
                min_block tokens (5.3); combines with either rule
 
-Batches: every row still decoding is verified in the same call (refdec.decoding.verify.verify_rows),
-its proposals padded to the longest; each row accepts its own prefix, its heads read its own row of
-the bifurcation, and a row that reaches eos or max_len leaves the batch (refdec.decoding.rows).
+Batches: every row still decoding is verified in the same call (Rows.verify:
+refdec.decoding.verify.verify_rows), its proposals padded to the longest; each row accepts its own
+prefix, its heads read its own row of the bifurcation, and a row that reaches eos or max_len leaves
+the batch (refdec.decoding.rows).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..proposal import ProposalHeads
 from .result import DecodeResult, DecodeStats, check_eval
 from .rows import Rows
 from .ties import argmax, rank
-from .verify import Verified, verify_rows
+from .verify import Verified
 
 BLOCK_RULES = ("exact", "top-k", "distance")
 
@@ -117,17 +118,7 @@ def decode_blockwise(
     while rows:
         # Verify (section 3): the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^,
         # all i in one call, which also gives p_1's own token after them.
-        verified = verify_rows(
-            model,
-            rows.memory,
-            rows.cache,
-            rows.lasts(),
-            proposals,
-            budgets=rows.budgets(),
-            eos_id=cfg.eos_id,
-            accept=accept,
-        )
-        stats.verifier_calls += 1
+        verified = rows.verify(model, proposals, accept=accept)
         # Accept: extend the output by the k^ verified tokens (p_1's own included); j <- j + k^.
         going = rows.commit(proposals, verified, drafted_by="heads")
         # Predict, merged into this call (section 4): y^_(j+i) = argmax p_i(. | y^_<=j, x), i = 2 .. k,

@@ -24,8 +24,9 @@ over the verifier) reads the verifier's encoder states: the encoder runs once fo
 
 Batches: every row still decoding drafts in one drafter call (refdec.drafter.draft_blocks: rows of
 different lengths padded, each row's masks open within its own row) and is verified in one
-verifier call (refdec.decoding.verify.verify_rows); each row accepts its own prefix, both caches
-keep a length per row, and a row that reaches eos or max_len leaves the batch (refdec.decoding.rows).
+verifier call (Rows.verify: refdec.decoding.verify.verify_rows); each row accepts its own prefix,
+both caches keep a length per row, and a row that reaches eos or max_len leaves the batch
+(refdec.decoding.rows).
 
 Stats: drafter and verifier calls, tokens per verifier call, and the time per part (PARTS:
 verifier encoder, drafter encoder, drafter decoder, verifier decoder; the caller's total minus
@@ -42,7 +43,6 @@ from .pairing import check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats, PartTimes
 from .rows import Rows
 from .ties import rank
-from .verify import verify_rows
 
 # The parts GAD's time is reported in, as the paper's table 15 (the caller's total minus these is "other").
 PARTS = ("verifier encoder", "drafter encoder", "drafter decoder", "verifier decoder")
@@ -107,25 +107,15 @@ def decode_gad(
         caches=[verifier.new_cache(B, capacity=max_len + 1), cache_d],
     )
     while rows:  # until eos or max_len
-        mem_v, mem_d = rows.memories
+        mem_d = rows.memories[1]  # the verifier's memory is rows.memory
         # Draft: o~_(j+1 .. j+k), the drafter's argmax at k masks after o_<=j (section 3.2).
         with times("drafter decoder"):
             drafts = draft_blocks(drafter.model, mem_d, cache_d, rows.prefixes(), k, drafter.layout)
         # Verify: o^_(j+i) given o_<=j and o~_(j+1 .. j+i-1), all i in one call (Eq. 7; GAD++: Eq. 8-9);
         # the bifurcation c is the first i where the draft fails.
         with times("verifier decoder"):
-            verified = verify_rows(
-                verifier,
-                mem_v,
-                rows.cache,
-                rows.lasts(),
-                drafts,
-                budgets=rows.budgets(),
-                eos_id=cfg.eos_id,
-                accept=accept,
-            )
+            verified = rows.verify(verifier, drafts, accept=accept)
         stats.drafter_calls += 1
-        stats.verifier_calls += 1
         # Accept: o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)). Finished rows leave the batch.
         rows.commit(drafts, verified, drafted_by="drafter")
     stats.module_seconds = dict(times.seconds)

@@ -38,8 +38,8 @@ Which suffix, and which occurrence of it, is a policy (`match`):
 SAD, the shallow form, is this same algorithm run on a model with a deep encoder and a shallow
 decoder (9+3 instead of 6+6): every decoder call gets cheaper, the encoder runs once per sentence.
 
-Batches: every row still decoding verifies its own draft in the same decoder call
-(refdec.decoding.verify.verify_rows): drafts of different lengths are padded, each row accepts its
+Batches: every row still decoding verifies its own draft in the same decoder call (Rows.verify:
+refdec.decoding.verify.verify_rows): drafts of different lengths are padded, each row accepts its
 own prefix and its cache keeps its own length. A row that reaches eos or max_len leaves the batch
 with its cache and memory rows (refdec.decoding.rows.Rows), so a batch costs what its longest
 sentence costs in calls.
@@ -52,7 +52,6 @@ import torch
 from ..model import Transformer
 from .result import DecodeResult, DecodeStats, check_eval
 from .rows import Rows
-from .verify import verify_rows
 
 MATCH_POLICIES = ("unique", "leftmost", "longest")
 
@@ -128,10 +127,7 @@ def decode_iad(
         drafts = [source_span(xs[b], i, max_draft) for b, i in zip(rows.alive, matches)]
         # Lines 4-5 (an empty draft: line 9): one parallel call decodes o~_(j+1) .. after the draft
         # (Eq. 5-6) and finds the bifurcation j + k.
-        verified = verify_rows(
-            model, rows.memory, rows.cache, rows.lasts(), drafts, budgets=rows.budgets(), eos_id=cfg.eos_id
-        )
-        stats.verifier_calls += 1
+        verified = rows.verify(model, drafts)
         # Lines 6-7 (10-11): o <- CAT(o, o~_(j+1 .. j+k)); j <- j + k. Finished rows leave the batch.
         rows.commit(drafts, verified, drafted_by="source", origin=matches)
     return rows.result(src.device)

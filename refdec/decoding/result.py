@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from ..timing import clock
 from ..trace import Step
 
 
@@ -91,11 +91,11 @@ class PartTimes:
 
     @contextlib.contextmanager
     def __call__(self, part: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start = clock()
         try:
             yield
         finally:
-            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
+            self.seconds[part] = self.seconds.get(part, 0.0) + clock() - start
 
 
 def check_eval(model: torch.nn.Module) -> None:

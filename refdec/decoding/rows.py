@@ -10,7 +10,8 @@ of `alive`; the outputs stay indexed by source row.
 
     rows <- every source row
     while rows:
-        each row drafts; one call verifies every row     (the algorithm)
+        each row drafts                                   (the algorithm)
+        verified = rows.verify(model, drafts)             (one call for every row: verify_rows, counted)
         rows.commit(drafts, verified)                     (append, count, trace, drop finished rows)
     return rows.result()
 """
@@ -20,10 +21,10 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..model import Memory
+from ..model import Memory, Transformer
 from ..trace import Step
 from .result import DecodeResult, DecodeStats, result_of
-from .verify import Verified, per_row, step_of
+from .verify import AcceptRule, ChooseRule, Verified, per_row, step_of, verify_rows
 
 
 class Rows:
@@ -81,6 +82,32 @@ class Rows:
     def done(self, out: list[int]) -> bool:
         """An output that ends in eos or has reached max_len is finished."""
         return bool(out) and out[-1] == self.eos_id or len(out) >= self.max_len
+
+    def verify(
+        self,
+        model: Transformer,
+        drafts: list[list[int]],
+        *,
+        accept: AcceptRule | list[AcceptRule] | None = None,
+        choose: ChooseRule | list[ChooseRule] | None = None,
+    ) -> list[Verified]:
+        """One verification call (refdec.decoding.verify.verify_rows) of every batch row's draft:
+        `model` over the verifier's memory and cache, row r fed its last committed token then
+        drafts[r], with what is left of its max_len as its budget; counted in stats.verifier_calls.
+        accept, choose: verify_rows's rules (one for every row, or a list of one per row)."""
+        verified = verify_rows(
+            model,
+            self.memory,
+            self.cache,
+            self.lasts(),
+            drafts,
+            budgets=self.budgets(),
+            eos_id=self.eos_id,
+            accept=accept,
+            choose=choose,
+        )
+        self.stats.verifier_calls += 1
+        return verified
 
     def record(self, r: int, step: Step) -> None:
         """Add `step` to batch row r's trace, when a trace is kept."""

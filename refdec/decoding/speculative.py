@@ -34,7 +34,6 @@ from .pairing import Follower, check_pair, encoder_passes, small_memory
 from .result import DecodeResult, DecodeStats
 from .rows import Rows
 from .sampling import distribution, draw
-from .verify import verify_rows
 
 
 @torch.inference_mode()
@@ -75,18 +74,7 @@ def decode_speculative(
             choose = [residual_draw(q, temperature, top_p, gen) for q in qs]
         # Algorithm 1: run M_p in parallel (p_1 .. p_(gamma+1)), determine the number of accepted
         # guesses n, adjust the distribution from M_p if needed and draw t from it.
-        verified = verify_rows(
-            large,
-            rows.memory,
-            rows.cache,
-            rows.lasts(),
-            drafts,
-            budgets=rows.budgets(),
-            eos_id=cfg.eos_id,
-            accept=accept,
-            choose=choose,
-        )
-        stats.verifier_calls += 1
+        verified = rows.verify(large, drafts, accept=accept, choose=choose)
         # Algorithm 1: return prefix + [x_1 .. x_n, t]. Finished rows leave the batch.
         rows.commit(drafts, verified, drafted_by="small")
     return rows.result(src.device)

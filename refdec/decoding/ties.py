@@ -55,9 +55,8 @@ def two_passes(logits: torch.Tensor) -> torch.Tensor:
     if n * BLOCK < V:  # the last ids, fewer than a block
         maxima = torch.cat([maxima, rows[:, n * BLOCK :].amax(dim=-1, keepdim=True)], dim=1)
     start = maxima.argmax(dim=-1) * BLOCK  # (N,) the first id of the first block holding the maximum
-    ids = (start[:, None] + torch.arange(BLOCK, device=logits.device)).clamp_max_(
-        V - 1
-    )  # a short last block repeats its last id
+    # (N, BLOCK) the ids of that block; a short last block repeats its last id
+    ids = (start[:, None] + torch.arange(BLOCK, device=logits.device)).clamp_max_(V - 1)
     return (start + rows.gather(1, ids).argmax(dim=-1)).view(logits.shape[:-1])
 
 

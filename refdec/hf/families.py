@@ -106,10 +106,11 @@ def marian_fields(config: dict, need) -> dict:
     }
 
 
-def bart_fields(config: dict, need) -> dict:
+def bart_fields(config: dict, need, *, start: int | None = 2) -> dict:
     """BartConfig (facebook/bart-base, bart-large, their GEC and summarisation fine-tunes): post-norm,
-    learned positions (offset 2), layernorm_embedding, final_logits_bias."""
-    config = {"pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2, **config}  # BartConfig's defaults
+    learned positions (offset 2), layernorm_embedding, final_logits_bias; `start` the configuration
+    class's default decoder_start_token_id (BartConfig's 2, MBartConfig none)."""
+    config = {"pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": start, **config}  # its defaults
     return {
         **_bart_like(config, need, activation="gelu", scale=False),
         "norm_first": False,
@@ -120,16 +121,9 @@ def bart_fields(config: dict, need) -> dict:
 
 
 def mbart_fields(config: dict, need) -> dict:
-    """MBartConfig (facebook/mbart-large-50*, mbart-large-cc25): pre-norm with final norms, learned
-    positions (offset 2), layernorm_embedding, final_logits_bias."""
-    config = {"pad_token_id": 1, "eos_token_id": 2, **config}
-    return {
-        **_bart_like(config, need, activation="gelu", scale=False),
-        "norm_first": True,
-        "positions": "learned",
-        "embed_norm": True,
-        "logits_bias": True,
-    }
+    """MBartConfig (facebook/mbart-large-50*, mbart-large-cc25): BART's fields but pre-norm with final
+    norms, and no default decoder_start_token_id."""
+    return {**bart_fields(config, need, start=None), "norm_first": True}
 
 
 def t5_fields(config: dict, need) -> dict:

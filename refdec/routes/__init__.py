@@ -16,6 +16,8 @@ on it unchanged, and each route is tested equal to the reference route:
                  products in int8 too
     graphed.py   GraphedRoute: the fast route's calls on static shapes, CUDA graphs on a GPU (--graphed)
     int8.py      int8 products with one activation scale per row, exact in int32
+    probes.py    every choice made by what this machine does (int8 kernels, grouped attention), its cache,
+                 its report, and the decisions read back from a machine report (REFDEC_MACHINE_REPORT)
     stamps.py    when a route's copy of a weight is out of date
 
 Every command and every caller of the decoders puts a model on a route with `on_route`; nothing
@@ -37,11 +39,22 @@ from .kernels import KernelRoute, Kernels, twin
 ROUTES = ("reference", "invariant", "fast", "graphed")
 
 
-def on_route(module: nn.Module, route: str = "reference", int8: bool = False, fused: bool = False):
+def check_route(route: str, int8: bool = False) -> None:
+    """A ValueError for a route that is not one of ROUTES, and for the one combination refused: int8
+    on the graphed route, which has no int8 form (refdec.app.loading tells a user so before loading)."""
+    if route not in ROUTES:
+        raise ValueError(f"unknown route {route!r}: one of {', '.join(ROUTES)}")
+    if route == "graphed" and int8:
+        raise ValueError(
+            "the graphed route has no int8 form: run --int8 (or :int8) without --graphed, on the fast "
+            "or the reference route"
+        )
+
+
+def on_route(module: nn.Module, route: str = "reference", int8: bool = False):
     """`module` (a Transformer, or proposal heads) on `route` (ROUTES), with `int8` its products in int8
-    (refdec.routes.int8; not on the graphed route), and `fused` the graphed route's steps compiled
-    (refdec.routes.graphed.fused: a measuring form, stepcost --fused). The module is not changed; the
-    reference route without int8 returns it as it is.
+    (refdec.routes.int8; not on the graphed route). The module is not changed; the reference route without
+    int8 returns it as it is.
 
         reference   the model as model.py reads (int8: a KernelRoute on the int8 products)
         invariant   a KernelRoute in row-invariant mode (int8 too: the int8 products, row-invariant)
@@ -51,15 +64,10 @@ def on_route(module: nn.Module, route: str = "reference", int8: bool = False, fu
 
     Proposal heads (any module other than a Transformer) get their twin on the route's kernels
     (refdec.routes.kernels.twin): a module of their own, in eval mode, holding the heads' weights."""
-    if route not in ROUTES:
-        raise ValueError(f"unknown route {route!r}: one of {', '.join(ROUTES)}")
-    if route == "graphed" and int8:
-        raise ValueError("the graphed route has no int8 form")
-    if fused and route != "graphed":
-        raise ValueError("only the graphed route has a fused form")
+    check_route(route, int8)
     kernels = Kernels(few_rows=route in ("fast", "graphed"), row_invariant=route == "invariant", int8=int8)
     if not isinstance(module, Transformer):
         return module if kernels == Kernels() else twin(module, kernels)
     if route in ("reference", "invariant") or not applies_to(module.cfg):
         return module if kernels == Kernels() else KernelRoute(module, kernels)
-    return GraphedRoute(module, fuse=fused) if route == "graphed" else FastRoute(module, int8)
+    return GraphedRoute(module) if route == "graphed" else FastRoute(module, int8)

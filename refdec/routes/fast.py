@@ -57,7 +57,7 @@ from ..cache import KVCache, Memory
 from ..config import ModelConfig
 from ..forced import before_source
 from ..model import Transformer
-from . import int8
+from . import int8, probes
 from .int8 import Int8Layout, QuantizedWeight
 from .kernels import KernelRoute, Kernels, Route
 from .stamps import stamp
@@ -164,14 +164,16 @@ def attend_each(
     (sequence, head) of a call the same way whatever the call's batch size, which is a property of the
     machine and of the shapes: on an AMD EPYC with AVX-512 at 2 threads it does not hold for 4 heads of
     8 dimensions at odd lengths of 9 to 31 (a sequence alone rounds otherwise than beside others), and
-    holds for 4 heads of 48. So neighbours go in one call only where `grouping_holds` found it on this
-    machine for that length, count, shape and thread count (`python -m refdec machine` lists them)."""
+    holds for 4 heads of 48. So neighbours go in one call only where this machine holds it for that
+    length, count, shape and thread count (refdec.routes.probes.grouping_holds, which checks it on
+    `attend_together`; `python -m refdec machine` lists them)."""
     q, k, v = (y.view(y.shape[0], H, -1) for y in (q, k, v))  # (N, H, Dh)
     a = x.new_empty(q.shape)  # (N, H, Dh)
     start = 0
     for n, run in itertools.groupby(length for length in lengths if length):  # (an empty one has no rows)
         r = len(list(run))  # r neighbours of n rows each: in one call, or each alone
-        step = n * r if r > 1 and grouping_holds(n, r, q.shape[1], q.shape[2], q.dtype) else n
+        grouped = r > 1 and probes.grouping_holds(n, r, q.shape[1], q.shape[2], q.dtype, attend_together)
+        step = n * r if grouped else n
         for first in range(start, start + n * r, step):
             span = slice(first, first + step)
             attend_together(q[span], k[span], v[span], n, a[span])
@@ -184,41 +186,6 @@ def attend_together(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, o
     keys, in one call of shape (r, H, n, Dh), written into out (r*n, H, Dh)."""
     q_, k_, v_ = (y.view(-1, n, *y.shape[1:]).transpose(1, 2) for y in (q, k, v))
     out.view(-1, n, *out.shape[1:]).copy_(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2))
-
-
-_grouping: dict[tuple, bool] = {}  # (length, count, heads, head size, dtype, threads) -> whether it holds
-
-
-def grouping_holds(n: int, r: int, H: int, Dh: int, dtype: torch.dtype) -> bool:
-    """Whether r sequences of n rows attended in one call (`attend_together`) each come out bitwise as
-    that sequence attended alone, on this machine at the current thread count: tried once per process
-    for each (n, r, H, Dh, dtype, thread count) on random sequences laid out as the encoder's (the values
-    do not change which instructions run; the shapes and the threads do), a few attention calls."""
-    key = (n, r, H, Dh, dtype, torch.get_num_threads())
-    held = _grouping.get(key)
-    if held is None:
-        g = torch.Generator().manual_seed(n * 131 + r)
-        q, k, v = (torch.randn(r * n, H, Dh, generator=g).to(dtype) for _ in range(3))
-        together, alone = torch.empty_like(q), torch.empty_like(q)
-        attend_together(q, k, v, n, together)
-        for i in range(0, r * n, n):
-            attend_together(q[i : i + n], k[i : i + n], v[i : i + n], n, alone[i : i + n])
-        held = _grouping[key] = torch.equal(together, alone)
-    return held
-
-
-def groupings_found() -> dict:
-    """What `grouping_holds` has found in this process, for a report: how many (length, count) shapes
-    it tried and held, per thread count, and the lengths where it did not hold (their sequences then
-    attend alone)."""
-    out: dict = {}
-    for threads, n, held in sorted((key[5], key[0], held) for key, held in _grouping.items()):  # by threads, length
-        entry = out.setdefault(f"{threads} thread(s)", {"tried": 0, "held": 0, "failed_lengths": []})
-        entry["tried"] += 1
-        entry["held"] += held
-        if not held and n not in entry["failed_lengths"]:
-            entry["failed_lengths"].append(n)
-    return out
 
 
 def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -319,6 +286,20 @@ class DecoderWeights:
             # The output embedding (V, D), tied or not, as (D, V): a step's logits are hidden @ vocab.
             self.vocab = self.place([model.tgt_embed if model.out_proj is None else model.out_proj], "weight")
 
+    def products(self, x: torch.Tensor) -> torch.Tensor:
+        """The matrix products of a decoder step over rows x (N, D) and nothing else, in the step's order,
+        on these weights: per layer the self-attention's queries-keys-values and output, the
+        cross-attention's queries and output, the two feed-forward products; then the vocabulary
+        projection. Not a decoder step (no attention, norms or cache): what the step's products alone
+        cost (refdec stepcost, refdec ctranslate2)."""
+        for w in self.layers:
+            torch.addmm(w["qkv_b"], x, w["qkv"])
+            torch.addmm(x, x, w["o"])
+            torch.addmm(w["cq_b"], x, w["cq"])
+            torch.addmm(x, x, w["co"])
+            torch.addmm(x, torch.addmm(w["b1"], x, w["w1"]), w["w2"])
+        return x @ self.vocab
+
     def place(self, modules: list[nn.Linear], name: str) -> torch.Tensor:
         """One (in, sum of outs) matrix (weights) or (sum of outs,) vector (biases): the modules'
         parameters side by side, copied."""
@@ -362,9 +343,7 @@ class FastRoute(Route):
         if not applies_to(model.cfg):
             raise ValueError("the fast route does not write this model's layers (refdec.routes.fast.applies_to)")
         if int8:
-            from .int8 import weight_levels
-
-            weight_levels()  # refuse at once on a machine whose int8 product is not exact
+            probes.weight_levels()  # refuse at once on a machine whose int8 product is not exact
         self.model, self.int8 = model, int8
         self.kernels = Kernels(few_rows=few_rows, int8=int8)
         self.reference = KernelRoute(model, self.kernels)

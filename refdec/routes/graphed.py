@@ -81,33 +81,14 @@ def capture(fn: Callable[[], None], pool, cuda=torch.cuda):
     return graph
 
 
-def fused(fn: Callable[[], None]) -> Callable[[], None]:
-    """fn compiled by torch.compile (inductor) as one whole graph of fixed shapes: its elementwise work
-    (norms, masks, softmax, residuals, the writes into the cache) fused into fewer kernels, the matrix
-    products left to the BLAS (a GPU's cuBLAS, a CPU's oneDNN or MKL). Compiled at its first call (on a
-    GPU, the warm-up run before the capture), once per shape of step. A measuring form of the route
-    (`on_route(model, "graphed", fused=True)`, timed by `stepcost --fused`): what fusing buys, not a
-    decoding route."""
-    # every shape of step is one more compilation of the same function: let each have its own, past the 8
-    # torch.compile allows by default (beyond which, with fullgraph, it raises)
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 1024)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
-    return torch.compile(fn, dynamic=False, fullgraph=True)
-
-
 class Replay:
     """A step: a function of static tensors alone (no arguments; it reads inputs filled before each
     call and writes its results into other static tensors). On CUDA it is captured at the first call
     and replayed at every later one; elsewhere it is called as it is."""
 
     def __init__(self, fn: Callable[[], None], device: torch.device, pool=None, cuda=None):
-        self.fn, self.graphed, self.pool, self.cuda = (
-            fn,
-            device.type == "cuda",
-            pool,
-            cuda,
-        )  # cuda: torch.cuda unless given
+        # cuda: torch.cuda unless given
+        self.fn, self.graphed, self.pool, self.cuda = fn, device.type == "cuda", pool, cuda
         self.graph = None
 
     def __call__(self) -> None:
@@ -201,19 +182,27 @@ class StaticKVCache(KVCache):
     ):
         self.pool, self.shape = pool, (n_layers, n_heads, head_dim)
         self.device, self.dtype = torch.device(device), dtype
-        self._end, self._lengths, self.prefix = 0, None, 0
-        self._move(bucket(batch), bucket(max(1, capacity) + MAX_STEP), batch)
+        slab = self._take(bucket(batch), bucket(max(1, capacity) + MAX_STEP))
+        storage = slab.k[:, :batch], slab.v[:, :batch]  # the slab's leading rows
+        super().__init__(n_layers, batch, n_heads, head_dim, slab.k.shape[3], storage=storage)
 
-    def _move(self, rows: int, capacity: int, batch: int) -> None:
-        """Take a slab of `rows` rows and `capacity` positions; the cache's `batch` rows are its leading ones."""
+    def _take(self, rows: int, capacity: int) -> Slab:
+        """Take a slab of `rows` rows and `capacity` positions from the pool, giving back the one held."""
         L, H, Dh = self.shape
         old = getattr(self, "slab", None)
         self.slab = self.pool.take(self, (L, rows, H, capacity, Dh), self.device, self.dtype)
-        self.k, self.v = self.slab.k[:, :batch], self.slab.v[:, :batch]
         if old is not None:
             old.owner = None
+        return self.slab
 
-    def _reserve(self, needed: int) -> None:
+    def _move(self, rows: int, capacity: int, batch: int) -> None:
+        """Take a slab of `rows` rows and `capacity` positions; the cache's `batch` rows are its leading ones."""
+        slab = self._take(rows, capacity)
+        self.k, self.v = slab.k[:, :batch], slab.v[:, :batch]
+
+    def reserve(self, needed: int) -> None:
+        """KVCache.reserve on storage whose every position holds a number already: nothing to zero;
+        past the capacity, a larger slab, the positions in use copied into it."""
         if needed <= self.capacity:
             return
         used, k, v = self.prefix + self._end, self.k, self.v
@@ -274,16 +263,20 @@ class GraphedRoute(FastRoute):
     """Wraps a Transformer so that its encoder and decoder calls take the graphed route where it applies
     (the module docstring), and the fast route's calls (FastRoute) where it does not."""
 
-    def __init__(self, model: Transformer, few_rows: bool = True, fuse: bool = False):
+    def __init__(self, model: Transformer, few_rows: bool = True):
         super().__init__(model, few_rows=few_rows)
-        self.fuse = fuse  # each step compiled before its capture (`fused`): a measuring form
         self.state: RouteState | None = None  # the captured steps and static storage (made at first use)
+        # what each step function goes through before its capture (None: nothing; `refdec stepcost --fused`
+        # compiles them there, to measure what fusing buys)
+        self.prepare_step: Callable[[Callable[[], None]], Callable[[], None]] | None = None
 
     def __deepcopy__(self, memo: dict) -> GraphedRoute:
-        return GraphedRoute(copy.deepcopy(self.model, memo), few_rows=self.kernels.few_rows, fuse=self.fuse)
+        twin = GraphedRoute(copy.deepcopy(self.model, memo), few_rows=self.kernels.few_rows)
+        twin.prepare_step = self.prepare_step
+        return twin
 
     def _replay(self, run: Callable[[], None], device: torch.device, pool) -> Replay:
-        return Replay(fused(run) if self.fuse else run, device, pool)
+        return Replay(self.prepare_step(run) if self.prepare_step else run, device, pool)
 
     def _state(self) -> RouteState:
         """The route's steps, checked against its layout and where the parameters live (once per decoding call)."""
@@ -362,7 +355,7 @@ class GraphedRoute(FastRoute):
         if max(offsets) + q > self.cfg.max_positions:
             return FastRoute.decode_hidden(self, tgt_new, memory, cache, open_from, layers, real)  # its check and error
         width = bucket(q)
-        cache._reserve(max(offsets) + width)  # the padded positions too
+        cache.reserve(max(offsets) + width)  # the padded positions too
         tgt_new = forced_tokens(self.cfg.decoder_prefix, tgt_new, cache, None, real)[0]
         step = self._decoder_step(memory, cache, width)
         step.tokens.fill_(self.cfg.pad_id)
@@ -439,7 +432,8 @@ class GraphedRoute(FastRoute):
             where = (row, head, at.clamp(max=C - 1)[:, None, :])  # (rows, H, width) positions in a layer's storage
 
             def store(i, k, v):  # the new keys and values at their positions; every position is read
-                # written into the slab itself (not a view of it), which a compiled step (`fused`) writes in place
+                # written into the slab itself (not a view of it), which a compiled step (stepcost --fused) writes
+                # in place
                 slab.k.index_put_((layer[i], *where), k)
                 slab.v.index_put_((layer[i], *where), v)
                 return slab.k[i, :rows], slab.v[i, :rows]

@@ -13,9 +13,10 @@ beside it: a verification call of q tokens would not compute what q greedy steps
 would not equal greedy on that route. Here every operation is either elementwise or a reduction
 over one row whose result does not depend on the order of its terms (a maximum), and the product
 accumulates integers exactly (|sum| <= in x 127 x 127 fits int32, and oneDNN's int8 product on CPU
-sums it without saturating: `exact_products` checks that once per process). So a row's output is a
-function of that row alone: bitwise the same alone, beside 7 other rows, or as one position of a
-verification call. Layer norms, residual sums and the scaling are per row or elementwise too.
+sums it without saturating: refdec.routes.probes.weight_levels checks that once per process, and
+gives 7-bit weights where it saturates at full range). So a row's output is a function of that row
+alone: bitwise the same alone, beside 7 other rows, or as one position of a verification call.
+Layer norms, residual sums and the scaling are per row or elementwise too.
 
 Attention in float64. What is left is attention, whose kernels round by the call's shape (a
 verification call's queries see their keys through a mask over a longer row; a batch pads its
@@ -42,47 +43,46 @@ values, since each output channel keeps its scale and the sums are exact, in few
 
 The product itself (`integer_products`, what product() computes the integer part by). Two kernels
 compute the same values: torch._int_mm, then the int32 sums converted to floating point once and
-times s_W in place (`rescale`), and oneDNN's fused int8 linear (`fused_kernel`,
+times s_W in place (`rescale`), and oneDNN's fused int8 linear (`fused_kernel`, that is
 `torch.ops.onednn.qlinear_pointwise`, on a CPU, float32) on weights packed for it once, which writes
 the int32 product, converted and times s_W, in one pass; the rows' scales and the bias or residual
 stream come after either, in one pass (`rescale` again). Which kernel is faster is a property of the
 machine, not of the code (on some CPUs the fused one is several times faster, on others far slower:
-`python -m refdec machine` prints what it finds here). So each weight shape's plan (`plan_for`, a
-`Plan`) is found on the machine, once per process and thread count, by timing both on random
-operands of that shape (`probe_plan`): the fused kernel is taken from the row count where it is
-faster (`takes_fused`), where it agrees bitwise with the plain form (`fused_kernel_exact`, checked
-once), and never where it is not faster. A plain product too large for the cache may be computed in
-blocks of rows (`row_blocks`), each block rescaled while its int32 sums are still in the cache: where
-the fused kernel is not taken at that size (a CPU or a torch build without it, a CPU where it is
-slower, float64 weights) and the probe found the blocks faster on this machine, and on other
-devices by size alone. None of these choices changes a value: every row's sums are exact and its
-rescaling elementwise, whichever kernel, block or plan computes it, so a timing that varies from run
-to run never changes an output. A ReLU between two products is folded into the second one's
-quantization (`quantize_relu_rows`, used by the fast route).
+`python -m refdec machine` prints what it finds here). So each weight shape's plan (`plan`, a
+refdec.routes.probes.Plan) is asked of refdec.routes.probes, which finds it once per process and
+thread count by timing both kernels on random operands of that shape (this module hands them over:
+KERNELS), or reads it from a machine report: the fused kernel is taken from the row count where it
+is faster (`takes_fused`), where it agrees bitwise with the plain form (checked once), and never
+where it is not faster. A plain product too large for the cache may be computed in blocks of rows
+(`row_blocks`), each block rescaled while its int32 sums are still in the cache: where the fused
+kernel is not taken at that size (a CPU or a torch build without it, a CPU where it is slower,
+float64 weights) and the probe found the blocks faster on this machine, and on other devices by size
+alone. None of these choices changes a value: every row's sums are exact and its rescaling
+elementwise, whichever kernel, block or plan computes it, so a timing that varies from run to run
+never changes an output. A ReLU between two products is folded into the second one's quantization
+(`quantize_relu_rows`, used by the fast route).
 
 Taking the route: `on_route(model, route, int8=True)` (refdec.routes) wraps a model so that its linear
 layers and output projection compute by these products: on the model's own layers (the reference
 route's KernelRoute, refdec.routes.kernels, Kernels(int8=True); with row-invariant mode too,
 `on_route(model, "invariant", int8=True)`, whose attention and norms then make every position's logits
 independent of the call shape), or on the fast route's layout (`on_route(model, "fast", int8=True)`,
-refdec.routes.fast). The model itself is not changed, so float
-runs and int8 runs read one model. Any call with gradients on takes the floating-point products. The
-int8 weights belong to the route: made from the weights as they are when first used, and made again
-when a weight has changed (refdec.routes.stamps: a write through the parameter, a new tensor, any
-optimizer step, fused ones included); a write through `.data` in place is not seen (call the route's
-`refresh()`, or wrap the model again, after one).
+refdec.routes.fast). The model itself is not changed, so float runs and int8 runs read one model. Any
+call with gradients on takes the floating-point products. The int8 weights belong to the route: made
+from the weights as they are when first used, and made again when a weight has changed
+(refdec.routes.stamps: a write through the parameter, a new tensor, any optimizer step, fused ones
+included); a write through `.data` in place is not seen (call the route's `refresh()`, or wrap the model
+again, after one).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
+from . import probes
 from .stamps import stamp
 
 LEVELS = 127  # symmetric int8: values -127 .. 127
@@ -100,7 +100,7 @@ class QuantizedWeight:
 
     def __init__(self, w_in_out: torch.Tensor, source: torch.Tensor):
         w = w_in_out.detach()
-        self.scale = (w.abs().amax(0) / weight_levels()).clamp_min(torch.finfo(w.dtype).tiny)  # (out,)
+        self.scale = (w.abs().amax(0) / probes.weight_levels()).clamp_min(torch.finfo(w.dtype).tiny)  # (out,)
         # (in, out), a view of an (out, in) contiguous matrix: oneDNN's int8 product reads it faster
         # that way than a contiguous (in, out) one
         self.q = torch.round(w / self.scale).to(torch.int8).t().contiguous().t()
@@ -195,8 +195,8 @@ def integer_products(
 
 def blocks_for(m: int, w: QuantizedWeight | JoinedWeight) -> list[slice]:
     """The blocks of rows an m-row plain product with w is computed in: on a CPU as this machine's plan
-    for w's shape says (`plan_for`), on other devices by size alone."""
-    return row_blocks(m, w.scale.shape[0], w.q.device.type != "cpu" or plan_for(*w.q.shape).blocks)
+    for w's shape says (`plan`), on other devices by size alone."""
+    return row_blocks(m, w.scale.shape[0], w.q.device.type != "cpu" or plan(*w.q.shape).blocks)
 
 
 def row_blocks(m: int, n: int, blocks: bool = True) -> list[slice]:
@@ -205,6 +205,12 @@ def row_blocks(m: int, n: int, blocks: bool = True) -> list[slice]:
     if not blocks or m * n <= BLOCK_ELEMENTS:
         return [slice(0, m)]
     return [slice(i, i + ROW_BLOCK) for i in range(0, m, ROW_BLOCK)]
+
+
+def blocked_from(n: int) -> int:
+    """The fewest rows from which an (m, n) plain product goes in blocks where a plan takes them: a
+    multiple of ROW_BLOCK, two blocks at least (where the probe times blocks against the whole product)."""
+    return max(2 * ROW_BLOCK, -(-(BLOCK_ELEMENTS + 1) // (n * ROW_BLOCK)) * ROW_BLOCK)
 
 
 def rescale(
@@ -227,7 +233,7 @@ def takes_fused(xq: torch.Tensor, w: QuantizedWeight | JoinedWeight) -> bool:
     and this machine's plan for w's shape takes it from M rows on."""
     if w.packed is None:
         return False
-    start = plan_for(*w.q.shape).fused_from
+    start = plan(*w.q.shape).fused_from
     return start is not None and xq.shape[0] >= start
 
 
@@ -251,10 +257,15 @@ def onednn_packed(q_in_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         )
 
 
+def fused_available() -> bool:
+    """Whether this torch build has oneDNN's fused int8 linear at all."""
+    return hasattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise") and torch.backends.mkldnn.is_available()
+
+
 def pack(q_in_out: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """onednn_packed(q_in_out) where the fused product may be taken: a float32 weight on a CPU whose plan
-    for this shape takes it (`plan_for`: faster here, and bitwise the plain form); else None."""
-    if scale.dtype != torch.float32 or scale.device.type != "cpu" or plan_for(*q_in_out.shape).fused_from is None:
+    for this shape takes it (`plan`: faster here, and bitwise the plain form); else None."""
+    if scale.dtype != torch.float32 or scale.device.type != "cpu" or plan(*q_in_out.shape).fused_from is None:
         return None
     return onednn_packed(q_in_out)
 
@@ -309,196 +320,16 @@ def joined(holder: dict, key, weights: list[QuantizedWeight]) -> JoinedWeight:
     return got
 
 
-# -- the int8 product's exactness on this CPU -----------------------------------------------------------
-@functools.cache
-def weight_levels() -> int:
-    """127, or 63 if this CPU's int8 product saturates at full range (x86 without VNNI sums pairs of
-    u8 x s8 products in int16; 7-bit weights keep those sums in range, as fbgemm's reduce_range does):
-    a property of the machine, found once per process."""
-    levels = next((n for n in (127, 63) if exact_products(n)), 0)
-    if not levels:
-        raise RuntimeError(
-            "torch._int_mm does not compute int8 products exactly on this machine; "
-            "the int8 route cannot run here (decode without --int8)"
-        )
-    return levels
+# -- which kernel computes a product: this machine's plan ---------------------------------------------------
+# What refdec.routes.probes times and checks to make this machine's plans: the very calls product() makes.
+KERNELS = probes.Int8Kernels(rescale, fused_kernel, onednn_packed, fused_available, row_blocks, blocked_from)
 
 
-@functools.cache
-def fused_kernel_exact() -> bool:
-    """Whether oneDNN's fused int8 kernel is there and computes exactly what torch._int_mm and
-    `rescale` compute (the int32 sums, converted, times the channel scales), bitwise, on extreme and
-    random operands of a few shapes, weights within +-weight_levels(): found once per process (and
-    only where a plan would take it: on a CPU where it is slow, these calls take seconds)."""
-    if not fused_available():
-        return False
-    g, levels = torch.Generator().manual_seed(0), weight_levels()
-    try:
-        for m, k, n in ((1, 768, 4096), (64, 256, 1024), (300, 1024, 256)):
-            x = torch.randint(-LEVELS, LEVELS + 1, (m, k), generator=g, dtype=torch.int8)
-            q = torch.randint(-levels, levels + 1, (n, k), generator=g, dtype=torch.int8).t()
-            x[0], q[:, 0] = LEVELS, -levels  # the largest sums
-            x[-1, ::2], x[-1, 1::2] = -LEVELS, LEVELS
-            scale = torch.rand(n, generator=g) * 1e-3 + 1e-6
-            got = fused_kernel(x, *onednn_packed(q), scale)
-            if not torch.equal(got, rescale(torch._int_mm(x, q), torch.ones(m, 1), scale, None)):
-                return False
-    except RuntimeError:  # a build or CPU whose oneDNN has no such kernel
-        return False
-    return True
-
-
-def fused_available() -> bool:
-    """Whether this torch build has oneDNN's fused int8 linear at all."""
-    return hasattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise") and torch.backends.mkldnn.is_available()
-
-
-# -- which kernel computes a product fastest on this CPU ---------------------------------------------------
-# The fused product is first tried from this many output values on, or for outputs this wide (the
-# vocabulary): the row counts the probe times it at (below, a call costs more than it could save).
-FUSED_ELEMENTS = 1 << 16
-FUSED_WIDTH = 1 << 12
-PROBE_ROUNDS = 5  # timed calls of each kernel per row count, interleaved; the fastest of each counts
-GIVE_UP = 10  # a fused call this many times slower than the plain one at one row is timed no further
-BLOCKS_MARGIN = 0.95  # row blocks are taken where they took less than this share of the whole product's time
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How this machine computes the int8 products of one weight shape, found by `probe_plan`:
-    `fused_from` the row count from which oneDNN's fused product is taken (None: never), `blocks`
-    whether a large plain product goes in blocks of rows (`row_blocks`), `timings`, what the probe
-    measured (kernel, rows, microseconds per call, the kernel it was timed against, its microseconds),
-    and `why`, the fused product's outcome in words."""
-
-    fused_from: int | None
-    blocks: bool
-    timings: tuple = ()
-    why: str = ""
-
-
-_plans: dict[tuple[int, int, int], Plan] = {}  # (k, n, threads) -> the plan probed for them
-
-
-def plan_for(k: int, n: int) -> Plan:
-    """This machine's plan for products with a (k, n) int8 weight at the current thread count: probed
-    at the first call of each (shape, thread count) in a process, then kept."""
-    key = (k, n, torch.get_num_threads())
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = probe_plan(k, n)
-    return plan
-
-
-def probe_plan(k: int, n: int) -> Plan:
-    """Times both kernels on random int8 operands of the weight's shape (the values do not change which
-    instructions run), interleaved, after a warm-up: the fused product at one row, then at the row counts
-    where product() would first take it (FUSED_ELEMENTS, FUSED_WIDTH) and four times that; it is taken
-    from the smallest of those from which it is faster at every count timed, where it agrees bitwise
-    with the plain form (`fused_kernel_exact`). Where it is GIVE_UP times slower at one row it is timed no
-    further (on a CPU where it is a thousand times slower, a larger call would take seconds). Then, where
-    a plain product of more than BLOCK_ELEMENTS values is computed by torch._int_mm, one such product
-    whole and in blocks of ROW_BLOCK rows: blocks where they were clearly faster (BLOCKS_MARGIN), not
-    where the two differ by the timing's noise."""
-    g = torch.Generator().manual_seed(k * 8191 + n)
-    levels = weight_levels()
-    q = torch.randint(-levels, levels + 1, (n, k), generator=g, dtype=torch.int8).t()  # laid out as QuantizedWeight's
-    scale = torch.rand(n, generator=g) * 1e-3 + 1e-6
-
-    def operands(m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randint(-LEVELS, LEVELS + 1, (m, k), generator=g, dtype=torch.int8), torch.ones(m, 1)
-
-    def plain(x, ones):
-        return rescale(torch._int_mm(x, q), ones, scale, None)
-
-    timings, fused_from, why = [], None, "this torch build has no oneDNN fused int8 product"
-    if fused_available():
-        packed = onednn_packed(q)
-
-        def fused_call(x, ones):
-            return fused_kernel(x, *packed, scale)
-
-        m0 = 1 if n >= FUSED_WIDTH else -(-FUSED_ELEMENTS // n)
-        t_fused, t_plain = race(fused_call, plain, operands(1), give_up=GIVE_UP)
-        timings.append(("fused", 1, t_fused, "plain", t_plain))
-        faster = {1: t_fused < t_plain}
-        if t_fused > GIVE_UP * t_plain:
-            why = f"{t_fused / t_plain:.0f}x slower than torch._int_mm and a rescaling at one row here"
-        else:
-            for m in (m0, 4 * m0):
-                if m not in faster:
-                    t_fused, t_plain = race(fused_call, plain, operands(m))
-                    timings.append(("fused", m, t_fused, "plain", t_plain))
-                    faster[m] = t_fused < t_plain
-            counts = [m for m in faster if m >= m0]
-            start = next((m for i, m in enumerate(counts) if all(faster[c] for c in counts[i:])), None)
-            if start is None:
-                why = "slower than torch._int_mm and a rescaling here"
-            elif not fused_kernel_exact():
-                why = "faster here, but not bitwise the plain form"
-            else:
-                fused_from, why = start, f"faster here from {start} row(s) on"
-    mb = max(2 * ROW_BLOCK, -(-(BLOCK_ELEMENTS + 1) // (n * ROW_BLOCK)) * ROW_BLOCK)  # rows from which blocks apply
-    blocks = False
-    if fused_from is None or mb < fused_from:
-        x, ones = operands(mb)
-        t_blocks, t_whole = race(lambda x, ones: [plain(x[b], ones[b]) for b in row_blocks(mb, n)], plain, (x, ones))
-        timings.append(("blocks", mb, t_blocks, "whole", t_whole))
-        blocks = t_blocks < BLOCKS_MARGIN * t_whole
-    return Plan(fused_from, blocks, tuple(timings), why)
-
-
-def race(f, g, args: tuple, give_up: float | None = None) -> tuple[float, float]:
-    """Microseconds per call of f(*args) and g(*args): the fastest of PROBE_ROUNDS calls each, interleaved,
-    after one call of each; after the first round, if f took `give_up` times g's time, that round alone."""
-    with torch.inference_mode():
-        f(*args), g(*args)
-        best_f = best_g = float("inf")
-        for _ in range(PROBE_ROUNDS):
-            t0 = time.perf_counter()
-            f(*args)
-            t1 = time.perf_counter()
-            g(*args)
-            t2 = time.perf_counter()
-            best_f, best_g = min(best_f, t1 - t0), min(best_g, t2 - t1)
-            if give_up is not None and best_f > give_up * best_g:
-                break
-    return best_f * 1e6, best_g * 1e6
-
-
-def plans_made() -> dict[str, dict]:
-    """Every plan this process has found, for a report: "K x N, T thread(s)" -> its choices and timings."""
-    out = {}
-    for (k, n, threads), plan in sorted(_plans.items()):
-        out[f"{k} x {n}, {threads} thread(s)"] = {
-            "fused_from_rows": plan.fused_from,
-            "row_blocks": plan.blocks,
-            "why": plan.why,
-            "timings_us": [
-                {"kernel": a, "rows": m, "us": round(ta, 1), "against": b, "against_us": round(tb, 1)}
-                for a, m, ta, b, tb in plan.timings
-            ],
-        }
-    return out
-
-
-def plan_cache() -> dict:
-    """The plans probed so far: (k, n, threads) -> Plan (functools.cache keeps no public view of its own)."""
-    return _plans
-
-
-def exact_products(levels: int) -> bool:
-    """Whether torch._int_mm equals the int64 product on extreme and random int8 operands, weights
-    within +-levels, for a few shapes (one row, a few rows, many)."""
-    g = torch.Generator().manual_seed(0)
-    for m, k, n in ((1, 768, 24), (5, 256, 40), (64, 1024, 16)):
-        x = torch.randint(-LEVELS, LEVELS + 1, (m, k), generator=g, dtype=torch.int8)
-        w = torch.randint(-levels, levels + 1, (k, n), generator=g, dtype=torch.int8)
-        x[0], w[:, 0] = LEVELS, -levels  # the largest sums
-        x[-1, ::2], x[-1, 1::2] = -LEVELS, LEVELS
-        if not torch.equal(torch._int_mm(x, w).long(), x.long() @ w.long()):
-            return False
-    return True
+def plan(k: int, n: int) -> probes.Plan:
+    """This machine's plan for products with a (k, n) int8 weight at the current thread count, asked of
+    refdec.routes.probes (plan_for: read from a machine report, or found by timing KERNELS on that shape
+    at the first call, then kept for the process)."""
+    return probes.plan_for(k, n, KERNELS)
 
 
 # -- the fast route's layout ------------------------------------------------------------------------------

@@ -11,12 +11,13 @@ under inference mode again, which nothing that trains does. What no stamp sees i
 `.data` in place (`p.data.mul_(2)`: `.data` has a counter of its own): after one, make the route again
 (or call its `refresh`).
 
-What the count costs a process that trains: importing this module registers one hook for every
-optimizer of the process (torch.optim's global post-step hook), a Python call that adds 1 to a counter
-at each step, well under a microsecond beside a step of milliseconds. Since the count is one for the
-whole process, any optimizer step, of any model, marks every route's copies out of date: a route
-used for decoding between training steps (a trainer's evaluation) makes its layout and int8 forms
-again at its next call after each step, one copy of the weights it lays out.
+What the count costs a process that trains: the first stamp taken (the first route copy made) registers
+one hook for every optimizer of the process (torch.optim's global post-step hook; importing refdec
+registers nothing), a Python call that adds 1 to a counter at each step, well under a microsecond beside
+a step of milliseconds. Steps taken before it need no counting: no copy existed to go out of date.
+Since the count is one for the whole process, any optimizer step, of any model, marks every route's
+copies out of date: a route used for decoding between training steps (a trainer's evaluation) makes
+its layout and int8 forms again at its next call after each step, one copy of the weights it lays out.
 """
 
 from __future__ import annotations
@@ -24,17 +25,17 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-_optimizer_steps = [0]  # optimizer steps taken in this process, by any optimizer
+_optimizer_steps = [0]  # optimizer steps taken in this process, by any optimizer, since the first stamp
+_counting: list = []  # the hook's handle, once the first stamp has registered it
 
 
 def _count_step(optimizer, args, kwargs) -> None:
     _optimizer_steps[0] += 1
 
 
-register_optimizer_step_post_hook(_count_step)
-
-
 def stamp(t: torch.Tensor) -> tuple:
     """What identifies a tensor's values without reading them (the module docstring)."""
+    if not _counting:  # the first copy of a weight is being made: from now on optimizer steps count
+        _counting.append(register_optimizer_step_post_hook(_count_step))
     version = None if t.is_inference() else t._version
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version, _optimizer_steps[0]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -19,6 +18,7 @@ import torch
 
 from .. import data as data_mod
 from ..checkpoint import file_sha256, load_checkpoint
+from ..compiling import cpp_compiler
 from ..config import ModelConfig, TrainConfig
 from ..tokenizer import Tokenizer
 from .corpus import encode_pairs, load_data, prepare_tokenizer
@@ -258,17 +258,6 @@ def compiles(cfg: TrainConfig, device: torch.device) -> bool:
             "one): install g++, or train with --compile off"
         )
     return True
-
-
-def cpp_compiler() -> str | None:
-    """The C++ compiler torch.compile would build CPU kernels with (g++, clang++, $CXX), or None."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        compiler = get_cpp_compiler()
-    except Exception:  # none found (torch raises its own error), or a torch without this helper
-        return None
-    return compiler if shutil.which(compiler) else None
 
 
 def device_pass_tokens(cfg: TrainConfig, shape: ModelConfig, device: torch.device) -> int:

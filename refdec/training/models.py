@@ -17,9 +17,17 @@ from ..model import Transformer
 
 def frozen_model(checkpoint: dict, device: torch.device) -> Transformer:
     """A checkpoint's model in float32 and eval mode, its weights frozen (an encoder or a teacher)."""
-    model = Transformer(ModelConfig.from_dict(checkpoint["model_config"]))
-    model.load_state_dict({k: v.float() for k, v in checkpoint["model"].items()})
-    return model.to(device).eval().requires_grad_(False)
+    return _float_model(checkpoint).to(device).eval().requires_grad_(False)
+
+
+def _float_model(checkpoint: dict, *, part: bool = False, **changes) -> Transformer:
+    """A Transformer of the checkpoint's shape with `changes` (ModelConfig fields), holding the checkpoint's
+    weights in float32: all of them, or with `part` those the model has (a decoder from a whole model's
+    first layers)."""
+    model = Transformer(replace(ModelConfig.from_dict(checkpoint["model_config"]), **changes))
+    state = {k: v.float() for k, v in checkpoint["model"].items()}
+    model.load_state_dict({k: state[k] for k in model.state_dict()} if part else state)
+    return model
 
 
 def build_model(
@@ -37,9 +45,7 @@ def build_model(
     if encoder is not None:
         return Transformer(cfg.model_config(vocab_size, d_memory=encoder.cfg.d_model)).to(device)
     if base is not None:
-        model = Transformer(replace(ModelConfig.from_dict(base["model_config"]), dropout=cfg.dropout))
-        model.load_state_dict({k: v.float() for k, v in base["model"].items()})
-        return model.to(device)
+        return _float_model(base, dropout=cfg.dropout).to(device)
     return Transformer(cfg.model_config(vocab_size)).to(device)
 
 
@@ -49,14 +55,13 @@ def decoder_from(base: dict, cfg: TrainConfig, encoder: Transformer) -> Transfor
     (the verifier) gives its embeddings, its first dec_layers decoder layers, its final norm and its
     output projection, so the drafter starts as the verifier's early exit."""
     shape = ModelConfig.from_dict(base["model_config"])
-    state = {k: v.float() for k, v in base["model"].items()}
     if shape.enc_layers == 0:
         if shape.memory_dim != encoder.cfg.d_model:
             raise TrainingError(
                 f"{cfg.init_from} reads encoder states of width {shape.memory_dim}, "
                 f"{cfg.encoder_from} gives {encoder.cfg.d_model}"
             )
-        model = Transformer(replace(shape, dropout=cfg.dropout))
+        return _float_model(base, dropout=cfg.dropout)
     else:
         differ = [
             f"{f} {getattr(cfg, f)} (the model's: {getattr(shape, f)})"
@@ -68,9 +73,6 @@ def decoder_from(base: dict, cfg: TrainConfig, encoder: Transformer) -> Transfor
                 f"a decoder started from {cfg.init_from} takes its width and at most its "
                 f"{shape.dec_layers} decoder layers: {', '.join(differ) or f'dec_layers {cfg.dec_layers}'}"
             )
-        model = Transformer(
-            replace(shape, enc_layers=0, dec_layers=cfg.dec_layers, d_memory=encoder.cfg.d_model, dropout=cfg.dropout)
+        return _float_model(  # the first dec_layers layers; no encoder
+            base, part=True, enc_layers=0, dec_layers=cfg.dec_layers, d_memory=encoder.cfg.d_model, dropout=cfg.dropout
         )
-        state = {k: state[k] for k in model.state_dict()}  # the first dec_layers layers; no encoder
-    model.load_state_dict(state)
-    return model

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .. import data as data_mod
 from ..adapters import SharedEncoder
 from ..checkpoint import average_states, file_sha256, load_checkpoint, referenced_file
+from ..compiling import compiled
 from ..config import TrainConfig
 from ..decoding.blockwise import decode_blockwise
 from ..decoding.gad import decode_gad
@@ -60,6 +61,7 @@ class Objective(torch.nn.Module):
     # The methods holding the tensor work of a training pass, free of Python-side choices (random
     # heads, drafter blocks, glancing): what `compile` hands to torch.compile.
     compiled_parts: tuple[str, ...] = ("forward",)
+    recompile_limit: int | None = None  # compilations of a part torch.compile may keep (None: its default, 8)
 
     def __init__(self, model: Transformer, cfg: TrainConfig, encoder: Transformer | None = None):
         super().__init__()
@@ -88,7 +90,7 @@ class Objective(torch.nn.Module):
         if self.compiled_with:
             raise RuntimeError(f"the objective is already compiled ({self.compiled_with})")
         for name in self.compiled_parts:  # an instance attribute: it shadows the method of the class
-            setattr(self, name, torch.compile(getattr(self, name), backend=backend, dynamic=True))
+            setattr(self, name, compiled(getattr(self, name), self.recompile_limit, backend=backend, dynamic=True))
         self.compiled_with = backend
 
     @classmethod
@@ -375,13 +377,11 @@ class ProposalHeadsLoss(Objective):
     ) -> ProposalHeadsLoss:
         return cls(model, heads, cfg)
 
-    def compile(self, backend: str = "inductor") -> None:
-        """Objective.compile; each head drawn is a graph of its own (its index picks a slice of the
-        heads' weights and of the targets), so torch.compile may keep one per head, not its default 8."""
-        import torch._dynamo
-
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.heads.k + 8)
-        super().compile(backend)
+    @property
+    def recompile_limit(self) -> int:
+        """Each head drawn is a graph of its own (its index picks a slice of the heads' weights and of the
+        targets), so torch.compile may keep one per head, not its default 8 (refdec.compiling.compiled)."""
+        return self.heads.k + 8
 
     def describe(self) -> str:
         cfg = self.cfg

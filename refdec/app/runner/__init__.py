@@ -10,7 +10,7 @@ runs interleaved (`decode_lines`, the timing loop), and write the first run's ou
     job.py      an --output file's job: refused, resumed or replaced; its record; the processes' parts merged
 
 Timing covers encoding and decoding of each batch (time.perf_counter around the decoder call, read
-once the device has finished its work: refdec.machine.clock), after a warm-up on the first sentences
+once the device has finished its work: refdec.timing.clock), after a warm-up on the first sentences
 that is not counted. With several runs the runs alternate batch by batch, and which goes first
 alternates too, so drift in machine speed hits all of them alike.
 """

@@ -89,8 +89,15 @@ class Job:
 
 
 def differences(stored: dict, record: dict) -> list[str]:
-    """The keys whose values differ between two job records."""
-    return sorted(k for k in stored.keys() | record.keys() if stored.get(k) != record.get(k))
+    """The keys whose values differ between two job records. A file is the same by its SHA-256 wherever it
+    lies: the paths a record keeps (`path`) say where it was, and a resumed run may name it another way."""
+
+    def comparable(value):
+        if isinstance(value, dict):
+            return {k: comparable(v) for k, v in value.items() if k != "path" or not value.get("sha256")}
+        return value
+
+    return sorted(k for k in stored.keys() | record.keys() if comparable(stored.get(k)) != comparable(record.get(k)))
 
 
 def open_job(output: Path, record: dict, n: int, *, resume: bool, rank: int = 0, world: int = 1, barrier=None) -> Job:
@@ -208,9 +215,7 @@ def job_record(args, spec, shared: dict, input_path: str, lines: list[str], load
 
     companions = {r: v for r, v in {**shared, **spec.companions}.items() if r in spec.algo.companion_roles}
     record = {
-        "input": input_path,
-        "input_sha256": text_sha256(lines),
-        "lines": len(lines),
+        "input": {"path": input_path, "sha256": text_sha256(lines), "lines": len(lines)},
         "model": model(loader.main_path),
         **{role: (v if str(v) == "early-exit" else model(v)) for role, v in sorted(companions.items())},
         "algo": spec.algo.name,

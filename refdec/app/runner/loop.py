@@ -13,8 +13,8 @@ from ... import data as data_mod
 from ...decoding import DecodeStats
 from ...errors import first_line
 from ...interrupt import sigint_deferred
-from ...machine import clock
 from ...progress import duration
+from ...timing import clock
 from ..inputs import max_len_for, warn
 from .buckets import batches, length_chunks
 from .record import Run

@@ -119,7 +119,9 @@ def decode_to_output(
         writer = OutputLines(out, render, job.start if job else 0, job.known if job else None)
     try:
         busy_now = busy_warning(busy.others(), torch.get_num_threads(), usable_cores(), "keep")
-        if busy_now:  # measured since the run started (at least MIN_WINDOW seconds), before any decoding
+        # measured since the run started (at least MIN_WINDOW seconds), before any decoding; under torchrun
+        # the other processes are this run's own
+        if busy_now and not (job and job.world > 1):
             warn(busy_now)
         handed = decode_lines(
             runs,
