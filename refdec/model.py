@@ -1,6 +1,6 @@
 """An encoder-decoder Transformer written out by hand (Vaswani et al. 2017, "Attention Is All You
-Need", figure 1), in the paper's order: positions (section 3.5), attention (3.2), the layers (3.1,
-3.3), then the model with its explicit KV cache for incremental decoding. Its entry points:
+Need", section 3 and figure 1), in the paper's order: positions (section 3.5), attention (3.2), the
+layers (3.1, 3.3), then the model with its explicit KV cache for incremental decoding. Its entry points:
 
     encode(src)                      -> Memory   encoder states + cross-attention K/V, once per source
     decode(tgt_new, memory, cache)   -> logits   (B, q, V) for q >= 1 new target tokens, appended to
@@ -15,15 +15,32 @@ and the parts they are made of, for callers that need what lies between them:
     forward = project(forward_hidden(src, tgt))       the same, teacher-forced
     early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
 
-The layers are torch's own (nn.Linear, nn.LayerNorm) and the attention and projection are computed as written here: this
-is the reference route, what a loaded checkpoint is and decode.py runs by default. Attention and the output product are
-modules of their own (ScaledDotProduct, OutputProduct, without parameters), like the linear layers and norms leaves of
-the module tree. The speed routes beside it (refdec.routes: other kernels for the same products, the fast and graphed
-routes, int8) wrap a model and compute the same mathematics another way, the model unchanged; this file knows nothing of
-them. A decoder call asks its cache where its new tokens go and what each may attend to (refdec.cache.KVCache.place);
-its layers append their keys and values through the answer. A model's forced decoder tokens (ModelConfig.decoder_prefix)
-are its own business (refdec.forced). Shapes: B batch, S source, T target, q new positions, L cached, H heads, Dh head
-dim, D d_model, V vocab.
+Reading this file. Each function and class is the paper's, and with ModelConfig's defaults computes
+what section 3 writes (but for refdec's default pre-norm: Sublayer). What section 3 does not have is
+set off by a tag in the comment of the lines it takes:
+
+    [family]    a variant of a family imported from Hugging Face (refdec.hf: Marian, BART, mBART, T5,
+                M2M100/NLLB, Pegasus): T5's relative position bias and unscaled scores, other position
+                tables, embedding norms, a gated feed-forward, a logits bias, forced prefix tokens; one
+                call into refdec.variants, refdec.positions or refdec.forced, or one config field read
+    [decoders]  an argument that a decoder beyond greedy, or its training, passes (GAD's block drafter,
+                BiLD's early exit and shared encoder, a batch of rows at different lengths); its default
+                is the paper's plain call (decode_hidden's docstring: who passes what)
+
+A comment that starts with a tag marks a line there for that alone (on an `if`, with its body; on a
+line of its own, with the statement below): a first reading skips it. A tag later in a comment names
+what changes in one of the paper's lines. Tags, not the variants in a class of their own: they act
+inside the paper's lines (a bias added to the scores, another table read), so a second class would
+repeat those lines, and with them the reference route that every exactness test compares against bit
+for bit. The speed routes (refdec.routes) use two seams here, ScaledDotProduct and OutputProduct: the
+paper's attention and output product as modules without parameters, which a route replaces in its twin
+of the model. The model, on torch's own layers (nn.Linear, nn.LayerNorm), stays as it is, and this file
+knows nothing of the routes: computed as written here, it is the reference route, what a loaded
+checkpoint is and what decode.py runs by default.
+
+A decoder call asks its cache where its new tokens go and what each may attend to
+(refdec.cache.KVCache.place); its layers append their keys and values through the answer. Shapes: B
+batch, S source, T target, q new positions, L cached, H heads, Dh head dim, D d_model, V vocab.
 """
 
 from __future__ import annotations
@@ -52,8 +69,8 @@ def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
 
 
 def position_table(cfg: ModelConfig) -> torch.Tensor:
-    """The (max_positions, d_model) float64 table cfg.positions names (imported families: refdec.positions)."""
-    if cfg.positions in FAMILY_TABLES:
+    """The (max_positions, d_model) float64 table cfg.positions names: section 3.5's sinusoids."""
+    if cfg.positions in FAMILY_TABLES:  # [family] Marian's, M2M100's (refdec.positions); zeros for learned, T5
         return FAMILY_TABLES[cfg.positions](cfg)
     return sinusoidal_positions(cfg.max_positions, cfg.d_model)
 
@@ -63,16 +80,16 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     blocked: torch.Tensor | None,
-    scale: float | None = None,
-    bias: torch.Tensor | None = None,
+    scale: float | None = None,  # [family] T5's 1.0 in place of 1/sqrt(Dh)
+    bias: torch.Tensor | None = None,  # [family] T5's relative position bias (refdec.variants.position_bias)
 ) -> torch.Tensor:
-    """Scaled dot-product attention (section 3.2.1).
+    """Scaled dot-product attention (section 3.2.1, equation 1): softmax(q k^T / sqrt(Dh)) v.
 
     q (B, H, q, Dh), k and v (B, H, L, Dh); blocked broadcasts to (B, H, q, L), True = may not attend.
-    Returns (B, H, q, Dh). T5 (refdec.variants): `scale` replaces 1/sqrt(Dh), `bias` joins the scores.
-    """
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)  # (B, H, q, L)
-    scores = scores if bias is None else scores + bias
+    Returns (B, H, q, Dh)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # equation 1's; [family] T5's 1.0
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, q, L)
+    scores = scores if bias is None else scores + bias  # [family] T5's relative position bias joins them
     if blocked is not None:
         scores = scores.masked_fill(blocked, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
@@ -92,7 +109,7 @@ class ScaledDotProduct(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         blocked: torch.Tensor | None,
-        bias: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,  # [family] T5's
     ) -> torch.Tensor:
         return attention(q, k, v, blocked, self.scale, bias)
 
@@ -102,14 +119,13 @@ class MultiHeadAttention(nn.Module):
     of the same states as the queries, or cached; cross-attention: of the encoder's)."""
 
     def __init__(self, cfg: ModelConfig, d_kv: int = 0):
-        super().__init__()  # d_kv: the width of the states keys and values are made from (0 = d_model)
-        # Dh = D / H, biases, scores scaled by 1/sqrt(Dh): the paper's, unless an imported family's cfg differs
+        super().__init__()  # Dh = D / H, scores x 1/sqrt(Dh), biases; [family] T5: its own Dh, x 1.0, no biases
         D = cfg.d_model
         self.h, self.dh = cfg.n_heads, cfg.head_dim
         self.heads = ScaledDotProduct(None if cfg.scale_attention else 1.0)  # every head at once
         inner = self.h * self.dh
         self.wq = nn.Linear(D, inner, bias=cfg.bias)
-        self.wk = nn.Linear(d_kv or D, inner, bias=cfg.bias)
+        self.wk = nn.Linear(d_kv or D, inner, bias=cfg.bias)  # d_kv 0: D; [decoders] another encoder's width
         self.wv = nn.Linear(d_kv or D, inner, bias=cfg.bias)
         self.wo = nn.Linear(inner, D, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
@@ -127,7 +143,7 @@ class MultiHeadAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         blocked: torch.Tensor | None,
-        bias: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,  # [family] T5's
     ) -> torch.Tensor:
         """x (B, q, D) queries over given keys/values (B, H, L, Dh); returns (B, q, D)."""
         B, q_len, _ = x.shape
@@ -138,26 +154,28 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Section 3.3: two linear maps with a ReLU between (an imported family's cfg: its activation and
-    biases, or the gated form w2(act(w1 x) * w3 x); refdec.variants)."""
+    """Section 3.3: two linear maps with a ReLU between, w2(relu(w1 x))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         D, d_ff, bias = cfg.d_model, cfg.d_ff, cfg.bias
         self.w1, self.w2 = nn.Linear(D, d_ff, bias=bias), nn.Linear(d_ff, D, bias=bias)
-        self.w3 = nn.Linear(D, d_ff, bias=bias) if cfg.gated_ff else None
-        self.act, self.drop = activation(cfg.activation), nn.Dropout(cfg.dropout)
+        self.w3 = nn.Linear(D, d_ff, bias=bias) if cfg.gated_ff else None  # [family] T5 v1.1's gate
+        self.act, self.drop = activation(cfg.activation), nn.Dropout(cfg.dropout)  # relu; [family] gelu, silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.w1(x))
-        return self.w2(self.drop(h if self.w3 is None else h * self.w3(x)))
+        if self.w3 is not None:  # [family] the gated form, w2(act(w1 x) * w3 x) (refdec.variants)
+            h = h * self.w3(x)
+        return self.w2(self.drop(h))
 
 
 class Sublayer(nn.Module):
-    """Residual + layer norm around a sublayer, pre-norm (x + f(norm(x))) or post-norm (norm(x + f(x)))."""
+    """Residual + layer norm around a sublayer: the paper's post-norm, norm(x + f(x)) (section 3.1), or
+    pre-norm, x + f(norm(x)) (cfg.norm_first, refdec's default)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        super().__init__()  # make_norm: nn.LayerNorm; [family] T5's RMSNorm
         self.norm, self.drop, self.norm_first = make_norm(cfg), nn.Dropout(cfg.dropout), cfg.norm_first
 
     def forward(self, x: torch.Tensor, f) -> torch.Tensor:
@@ -176,7 +194,7 @@ class EncoderLayer(nn.Module):
         self.sub1, self.sub2 = Sublayer(cfg), Sublayer(cfg)
 
     def forward(self, x: torch.Tensor, pad_block: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        def self_attn(h):  # bias: T5's relative position bias
+        def self_attn(h):  # bias: [family] T5's relative position bias, None for the paper's
             k, v = self.attn.project_kv(h)
             return self.attn.attend(h, k, v, pad_block, bias)
 
@@ -197,11 +215,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, new: NewPositions, memory: Memory, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x (B, q, D): the states of the new positions `new` (refdec.cache.NewPositions: their
-        masks, and the cache their keys and values go into); `bias` T5's relative position bias. Every
-        position takes every sublayer, as the paper writes it, a right-padded ragged batch's padding
-        too (its states are never read: causal attention keeps them out of every real position, and
-        the caller cuts them; the fast route skips the padding's feed-forward, refdec.routes.fast)."""
+        """x (B, q, D): the states of the new positions `new` (refdec.cache.NewPositions: their masks,
+        and the cache their keys and values go into); `bias`: [family] T5's relative position bias. Every
+        position takes every sublayer, as the paper writes it; [decoders] a right-padded batch's padding
+        too (never read: causal attention keeps it out of every real position, the caller cuts it)."""
 
         def self_attn(h):  # over the cache's keys and values, these positions' own appended
             k, v = new.keys_values(self.index, *self.self_attn.project_kv(h))
@@ -231,15 +248,15 @@ class Transformer(nn.Module):
         self.cfg = cfg
         D, V = cfg.d_model, cfg.vocab_size
         self.tgt_embed = nn.Embedding(V, D, padding_idx=cfg.pad_id)
-        # enc_layers 0: no encoder and no source embedding of its own (SharedEncoder gives the states).
+        # the source's own embedding, or the target's (tied); [decoders] enc_layers 0: neither, no encoder of
+        # its own (refdec.adapters.SharedEncoder gives another model's states)
         self.src_embed = (
             self.tgt_embed if cfg.tie_embeddings or not cfg.enc_layers else nn.Embedding(V, D, padding_idx=cfg.pad_id)
         )
         self.register_buffer("positions", position_table(cfg).to(self.tgt_embed.weight.dtype), persistent=False)
-        # An imported family's (refdec.variants): learned tables, T5's relative biases, embedding norms
-        self.src_positions, self.tgt_positions = learned_positions(cfg)
-        self.src_relative, self.tgt_relative = relative_biases(cfg)
-        self.src_embed_norm, self.tgt_embed_norm = embed_norms(cfg)
+        self.src_positions, self.tgt_positions = learned_positions(cfg)  # [family] BART's learned tables
+        self.src_relative, self.tgt_relative = relative_biases(cfg)  # [family] T5's relative position biases
+        self.src_embed_norm, self.tgt_embed_norm = embed_norms(cfg)  # [family] BART's layernorm_embedding
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.dec_layers))
         # Pre-norm stacks end with a norm (the residual stream is never normalised otherwise).
@@ -247,7 +264,7 @@ class Transformer(nn.Module):
         self.dec_norm = make_norm(cfg) if cfg.norm_first else nn.Identity()
         self.out_proj = None if cfg.tie_embeddings else nn.Linear(D, V, bias=False)
         self.output = OutputProduct()
-        self.register_buffer("logits_bias", torch.zeros(V) if cfg.logits_bias else None)  # final_logits_bias
+        self.register_buffer("logits_bias", torch.zeros(V) if cfg.logits_bias else None)  # [family] final_logits_bias
         self.drop = nn.Dropout(cfg.dropout)
         self.reset_parameters()
 
@@ -275,33 +292,39 @@ class Transformer(nn.Module):
     def embed_target(
         self, tokens: torch.Tensor, offset: int | torch.Tensor, real: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Section 3.4 + 3.5: tokens (B, T) -> (B, T, D), at positions offset .. offset + T - 1, offset one
-        int or (B,) one per row (a ragged cache). With `real` (B,) real tokens per row, the padding's
-        positions are clamped to the table's end (their states are never read): only real ones must fit."""
+        """Section 3.4 + 3.5: tokens (B, T) -> (B, T, D), at positions offset .. offset + T - 1.
+        [decoders] offset (B,): one per row (a ragged cache); `real` (B,): decode_hidden's."""
         return self._embed(tokens, offset, real, self.tgt_embed, self.tgt_positions, self.tgt_embed_norm)
 
     def _embed(
         self,
         tokens: torch.Tensor,
         offset: int | torch.Tensor,
-        real: torch.Tensor | None,
+        real: torch.Tensor | None,  # [decoders]
         embedding: nn.Embedding,
-        table: torch.Tensor | None,
-        norm: nn.Module,
+        table: torch.Tensor | None,  # [family] a learned table of the side's own, else None
+        norm: nn.Module,  # [family] BART's layernorm_embedding, else nn.Identity
     ) -> torch.Tensor:
+        """The embeddings x sqrt(d_model) (section 3.4) plus the encodings of the tokens' positions (3.5)."""
+        pos = self._positions_at(tokens, offset, real, self.positions if table is None else table)
+        scale = math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else 1.0  # [family] BART's, T5's: 1.0
+        x = norm(embedding(tokens) * scale + pos)
+        return self.drop(x) if self.training else x
+
+    def _positions_at(
+        self, tokens: torch.Tensor, offset: int | torch.Tensor, real: torch.Tensor | None, table: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows offset .. offset + T - 1 of `table`: (T, D), or [decoders] (B, T, D) for an offset (B,)
+        per row, the padding's beyond the `real` tokens clamped to the table's end (never read)."""
         T = tokens.shape[1]
         ends = offset + (T if real is None else real)
         top = int(ends.max()) if torch.is_tensor(ends) else ends
         if top > self.cfg.max_positions:
             raise ValueError(f"sequence of {top} positions exceeds max_positions={self.cfg.max_positions}")
-        table = self.positions if table is None else table  # the sinusoids, or a learned table of its own
-        if torch.is_tensor(offset) or real is not None:
+        if torch.is_tensor(offset) or real is not None:  # [decoders] a ragged cache, or padding
             at = torch.as_tensor(offset, device=tokens.device).reshape(-1, 1) + torch.arange(T, device=tokens.device)
-            pos = table[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
-        else:
-            pos = table[offset : offset + T]
-        x = norm(embedding(tokens) * (math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else 1.0) + pos)
-        return self.drop(x) if self.training else x
+            return table[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
+        return table[offset : offset + T]
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         """An empty cache for `batch` rows, in the model's dtype and on its device."""
@@ -314,10 +337,10 @@ class Transformer(nn.Module):
         """(B, q, D) final decoder states -> (B, q, V) logits, the output embedding (V, D) applied
         (section 3.4)."""
         W = self.tgt_embed.weight if self.out_proj is None else self.out_proj.weight  # (V, D)
-        if self.cfg.rescale_head:  # T5 v1.0's tied head reads d_model^-0.5 x the decoder's output
+        if self.cfg.rescale_head:  # [family] T5 v1.0's tied head reads d_model^-0.5 x the decoder's output
             hidden = hidden * (self.cfg.d_model**-0.5)
         logits = self.output(hidden, W)
-        return logits if self.logits_bias is None else logits + self.logits_bias
+        return logits if self.logits_bias is None else logits + self.logits_bias  # [family] final_logits_bias
 
     # -- entry points, and (secondary) the parts they are made of -------------------------------------
     def encode(self, src: torch.Tensor) -> Memory:
@@ -326,14 +349,15 @@ class Transformer(nn.Module):
 
     def encode_states(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder alone: src (B, S) -> states (B, S, D) and src_pad (B, S), True at padding."""
-        if not self.cfg.enc_layers:
+        if not self.cfg.enc_layers:  # [decoders] a decoder on another model's encoder has none of its own
             raise ValueError(
                 "this model has no encoder of its own: it reads another model's (refdec.adapters.SharedEncoder)"
             )
-        src = before_source(src, self.cfg.encoder_prefix)  # forced tokens (an NLLB model's language code)
+        src = before_source(src, self.cfg.encoder_prefix)  # [family] forced tokens (an NLLB model's language code)
         src_pad = src.eq(self.cfg.pad_id)  # (B, S)
         pad_block = padding_block(src_pad)  # (B, 1, 1, S) keys that are padding
-        x, bias = self.embed_source(src), position_bias(self.src_relative, 0, src.shape[1], src.shape[1])
+        x = self.embed_source(src)
+        bias = position_bias(self.src_relative, 0, src.shape[1], src.shape[1])  # [family] T5's; the paper's: None
         for layer in self.encoder:
             x = layer(x, pad_block, bias)
         return self.enc_norm(x), src_pad
@@ -348,23 +372,37 @@ class Transformer(nn.Module):
         tgt_new: torch.Tensor,
         memory: Memory,
         cache: KVCache,
-        open_from: int | torch.Tensor | None = None,
-        layers: int | None = None,
-        real: torch.Tensor | None = None,
+        open_from: int | torch.Tensor | None = None,  # [decoders] GAD's block drafter
+        layers: int | None = None,  # [decoders] BiLD's early exit
+        real: torch.Tensor | None = None,  # [decoders] a batch of rows with padding
     ) -> torch.Tensor:
-        """tgt_new (B, q) tokens at positions [cache.lengths[b], cache.lengths[b] + q) of row b ->
-        final states (B, q, D).
+        """The decoder stack over q new target tokens (section 3.1, a step of incremental decoding) -> their
+        final states (B, q, D), before decode's vocabulary projection. The q positions' keys and values
+        are appended to `cache` (cache.truncate undoes it).
 
-        Appends the q positions to `cache` (truncate it to undo). Causal by default; with `open_from`
-        = j (or (B,), one per row), new positions j .. q-1 see every new position of their row, each
-        other included (a block of masks that a non-autoregressive drafter fills in at once). `layers`
-        = n runs only the first n decoder layers (an early exit; `cache` then has n layers), then the
-        same final norm. `real` (B,): how many of the q tokens of each row are real, the rest right
-        padding of a ragged batch (the caller truncates them away). A forced decoder_prefix goes into
-        the cache's hidden prefix (refdec.cache.forced_tokens)."""
+        tgt_new    (B, q) token ids, row b's at positions cache.lengths[b] .. + q - 1: from every decoder,
+                   greedy and beam one token a row (through decode), the verifying decoders a draft at once.
+        memory     encode(src)'s Memory; [decoders] or attach's, from another model's encoder states.
+        cache      the KVCache of this decoder's past (new_cache). Its place() says where the new tokens go
+                   and what each may see: causally, the cache and the new positions up to its own.
+        open_from  [decoders] None: causal (the paper's). j, or (B,) one per row: new positions j .. q-1
+                   see every new position of their row, each other included, a block of masks filled in
+                   at once: GAD's block drafter (refdec.drafter.draft). No family needs it.
+        layers     [decoders] None: every decoder layer (the paper's). n: only the first n, then the same
+                   final norm, into a cache of n layers: an early exit, BiLD's small model
+                   (refdec.adapters.EarlyExit). No family needs it.
+        real       [decoders] None: every token of every row is real (the paper's). (B,): how many of each
+                   row's q tokens are, the rest right padding of rows at different lengths, never read and
+                   cut by the caller: batched verification (refdec.decoding.verify.verify_rows), the
+                   drafter's batched draft, a companion model kept in step (refdec.decoding.pairing).
+
+        The speed routes take the same arguments and run this method's code for open_from and layers
+        (refdec.routes). From the config, not the caller: [family] forced decoder tokens (decoder_prefix:
+        an NLLB model's language code) in the cache's hidden prefix (refdec.forced), and T5's relative
+        position bias (refdec.variants.position_bias); the paper's model has neither."""
         new = cache.place(tgt_new, self.cfg.decoder_prefix, open_from, real)  # positions, masks, forced tokens
         x = self.embed_target(new.tokens, new.offset, new.real)
-        bias = position_bias(self.tgt_relative, new.offset, new.tokens.shape[1], new.keys)  # T5's; None for the paper's
+        bias = position_bias(self.tgt_relative, new.offset, new.tokens.shape[1], new.keys)  # [family] T5's
         for layer in self.decoder[:layers]:  # each: self-attention over the cache, cross-attention, feed-forward
             x = layer(x, new, memory, bias)
         return self.dec_norm(new.commit(x))
@@ -378,16 +416,20 @@ class Transformer(nn.Module):
         return self.project(self.forward_hidden(src, tgt))
 
     def forward_hidden(
-        self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None, memory: Memory | None = None
+        self,
+        src: torch.Tensor,
+        tgt: torch.Tensor,
+        self_block: torch.Tensor | None = None,  # [decoders] a drafter's training
+        memory: Memory | None = None,  # [decoders] a decoder on another model's encoder
     ) -> torch.Tensor:
-        """forward() before the vocabulary projection: final decoder states (B, T, D). `self_block`
-        (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's training).
-        `memory` replaces encode(src) (a decoder on another model's encoder)."""
+        """forward() before the vocabulary projection: final decoder states (B, T, D). [decoders]
+        `self_block` (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's
+        training); `memory` replaces encode(src) (a decoder on another model's encoder)."""
         return self.dec_norm(self._decoder_layers(src, tgt, self_block, memory)[-1])
 
     def early_exit_hidden(self, src: torch.Tensor, tgt: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward_hidden's final states and, through the same final norm, the states after the first
-        `layers` decoder layers (an early exit's, BiLD's small model): (final, early), each (B, T, D)."""
+        """[decoders] forward_hidden's final states and, through the same final norm, the states after the
+        first `layers` decoder layers (an early exit's, BiLD's small model): (final, early), each (B, T, D)."""
         if not 1 <= layers < self.cfg.dec_layers:
             raise ValueError(f"an early exit needs 1 <= layers < {self.cfg.dec_layers}, got {layers}")
         states = self._decoder_layers(src, tgt)
@@ -398,13 +440,13 @@ class Transformer(nn.Module):
     ) -> list[torch.Tensor]:
         """Teacher forcing without a cache: the residual stream (B, T, D) after each decoder layer."""
         memory = self.encode(src) if memory is None else memory
-        new = teacher_forced(tgt, self.cfg.decoder_prefix, self_block)  # the forced tokens in, their states dropped
+        new = teacher_forced(tgt, self.cfg.decoder_prefix, self_block)  # the causal mask; [family] forced tokens in
         x = self.embed_target(new.tokens, 0)
-        bias = position_bias(self.tgt_relative, 0, new.keys, new.keys)
+        bias = position_bias(self.tgt_relative, 0, new.keys, new.keys)  # [family] T5's; the paper's: None
         states = []
         for layer in self.decoder:
             x = layer(x, new, memory, bias)
-            states.append(x[:, new.forced :])
+            states.append(x[:, new.forced :])  # [family] the forced tokens' states dropped
         return states
 
     def num_parameters(self) -> int:

@@ -5,6 +5,7 @@ a tiny corpus of one's own task (own_corpus)."""
 from __future__ import annotations
 
 import copy
+import functools
 import gzip
 import os
 import random
@@ -131,43 +132,19 @@ def rewrite_target(src: list[int]) -> list[int]:
     return [6 if t == 5 else t for t in src if t != 7]
 
 
-_COPY_MODELS: dict = {}
+COPY_MODEL = REPO / "tests" / "data" / "copy_model.pt"  # written by tests/data/make_copy_model.py
 
 
-def copy_model(seed: int = 0, steps: int = 400) -> Transformer:
-    """A tiny float64 model trained for a few seconds on rewrite_target: it copies most of its input,
-    so input-guided drafts are long and are both accepted and rejected (a random model copies nothing)."""
-    key = (seed, steps)
-    if key in _COPY_MODELS:
-        return _COPY_MODELS[key]
-    torch.manual_seed(seed)
-    vocab = 16
-    m = Transformer(
-        ModelConfig(
-            vocab_size=vocab, d_model=48, n_heads=4, d_ff=96, enc_layers=1, dec_layers=2, dropout=0.0, max_positions=64
-        )
-    )
-    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        lens = torch.randint(1, 13, (32,), generator=g).tolist()
-        srcs = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
-        tgts = [rewrite_target(s) for s in srcs]
-        S = max(map(len, srcs)) + 1
-        T = max(map(len, tgts)) + 2
-        src = torch.zeros(32, S, dtype=torch.long)
-        tgt = torch.zeros(32, T, dtype=torch.long)
-        for i, (s, t) in enumerate(zip(srcs, tgts)):
-            src[i, : len(s) + 1] = torch.tensor(s + [EOS_ID])
-            tgt[i, : len(t) + 2] = torch.tensor([1] + t + [EOS_ID])
-        logits = m(src, tgt[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tgt[:, 1:].reshape(-1), ignore_index=0)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    m = m.double().eval()
-    _COPY_MODELS[key] = m
-    return m
+@functools.cache
+def copy_model() -> Transformer:
+    """A tiny float64 model trained on rewrite_target: it copies most of its input, so input-guided
+    drafts are long and are both accepted and rejected (a random model copies nothing). Shipped, trained
+    in float32 once by tests/data/make_copy_model.py (whose docstring says why: weights that do not
+    depend on the CPU), and loaded here in float64, eval mode; one model for the whole session."""
+    saved = torch.load(COPY_MODEL, map_location="cpu", weights_only=True)
+    m = Transformer(ModelConfig(**saved["config"]))
+    m.load_state_dict(saved["state_dict"])
+    return m.double().eval()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,11 @@ around it are found in that order on one line. On docs/algorithms.md, which quot
 every other code span that is a bare snake_case name (`decode_beam`, `accept_row`) must also be a
 name in refdec/ or tests/ (other pages name other libraries' functions too). The README and every
 page of docs/ are read; well under a second.
+
+The decoders quote their papers the same way: each decoder's module docstring numbers its
+pseudo-code (`N: ...` at the start of a line, 1, 2, .. in order, as the paper numbers its algorithm
+where it does), and every "line N" or "lines N-M" in refdec/decoding/ (code, comments, docstrings)
+must name lines that its own module's pseudo-code has.
 """
 
 from __future__ import annotations
@@ -242,3 +247,51 @@ def test_a_changed_quoted_line_is_reported(tmp_path):
     # a name the page quotes bare, gone from the code
     (root / "docs" / "algorithms.md").write_text("\n".join(page + ["", "See `beam_search`."]) + "\n", encoding="utf-8")
     assert problems(root, pages) == [f"docs/algorithms.md:{len(page) + 2}: no name beam_search in refdec/ or tests/"]
+
+
+# -- the decoders' line references ---------------------------------------------------------------------------
+DECODERS = ["greedy.py", "iad.py", "gad.py", "blockwise.py", "bild.py", "speculative.py"]  # with numbered pseudo-code
+LINE_REF = re.compile(r"\b[Ll]ines? (\d+)(?:-(\d+))?")
+NUMBERED = re.compile(r"^ *(\d+): ", re.M)
+
+
+def numbered_lines(source: str) -> list[int]:
+    """The numbers of a module's pseudo-code: the lines of its docstring that begin `N: `."""
+    return [int(n) for n in NUMBERED.findall(ast.get_docstring(ast.parse(source)) or "")]
+
+
+def line_reference_problems(name: str, source: str) -> list[str]:
+    """Every "line N" / "lines N-M" of a module that names a line its docstring's pseudo-code lacks, and
+    pseudo-code not numbered 1, 2, .. in order; one line each (name:line: what)."""
+    numbered = numbered_lines(source)
+    out = [] if numbered == list(range(1, len(numbered) + 1)) else [f"{name}: pseudo-code numbered {numbered}"]
+    for n, line in enumerate(source.splitlines(), 1):
+        for m in LINE_REF.finditer(line):
+            first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+            if not (first <= last and first in numbered and last in numbered):
+                out.append(f"{name}:{n}: {m.group(0)!r} is not a line of the docstring's pseudo-code {numbered}")
+    return out
+
+
+def test_every_line_reference_of_a_decoder_is_a_line_of_its_pseudo_code():
+    found = []
+    for path in sorted((REPO / "refdec" / "decoding").glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        found += line_reference_problems(f"refdec/decoding/{path.name}", source)
+        if path.name in DECODERS and not numbered_lines(source):
+            found.append(f"refdec/decoding/{path.name}: its docstring numbers no pseudo-code")
+    assert not found, "\n".join(found)
+
+
+def test_a_line_reference_past_the_pseudo_code_is_reported():
+    source = '"""Doc.\n\n    1: a\n    2: b\n"""\n\nx = 1  # line 2\ny = 2  # lines 2-3\nz = 3  # Lines 0-1\n'
+    assert line_reference_problems("m.py", source) == [
+        "m.py:8: 'lines 2-3' is not a line of the docstring's pseudo-code [1, 2]",
+        "m.py:9: 'Lines 0-1' is not a line of the docstring's pseudo-code [1, 2]",
+    ]
+    assert line_reference_problems("m.py", source.replace("    2: b", "    3: b")) == [
+        "m.py: pseudo-code numbered [1, 3]",
+        "m.py:7: 'line 2' is not a line of the docstring's pseudo-code [1, 3]",
+        "m.py:8: 'lines 2-3' is not a line of the docstring's pseudo-code [1, 3]",
+        "m.py:9: 'Lines 0-1' is not a line of the docstring's pseudo-code [1, 3]",
+    ]

@@ -318,7 +318,7 @@ def test_trace_text_colour_is_the_plain_text_painted(tokenizer):
         assert "\x1b[" not in plain and strip_colour(colour) == plain, algo
     gad = trace_text("gad", 0, traces["gad"], tokenizer, colour=True)
     assert COLOURS["rejected"] in gad and COLOURS["accepted"] in gad and COLOURS["own"] in gad
-    assert "rollback x2" in trace_text("bild", 0, traces["bild"], tokenizer)
+    assert "rolled back 2 tokens (" in trace_text("bild", 0, traces["bild"], tokenizer)
 
 
 def test_colour_enabled_follows_the_terminal_and_no_color(monkeypatch):

@@ -113,6 +113,7 @@ def decode_main(ckpt, *args) -> int:
     return decode.main(["--task", "mt-en-de", "--model", str(ckpt / "model.pt"), "--threads", "1", "--quiet", *args])
 
 
+@pytest.mark.slow
 def test_an_output_with_work_in_it_is_refused_resumed_or_replaced(trained_tiny, lines_file, tmp_path, capsys):
     """Case: running the command again silently replaced a partial output (exit 0), and nothing resumed it.
     An --output that holds lines is refused unless --resume continues it (the same job: a record beside it,
@@ -144,6 +145,7 @@ def test_an_output_with_work_in_it_is_refused_resumed_or_replaced(trained_tiny, 
         assert decode_main(trained_tiny, *common, *bad) == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_output_dash_is_standard_output(trained_tiny, lines_file):
     """Case: `--output -` wrote a file named `-` (while `--input -` reads standard input)."""
     r = run_py(*DECODE, "--model", str(trained_tiny / "model.pt"), "--input", str(lines_file), "--limit", "5",

@@ -8,8 +8,12 @@ the wrong decoder state, a row given another row's draft), because verification 
 greedy's whatever is drafted. Here the drafts are known exactly (scripted proposal heads and
 drafters that know each row's greedy output), and the tests check what each call committed, which
 decoder state the heads read, each row's cache length and states, and the token taken at the
-bifurcation. docs/algorithms.md ("Which test catches which mutation") lists the changes tried and
-the tests that fail on each. Tiny float64 models; about a second in all.
+bifurcation. The rules the decoders decide by are worked out the same way: IAD's match of the
+output in its source, BiLD's fallback and rollback (a scripted small model beside the real large
+one), and speculative sampling's acceptance and residual at one position, whose emitted
+probabilities are computed in closed form and must be the large model's exactly.
+docs/algorithms.md ("Which test catches which mutation") lists the changes tried and the tests that
+fail on each. Tiny float64 models; about a second in all.
 """
 
 from __future__ import annotations
@@ -415,3 +419,168 @@ def test_iad_drafts_the_source_after_the_match():
         [17, 10, 33, 22, 21, 30, 34, 29, 13, 38, 36, 16, 18, 11],
     ]
     assert [committed(steps) for steps in r.trace] == [[11, 1, 2], [5] + [1] * 9]
+
+
+def test_iad_matches_the_shortest_unique_suffix_of_the_output():
+    """Guards IAD's match (`find_match`, Algorithm 1's line 3, the paper's `unique` policy): the
+    shortest suffix of the output that occurs exactly once in the source, aligned on its last token.
+    The source 17 10 33 22 5 21 9 9 22 21 30 34 13 38 36 (x_0 = bos, x_16 = eos) holds 21, 9 and 22
+    twice; the model's greedy output, max_len 16, is 17 10 33 22 21 30 34 13 38 36 16 18 9 22 21 30.
+    By hand, with "match" the x_i the output's last token aligns with:
+
+        call 1: bos is x_0: draft x_1 ..: 17 10 33 22 pass, 5 fails, the verifier's 21      5 tokens
+        call 2: 21 is x_6 and x_10, "22 21" only x_9 x_10: draft x_11 .. (30 34 13 38 36 eos):
+                5 pass, eos fails, the verifier's 16                                      6
+        call 3: 16 is not in the source: a greedy step, 18                                1
+        call 4: 18 neither: a greedy step, 9                                              1
+        call 5: 9 is x_7 and x_8, "18 9" nowhere: a greedy step, 22                       1
+        call 6: 22 is x_4 and x_9, "9 22" only x_8 x_9: draft x_10 .. (21 30 ..), cut to the
+                budget's 1 token: 21 passes, the verifier's 30                            2
+
+    Matches 0 10 - - - 9. The output is greedy's whatever is matched; only these counts see the
+    match. Guards a suffix compared one position off (call 2 then matches x_6 and drafts 9 9 ..), an
+    ambiguous suffix taken at its first occurrence instead of looking one token further (call 2
+    drafts from x_6 too), and a match aligned after or before the output's last token."""
+    m = verifier()
+    row = [17, 10, 33, 22, 5, 21, 9, 9, 22, 21, 30, 34, 13, 38, 36]
+    src = torch.tensor([row + [EOS_ID]])
+    r = decode_iad(m, src, max_len=16, trace=True)
+    assert r.tokens[0].tolist() == [17, 10, 33, 22, 21, 30, 34, 13, 38, 36, 16, 18, 9, 22, 21, 30]
+    assert r.tokens[0].tolist() == batch1_greedy(m, src, 16)[0].tolist()
+    assert [step.origin for step in r.trace[0]] == [0, 10, None, None, None, 9]
+    assert committed(r.trace[0]) == [5, 6, 1, 1, 1, 2]
+
+
+# -- BiLD's rules: fall back, roll back -------------------------------------------------------------------------
+class ScriptedSmall:
+    """BiLD's small model, scripted, in the place of its Follower (the cache kept in step, which a
+    script does not need): at output position q (1-based) of source row b, after greedy's tokens
+    y_1 .. y_(q-1), it writes y_q with probability 0.9, except at the positions in unsure[b], where its
+    largest probability is 0.3, and at those in wrong[b], where it writes, with probability 0.9, the
+    token wrong[b][q] instead. After any other prefix (one holding a wrong token) it is unsure."""
+
+    def __init__(self, refs: list[list[int]], unsure: list[set[int]], wrong: list[dict[int, int]], vocab: int):
+        self.refs, self.unsure, self.wrong, self.vocab = refs, unsure, wrong, vocab
+        self.rows = list(range(len(refs)))  # the source row of each batch row, as rows leave
+
+    def next_logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        out = []
+        for b, seq in zip(self.rows, sequences):
+            ref, q = self.refs[b], len(seq)  # seq is bos + the output so far: q - 1 tokens
+            on_path = seq[1:] == ref[: q - 1]
+            tok, top = self.wrong[b].get(q, ref[q - 1]) if on_path else PAD_ID, 0.9
+            if not on_path or q in self.unsure[b]:
+                top = 0.3
+            probs = torch.full((self.vocab,), (1 - top) / (self.vocab - 1), dtype=torch.float64)
+            probs[tok] = top
+            out.append(probs.log())
+        return torch.stack(out)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.rows = [self.rows[r] for r in rows.tolist()]
+
+
+def test_bild_falls_back_when_unsure_and_rolls_back_a_token_the_large_model_finds_unlikely(monkeypatch):
+    """Guards BiLD's two rules (Kim et al. 2023, Algorithm 1; `bild.py:small_run`, `bild.py:rollback_rule`)
+    with a scripted small model (ScriptedSmall) beside the real large one, fallback_threshold 0.5,
+    rollback_threshold 2.0, max_window 3, max_len 12: the small model writes while its largest
+    probability is at least 0.5 (0.9) and it wrote fewer than 3 tokens since the large model's last
+    call, falls back when unsure (0.3); the large model keeps a small-model token while -log p_L of it
+    is at most 2 (every greedy token here: at most 1.6), and rolls back at the first it finds
+    unlikely (its least likely token there, -log p_L above 20), committing its own token there. By hand:
+
+        row 0 (greedy y_1 .. y_12; unsure at 6, writes a wrong token at 5):
+            run y_1 y_2 y_3 (window full)  -> all kept, + y_4               commits 4
+            run w_5 (then unsure)          -> w_5 rolled back, y_5          1, a rollback
+            run nothing (unsure at 6)      -> y_6: a large-model step        1
+            run y_7 y_8 y_9 (window)       -> + y_10                         4
+            run y_11 y_12: max_len, leaves without a large-model check       2, unverified
+        row 1 (greedy y_1 .. y_10 eos; unsure at 2, wrong at 7):
+            run y_1 (then unsure)          -> + y_2                          2
+            run y_3 y_4 y_5 (window)       -> + y_6                          4
+            run w_7                        -> w_7 rolled back, y_7           1, a rollback
+            run y_8 y_9 y_10 (window)      -> + eos: leaves                  4
+
+    4 large-model calls, each a fallback of both rows (8 fallbacks), 2 rollbacks; both outputs are
+    the large model's greedy ones. Guards the fallback comparison turned round (writing when unsure),
+    the rollback comparison turned round (keeping the unlikely token, rolling back greedy's), a
+    window of one token more, and a row given another row's confidence."""
+    from refdec.decoding import bild as bild_module
+    from refdec.decoding.bild import decode_bild
+
+    m, refs = verifier(), references()
+    srcs, rows = sources()[[1, 0]], [refs[1], refs[0]]
+    wrong_at = [5, 7]
+    with torch.no_grad():  # -log p_L at each position of each row's greedy output
+        nll = [
+            -torch.log_softmax(m.project(states(m, alone(srcs, b), ref[:-1])[None])[0], -1)
+            for b, ref in enumerate(rows)
+        ]
+    wrong = [{q: int(nll[b][q - 1].argmax())} for b, q in enumerate(wrong_at)]  # the large model's least likely
+    for b, (ref, q) in enumerate(zip(rows, wrong_at)):  # greedy's tokens at most 2, the wrong ones above
+        assert float(nll[b][range(len(ref)), ref].max()) <= 2.0 < float(nll[b][q - 1, wrong[b][q]]), b
+        assert wrong[b][q] != EOS_ID, b
+    small = ScriptedSmall(rows, [{6}, {2}], wrong, m.cfg.vocab_size)
+    monkeypatch.setattr(bild_module, "Follower", lambda model, memory, capacity: small)
+    r = decode_bild(
+        m, m, srcs, max_len=MAX_LEN, fallback_threshold=0.5, rollback_threshold=2.0, max_window=3, trace=True
+    )
+    assert [t.tolist() for t in r.tokens] == [rows[0], rows[1][:-1]]
+    assert [committed(steps) for steps in r.trace] == [[4, 1, 1, 4, 2], [2, 4, 1, 4]]
+    assert [[s.rollback for s in steps] for steps in r.trace] == [[0, 1, 0, 0, 0], [0, 0, 1, 0]]
+    assert [[s.verified for s in steps] for steps in r.trace] == [[1, 1, 1, 1, 0], [1, 1, 1, 1]]
+    assert (r.stats.verifier_calls, r.stats.fallbacks, r.stats.rollbacks) == (4, 8, 2)
+
+
+# -- speculative sampling: one position's acceptance and residual ----------------------------------------------
+def test_speculative_sampling_emits_each_token_with_the_large_models_probability(monkeypatch):
+    """Guards speculative sampling's two rules at one drafted position (Leviathan et al. 2023,
+    Algorithm 1; `speculative.py:residual_test`, `speculative.py:residual_draw`) in closed form, on 5
+    tokens, in sixteenths:
+
+        q, the small model's         4  4  4  2  2     x ~ q is drafted
+        p, the large model's         8  2  0  3  3
+        min(1, p(x) / q(x))          1 1/2 0  1  1     x is kept with this probability: mass 10/16
+        max(0, p - q)                4  0  0  1  1     a rejection (mass 6/16) draws from this / 6
+
+    so y is emitted with probability q(y) min(1, p(y) / q(y)) + 6/16 (4 0 0 1 1)(y) / 6 = 8 2 0 3 3:
+    p exactly. The test reads both rules off the code: the acceptance probability of each x as the
+    fraction of N uniforms (k + 1/2) / N it keeps (exact here, every min(1, p/q) a multiple of 1/N;
+    torch.rand replaced by them for one call), and the residual as what residual_draw hands `draw`
+    (replaced by one that records it). After a whole window kept, the next token is drawn from p.
+
+    Guards the residual's sign turned round (max(0, q - p), 0 2 4 0 0: the output then follows q, not
+    p), a rejection drawn from p, from q or from |p - q|, keeping every drafted token (emitted: q),
+    keeping x with probability p(x) or q(x) / p(x), and the residual left unnormalised or normalised
+    by anything but its mass (softmax, its maximum): what `draw` is handed is then no distribution,
+    or the wrong one. min(1, p/q) without the min is the same test, r < p/q for every r < 1; no test
+    can tell them apart."""
+    from refdec.decoding import speculative
+
+    p = torch.tensor([8, 2, 0, 3, 3], dtype=torch.float64) / 16
+    q = torch.tensor([4, 4, 4, 2, 2], dtype=torch.float64) / 16
+    logits = p.log()  # the large model's logits at the position: distribution(logits) is p (log 0: -inf)
+    gen, n = torch.Generator().manual_seed(0), 48
+
+    def uniforms(size, *, generator, dtype):
+        assert size == n and generator is gen and dtype == torch.float64
+        return (torch.arange(n, dtype=dtype) + 0.5) / n
+
+    kept = []
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "rand", uniforms)
+        for x in range(5):  # the one position n times, each with its own uniform
+            test = speculative.residual_test([q] * n, 1.0, 1.0, gen)
+            kept.append(float(test(logits.expand(n, 5), torch.full((n,), x)).double().mean()))
+    handed = []
+    monkeypatch.setattr(speculative, "draw", lambda probs, generator: handed.append(probs) or 0)
+    choose = speculative.residual_draw([q], 1.0, 1.0, gen)
+    choose(logits, 0, True)  # x_1 rejected: the token drawn in its place
+    choose(logits, 1, False)  # the window of 1 kept: the token after it
+    residual, after = handed
+    accept = torch.tensor(kept, dtype=torch.float64)
+    emitted = q * accept + (1 - (q * accept).sum()) * residual
+    assert (emitted - p).abs().max() < 1e-12, (emitted * 16).tolist()
+    assert kept == [1.0, 0.5, 0.0, 1.0, 1.0]
+    assert (residual - torch.tensor([4, 0, 0, 1, 1], dtype=torch.float64) / 6).abs().max() < 1e-12, residual.tolist()
+    assert (after - p).abs().max() < 1e-12

@@ -38,18 +38,28 @@ def fresh(monkeypatch):
     monkeypatch.delenv(probes.REPORT_VARIABLE, raising=False)
 
 
-@pytest.fixture
-def report(fresh, tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def made_report(tmp_path_factory):
     """A machine report on a random checkpoint's shapes at this thread count (`refdec machine --model`,
-    over LENGTHS x COUNTS), and the checkpoint: (report, checkpoint)."""
-    ckpt = random_checkpoint(tmp_path / "ckpt")
-    monkeypatch.setattr(command, "LENGTHS", LENGTHS)
-    monkeypatch.setattr(command, "COUNTS", COUNTS)
-    path = tmp_path / "machine.json"
+    over LENGTHS x COUNTS), made once for the module with decisions of its own, and the checkpoint."""
+    folder = tmp_path_factory.mktemp("machine")
+    ckpt = random_checkpoint(folder / "ckpt")
+    path = folder / "machine.json"
     threads = str(torch.get_num_threads())
-    assert command.main(["--model", str(ckpt), "--threads", threads, "--report", str(path)]) == 0
-    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(probes, "decided", probes.Decisions())
+        mp.delenv(probes.REPORT_VARIABLE, raising=False)
+        mp.setattr(command, "LENGTHS", LENGTHS)
+        mp.setattr(command, "COUNTS", COUNTS)
+        assert command.main(["--model", str(ckpt), "--threads", threads, "--report", str(path)]) == 0
     return path, ckpt
+
+
+@pytest.fixture
+def report(fresh, made_report, capsys):
+    """made_report, for a test whose process has made and read no decision yet (`fresh`)."""
+    capsys.readouterr()
+    return made_report
 
 
 def sources(lengths: list[int], vocab: int) -> torch.Tensor:
@@ -167,6 +177,7 @@ def test_a_report_from_another_machine_or_not_a_machine_report_is_refused_in_one
         assert "python -m refdec machine" in err or "cannot be read" in err
 
 
+@pytest.mark.slow
 def test_the_machine_command_probes_everything_now_whatever_the_variable_says(report, monkeypatch, capsys):
     """`refdec machine` reads no machine report: with REFDEC_MACHINE_REPORT set, its plans are timed again
     (its printout shows the timings) and its report records no source."""

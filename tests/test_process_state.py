@@ -8,6 +8,7 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import REPO
 
@@ -16,6 +17,7 @@ import refdec
 EVERY_MODULE = [m.name for m in pkgutil.walk_packages(refdec.__path__, "refdec.") if not m.name.endswith("__main__")]
 
 
+@pytest.mark.slow
 def test_importing_every_module_changes_nothing_process_wide():
     """Case: importing refdec.routes.stamps registered a hook on every optimizer of the process, and
     building a graphed route or a compiled objective raised torch._dynamo's recompile limits for good.

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import UsageError
 from ..repo import install_hint
-from ..trace import Step, how_drafted, iterations, token_pieces, words
+from ..trace import Step, how_drafted, iad_notes, iterations, source_tokens, token_pieces, words
 from . import report, runner
 from .exactness import same_model
 
@@ -231,7 +231,9 @@ def legend_html() -> str:
         f'<p class="legend">{chips} &nbsp; Each numbered row is one iteration: one call of the model whose '
         f"output is produced (GAD: the drafter's block D, then what verification kept V). A drafted token is "
         f"copied from the source (IAD), drafted by the drafter (GAD), proposed by the heads (blockwise) or "
-        f"written by the small model S (BiLD, speculative decoding; L marks the large model's own token). "
+        f"written by the small model S (BiLD, speculative decoding; L marks the large model's own token). GAD's "
+        f"drafter always fills its block: the tokens after its own &lt;/s&gt; are filler, never committed. "
+        f"IAD's notes number the source's tokens from 1, as its row x does. "
         f"Beam search: the token each live beam added at each step, best beam first. Tokens are drawn as the "
         f"words they spell; a thin line inside a word marks where one token ends and the next begins (the "
         f"word's tokens are in its tooltip).</p>"
@@ -310,6 +312,13 @@ def steps_html(algo: str, steps: list[Step], piece) -> str:
     if algo == "beam":
         return beam_html(steps, piece)
     rows = []
+    if algo == "iad" and steps and steps[0].source:  # the source's tokens, numbered as the notes count them
+        rows.append(
+            f'<div class="it source"><span class="k">x</span><span class="toks">'
+            f"{html.escape(source_tokens(steps[0].source, piece))}</span>"
+            '<span class="how">the source token by token, numbered from 1</span></div>'
+        )
+    notes = iad_notes(steps, piece) if algo == "iad" else []
     for n, s in enumerate(steps, 1):
         acc = tagged(s.drafted[: s.accepted], "accepted")
         own = tagged([s.own], "own") if s.own is not None else []
@@ -331,13 +340,14 @@ def steps_html(algo: str, steps: list[Step], piece) -> str:
                 if s.verified
                 else f"S wrote {len(s.drafted)} after the last L call"
             )
-            how += ", rollback" if s.rollback else ""
+            how += f", rolled back {len(s.rejected)}" if s.rejected and algo == "bild" else ""
+            how += f", rejected {len(s.rejected)}" if s.rejected and algo == "speculative" else ""
             how += ", L wrote 1" if s.own is not None else ""
             body = (f'<span class="who">S</span>{chips(acc + rej, piece)}' if s.drafted else "") + (
                 f'<span class="who">L</span>{chips(own, piece)}' if own else ""
             )
         else:
-            how = how_drafted(s)
+            how = notes[n - 1] if notes else how_drafted(s)
             body = chips(acc + own + rej, piece)
         rows.append(
             f'<div class="it"><span class="k">{n}</span><span class="toks">{body}</span>'

@@ -339,6 +339,7 @@ def run(args) -> int:
     settings = {
         "batch_size": sorted({r.batch_size for r in runs}) if args.batch_sizes else runs[0].batch_size,
         "batch_tokens": args.batch_tokens,
+        "window": args.window,
         "max_len": args.max_len,
         "row_invariant": args.invariant,
         "fast_route": args.fast,

@@ -3,19 +3,31 @@ Decoder", section 3, Algorithm 1).
 
 A small model decodes autoregressively while it is confident; the large model steps in only when
 it is not, and then checks in one non-autoregressive call everything the small model wrote since
-the large model's last call:
+the large model's last call. The paper's Algorithm 1, numbered as the paper numbers it:
 
-    y <- []
-    while y[-1] != eos:
-        p_S <- small(y)
-        if max p_S[-1] >= fallback_threshold and the small model wrote fewer than max_window tokens
-        since the large model's last call:
-            y <- y + [sample(p_S[-1])]                               # small model's token
-        else:                                                        # fallback
-            p_L <- large(y)          one call over every token since the large model's last call
-            m <- the first small-model token with d(p_L[m], p_S[m]) > rollback_threshold
-            if m exists: y <- y[:m] + [sample(p_L[m])]               # rollback
-            else:        y <- y + [sample(p_L[-1])]
+     1: y <- []
+     2: while y[-1] != eos:
+     3:     p_S <- small(y)
+     4:     if max p_S[-1] >= fallback_threshold (and the small model wrote fewer than max_window
+            tokens since the large model's last call):
+     5:         # use the small model's prediction
+     6:         y <- y + [sample(p_S[-1])]
+     7:     else:
+     8:         # fall back to the large model
+     9:         p_L <- large(y)          one call over every token since the large model's last call
+    10:         m <- the first small-model token with d(p_L[m], p_S[m]) > rollback_threshold
+    11:         if m exists:
+    12:             # roll back: use the large model's prediction
+    13:             y <- y[:m] + [sample(p_L[m])]
+    14:         else:
+    15:             # no rollback: use the large model's prediction
+    16:             y <- y + [sample(p_L[-1])]
+    17: return y
+
+Line 4 is section 3.3's fallback policy, which falls back when max p_S < fallback_threshold (the
+algorithm's line 4 writes max p_S > the threshold for the small model's turn; the two differ only
+at equality); max_window, a cap on the small model's run, is refdec's (the paper's run ends only on
+the threshold).
 
 d is the paper's distance: the cross-entropy of the small model's (hard) token under the large
 model's distribution, -log p_L(y_m). Sampling is argmax by default, nucleus (top-p) sampling from

@@ -1,9 +1,13 @@
 """Blockwise parallel decoding (Stern, Shazeer, Uszkoreit 2018, sections 3-5) with the combined
-scoring and proposal model (section 4, figure 2): one model call per iteration.
+scoring and proposal model (section 4, figure 2): one model call per iteration. Section 3 lists
+the three substeps unnumbered; the line numbers are this docstring's own, which the comments below
+point at:
 
-    predict   y^_(j+i) = argmax p_i(. | y^_<=j, x),  i = 1 .. k      (proposal heads, refdec.proposal)
-    verify    the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^
-    accept    extend the output by y^_(j+1) .. y^_(j+k^)
+     1: y^ <- (), j <- 0
+     2: repeat until the output ends (eos, max_len):
+     3:     predict   y^_(j+i) = argmax p_i(. | y^_<=j, x),  i = 1 .. k      (proposal heads, refdec.proposal)
+     4:     verify    the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^
+     5:     accept    extend the output by y^_(j+1) .. y^_(j+k^); j <- j + k^
 
 Merged (section 4): the call that verifies the k - 1 proposed tokens also runs the heads at every
 position, so the heads at the row where verification stopped already hold the next block's
@@ -115,13 +119,13 @@ def decode_blockwise(
         caches=[model.new_cache(B, capacity=max_len + k + 1)],
     )
     proposals: list[list[int]] = [[] for _ in rows.alive]  # per batch row; the first call proposes nothing
-    while rows:
-        # Verify (section 3): the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^,
+    while rows:  # line 2
+        # Line 4, verify (section 3): the largest k^ with y^_(j+i) = argmax p_1(. | y^_<=j+i-1, x) for i <= k^,
         # all i in one call, which also gives p_1's own token after them.
         verified = rows.verify(model, proposals, accept=accept)
-        # Accept: extend the output by the k^ verified tokens (p_1's own included); j <- j + k^.
+        # Line 5, accept: extend the output by the k^ verified tokens (p_1's own included); j <- j + k^.
         going = rows.commit(proposals, verified, drafted_by="heads")
-        # Predict, merged into this call (section 4): y^_(j+i) = argmax p_i(. | y^_<=j, x), i = 2 .. k,
+        # Line 3, predict, merged into this call (section 4): y^_(j+i) = argmax p_i(. | y^_<=j, x), i = 2 .. k,
         # by the heads at the position that produced each row's last token.
         proposals = propose(model, heads, [verified[r] for r in going], k)
     return rows.result(src.device)

@@ -1,15 +1,17 @@
 """Generalized aggressive decoding (GAD, GAD++; Ge et al. 2022, section 3.2): a non-autoregressive
-drafter proposes a block, the autoregressive verifier checks it in one call.
+drafter proposes a block, the autoregressive verifier checks it in one call. Section 3.2 gives the
+iteration in prose (its Draft and Verify), not as a numbered algorithm; the line numbers are this
+docstring's own, which the comments below point at:
 
-    repeat until eos or max_len:
-        draft    o~_(j+1 .. j+k) = argmax of the drafter at k mask positions after o_<=j
-                 (section 3.2's draft equation, unnumbered)
-        verify   o^_(j+i) = argmax P_AR(. | o_<=j, o~_(j+1 .. j+i-1))                    (Eq. 7)
-                 c = the first i with o~_(j+i) != o^_(j+i) (the bifurcation)
-        accept   o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)); j <- j + c
+     1: repeat until eos or max_len:
+     2:     draft    o~_(j+1 .. j+k) = argmax of the drafter at k mask positions after o_<=j
+                     (section 3.2's draft equation, unnumbered)
+     3:     verify   o^_(j+i) = argmax P_AR(. | o_<=j, o~_(j+1 .. j+i-1))                    (Eq. 7)
+     4:              c = the first i with o~_(j+i) != o^_(j+i) (the bifurcation)
+     5:     accept   o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)); j <- j + c
 
 Every accepted token is the verifier's argmax, so GAD's output is the verifier's greedy output.
-GAD++ (Eq. 8-9) relaxes the test: a drafted token passes when it is among the verifier's top_beta
+GAD++ (Eq. 8-9) relaxes line 4's test: a drafted token passes when it is among the verifier's top_beta
 tokens and its log-probability is within tau of the top-1's. top_beta=1, tau=0 is GAD.
 
 The drafter (refdec.drafter.Drafter: the model, the k it was trained for and its layout, as its
@@ -106,17 +108,17 @@ def decode_gad(
         memories=[mem_v, mem_d],
         caches=[verifier.new_cache(B, capacity=max_len + 1), cache_d],
     )
-    while rows:  # until eos or max_len
+    while rows:  # line 1: until eos or max_len
         mem_d = rows.memories[1]  # the verifier's memory is rows.memory
-        # Draft: o~_(j+1 .. j+k), the drafter's argmax at k masks after o_<=j (section 3.2).
+        # Line 2, draft: o~_(j+1 .. j+k), the drafter's argmax at k masks after o_<=j (section 3.2).
         with times("drafter decoder"):
             drafts = draft_blocks(drafter.model, mem_d, cache_d, rows.prefixes(), k, drafter.layout)
-        # Verify: o^_(j+i) given o_<=j and o~_(j+1 .. j+i-1), all i in one call (Eq. 7; GAD++: Eq. 8-9);
+        # Lines 3-4, verify: o^_(j+i) given o_<=j and o~_(j+1 .. j+i-1), all i in one call (Eq. 7; GAD++: Eq. 8-9);
         # the bifurcation c is the first i where the draft fails.
         with times("verifier decoder"):
             verified = rows.verify(verifier, drafts, accept=accept)
         stats.drafter_calls += 1
-        # Accept: o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)). Finished rows leave the batch.
+        # Line 5, accept: o_(j+1 .. j+c) = (o~_(j+1 .. j+c-1), o^_(j+c)). Finished rows leave the batch.
         rows.commit(drafts, verified, drafted_by="drafter")
     stats.module_seconds = dict(times.seconds)
     return rows.result(src.device)

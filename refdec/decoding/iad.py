@@ -2,27 +2,34 @@
 with Shallow Aggressive Decoding"; Ge et al. 2022, section 3.1, Algorithm 1).
 
 In rewriting tasks (grammatical error correction) the output is mostly a copy of the input. IAD
-drafts the input itself and lets the model verify the draft in one parallel decoder call:
+drafts the input itself and lets the model verify the draft in one parallel decoder call. Ge et al.'s
+Algorithm 1, numbered as the paper numbers it (Sun et al.'s Algorithm 1 is the same, line for line):
 
     Input: model, x = (bos, x_1 .. x_n, pad), o = (o_0) = (bos)
-    j <- 0
-    while o_j != eos and j < max_len:
-        if a suffix o_(j-q .. j), q >= 0, is a unique substring of x, ending at x_i:
-            draft x_(i+1) ..  (up to the pad; at most max_draft tokens)
-            verify it in one decoder call; the bifurcation j + k is the first position where the
-            model's argmax differs from the draft; append o~_(j+1 .. j+k) (the verified tokens,
-            the model's own token at the bifurcation included); j <- j + k
-        else:
-            one ordinary greedy step; j <- j + 1
+     1: j <- 0
+     2: while o_j != eos and j < max_len:
+     3:     if a suffix o_(j-q .. j), q >= 0, is a unique substring of x, ending at x_i:
+     4:         aggressive decode o~_(j+1 ..): the draft x_(i+1) .. (up to the pad; at most max_draft
+                tokens) fed after o_<=j, every position in one decoder call (Eq. 5-6)
+     5:         find the bifurcation j + k (k > 0): o~_(j+1 .. j+k-1) = x_(i+1 .. i+k-1), o~_(j+k) != x_(i+k)
+     6:         o <- CAT(o, o~_(j+1 .. j+k))   (the verified tokens, the model's own token at the
+                                                bifurcation included)
+     7:         j <- j + k
+     8:     else:
+     9:         decode o*_(j+1) = argmax P(o_(j+1) | o_<=j, x): one ordinary greedy step
+    10:         o <- CAT(o, o*_(j+1))
+    11:         j <- j + 1
+    12:     end if
+    13: end while
 
 Every verified token is the model's argmax given the tokens before it, so the output is
 token-for-token the greedy output (refdec.decoding.verify has the argument). refdec's sources end
 in eos, so x here is (bos, x_1 .. x_n, eos, pad): a sentence the model copies verbatim is accepted
-with its eos in a single call. The pad sentinel guarantees a bifurcation in the paper, a drafted
-position the model never agrees with; refdec's verification step always returns the model's token
+with its eos in a single call. The pad sentinel guarantees a bifurcation in the paper (line 5), a
+drafted position the model never agrees with; refdec's verification step always returns the model's token
 after the last drafted one, which is that guarantee, so the sentinel only marks where drafts end
 and is never fed to the decoder. A step with nothing to draft is a verification of an empty draft:
-one greedy step. Rejected positions leave the KV cache by `truncate`, never by recomputation.
+one greedy step (lines 9-11). Rejected positions leave the KV cache by `truncate`, never by recomputation.
 
 Which suffix, and which occurrence of it, is a policy (`match`):
 
@@ -57,7 +64,8 @@ MATCH_POLICIES = ("unique", "leftmost", "longest")
 
 
 def find_match(x: list[int], out: list[int], policy: str = "unique", max_suffix: int = 0) -> int | None:
-    """The index i in x after which to draft (x[i] aligns with out[-1]), or None for a greedy step.
+    """The index i in x after which to draft (x[i] aligns with out[-1]), or None for a greedy step:
+    Algorithm 1's line 3, the suffix o_(j-q .. j) ending at x_i, under the match policy `policy`.
 
     x: the source as (bos, x_1 .. x_n, eos, pad); out: the output so far, starting with bos.
     max_suffix: longest suffix of `out` tried, in tokens (0 = no limit)."""
@@ -121,6 +129,7 @@ def decode_iad(
         caches=[model.new_cache(B, capacity=max_len + widest)],
     )
     xs = [[cfg.bos_id] + row[row.ne(cfg.pad_id)].tolist() + [cfg.pad_id] for row in src]
+    rows.sentence_marks["source"] = [tuple(x[1:-1]) for x in xs]  # the trace's Step.source: x_1 .. x_n, eos
     while rows:  # Algorithm 1, line 2: while o_j != eos and j < max_len
         # Line 3: a suffix of o found in x, ending at x_i; line 4: draft x_(i+1) .., stopping before the pad.
         matches = [find_match(xs[b], prefix, match, max_suffix) for b, prefix in zip(rows.alive, rows.prefixes())]
@@ -128,6 +137,7 @@ def decode_iad(
         # Lines 4-5 (an empty draft: line 9): one parallel call decodes o~_(j+1) .. after the draft
         # (Eq. 5-6) and finds the bifurcation j + k.
         verified = rows.verify(model, drafts)
-        # Lines 6-7 (10-11): o <- CAT(o, o~_(j+1 .. j+k)); j <- j + k. Finished rows leave the batch.
+        # Lines 6-7 (after a greedy step, lines 10-11): o <- CAT(o, o~_(j+1 .. j+k)); j <- j + k. Finished rows
+        # leave the batch.
         rows.commit(drafts, verified, drafted_by="source", origin=matches)
     return rows.result(src.device)

@@ -47,6 +47,7 @@ class Rows:
         self.alive = list(range(batch)) if max_len > 0 else []  # source row of each batch row still decoding
         self.outs: list[list[int]] = [[] for _ in range(batch)]  # output tokens after bos, per source row
         self.steps: list[list[Step]] | None = [[] for _ in range(batch)] if trace else None
+        self.sentence_marks: dict[str, list] = {}  # Step fields of one value per source row (IAD's source)
         self.memories = list(memories)
         self.caches = [c for c in caches if c is not None]
 
@@ -122,7 +123,10 @@ class Rows:
         for r, (out, v) in enumerate(zip(self.outputs(), verified)):
             out += v.tokens
             self.stats.committed.append(len(v.tokens))
-            self.record(r, step_of(drafts[r], v, drafted_by, **{k: per_row(m, r) for k, m in marks.items()}))
+            fields = {k: per_row(m, r) for k, m in marks.items()} | {
+                k: m[self.alive[r]] for k, m in self.sentence_marks.items()
+            }
+            self.record(r, step_of(drafts[r], v, drafted_by, **fields))
         going = [r for r, out in enumerate(self.outputs()) if not self.done(out)]
         self.keep(going)
         return going
