@@ -52,6 +52,10 @@ import torch
 
 from .forced import after_start
 
+# Storage positions zeroed at once ahead of the furthest reached (KVCache.reserve): a zeroing writes one
+# short run per layer, row and head; one per step cost as much as a 32-row step's attention.
+ZERO_AHEAD = 16
+
 
 class KVCache:
     def __init__(
@@ -127,7 +131,7 @@ class KVCache:
         reads every row's keys up to the longest row's end, masked past the row's own length: those
         must be numbers too (a masked weight is 0, and 0 x NaN is NaN), so the storage is zeroed up to
         the furthest position a call has reached, when it reaches it, not all at once: a batch's cache
-        is sized for its longest possible output and most of it is never reached."""
+        is sized for its longest possible output and most of it is never reached (ZERO_AHEAD at once)."""
         if needed > self.capacity:
             new_cap = max(needed, 2 * self.capacity)
             L, B, H, _, Dh = self.k.shape
@@ -139,9 +143,9 @@ class KVCache:
                 setattr(self, name, new)
             self._zeroed = used
         if needed > self._zeroed:
-            self.k[:, :, :, self._zeroed : needed] = 0
-            self.v[:, :, :, self._zeroed : needed] = 0
-            self._zeroed = needed
+            ahead = min(self.capacity, max(needed, self._zeroed + ZERO_AHEAD))
+            self.k[:, :, :, self._zeroed : ahead] = self.v[:, :, :, self._zeroed : ahead] = 0
+            self._zeroed = ahead
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H, q, Dh) at positions [lengths[b], lengths[b]+q) of row b in `layer`.

@@ -175,6 +175,7 @@ ROUTES = (
     "refdec.routes.graphed",
     "refdec.routes.int8",
     "refdec.routes.probes",
+    "refdec.routes.products",
     "refdec.routes.stamps",
     "refdec.routes",
 )

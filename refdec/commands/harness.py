@@ -108,5 +108,5 @@ def time_products(model, reps: int, rows: int = 1) -> float:
     with nothing between them: the part of the step that attention, norms, the cache and dispatch
     come on top of. `model` is on the fast route (refdec.routes.fast.DecoderWeights.products)."""
     weights = model.decoder_weights()
-    x = weights.vocab.new_zeros(rows, model.cfg.d_model)
+    x = weights.vocab.in_out.new_zeros(rows, model.cfg.d_model)
     return median_seconds(lambda: weights.products(x), reps, x.device)

@@ -24,6 +24,12 @@ instructions run), and prints what each found, at each thread count:
                      (refdec.routes.fast.attend_each): where the kernel's results for one sequence depend
                      on how many share its call, each source attends alone (the encoding of a source is
                      then the same alone and in any batch, by construction).
+  float32 products   which kernel computes the fast route's float32 products at each class of row counts
+                     (refdec.routes.products: torch's, oneDNN's on a packed weight, numpy's OpenBLAS): what
+                     a run takes here without a machine report (a rule on the CPU's vendor and instructions,
+                     which times nothing), and the kernels timed now on the model's step products, fastest
+                     first, which this command's report records for later runs to take. The kernels sum in
+                     different orders: a run never chooses among them by a timing of its own.
   few-row product    where the fast route hands a call to the model's own layers (an early exit, a
                      drafter's block of masks, a model family it does not write), products of 2 to 16 rows
                      are (W @ x.T).T: faster on some CPUs, slower on others. It changes how a sum rounds,
@@ -52,7 +58,7 @@ from ..checkpoint import load_model
 from ..config import ModelConfig
 from ..errors import run_command
 from ..machine import cpu_capability, cpu_model, environment, reported_flags, usable_cores
-from ..routes import fast, int8, kernels, probes
+from ..routes import fast, int8, kernels, probes, products
 from ..timing import interleaved
 from .harness import columns, command_parser, report_option, write_report
 
@@ -154,6 +160,26 @@ def grouping(cfg: ModelConfig) -> dict:
     return {"tried": tried, "failed_lengths": failed}
 
 
+def float_products(cfg: ModelConfig) -> str:
+    """The float32 products' plan a run takes here without a report (probes.cpu_rule) and the one timed now
+    on the model's step products (products.measure_plan, kept for this command's report), in words."""
+    model, dtype = (cfg.d_model, cfg.d_ff, cfg.vocab_size), torch.float32
+    rule = probes.cpu_rule(dtype, products.available(dtype))
+    timed = products.measure_plan(model, dtype)
+
+    def kernels(plan) -> str:
+        return ", ".join(f"{rows} row(s) {k}" for rows, k in zip(probes.ROW_CLASSES, plan.kernels))
+
+    times = "; ".join(
+        f"{rows} row(s): " + ", ".join(f"{k} {us:.0f}" for k, us in by_kernel) for rows, by_kernel in timed.timings
+    )
+    return (
+        f"float32 products (refdec.routes.products): without a machine report, {rule.why}: {kernels(rule)}\n"
+        f"  timed now on a step's products (us, medians of {probes.FLOAT_ROUNDS} interleaved rounds): {times}\n"
+        f"  fastest here, what this command's report records: {kernels(timed)}"
+    )
+
+
 def few_rows(shapes) -> list[dict]:
     """The few-row product against F.linear at 4 and 16 rows, summed over a step's products (float32)."""
     g = torch.Generator().manual_seed(1)
@@ -238,6 +264,7 @@ def run(args) -> int:
                     "lengths attend one by one (their encoding is the same alone and in any batch)"
                 )
             )
+            print(float_products(cfg))
             few = few_rows(shapes)
             print(
                 "few-row product (refdec.routes.kernels, fixed: it changes rounding): "

@@ -33,6 +33,12 @@ With --int8 the fast route on int8 products (refdec.routes.int8) is timed beside
 calls is split into parts timed alone on the call's shapes (int8_parts): the integer products, the
 quantization and rescaling around them, the float64 attention, and the rest of the call.
 
+With --fast --parts the fast route's calls are split too, each part timed alone on the call's shapes and
+the kernels the route takes for them (fast_call_parts): the products by weight shape, each
+beside its roofline (the least time this machine could take: its multiply-adds at the core's rate, its
+bytes at the rate memory is read, both measured here), the attention calls, the layer norms and the
+rest of the call.
+
 With --device cuda every time is read after torch.cuda.synchronize(), so it covers the GPU's work
 and not only its launch. --graphed times the graphed route (refdec.routes.graphed) beside: its first call
 of each shape is captured in the warm-up round, the timed calls replay. --fused times the graphed
@@ -52,6 +58,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -65,9 +72,9 @@ from ..errors import UsageError, run_command
 from ..machine import environment, machine_line
 from ..progress import ProgressLine
 from ..repo import repo_file
-from ..routes import ROUTES, applies_to, int8, on_route
+from ..routes import ROUTES, applies_to, int8, on_route, products
 from ..routes.kernels import FEW_ROWS
-from ..timing import median_seconds, seconds
+from ..timing import interleaved, median_seconds, seconds
 from .harness import (
     command_parser,
     machine_options,
@@ -127,6 +134,169 @@ def int8_parts(route, memory, prefix: int, q: int, reps: int) -> dict[str, float
     parts["quantization"] = parts.pop("with quantization") - parts["products"]
     parts["rest"] = parts["call"] - parts["products"] - parts["quantization"] - parts["attention"]
     return parts
+
+
+# -- the fast route's calls in parts, against the machine's rates (--parts) ------------------------------
+PEAK_SIZE = 1024  # the (PEAK_SIZE x PEAK_SIZE) by (PEAK_SIZE x PEAK_SIZE) product that measures the core's rate
+PEAK_ROUNDS = 5
+
+
+def product_groups(weights) -> list[tuple[str, list]]:
+    """The fast route's decoder products by shape: (name, the FloatWeights of that part in every layer)."""
+    layers = weights.layers
+    return [
+        ("self-attention q, k, v", [w["qkv"] for w in layers]),
+        ("attention outputs, cross queries", [w[k] for w in layers for k in ("o", "cq", "co")]),
+        ("feed-forward in", [w["w1"] for w in layers]),
+        ("feed-forward out", [w["w2"] for w in layers]),
+        ("vocabulary", [weights.vocab]),
+    ]
+
+
+def in_step_order(weights) -> list[tuple[int, object]]:
+    """(group index in `product_groups`, weight) of every product of a decoder step, in the step's order."""
+    order = []
+    for w in weights.layers:
+        order += [(0, w["qkv"]), (1, w["o"]), (1, w["cq"]), (1, w["co"]), (2, w["w1"]), (3, w["w2"])]
+    return order + [(4, weights.vocab)]
+
+
+def limits(weight_bytes: int) -> dict:
+    """The machine's rates, measured now: `flops` (per second) of a PEAK_SIZE-cube float32 product on each
+    kernel refdec.routes.products has here (medians of PEAK_ROUNDS interleaved rounds), the fastest taken
+    (`peak_kernel`), and `bytes` (per second) of a sum over a float32 buffer of `weight_bytes`, read again
+    and again as consecutive decoder steps read their weights (the median of 4 x PEAK_ROUNDS sums)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=g)
+    w = products.FloatWeight(torch.randn(PEAK_SIZE, PEAK_SIZE, generator=g))
+    names = products.available(torch.float32)
+    with torch.inference_mode():
+        times = interleaved([lambda k=k: products.product(a, w, kernel=k) for k in names], PEAK_ROUNDS)
+        medians = [statistics.median(t) for t in times]
+        best = min(range(len(names)), key=medians.__getitem__)
+        buffer = torch.randn(max(1, weight_bytes // 4), generator=g)
+        buffer.sum()
+        read = median_seconds(buffer.sum, 4 * PEAK_ROUNDS)
+    return {
+        "flops": 2 * PEAK_SIZE**3 / medians[best],
+        "peak_kernel": names[best],
+        "bytes": buffer.numel() * 4 / read,
+        "buffer_bytes": buffer.numel() * 4,
+    }
+
+
+def bound(ws: list, n: int, rates: dict) -> tuple[float, str]:
+    """Seconds the machine needs at least for the products of n rows with every weight of `ws`, and which
+    rate bounds it ("compute" or "memory")."""
+    flops = sum(2 * n * w.shape[0] * w.shape[1] for w in ws)
+    moved = sum(4 * (w.shape[0] * w.shape[1] + n * (w.shape[0] + w.shape[1])) for w in ws)
+    compute, memory = flops / rates["flops"], moved / rates["bytes"]
+    return (compute, "compute") if compute >= memory else (memory, "memory")
+
+
+def fast_call_parts(route, memory, prefix: int, q: int, reps: int, rates: dict) -> list[dict]:
+    """One row per part of a fast-route call appending q tokens to every row of `memory`'s batch over a
+    cache of `prefix` (the module docstring): name, seconds (median of `reps` calls timed alone), and for a
+    product group its shapes, kernel and roofline."""
+    weights = route.decoder_weights()
+    B, S = memory.states.shape[:2]
+    H, Dh, D, L = route.cfg.n_heads, route.cfg.head_dim, route.cfg.d_model, route.cfg.dec_layers
+    n = B * q
+    g = torch.Generator().manual_seed(0)
+    named = product_groups(weights)
+    order = in_step_order(weights)
+    xs = {k: torch.randn(n, k, generator=g) for k in {w.shape[0] for _, w in order}}
+    spent: list[list[float]] = [[] for _ in named]
+
+    def step_products():  # every product in the step's order, each group's time summed
+        took = [0.0] * len(named)
+        for i, w in order:
+            start = time.perf_counter()
+            products.product(xs[w.shape[0]], w)
+            took[i] += time.perf_counter() - start
+        return took
+
+    out = []
+    with torch.inference_mode():
+        step_products()
+        for _ in range(reps):
+            for i, t in enumerate(step_products()):
+                spent[i].append(t)
+        for (name, ws), times in zip(named, spent):
+            least, by = bound(ws, n, rates)
+            out.append(
+                {
+                    "part": name,
+                    "shape": f"{ws[0].shape[0]} x {ws[0].shape[1]}",
+                    "count": len(ws),
+                    "kernel": ws[0].kernel(n, xs[ws[0].shape[0]]),
+                    "seconds": statistics.median(times),
+                    "bound_seconds": least,
+                    "bound_by": by,
+                }
+            )
+        qs, ks = torch.randn(B, H, q, Dh, generator=g), torch.randn(B, H, prefix + q, Dh, generator=g)
+        src_kv = torch.randn(B, H, S, Dh, generator=g)
+        causal = torch.ones(q, prefix + q, dtype=torch.bool).tril(prefix) if q > 1 else None
+        src_allowed = getattr(memory, "src_allowed", None)
+
+        def attention():
+            for _ in range(L):
+                F.scaled_dot_product_attention(qs, ks, ks, attn_mask=causal)
+                F.scaled_dot_product_attention(qs, src_kv, src_kv, attn_mask=src_allowed)
+
+        x, norm = torch.randn(n, D, generator=g), route.model.decoder[0].sub1.norm
+
+        def norms():
+            for _ in range(3 * L):
+                F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+        out.append({"part": f"attention ({2 * L} calls)", "seconds": median_seconds(attention, reps)})
+        out.append({"part": f"layer norms ({3 * L})", "seconds": median_seconds(norms, reps)})
+        call = time_decode(route, memory, prefix, q, reps)
+    out.append({"part": "rest (cache, embedding, views, Python)", "seconds": call - sum(p["seconds"] for p in out)})
+    out.append({"part": "the whole call", "seconds": call})
+    return out
+
+
+def parts_table(rows: list[dict]) -> list[str]:
+    """The parts as printed lines."""
+    heads = ("in x out", 12), ("count", 5), ("kernel", 9), ("ms", 8), ("bound ms", 9), ("bound by", 8), ("x bound", 7)
+    lines = [f"{'part':<40} " + " ".join(f"{head:>{width}}" for head, width in heads)]
+    for r in rows:
+        if "bound_seconds" in r:
+            lines.append(
+                f"{r['part']:<40} {r['shape']:>12} {r['count']:>5} {r['kernel']:>9} {1000 * r['seconds']:8.3f} "
+                f"{1000 * r['bound_seconds']:9.3f} {r['bound_by']:>8} {r['seconds'] / r['bound_seconds']:6.2f}x"
+            )
+        else:
+            lines.append(f"{r['part']:<40} {'':>12} {'':>5} {'':>9} {1000 * r['seconds']:8.3f}")
+    products_rows = [r for r in rows if "bound_seconds" in r]
+    took, least = sum(r["seconds"] for r in products_rows), sum(r["bound_seconds"] for r in products_rows)
+    blank = f"{'':>12} {'':>5} {'':>9}"
+    lines.append(f"{'the products':<40} {blank} {1000 * took:8.3f} {1000 * least:9.3f} {'':>8} {took / least:6.2f}x")
+    return lines
+
+
+def fast_parts(model, args, qs: list[int]) -> dict:
+    """The fast route's calls at each q split into parts against the machine's rates (fast_call_parts), printed;
+    what the report keeps."""
+    route = on_route(model, "fast")
+    weights = route.decoder_weights()
+    weight_bytes = sum(4 * w.shape[0] * w.shape[1] for _, ws in product_groups(weights) for w in ws)
+    with torch.inference_mode():
+        memory = route.encode(torch.full((args.rows, args.src), 11))
+        rates = limits(weight_bytes)
+        by_q = {q: fast_call_parts(route, memory, args.prefix, q, 20, rates) for q in qs}
+    print(
+        f"the machine: {rates['flops'] / 1e9:.0f} GFLOP/s (a {PEAK_SIZE}-cube float32 product, "
+        f"{rates['peak_kernel']}), {rates['bytes'] / 1e9:.1f} GB/s reading {rates['buffer_bytes'] / 1e6:.1f} MB "
+        f"(the decoder step's weights)"
+    )
+    for q, rows in by_q.items():
+        print(f"fast route, one call of {args.rows} row(s) x q = {q}, its parts timed alone (medians of 20 calls):")
+        print("\n".join(parts_table(rows)))
+    return {"rates": rates, "by_q": {str(q): rows for q, rows in by_q.items()}}
 
 
 def beside(args) -> dict[str, Callable]:
@@ -277,6 +447,12 @@ def parser() -> argparse.ArgumentParser:
         "and each call's parts alone: integer products, quantization, attention, the rest",
     )
     p.add_argument(
+        "--parts",
+        action="store_true",
+        help="with --fast: each fast-route call's parts timed alone (the products by shape against the "
+        "machine's roofline, attention, norms, the rest), with the core's and memory's rates measured here",
+    )
+    p.add_argument(
         "--graphed",
         action="store_true",
         help="time the graphed route (refdec.routes.graphed) too, in the same "
@@ -319,6 +495,10 @@ def run(args: argparse.Namespace) -> int:
             f"norm, feed-forward or positions: refdec.routes.fast.applies_to), so there is no such "
             f"route to time; without them stepcost times its layers on the few-row and plain products"
         )
+    if args.parts and not args.fast:
+        raise UsageError("--parts splits the fast route's calls: add --fast")
+    if args.parts and device.type != "cpu":
+        raise UsageError("--parts measures the CPU's rates: it runs on the CPU (leave out --device)")
     if args.src + args.prefix + max(qs) > model.cfg.max_positions:
         raise UsageError(f"--src/--prefix/--q exceed the model's {model.cfg.max_positions} positions")
     if args.fused and device.type == "cpu" and cpp_compiler() is None:
@@ -420,6 +600,7 @@ def run(args: argparse.Namespace) -> int:
                     for part in ("call", "products", "quantization", "attention", "rest")
                 )
             )
+    split_fast = fast_parts(model, args, qs) if args.parts else None
     pm = {k: 1000 * statistics.median(v) for k, v in proj.items()}
     print("one-row vocabulary projection: " + ", ".join(f"{k} {v:.3f} ms" for k, v in pm.items()))
     if args.report:
@@ -452,6 +633,7 @@ def run(args: argparse.Namespace) -> int:
                     if args.fused
                     else {}
                 ),
+                **({"fast_parts": split_fast} if split_fast is not None else {}),
                 "logit_gaps": {route: {str(q): gap for q, gap in by_q.items()} for route, by_q in gaps.items()},
                 "projection_ms": pm,
                 "environment": environment(args.threads, device, model.tgt_embed.weight.dtype),

@@ -60,6 +60,7 @@ from ..model import Transformer
 from . import int8, probes
 from .int8 import Int8Layout, QuantizedWeight
 from .kernels import KernelRoute, Kernels, Route
+from .products import FloatWeight, product
 from .stamps import stamp
 
 
@@ -83,29 +84,27 @@ def in_out(layer: nn.Linear) -> torch.Tensor | QuantizedWeight:
     return layer.int8_weight() if layer.kernels.int8_now() else layer.weight.t()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
-    """x (N, in) @ w (in, out) + b."""
+def linear(x: torch.Tensor, w: FloatWeight | QuantizedWeight, b: torch.Tensor) -> torch.Tensor:
+    """x (N, in) @ w (in, out) + b, on the kernel this machine takes for it (refdec.routes.products)."""
     if isinstance(w, QuantizedWeight):
         return int8.linear(x, w, b)
-    return torch.addmm(b, x, w)
+    return product(x, w, b)
 
 
 def linears(x: torch.Tensor, layers: list[nn.Linear], joined: dict) -> list[torch.Tensor]:
-    """[x @ in_out(m) + m.bias for m in layers] for x (N, in); in int8, x is quantized once and the
-    weights side by side are kept in `joined` (the route's)."""
+    """[x @ in_out(m) + m.bias for m in layers] for x (N, in), on the int8 route: x is quantized once and
+    the weights side by side are kept in `joined` (the route's)."""
     weights, biases = [in_out(m) for m in layers], [m.bias for m in layers]
-    if isinstance(weights[0], QuantizedWeight):
-        return int8.linears(x, weights, biases, joined, tuple(id(m) for m in layers))
-    return [torch.addmm(b, x, w) for w, b in zip(weights, biases)]
+    return int8.linears(x, weights, biases, joined, tuple(id(m) for m in layers))
 
 
 def residual_linear(
-    x: torch.Tensor, h: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor
+    x: torch.Tensor, h: torch.Tensor, w: FloatWeight | QuantizedWeight, b: torch.Tensor
 ) -> torch.Tensor:
-    """x + (h @ w + b), the residual sum done by the product itself (int8: added to it, then the bias)."""
+    """x + (h @ w + b) (int8: the product added to x, then the bias)."""
     if isinstance(w, QuantizedWeight):
         return int8.product(h, w, x).add_(b)
-    return torch.addmm(x, h, w).add_(b)
+    return product(h, w, b, add=x)
 
 
 def norm_args(norm: nn.LayerNorm) -> tuple:
@@ -195,6 +194,8 @@ def feed_forward(ff: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if isinstance(ff["w2"], QuantizedWeight) and ff["act"] is F.relu:
         y = int8.linear(h, ff["w1"], ff["b1"])
         return int8.product(y, ff["w2"], x, int8.quantize_relu_rows(y)).add_(ff["b2"])
+    if isinstance(ff["w1"], FloatWeight) and ff["act"] is F.relu:  # the ReLU in the product's pass where it can be
+        return residual_linear(x, product(h, ff["w1"], ff["b1"], relu=True), ff["w2"], ff["b2"])
     return residual_linear(x, ff["act"](linear(h, ff["w1"], ff["b1"])), ff["w2"], ff["b2"])
 
 
@@ -248,16 +249,38 @@ def spread(y: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
     return y.new_zeros(n, y.shape[1]).index_copy_(0, rows, y)
 
 
-class DecoderWeights:
-    """The decoder layers' weights laid out as one step reads them fastest: each a contiguous
-    (in, out) matrix, a self-attention layer's queries, keys and values side by side in one (D, 3
-    inner) matrix, their biases in one vector, the output embedding as (D, V). A copy, the route's own:
-    the parameters stay as they are, and `current` tells whether each still holds the values the copy
-    was made from (refdec.routes.stamps). Norms, the other biases and the activations are the
-    parameters themselves."""
+class LaidOut:
+    """Weights copied from parameters into a layout of the route's own, each a FloatWeight (refdec.routes.
+    products) that follows the float plan of the model's shape; `current` tells whether every parameter
+    still holds the values its copy was made from (refdec.routes.stamps)."""
 
     def __init__(self, model: Transformer):
-        self.layers, self.sources = [], []  # sources: (parameter, its stamp when copied)
+        self.sources: list = []  # (parameter, its stamp when copied)
+        self.shape = (model.cfg.d_model, model.cfg.d_ff, model.cfg.vocab_size)  # the float plan's key
+
+    def place(self, modules: list[nn.Linear], name: str) -> FloatWeight | torch.Tensor:
+        """One (in, sum of outs) weight (FloatWeight) or (sum of outs,) vector (biases): the modules'
+        parameters side by side, copied."""
+        params = [getattr(m, name) for m in modules]
+        self.sources += [(p, stamp(p)) for p in params]
+        joined = torch.cat([p.t() if name == "weight" else p for p in params], -1).contiguous()
+        return FloatWeight(joined, self.shape) if name == "weight" else joined
+
+    def current(self) -> bool:
+        """Whether every parameter still holds the values this layout was copied from."""
+        return all(stamp(p) == s for p, s in self.sources)
+
+
+class DecoderWeights(LaidOut):
+    """The decoder layers' weights laid out as one step reads them fastest: each a contiguous
+    (in, out) matrix, a self-attention layer's queries, keys and values side by side in one (D, 3
+    inner) matrix, their biases in one vector, every layer's cross-attention keys and values side by side
+    (one product per source), the output embedding as (D, V). A copy, the route's own (LaidOut). Norms,
+    the other biases and the activations are the parameters themselves."""
+
+    def __init__(self, model: Transformer):
+        super().__init__(model)
+        self.layers = []
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, even when made mid-decoding
             for layer in model.decoder:
                 sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
@@ -283,33 +306,51 @@ class DecoderWeights:
                         "norms": norms,
                     }
                 )
+            kv = [m for layer in model.decoder for m in (layer.cross_attn.wk, layer.cross_attn.wv)]
+            self.cross_kv, self.cross_kv_b = self.place(kv, "weight"), self.place(kv, "bias")
             # The output embedding (V, D), tied or not, as (D, V): a step's logits are hidden @ vocab.
             self.vocab = self.place([model.tgt_embed if model.out_proj is None else model.out_proj], "weight")
 
     def products(self, x: torch.Tensor) -> torch.Tensor:
         """The matrix products of a decoder step over rows x (N, D) and nothing else, in the step's order,
-        on these weights: per layer the self-attention's queries-keys-values and output, the
-        cross-attention's queries and output, the two feed-forward products; then the vocabulary
-        projection. Not a decoder step (no attention, norms or cache): what the step's products alone
-        cost (refdec stepcost, refdec ctranslate2)."""
+        on these weights and the kernels the route takes for them: per layer the self-attention's
+        queries-keys-values and output, the cross-attention's queries and output, the two feed-forward
+        products; then the vocabulary projection. Not a decoder step (no attention, norms or cache): what
+        the step's products alone cost (refdec stepcost, refdec ctranslate2)."""
         for w in self.layers:
-            torch.addmm(w["qkv_b"], x, w["qkv"])
-            torch.addmm(x, x, w["o"])
-            torch.addmm(w["cq_b"], x, w["cq"])
-            torch.addmm(x, x, w["co"])
-            torch.addmm(x, torch.addmm(w["b1"], x, w["w1"]), w["w2"])
-        return x @ self.vocab
+            product(x, w["qkv"], w["qkv_b"])
+            product(x, w["o"], add=x)
+            product(x, w["cq"], w["cq_b"])
+            product(x, w["co"], add=x)
+            product(product(x, w["w1"], w["b1"]), w["w2"], add=x)
+        return product(x, self.vocab)
 
-    def place(self, modules: list[nn.Linear], name: str) -> torch.Tensor:
-        """One (in, sum of outs) matrix (weights) or (sum of outs,) vector (biases): the modules'
-        parameters side by side, copied."""
-        params = [getattr(m, name) for m in modules]
-        self.sources += [(p, stamp(p)) for p in params]
-        return torch.cat([p.t() if name == "weight" else p for p in params], -1).contiguous()
 
-    def current(self) -> bool:
-        """Whether every parameter still holds the values this layout was copied from."""
-        return all(stamp(p) == s for p, s in self.sources)
+class EncoderWeights(LaidOut):
+    """The encoder layers' weights laid out as DecoderWeights lays out the decoder's: each layer's queries,
+    keys and values side by side (one product), its output and feed-forward matrices (in, out), copies of
+    the route's own; norms, the other biases and the activations are the parameters themselves."""
+
+    def __init__(self, model: Transformer):
+        super().__init__(model)
+        self.layers = []
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in model.encoder:
+                a, ff = layer.attn, layer.ff
+                self.layers.append(
+                    {
+                        "qkv": self.place([a.wq, a.wk, a.wv], "weight"),
+                        "qkv_b": self.place([a.wq, a.wk, a.wv], "bias"),
+                        "o": self.place([a.wo], "weight"),
+                        "o_b": a.wo.bias,
+                        "w1": self.place([ff.w1], "weight"),
+                        "b1": ff.w1.bias,
+                        "w2": self.place([ff.w2], "weight"),
+                        "b2": ff.w2.bias,
+                        "act": ff.act,
+                        "norms": [norm_args(layer.sub1.norm), norm_args(layer.sub2.norm)],
+                    }
+                )
 
 
 @dataclass(eq=False)
@@ -348,6 +389,7 @@ class FastRoute(Route):
         self.kernels = Kernels(few_rows=few_rows, int8=int8)
         self.reference = KernelRoute(model, self.kernels)
         self.laid_out: DecoderWeights | None = None  # the decoder's weights in the layout (made at first use)
+        self.encoder_laid_out: EncoderWeights | None = None  # the encoder's (float: the int8 route's are its layers')
         self.int8_layout: Int8Layout | None = None  # their int8 forms
         self.joined: dict = {}  # int8: weights of one input side by side (refdec.routes.int8.joined)
 
@@ -360,7 +402,7 @@ class FastRoute(Route):
         """Drop every kept form of the weights (the layout, its int8 forms, the reference's, the joined
         int8 weights), so that the next call makes them again from the weights as they are (after a
         write through `.data` in place, which no stamp sees: refdec.routes.stamps)."""
-        self.laid_out = self.int8_layout = None
+        self.laid_out = self.int8_layout = self.encoder_laid_out = None
         self.joined = {}
         self.reference.refresh()
 
@@ -402,22 +444,47 @@ class FastRoute(Route):
         H, ref, pre = self.cfg.n_heads, self.reference.starting(), self.cfg.norm_first
         x = self.model.embed_source(src).reshape(B * S, -1)
         x = x if rows is None else x.index_select(0, rows)
-        for layer in ref.encoder:  # once per source, many rows: the parameters as they are, no copy
-            a, ff = layer.attn, layer.ff
-            n1, n2 = norm_args(layer.sub1.norm), norm_args(layer.sub2.norm)
-            w = {"w1": in_out(ff.w1), "b1": ff.w1.bias, "w2": in_out(ff.w2), "b2": ff.w2.bias, "act": ff.act}
+        for w in self.encoder_layers():
+            n1, n2 = w["norms"]
             h = F.layer_norm(x, *n1) if pre else x  # self-attention
-            q_, k, v = linears(h, [a.wq, a.wk, a.wv], self.joined)
+            q_, k, v = w["qkv"](h) if callable(w["qkv"]) else linear(h, w["qkv"], w["qkv_b"]).chunk(3, dim=1)
             if lengths is not None:  # each source over its own positions alone
-                x = attend_each(q_, k, v, lengths, H, x, in_out(a.wo), a.wo.bias)
+                x = attend_each(q_, k, v, lengths, H, x, w["o"], w["o_b"])
             else:
                 q_, k, v = (heads(spread(y, rows, B * S), B, S, H) for y in (q_, k, v))
-                x = attend(q_, k, v, allowed, x, in_out(a.wo), a.wo.bias, rows)
+                x = attend(q_, k, v, allowed, x, w["o"], w["o_b"], rows)
             x = x if pre else F.layer_norm(x, *n1)
             h = F.layer_norm(x, *n2) if pre else x  # the feed-forward network
             x = feed_forward(w, h, x)
             x = x if pre else F.layer_norm(x, *n2)
         return spread(ref.enc_norm(x), rows, B * S).view(B, S, -1)
+
+    def encoder_layers(self) -> list[dict]:
+        """The encoder's weights as encoder_stack reads them, one dict per layer: the route's layout
+        (EncoderWeights, copied again if a parameter has changed since); on the int8 route the layers' int8
+        forms, their queries, keys and values one call (`qkv`: h -> the three) on x quantized once."""
+        if not self.int8:
+            kept = self.encoder_laid_out
+            if kept is None or not kept.current():
+                kept = self.encoder_laid_out = EncoderWeights(self.model)
+            return kept.layers
+        layers = []
+        for layer in self.reference.starting().encoder:
+            a, ff = layer.attn, layer.ff
+            layers.append(
+                {
+                    "qkv": lambda h, a=a: linears(h, [a.wq, a.wk, a.wv], self.joined),
+                    "o": in_out(a.wo),
+                    "o_b": a.wo.bias,
+                    "w1": in_out(ff.w1),
+                    "b1": ff.w1.bias,
+                    "w2": in_out(ff.w2),
+                    "b2": ff.w2.bias,
+                    "act": ff.act,
+                    "norms": [norm_args(layer.sub1.norm), norm_args(layer.sub2.norm)],
+                }
+            )
+        return layers
 
     def attach(self, states: torch.Tensor, src_pad: torch.Tensor) -> Memory:
         """Encoder states -> this call's LaidOutMemory, the weights checked once for the call."""
@@ -428,16 +495,15 @@ class FastRoute(Route):
         real = (~src_pad).reshape(-1).nonzero().squeeze(1) if bool(src_pad.any()) else None  # the padding: masked
         rows = states.reshape(B * S, -1)
         rows = rows if real is None else rows.index_select(0, real)
-        dtype = torch.float64 if self.int8 else states.dtype  # int8: its attention's dtype (refdec.routes.int8)
-        kv = [
-            heads(spread(y.to(dtype), real, B * S), B, S, H).contiguous()
-            for y in linears(
-                rows,
-                [m for layer in self.reference.starting().decoder for m in (layer.cross_attn.wk, layer.cross_attn.wv)],
-                self.joined,
-            )
-        ]
-        return LaidOutMemory(states, src_pad, list(zip(kv[0::2], kv[1::2])), self, self.decoder_weights())
+        weights = self.decoder_weights()
+        if self.int8:  # in float64, its attention's dtype (refdec.routes.int8)
+            layers = self.reference.starting().decoder
+            cross = [m for layer in layers for m in (layer.cross_attn.wk, layer.cross_attn.wv)]
+            ys = [y.double() for y in linears(rows, cross, self.joined)]
+        else:  # every layer's keys and values in one product
+            ys = linear(rows, weights.cross_kv, weights.cross_kv_b).chunk(2 * self.cfg.dec_layers, dim=1)
+        kv = [heads(spread(y, real, B * S), B, S, H).contiguous() for y in ys]
+        return LaidOutMemory(states, src_pad, list(zip(kv[0::2], kv[1::2])), self, weights)
 
     def decoder_weights(self) -> DecoderWeights | Int8Layout:
         """The decoder's weights in the fast layout, copied again if a parameter has changed since; in
@@ -468,7 +534,10 @@ class FastRoute(Route):
             return self.reference.project(hidden)
         vocab = (self.int8_layout if self.int8 else self.laid_out) or self.decoder_weights()  # checked at each attach
         vocab = vocab.vocab
-        logits = int8.linear(hidden, vocab, None) if isinstance(vocab, QuantizedWeight) else hidden @ vocab
+        if isinstance(vocab, QuantizedWeight):
+            logits = int8.linear(hidden, vocab, None)
+        else:
+            logits = product(hidden.reshape(-1, hidden.shape[-1]), vocab).view(*hidden.shape[:-1], -1)
         return logits if self.model.logits_bias is None else logits + self.model.logits_bias
 
     def decode(self, tgt_new: torch.Tensor, memory: Memory, cache: KVCache) -> torch.Tensor:

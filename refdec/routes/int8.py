@@ -343,8 +343,10 @@ class Int8Layout:
 
     def __init__(self, weights):
         self.source = weights
-        self.layers = [{**w, **{k: QuantizedWeight(w[k], w[k]) for k in PRODUCTS}} for w in weights.layers]
-        self.vocab = QuantizedWeight(weights.vocab, weights.vocab)
+        self.layers = [
+            {**w, **{k: QuantizedWeight(w[k].in_out, w[k].in_out) for k in PRODUCTS}} for w in weights.layers
+        ]
+        self.vocab = QuantizedWeight(weights.vocab.in_out, weights.vocab.in_out)
 
     def current(self, weights) -> bool:
         """Whether it was made from this layout (a layout made again after a weight changed is a new one)."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,8 @@ class Plan:
 class Decisions:
     """What this process has decided about the machine, each under what it holds for: `plans` ((in, out,
     threads) -> Plan), `grouping` ((length, count, heads, head size, dtype, threads) -> whether it holds),
-    `slowdowns` (threads -> int8_slowdown), `checks` ("weight_levels", "fused_kernel_exact" -> what was
+    `slowdowns` (threads -> int8_slowdown), `float_plans` ((d_model, d_ff, vocabulary, threads,
+    dtype) -> FloatPlan), `checks` ("weight_levels", "fused_kernel_exact" -> what was
     found); `source`, the machine report decisions were read from (None: none was), and `environment_read`,
     whether REFDEC_MACHINE_REPORT has been read (or is not to be)."""
 
@@ -78,11 +80,13 @@ class Decisions:
     grouping: dict = field(default_factory=dict)
     slowdowns: dict = field(default_factory=dict)
     checks: dict = field(default_factory=dict)
+    float_plans: dict = field(default_factory=dict)
     source: str | None = None
     environment_read: bool = False
 
 
 decided = Decisions()
+revision = [0]  # how many times the decisions have been dropped, read or measured: kept choices are stale after
 
 
 def kept(table: dict, key, probe: Callable[[], object]):
@@ -100,6 +104,7 @@ def forget(read_report: bool = True) -> None:
     `read_report` False, REFDEC_MACHINE_REPORT is not read either (`refdec machine`: every probe now)."""
     global decided
     decided = Decisions(environment_read=not read_report)
+    revision[0] += 1
 
 
 # -- the int8 product's exactness on this CPU -----------------------------------------------------------
@@ -297,6 +302,108 @@ def measure_slowdown() -> float:
     return t_int8 / t_float
 
 
+# -- which kernel computes a float product ------------------------------------------------------------------
+ROW_CLASSES = ("1", "2-7", "8-31", "32+")  # the row counts a float plan chooses a kernel for, each class alone
+CLASS_ROWS = (1, 4, 16, 64)  # the row count each class is timed at (`measure_float_plan`)
+FLOAT_ROUNDS = 7  # interleaved rounds of a float probe; the median counts
+
+
+@dataclass(frozen=True)
+class FloatPlan:
+    """Which kernel (refdec.routes.products.KERNELS) computes the float products of a model's decoder step and
+    encoder, for each class of row counts (ROW_CLASSES); `why`, in words; `timings`, what a probe measured:
+    (rows, ((kernel, microseconds per step's products), ...)) per class."""
+
+    kernels: tuple[str, ...]
+    why: str
+    timings: tuple = ()
+
+
+class FloatKernels(NamedTuple):
+    """What refdec.routes.products hands over for `measure_float_plan` to time: `available` (dtype -> the
+    kernels there), `weight` ((in, out) tensor -> the weight as its products take it) and `product`
+    (kernel, x, weight -> x @ weight on that kernel)."""
+
+    available: Callable
+    weight: Callable
+    product: Callable
+
+
+def row_class(rows: int) -> int:
+    """The index in ROW_CLASSES of a product of `rows` rows."""
+    return 0 if rows <= 1 else 1 if rows < 8 else 2 if rows < 32 else 3
+
+
+def step_products(d_model: int, d_ff: int, vocab: int, layers: int = 6) -> list[tuple[int, int]]:
+    """The (in, out) of every float product of one decoder step of the fast route, in its order: per layer the
+    self-attention's queries-keys-values and output, the cross-attention's queries and output, the two
+    feed-forward products; then the vocabulary."""
+    D = d_model
+    return [(D, 3 * D), (D, D), (D, D), (D, D), (D, d_ff), (d_ff, D)] * layers + [(D, vocab)]
+
+
+def float_plan(model: tuple[int, int, int], dtype: torch.dtype, available: tuple[str, ...]) -> FloatPlan:
+    """The kernel of each row class for the float products of a model of `model` = (d_model, d_ff,
+    vocabulary) in `dtype` at this thread count: as the machine report REFDEC_MACHINE_REPORT records it, else
+    by `cpu_rule` (which times nothing: the choice changes how sums round, so it is never made by a fresh
+    timing). A kernel the plan names that is not `available` here is torch's."""
+    plan = kept(decided.float_plans, (*model, torch.get_num_threads(), dtype), lambda: cpu_rule(dtype, available))
+    if all(kernel in available for kernel in plan.kernels):
+        return plan
+    return FloatPlan(tuple(k if k in available else "torch" for k in plan.kernels), plan.why, plan.timings)
+
+
+def cpu_vendor() -> tuple[str, frozenset[str]]:
+    """The CPU's vendor and flags as /proc/cpuinfo's first processor gives them (empty where it does not)."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return "", frozenset()
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
+
+
+def cpu_rule(dtype: torch.dtype, available: tuple[str, ...]) -> FloatPlan:
+    """The float products' kernels by the CPU alone (the same on every run of one machine): on an AMD CPU,
+    numpy's OpenBLAS for one row (MKL's one-row products stream the weights slower there), and from two
+    rows oneDNN where the CPU has AVX-512 (MKL does not use it on AMD), else OpenBLAS (faster than MKL at
+    1 to 32 rows on an AMD EPYC with AVX2); on any other CPU, torch's own product (MKL on Intel's)."""
+    vendor, flags = cpu_vendor()
+    if vendor != "AuthenticAMD":
+        return FloatPlan(("torch",) * 4, f"by the CPU ({vendor or 'vendor not listed'}): torch's product throughout")
+    one = "openblas" if "openblas" in available else "torch"
+    many = "onednn" if "onednn" in available and "avx512f" in flags else one
+    isa = "AVX-512" if "avx512f" in flags else "no AVX-512"
+    return FloatPlan((one, many, many, many), f"by the CPU (AuthenticAMD, {isa}): {one} for 1 row, {many} from 2")
+
+
+def measure_float_plan(model: tuple[int, int, int], dtype: torch.dtype, kernels: FloatKernels) -> FloatPlan:
+    """Times every available kernel on the products of one decoder step of a model of `model` = (d_model,
+    d_ff, vocabulary) (`step_products`, six layers of random weights: as in a decoder step, a weight is not in
+    the core's cache when its product starts) at each row class's CLASS_ROWS, FLOAT_ROUNDS interleaved
+    rounds; takes for each class the kernel of the least median, and keeps the plan as this process's
+    decision (`refdec machine` records it in its report, which later processes read back: no run decides it
+    by timing)."""
+    g = torch.Generator().manual_seed(0)
+    available = kernels.available(dtype)
+    weights = [kernels.weight(torch.randn(k, n, generator=g, dtype=dtype) * k**-0.5) for k, n in step_products(*model)]
+    chosen, timings = [], []
+    with torch.inference_mode():
+        for rows in CLASS_ROWS:
+            xs = {k: torch.randn(rows, k, generator=g, dtype=dtype) for k in {w.shape[0] for w in weights}}
+            calls = [
+                lambda name=name, xs=xs: [kernels.product(name, xs[w.shape[0]], w) for w in weights]
+                for name in available
+            ]
+            medians = [statistics.median(t) * 1e6 for t in interleaved(calls, FLOAT_ROUNDS)]
+            chosen.append(available[medians.index(min(medians))])
+            timings.append((rows, tuple((name, round(us, 1)) for name, us in zip(available, medians))))
+    plan = FloatPlan(tuple(chosen), f"timed here at {', '.join(map(str, CLASS_ROWS))} rows", tuple(timings))
+    decided.float_plans[(*model, torch.get_num_threads(), dtype)] = plan
+    revision[0] += 1
+    return plan
+
+
 # -- whether sources of one length may share an attention call ----------------------------------------------
 def grouping_holds(n: int, r: int, H: int, Dh: int, dtype: torch.dtype, attend: Callable) -> bool:
     """Whether r sequences of n rows attended in one call by `attend` (refdec.routes.fast.attend_together)
@@ -326,7 +433,29 @@ def found() -> dict:
     int8 weight shape's plan with its timings (`plans_made`), where the fast route's encoder may attend over
     sources of one length in one call (`groupings_found`), and the machine report the decisions were read
     from (`read_from`, None where none was)."""
-    return {"int8_plans": plans_made(), "grouped_attention": groupings_found(), "read_from": decided.source}
+    return {
+        "int8_plans": plans_made(),
+        "float_products": float_plans_made(),
+        "grouped_attention": groupings_found(),
+        "read_from": decided.source,
+    }
+
+
+def float_plans_made() -> dict[str, dict]:
+    """Every float plan this process has decided or read: "d_model D, d_ff F, vocabulary V, DTYPE, T thread(s)"
+    -> the kernel of each row class, why, and a probe's timings (refdec machine's)."""
+    out = {}
+    for (d, f, v, threads, dtype), plan in sorted(decided.float_plans.items(), key=lambda item: str(item[0])):
+        out[f"d_model {d}, d_ff {f}, vocabulary {v}, {dtype_name(dtype)}, {threads} thread(s)"] = {
+            "kernels": dict(zip(ROW_CLASSES, plan.kernels)),
+            "why": plan.why,
+            "timings_us": [{"rows": rows, **dict(by_kernel)} for rows, by_kernel in plan.timings],
+        }
+    return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def plans_made() -> dict[str, dict]:
@@ -391,6 +520,18 @@ def recorded() -> dict:
             for (k, n, t), p in sorted(decided.plans.items())
         ],
         "int8_slowdown": [{"threads": t, "times_float32": ratio} for t, ratio in sorted(decided.slowdowns.items())],
+        "float_products": [
+            {
+                "d_model": d,
+                "d_ff": f,
+                "vocab": v,
+                "threads": t,
+                "dtype": dtype_name(dt),
+                "kernels": dict(zip(ROW_CLASSES, p.kernels)),
+                "why": p.why,
+            }
+            for (d, f, v, t, dt), p in sorted(decided.float_plans.items(), key=lambda item: str(item[0]))
+        ],
         "grouped_attention": [
             {
                 "heads": H,
@@ -464,11 +605,15 @@ def take(decisions: dict, path: str) -> int:
         for p in decisions.get("int8_plans", [])
     }
     slowdowns = {int(s["threads"]): float(s["times_float32"]) for s in decisions.get("int8_slowdown", [])}
+    float_plans = {
+        (int(p["d_model"]), int(p["d_ff"]), int(p["vocab"]), int(p["threads"]), named_dtype(p["dtype"])): FloatPlan(
+            tuple(known_kernel(p["kernels"][c]) for c in ROW_CLASSES), f"as {path} records: {p['why']}"
+        )
+        for p in decisions.get("float_products", [])
+    }
     grouping = {}
     for group in decisions.get("grouped_attention", []):
-        dtype = getattr(torch, group["dtype"])
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(group["dtype"])
+        dtype = named_dtype(group["dtype"])
         for held in (True, False):
             for r, lengths in group.get("held" if held else "not_held", {}).items():
                 for n in lengths:
@@ -477,5 +622,23 @@ def take(decisions: dict, path: str) -> int:
     decided.checks.update(checks)
     decided.plans.update(plans)
     decided.slowdowns.update(slowdowns)
+    decided.float_plans.update(float_plans)
     decided.grouping.update(grouping)
-    return len(checks) + len(plans) + len(slowdowns) + len(grouping)
+    revision[0] += 1
+    return len(checks) + len(plans) + len(slowdowns) + len(float_plans) + len(grouping)
+
+
+FLOAT_KERNEL_NAMES = ("torch", "onednn", "openblas")  # refdec.routes.products.KERNELS, as a report names them
+
+
+def known_kernel(name) -> str:
+    if name not in FLOAT_KERNEL_NAMES:
+        raise ValueError(name)
+    return name
+
+
+def named_dtype(name) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(name)
+    return dtype

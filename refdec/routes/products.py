@@ -1,0 +1,187 @@
+"""The fast route's floating-point matrix products, each on the kernel this machine computes it fastest
+with, among kernels a user of torch already has.
+
+A decoder step's products read every weight of the decoder once: at one row they are bound by how fast
+the weights stream from memory, at tens of rows by the core's multiply-adds. How close a kernel comes to
+either depends on the CPU as much as on the kernel. On an AMD EPYC, the MKL that torch calls for
+`torch.addmm` takes a code path that is not the fastest the core has: on one with AVX-512 (one thread,
+the 6-layer model of width 256, every product of a step), numpy's OpenBLAS computed a one-row step's
+products in 0.60 ms against MKL's 0.97 (the weights read at 76% of the rate the core streams a buffer of
+their size), and oneDNN's product on a packed weight computed a 32-row step's in 2.9 ms against 5.7
+(docs/cpu-cost.md). So a product here is one of three kernels (KERNELS):
+
+    torch     torch.addmm on the (in, out) matrix: MKL on an x86 CPU, what the fast route always took
+    onednn    torch's oneDNN linear (torch.ops.mkldnn._linear_pointwise) on the weight packed once in
+              oneDNN's blocked layout (float32 only); a ReLU after it fused into the same pass
+    openblas  numpy's matmul (its OpenBLAS) on the very memory of the operands, numpy told to use as many
+              threads as torch (`openblas_threads`)
+
+Which kernel computes a product is decided per weight shape, dtype, thread count and class of row
+counts (probes.ROW_CLASSES), by refdec.routes.probes.float_plan: from the machine report a process is
+given (REFDEC_MACHINE_REPORT; `refdec machine --report` measures the kernels on the model's shapes and
+records the fastest), else by a rule on the CPU's vendor and instructions that never times anything. The
+kernels sum in different orders, so a float32 product's last bits depend on the kernel: a choice made by a
+fresh timing could make two runs of one command round differently, and none is. Where a kernel is not
+there (no numpy OpenBLAS, no oneDNN, another dtype) or the call is traced by torch.compile, or not on a
+CPU, the product is torch's. The reference route never comes here: it is model.py's F.linear.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import probes
+
+KERNELS = probes.FLOAT_KERNEL_NAMES  # ("torch", "onednn", "openblas")
+PACK_ROWS = 32  # the row count oneDNN's packed layout is made for (it computes any count)
+SETTERS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
+
+
+# -- numpy's OpenBLAS -------------------------------------------------------------------------------------
+class OpenBLAS:
+    """numpy's OpenBLAS library, found among the process's loaded libraries (Linux), with its thread-count
+    setter; `threads` the count last set through it (None: not yet)."""
+
+    def __init__(self):
+        self.setter, self.threads = None, None
+        try:
+            maps = Path("/proc/self/maps").read_text().splitlines()
+        except OSError:
+            return
+        libraries = sorted({line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1].lower()})
+        for path in libraries:
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for name in SETTERS:
+                if hasattr(lib, name):
+                    self.setter = getattr(lib, name)
+                    self.setter.argtypes, self.setter.restype = [ctypes.c_int], None
+                    return
+
+
+_openblas: list[OpenBLAS] = []  # found at the first need
+
+
+def openblas() -> OpenBLAS:
+    if not _openblas:
+        _openblas.append(OpenBLAS())
+    return _openblas[0]
+
+
+def openblas_threads(threads: int) -> None:
+    """numpy's OpenBLAS set to `threads` threads, as torch computes with (a call of the library only when
+    the count changes)."""
+    lib = _openblas[0] if _openblas else openblas()
+    if lib.threads != threads:
+        lib.setter(threads)
+        lib.threads = threads
+
+
+def available(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels that can compute a product of this dtype here."""
+    found = ["torch"]
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        found.append("onednn")
+    if dtype in (torch.float32, torch.float64) and openblas().setter is not None:
+        found.append("openblas")
+    return tuple(found)
+
+
+# -- a weight, as each kernel takes it ------------------------------------------------------------------------
+class FloatWeight:
+    """A linear map's weight for the float products: `in_out` (in, out), so that x @ in_out is the map (a
+    contiguous copy in the fast route's layout, or a view of the parameter); the forms the other kernels
+    take are made from it at their first use and kept: oneDNN's packed weight (a copy: a layout made again
+    when the parameter changes makes it again) and numpy's array (the same memory)."""
+
+    __slots__ = ("in_out", "model", "packed", "array", "plans", "revision")
+
+    def __init__(self, in_out: torch.Tensor, model: tuple[int, int, int] | None = None):
+        self.in_out, self.model = in_out, model  # model: (d_model, d_ff, vocabulary), whose plan it follows
+        self.packed = self.array = None
+        self.plans: dict = {}  # threads -> the kernel of each row class (probes.float_plan; x's dtype is in_out's)
+        self.revision = probes.revision[0]  # the decisions the plans were taken from
+
+    def __deepcopy__(self, memo: dict) -> FloatWeight:
+        """A copy of the matrix; the other forms are made again at first use (oneDNN's packed tensor is opaque
+        to copy.deepcopy)."""
+        return FloatWeight(copy.deepcopy(self.in_out, memo), self.model)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.in_out.shape
+
+    def kernel(self, rows: int, x: torch.Tensor) -> str:
+        """The kernel for a product of `rows` rows of x with this weight (the module docstring)."""
+        if self.model is None or x.device.type != "cpu" or x.dtype != self.in_out.dtype:
+            return "torch"
+        if torch.compiler.is_compiling():  # a traced step: torch's operations alone
+            return "torch"
+        if self.revision != probes.revision[0]:  # decisions dropped, read or measured since
+            self.plans, self.revision = {}, probes.revision[0]
+        threads = torch.get_num_threads()
+        kernels = self.plans.get(threads)
+        if kernels is None:
+            kernels = self.plans[threads] = probes.float_plan(self.model, x.dtype, available(x.dtype)).kernels
+        return kernels[0 if rows <= 1 else probes.row_class(rows)]
+
+    def onednn_weight(self) -> torch.Tensor:
+        if self.packed is None:
+            with torch.inference_mode(False), torch.no_grad():
+                plain = self.in_out.detach().t().contiguous()  # (out, in)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS)
+        return self.packed
+
+    def numpy_array(self) -> np.ndarray:
+        if self.array is None:
+            self.array = self.in_out.detach().numpy()
+        return self.array
+
+
+# -- the product ------------------------------------------------------------------------------------------
+def product(
+    x: torch.Tensor,
+    w: FloatWeight,
+    bias: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
+    relu: bool = False,
+    kernel: str | None = None,
+) -> torch.Tensor:
+    """x (N, in) @ w + bias, through a ReLU with `relu`, plus `add` (N, out): a residual stream the product
+    adds to (it is not written). On the kernel w.kernel chooses for N rows, or on `kernel`."""
+    kernel = kernel or w.kernel(x.shape[0], x)
+    if kernel == "onednn":
+        y = torch.ops.mkldnn._linear_pointwise(x, w.onednn_weight(), bias, "relu" if relu else "none", [], "")
+    elif kernel == "openblas":
+        openblas_threads(torch.get_num_threads())
+        y = torch.from_numpy(np.matmul(x.numpy(), w.numpy_array()))  # numpy's memory, torch's tensor
+        y = y if bias is None else y.add_(bias)
+    elif add is not None and not relu:  # torch: the residual sum done by the product itself
+        y = torch.addmm(add, x, w.in_out)
+        return y if bias is None else y.add_(bias)
+    else:
+        y = torch.mm(x, w.in_out) if bias is None else torch.addmm(bias, x, w.in_out)
+    if relu and kernel != "onednn":
+        y = F.relu_(y)
+    return y if add is None else y.add_(add)
+
+
+def on_kernel(kernel: str, x: torch.Tensor, w: FloatWeight) -> torch.Tensor:
+    return product(x, w, kernel=kernel)
+
+
+PROBED = probes.FloatKernels(available, FloatWeight, on_kernel)  # what refdec machine's probe times
+
+
+def measure_plan(model: tuple[int, int, int], dtype: torch.dtype = torch.float32) -> probes.FloatPlan:
+    """The kernels timed now on the products of a step of a model of (d_model, d_ff, vocabulary)
+    (probes.measure_float_plan), kept as this process's plan."""
+    return probes.measure_float_plan(model, dtype, PROBED)
