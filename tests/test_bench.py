@@ -321,6 +321,34 @@ def test_stepcost_times_the_int8_route_and_splits_its_call(tmp_path, capsys):
         assert abs(total - parts["call_ms"][q]) < 1e-9 and parts["products_ms"][q] > 0
 
 
+def test_stepcost_parts_split_the_fast_call_against_the_machines_rates(tmp_path, capsys):
+    """stepcost --fast --parts splits each fast-route call into its products by shape (each with its
+    kernel and roofline), attention, norms and the rest, which add up to the call; --parts without
+    --fast is refused in one line."""
+    from conftest import random_checkpoint
+
+    from refdec.commands import stepcost
+
+    path = random_checkpoint(tmp_path / "m")
+    report = tmp_path / "cost.json"
+    common = ["--task", "mt-en-de", "--model", str(path), "--rows", "2", "--q", "1,3", "--src", "5"]
+    common += ["--prefix", "4", "--rounds", "1", "--threads", "1"]
+    assert stepcost.main([*common, "--fast", "--parts", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "the machine:" in out and "GFLOP/s" in out and "torch operations" in out
+    parts = json.loads(report.read_text())["fast_parts"]
+    assert parts["rates"]["flops"] > 0 and parts["rates"]["bytes"] > 0
+    for q in ("1", "3"):
+        rows = parts["by_q"][q]
+        whole = rows[-1]
+        assert whole["part"] == "the whole call" and whole["torch_operations"] > 0
+        assert abs(sum(r["seconds"] for r in rows[:-1]) - whole["seconds"]) < 1e-9
+        products = [r for r in rows if "bound_seconds" in r]
+        assert len(products) == 5 and all(r["bound_seconds"] > 0 and r["kernel"] for r in products)
+    assert stepcost.main([*common, "--parts"]) == 2
+    assert "--parts" in capsys.readouterr().err
+
+
 def test_stepcost_times_a_family_the_fast_route_does_not_write(tmp_path, capsys):
     """Was: stepcost timed `on_route(model, "fast").reference`, which a family the fast route does not
     write (here RMS norm and a gated feed-forward, as T5 v1.1's) got as a KernelRoute without

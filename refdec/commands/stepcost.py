@@ -5,6 +5,7 @@
     python -m refdec stepcost --task gec-uk --rows 64 --q 1,8,16     # calls of a batch of 64 rows
     python -m refdec stepcost --task gec-uk --fast                   # the fast route beside
     python -m refdec stepcost --task gec-uk --rows 32 --fast --int8  # and the int8 route, its calls split
+    python -m refdec stepcost --task mt-en-de --q 1 --fast --parts   # its call in parts, against the roofline
     python -m refdec stepcost --task gec-uk --rows 32 --q 1 --fast --ragged-src   # the encoder over unequal sources
     python -m refdec stepcost --task mt-en-de --fast --graphed --device cuda   # and the graphed route, on a GPU
     python -m refdec stepcost --task mt-en-de --graphed --fused --device cuda  # and its steps compiled (fused)
@@ -37,7 +38,7 @@ With --fast --parts the fast route's calls are split too, each part timed alone 
 the kernels the route takes for them (fast_call_parts): the products by weight shape, each
 beside its roofline (the least time this machine could take: its multiply-adds at the core's rate, its
 bytes at the rate memory is read, both measured here), the attention calls, the layer norms and the
-rest of the call.
+rest of the call, with the count of torch operations one call dispatches.
 
 With --device cuda every time is read after torch.cuda.synchronize(), so it covers the GPU's work
 and not only its launch. --graphed times the graphed route (refdec.routes.graphed) beside: its first call
@@ -64,6 +65,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..app.inputs import check_outputs, checkpoint_files, shown_path
 from ..checkpoint import load_model
@@ -254,9 +256,36 @@ def fast_call_parts(route, memory, prefix: int, q: int, reps: int, rates: dict) 
         out.append({"part": f"attention ({2 * L} calls)", "seconds": median_seconds(attention, reps)})
         out.append({"part": f"layer norms ({3 * L})", "seconds": median_seconds(norms, reps)})
         call = time_decode(route, memory, prefix, q, reps)
+        operations = count_operations(route, memory, prefix, q)
     out.append({"part": "rest (cache, embedding, views, Python)", "seconds": call - sum(p["seconds"] for p in out)})
-    out.append({"part": "the whole call", "seconds": call})
+    out.append({"part": "the whole call", "seconds": call, "torch_operations": operations})
     return out
+
+
+class Counting(TorchDispatchMode):
+    """Counts the torch operations dispatched while it is on (views included; numpy's products are not
+    torch's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_operations(route, memory, prefix: int, q: int) -> int:
+    """How many torch operations one call appending q tokens over a cache of `prefix` dispatches."""
+    rows = memory.states.shape[0]
+    cache = route.new_cache(rows, capacity=prefix + q)
+    route.decode(torch.full((rows, prefix), 7), memory, cache)
+    new = torch.full((rows, q), 9)
+    route.decode(new, memory, cache)
+    cache.truncate(prefix)
+    with Counting() as counting:
+        route.decode(new, memory, cache)
+    return counting.count
 
 
 def parts_table(rows: list[dict]) -> list[str]:
@@ -270,7 +299,8 @@ def parts_table(rows: list[dict]) -> list[str]:
                 f"{1000 * r['bound_seconds']:9.3f} {r['bound_by']:>8} {r['seconds'] / r['bound_seconds']:6.2f}x"
             )
         else:
-            lines.append(f"{r['part']:<40} {'':>12} {'':>5} {'':>9} {1000 * r['seconds']:8.3f}")
+            counted = f" ({r['torch_operations']} torch operations)" if "torch_operations" in r else ""
+            lines.append(f"{r['part']:<40} {'':>12} {'':>5} {'':>9} {1000 * r['seconds']:8.3f}{counted}")
     products_rows = [r for r in rows if "bound_seconds" in r]
     took, least = sum(r["seconds"] for r in products_rows), sum(r["bound_seconds"] for r in products_rows)
     blank = f"{'':>12} {'':>5} {'':>9}"
