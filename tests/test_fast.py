@@ -231,7 +231,11 @@ def test_packed_weights_follow_every_weight_change():
             return model.decode(tgt, model.encode(src), model.new_cache(3))
 
     assert (logits(m) - logits(f)).abs().max() < TOL
-    for change, seen in (
+    encoder_changes = [  # the encoder's layout follows its parameters as the decoder's does
+        (lambda mm: mm.encoder[0].ff.w1.weight.mul_(1.3), True),
+        (lambda mm: mm.encoder[-1].attn.wv.weight.data.mul_(1.4), False),
+    ]
+    for change, seen in [
         (lambda mm: mm.decoder[0].ff.w1.weight.mul_(1.5), True),
         (lambda mm: mm.decoder[-1].self_attn.wq.bias.add_(0.3), True),
         (lambda mm: setattr(mm.out_proj.weight, "data", mm.out_proj.weight.data * 0.7), True),
@@ -244,14 +248,17 @@ def test_packed_weights_follow_every_weight_change():
         ),
         (lambda mm: mm.load_state_dict({k: v * 0.9 for k, v in mm.state_dict().items()}), True),
         (lambda mm: mm.decoder[0].self_attn.wk.weight.data.add_(0.1), False),
-        (lambda mm: mm.encoder[0].attn.wv.weight.data.add_(0.1), True),
-    ):  # the encoder reads the parameters
+        *encoder_changes,
+    ]:
+        before = logits(m)
         for mm in (m, f.model):
             with torch.no_grad():
                 change(mm)
         if not seen:
             f.refresh()
         assert (logits(m) - logits(f)).abs().max() < TOL
+        if any(change is c for c, _ in encoder_changes):  # a change the logits show (a uniform shift would not)
+            assert (logits(m) - before).abs().max() > 1e-6
     for fused in (False, True):
         opt = torch.optim.Adam(f.model.parameters(), lr=0.1, fused=fused)
         f.model.train()

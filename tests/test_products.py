@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import check_lossless_decoders, copy_model, random_src
@@ -52,6 +53,25 @@ def test_every_kernel_computes_the_product(dtype, rows):
             assert (products.product(x, w, kernel=kernel).double() - (exact - b)).abs().max() < tol
             assert torch.equal(add, add.clone())  # the residual is read, not written
     assert "torch" in products.available(dtype)
+
+
+@pytest.mark.skipif("openblas" not in products.available(torch.float32), reason="numpy has no OpenBLAS here")
+def test_openblas_computes_on_torchs_threads_and_leaves_numpys_count_as_it_was():
+    lib = products.openblas()
+    before, threads = lib.getter(), torch.get_num_threads()
+    seen = []
+    real = np.matmul
+    try:
+        for count in (1, 2, before + 1):
+            lib.setter(count)
+            np.matmul = lambda *a, **k: (seen.append(lib.getter()), real(*a, **k))[1]
+            try:
+                products.openblas_matmul(np.ones((1, 4), np.float32), np.ones((4, 3), np.float32), threads)
+            finally:
+                np.matmul = real
+            assert lib.getter() == count and seen[-1] == threads
+    finally:
+        lib.setter(before)
 
 
 def test_the_cpu_rule_is_fixed_by_the_cpu(monkeypatch):

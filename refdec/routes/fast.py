@@ -7,13 +7,15 @@ operations, and their count, not their arithmetic, sets its cost: each torch ope
 microseconds of dispatch whatever its size, and a one-row matrix product reads its weights from
 memory rather than computing. The fast route computes the same mathematics with fewer of them:
 
-  * the decoder's weights laid out as a step reads them (DecoderWeights): contiguous (in, out)
+  * the weights laid out as a call reads them (DecoderWeights, EncoderWeights): contiguous (in, out)
     matrices, a self-attention layer's queries, keys and values side by side so that one product
-    makes all three, the output embedding as (D, V): a copy of the parameters, the route's own;
+    makes all three, every decoder layer's cross-attention keys and values side by side (one product
+    per source), the output embedding as (D, V): a copy of the parameters, the route's own;
   * PyTorch's fused attention (`F.scaled_dot_product_attention`, one call) instead of a product,
     a scale, a mask fill, a softmax and a second product;
-  * each linear map one `torch.addmm` on (N, D) rows, and the residual sum done by the output
-    projection's product itself (`addmm(x, h, W.T)`), so no separate addition;
+  * each linear map one product on (N, D) rows, on the kernel this machine's float plan names for N
+    rows (refdec.routes.products: torch's `addmm`, oneDNN's on a packed weight, numpy's OpenBLAS), the
+    residual sum done by the output projection's product itself on torch's (`addmm(x, h, W.T)`);
   * no module calls, hooks, dropout or mode checks inside the layer loop;
   * in a ragged batch (a batched verification call of drafts of different lengths), every linear map
     and norm on the real positions alone: padding is attended over as zeros, never multiplied; in a
@@ -36,7 +38,7 @@ computes the same layout's products in int8 (refdec.routes.int8). After a write 
 place, which no stamp sees, `refresh()` makes every kept form again.
 
 The route computes the same sums in another order (a fused attention kernel, the bias added after
-the residual), so its float32 logits differ from the reference route's in the last bits, as the
+the residual, another product kernel), so its float32 logits differ from the reference route's in the last bits, as the
 reference route's own differ between call shapes; in float64 the two differ by ~1e-15 (the tests
 compare them with a tolerance), and every lossless decoder on the fast route equals greedy on the
 fast route (torch.equal). On a real test set, `python -m refdec ctranslate2 --fast` reports how often
@@ -431,6 +433,7 @@ class FastRoute(Route):
         allowed: torch.Tensor | None,
         rows: torch.Tensor | None = None,
         lengths: list[int] | None = None,
+        layers: list[dict] | None = None,
     ) -> torch.Tensor:
         """The encoder over src (B, S), its forced tokens in, with `allowed` (B, 1, 1, S) True at the
         keys that are not padding (None: every key) -> states (B, S, D), computed as `decoder_stack`
@@ -439,12 +442,14 @@ class FastRoute(Route):
         (a batch of sources of different lengths is mostly padding), and the padding's states are zeros.
         Attention then takes each source alone (`attend_each`) given `lengths` (B,), each source's
         real positions (on a CPU: many small calls cost less there than one call mostly over padding),
-        else the queries, keys and values laid out (B, S) with zeros at the padding, masked."""
+        else the queries, keys and values laid out (B, S) with zeros at the padding, masked. `layers`:
+        the weights as `encoder_layers` gives them, taken before a step that is captured or compiled
+        (refdec.routes.graphed), which must not make them."""
         B, S = src.shape
         H, ref, pre = self.cfg.n_heads, self.reference.starting(), self.cfg.norm_first
         x = self.model.embed_source(src).reshape(B * S, -1)
         x = x if rows is None else x.index_select(0, rows)
-        for w in self.encoder_layers():
+        for w in self.encoder_layers() if layers is None else layers:
             n1, n2 = w["norms"]
             h = F.layer_norm(x, *n1) if pre else x  # self-attention
             q_, k, v = w["qkv"](h) if callable(w["qkv"]) else linear(h, w["qkv"], w["qkv_b"]).chunk(3, dim=1)

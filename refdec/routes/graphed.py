@@ -280,11 +280,12 @@ class GraphedRoute(FastRoute):
 
     def _state(self) -> RouteState:
         """The route's steps, checked against its layout and where the parameters live (once per decoding call)."""
-        layout = self.decoder_weights()  # copied again first if a parameter has changed
+        self.encoder_layers()  # the encoder's layout, copied again first if one of its parameters has changed
+        layout = (self.decoder_weights(), self.encoder_laid_out)  # copied again first if a parameter has changed
         tensors = [*self.model.parameters(), *(b for b in self.model.buffers() if b is not None)]
         mark = tuple((p.data_ptr(), p.dtype, p.device) for p in tensors)
         state = self.state
-        if state is None or state.layout is not layout or state.mark != mark:
+        if state is None or state.layout != layout or state.mark != mark:
             state = self.state = RouteState(layout, mark, self.model.tgt_embed.weight.device)
         return state
 
@@ -322,9 +323,10 @@ class GraphedRoute(FastRoute):
         p = self.model.tgt_embed.weight
         tokens = static_zeros(rows, width, device=p.device, dtype=torch.long)
         out = static_zeros(rows, width, self.cfg.d_model, device=p.device, dtype=p.dtype)
+        layers = self.encoder_layers()  # the layout made here, outside the captured (or compiled) step
 
         def run():
-            out.copy_(self.encoder_stack(tokens, tokens.ne(self.cfg.pad_id)[:, None, None, :]))
+            out.copy_(self.encoder_stack(tokens, tokens.ne(self.cfg.pad_id)[:, None, None, :], layers=layers))
 
         return Step(tokens, None, out, self._replay(run, p.device, pool))
 

@@ -5,21 +5,21 @@ A decoder step's products read every weight of the decoder once: at one row they
 the weights stream from memory, at tens of rows by the core's multiply-adds. How close a kernel comes to
 either depends on the CPU as much as on the kernel. On an AMD EPYC, the MKL that torch calls for
 `torch.addmm` takes a code path that is not the fastest the core has: on one with AVX-512 (one thread,
-the 6-layer model of width 256, every product of a step), numpy's OpenBLAS computed a one-row step's
-products in 0.60 ms against MKL's 0.97 (the weights read at 76% of the rate the core streams a buffer of
-their size), and oneDNN's product on a packed weight computed a 32-row step's in 2.9 ms against 5.7
-(docs/cpu-cost.md). So a product here is one of three kernels (KERNELS):
+the 6-layer model of width 256, the 37 products of one decoder step), numpy's OpenBLAS computed them in
+957 us at one row against MKL's 1258, and oneDNN's product on a packed weight in 4904 us at 64 rows
+against 10180 (docs/cpu-cost.md). So a product here is one of three kernels (KERNELS):
 
     torch     torch.addmm on the (in, out) matrix: MKL on an x86 CPU, what the fast route always took
     onednn    torch's oneDNN linear (torch.ops.mkldnn._linear_pointwise) on the weight packed once in
               oneDNN's blocked layout (float32 only); a ReLU after it fused into the same pass
-    openblas  numpy's matmul (its OpenBLAS) on the very memory of the operands, numpy told to use as many
-              threads as torch (`openblas_threads`)
+    openblas  numpy's matmul (its OpenBLAS) on the very memory of the operands, on as many threads as
+              torch for the call (`openblas_matmul`; numpy's own count is put back after it)
 
-Which kernel computes a product is decided per weight shape, dtype, thread count and class of row
-counts (probes.ROW_CLASSES), by refdec.routes.probes.float_plan: from the machine report a process is
-given (REFDEC_MACHINE_REPORT; `refdec machine --report` measures the kernels on the model's shapes and
-records the fastest), else by a rule on the CPU's vendor and instructions that never times anything. The
+Which kernel computes a product is decided per model shape (d_model, d_ff, vocabulary), dtype, thread
+count and class of row counts (probes.ROW_CLASSES), by refdec.routes.probes.float_plan: from the machine
+report a process is given (REFDEC_MACHINE_REPORT; `refdec machine --report` times the kernels on a step's
+products of the model's shape and records the fastest), else by a rule on the CPU's vendor and
+instructions that never times anything. The
 kernels sum in different orders, so a float32 product's last bits depend on the kernel: a choice made by a
 fresh timing could make two runs of one command round differently, and none is. Where a kernel is not
 there (no numpy OpenBLAS, no oneDNN, another dtype) or the call is traced by torch.compile, or not on a
@@ -40,16 +40,20 @@ from . import probes
 
 KERNELS = probes.FLOAT_KERNEL_NAMES  # ("torch", "onednn", "openblas")
 PACK_ROWS = 32  # the row count oneDNN's packed layout is made for (it computes any count)
-SETTERS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
+THREAD_CALLS = (  # (getter, setter) of OpenBLAS's thread count, as numpy's builds name them
+    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+    ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+    ("openblas_get_num_threads", "openblas_set_num_threads"),
+)
 
 
 # -- numpy's OpenBLAS -------------------------------------------------------------------------------------
 class OpenBLAS:
     """numpy's OpenBLAS library, found among the process's loaded libraries (Linux), with its thread-count
-    setter; `threads` the count last set through it (None: not yet)."""
+    getter and setter (None where it is not found: the kernel is not there)."""
 
     def __init__(self):
-        self.setter, self.threads = None, None
+        self.getter = self.setter = None
         try:
             maps = Path("/proc/self/maps").read_text().splitlines()
         except OSError:
@@ -60,9 +64,10 @@ class OpenBLAS:
                 lib = ctypes.CDLL(path)
             except OSError:
                 continue
-            for name in SETTERS:
-                if hasattr(lib, name):
-                    self.setter = getattr(lib, name)
+            for get, put in THREAD_CALLS:
+                if hasattr(lib, get) and hasattr(lib, put):
+                    self.getter, self.setter = getattr(lib, get), getattr(lib, put)
+                    self.getter.argtypes, self.getter.restype = [], ctypes.c_int
                     self.setter.argtypes, self.setter.restype = [ctypes.c_int], None
                     return
 
@@ -76,13 +81,18 @@ def openblas() -> OpenBLAS:
     return _openblas[0]
 
 
-def openblas_threads(threads: int) -> None:
-    """numpy's OpenBLAS set to `threads` threads, as torch computes with (a call of the library only when
-    the count changes)."""
-    lib = _openblas[0] if _openblas else openblas()
-    if lib.threads != threads:
-        lib.setter(threads)
-        lib.threads = threads
+def openblas_matmul(x: np.ndarray, w: np.ndarray, threads: int) -> np.ndarray:
+    """x @ w by numpy's OpenBLAS on `threads` threads, as torch computes with; the library's own count is
+    put back after the call (refdec changes nothing process-wide: a user's numpy keeps its threads)."""
+    lib = openblas()
+    before = lib.getter()
+    if before == threads:
+        return np.matmul(x, w)
+    lib.setter(threads)
+    try:
+        return np.matmul(x, w)
+    finally:
+        lib.setter(before)
 
 
 def available(dtype: torch.dtype) -> tuple[str, ...]:
@@ -160,9 +170,8 @@ def product(
     kernel = kernel or w.kernel(x.shape[0], x)
     if kernel == "onednn":
         y = torch.ops.mkldnn._linear_pointwise(x, w.onednn_weight(), bias, "relu" if relu else "none", [], "")
-    elif kernel == "openblas":
-        openblas_threads(torch.get_num_threads())
-        y = torch.from_numpy(np.matmul(x.numpy(), w.numpy_array()))  # numpy's memory, torch's tensor
+    elif kernel == "openblas":  # numpy's memory, torch's tensor
+        y = torch.from_numpy(openblas_matmul(x.numpy(), w.numpy_array(), torch.get_num_threads()))
         y = y if bias is None else y.add_(bias)
     elif add is not None and not relu:  # torch: the residual sum done by the product itself
         y = torch.addmm(add, x, w.in_out)
