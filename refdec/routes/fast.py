@@ -38,10 +38,10 @@ computes the same layout's products in int8 (refdec.routes.int8). After a write 
 place, which no stamp sees, `refresh()` makes every kept form again.
 
 The route computes the same sums in another order (a fused attention kernel, the bias added after
-the residual, another product kernel), so its float32 logits differ from the reference route's in the last bits, as the
-reference route's own differ between call shapes; in float64 the two differ by ~1e-15 (the tests
-compare them with a tolerance), and every lossless decoder on the fast route equals greedy on the
-fast route (torch.equal). On a real test set, `python -m refdec ctranslate2 --fast` reports how often
+the residual, another product kernel), so its float32 logits differ from the reference route's in the
+last bits, as the reference route's own differ between call shapes; in float64 the two differ by
+~1e-15 (the tests compare them with a tolerance), and every lossless decoder on the fast route equals
+greedy on the fast route (torch.equal). On a real test set, `python -m refdec ctranslate2 --fast` reports how often
 float32 fast greedy writes the reference route's output, and the logit margin at every divergence.
 """
 
