@@ -53,7 +53,7 @@ import torch
 from .forced import after_start
 
 # Storage positions zeroed at once ahead of the furthest reached (KVCache.reserve): a zeroing writes one
-# short run per layer, row and head; one per step cost as much as a 32-row step's attention.
+# short run per layer, row and head, so zeroing one position per step paid that cost at every step.
 ZERO_AHEAD = 16
 
 

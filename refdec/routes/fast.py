@@ -452,7 +452,10 @@ class FastRoute(Route):
         for w in self.encoder_layers() if layers is None else layers:
             n1, n2 = w["norms"]
             h = F.layer_norm(x, *n1) if pre else x  # self-attention
-            q_, k, v = w["qkv"](h) if callable(w["qkv"]) else linear(h, w["qkv"], w["qkv_b"]).chunk(3, dim=1)
+            if self.int8:  # x quantized once for the three
+                q_, k, v = linears(h, w["qkv_layers"], self.joined)
+            else:
+                q_, k, v = linear(h, w["qkv"], w["qkv_b"]).chunk(3, dim=1)
             if lengths is not None:  # each source over its own positions alone
                 x = attend_each(q_, k, v, lengths, H, x, w["o"], w["o_b"])
             else:
@@ -467,7 +470,7 @@ class FastRoute(Route):
     def encoder_layers(self) -> list[dict]:
         """The encoder's weights as encoder_stack reads them, one dict per layer: the route's layout
         (EncoderWeights, copied again if a parameter has changed since); on the int8 route the layers' int8
-        forms, their queries, keys and values one call (`qkv`: h -> the three) on x quantized once."""
+        forms, their queries, keys and values' layers (`qkv_layers`) for one int8 call on x quantized once."""
         if not self.int8:
             kept = self.encoder_laid_out
             if kept is None or not kept.current():
@@ -478,7 +481,7 @@ class FastRoute(Route):
             a, ff = layer.attn, layer.ff
             layers.append(
                 {
-                    "qkv": lambda h, a=a: linears(h, [a.wq, a.wk, a.wv], self.joined),
+                    "qkv_layers": [a.wq, a.wk, a.wv],
                     "o": in_out(a.wo),
                     "o_b": a.wo.bias,
                     "w1": in_out(ff.w1),

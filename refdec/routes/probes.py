@@ -353,13 +353,20 @@ def float_plan(model: tuple[int, int, int], dtype: torch.dtype, available: tuple
     return FloatPlan(tuple(k if k in available else "torch" for k in plan.kernels), plan.why, plan.timings)
 
 
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "vendor_id", "flags", ...); empty where
+    there is none (refdec.machine reads the CPU through it too)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    first = text.split("\n\n")[0]  # processors are separated by blank lines
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+
+
 def cpu_vendor() -> tuple[str, frozenset[str]]:
     """The CPU's vendor and flags as /proc/cpuinfo's first processor gives them (empty where it does not)."""
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return "", frozenset()
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    fields = cpuinfo()
     return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
 
 
@@ -491,13 +498,8 @@ def this_machine() -> dict[str, str]:
     """What the decisions hold on, as a machine report records it: the CPU by name (the first model name in
     /proc/cpuinfo, as refdec.machine.cpu_model reads it, else the platform's word for it), the vector
     instructions torch's kernels use there (its CPU capability) and torch's version."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    name = next((v.strip() for k, _, v in (line.partition(":") for line in lines) if k.strip() == "model name"), "")
     return {
-        "cpu": name or platform.processor() or platform.machine(),
+        "cpu": cpuinfo().get("model name") or platform.processor() or platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
     }
