@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from conftest import check_lossless_decoders, copy_model, random_src
@@ -56,22 +55,49 @@ def test_every_kernel_computes_the_product(dtype, rows):
 
 
 @pytest.mark.skipif("openblas" not in products.available(torch.float32), reason="numpy has no OpenBLAS here")
-def test_openblas_computes_on_torchs_threads_and_leaves_numpys_count_as_it_was():
+@pytest.mark.parametrize("rows", [1, 3])  # its matrix-vector product, its matrix product
+def test_openblas_computes_on_torchs_threads_and_leaves_numpys_count_as_it_was(monkeypatch, rows):
     lib = products.openblas()
     before, threads = lib.getter(), torch.get_num_threads()
     seen = []
-    real = np.matmul
+    for calls in (lib.gemv, lib.gemm):
+        real = calls[torch.float32]
+        monkeypatch.setitem(calls, torch.float32, lambda *a, real=real: (seen.append(lib.getter()), real(*a))[1])
+    x, w = torch.ones(rows, 4), torch.ones(4, 3)
     try:
         for count in (1, 2, before + 1):
             lib.setter(count)
-            np.matmul = lambda *a, **k: (seen.append(lib.getter()), real(*a, **k))[1]
-            try:
-                products.openblas_matmul(np.ones((1, 4), np.float32), np.ones((4, 3), np.float32), threads)
-            finally:
-                np.matmul = real
-            assert lib.getter() == count and seen[-1] == threads
+            y = products.openblas_product(x, w, torch.ones(3), None, threads)
+            assert lib.getter() == count and seen[-1] == threads and torch.equal(y, torch.full((rows, 3), 5.0))
     finally:
         lib.setter(before)
+
+
+@pytest.mark.skipif("openblas" not in products.available(torch.float32), reason="numpy has no OpenBLAS here")
+def test_openblas_adds_the_bias_and_the_residual_in_its_call_and_writes_neither():
+    """The product adds itself to a new tensor holding bias + residual (the call's beta term): one row or
+    several, neither operand is written, and a strided input row is read as it is."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    for rows in (1, 4):
+        x = torch.randn(rows, 16, generator=g, dtype=torch.float64)[:, ::2]  # rows of stride 2
+        b, add = (
+            torch.randn(5, generator=g, dtype=torch.float64),
+            torch.randn(rows, 5, generator=g, dtype=torch.float64),
+        )
+        kept = b.clone(), add.clone()
+        for bias, residual in ((b, add), (b, None), (None, add), (None, None)):
+            y = products.openblas_product(x, w, bias, residual, 1)
+            want = x @ w + (0 if bias is None else bias) + (0 if residual is None else residual)
+            assert y.is_contiguous() and (y - want).abs().max() < 1e-12
+        assert torch.equal(b, kept[0]) and torch.equal(add, kept[1])
+
+
+def test_an_openblas_whose_calls_compute_wrongly_is_not_taken(monkeypatch):
+    """A library whose bound calls do not compute the check's exact product (an integer width that is not
+    the library's) leaves the kernel unavailable rather than computing wrong products."""
+    monkeypatch.setattr(products, "blas_product", lambda lib, x, w, y, beta: y.add_(1))
+    assert products.OpenBLAS().setter is None
 
 
 def test_the_cpu_rule_is_fixed_by_the_cpu(monkeypatch):

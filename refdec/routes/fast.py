@@ -230,9 +230,10 @@ def decoder_stack(
     for i, w in enumerate(layers):
         n1, n2, n3 = w["norms"]
         h = F.layer_norm(x, *n1) if pre else x  # masked self-attention over the cache
-        q_, k, v = spread(linear(h, w["qkv"], w["qkv_b"]), rows, B * q).view(B, q, 3, -1).unbind(2)
-        keys, values = store(i, heads(k, B, q, H), heads(v, B, q, H))
-        x = attend(heads(q_, B, q, H), keys, values, allowed, x, w["o"], w["o_b"], rows)
+        qkv = spread(linear(h, w["qkv"], w["qkv_b"]), rows, B * q)  # (B*q, 3*H*Dh): queries, keys, values
+        q_, k, v = qkv.view(B, q, 3, H, -1).permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, q, Dh), one view
+        keys, values = store(i, k, v)
+        x = attend(q_, keys, values, allowed, x, w["o"], w["o_b"], rows)
         x = x if pre else F.layer_norm(x, *n1)
         h = F.layer_norm(x, *n2) if pre else x  # attention over the encoder's output
         cq = spread(linear(h, w["cq"], w["cq_b"]), rows, B * q)

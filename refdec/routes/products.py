@@ -12,8 +12,10 @@ against 10180 (docs/cpu-cost.md). So a product here is one of three kernels (KER
     torch     torch.addmm on the (in, out) matrix: MKL on an x86 CPU, what the fast route always took
     onednn    torch's oneDNN linear (torch.ops.mkldnn._linear_pointwise) on the weight packed once in
               oneDNN's blocked layout (float32 only); a ReLU after it fused into the same pass
-    openblas  numpy's matmul (its OpenBLAS) on the very memory of the operands, on as many threads as
-              torch for the call (`openblas_matmul`; numpy's own count is put back after it)
+    openblas  numpy's OpenBLAS, called through its C interface on the tensors' memory (`openblas_product`):
+              a matrix-vector product at one row, a matrix product for more, the bias and the residual
+              summed into the output first and the product added to them in the same call; on as many
+              threads as torch for the call (numpy's own count is put back after it)
 
 Which kernel computes a product is decided per model shape (d_model, d_ff, vocabulary), dtype, thread
 count and class of row counts (probes.ROW_CLASSES), by refdec.routes.probes.float_plan: from the machine
@@ -32,7 +34,7 @@ import copy
 import ctypes
 from pathlib import Path
 
-import numpy as np
+import numpy  # noqa: F401  (loads numpy's OpenBLAS into the process, where OpenBLAS finds it)
 import torch
 import torch.nn.functional as F
 
@@ -40,20 +42,26 @@ from . import probes
 
 KERNELS = probes.FLOAT_KERNEL_NAMES  # ("torch", "onednn", "openblas")
 PACK_ROWS = 32  # the row count oneDNN's packed layout is made for (it computes any count)
-THREAD_CALLS = (  # (getter, setter) of OpenBLAS's thread count, as numpy's builds name them
-    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-    ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-    ("openblas_get_num_threads", "openblas_set_num_threads"),
+BLAS_NAMES = (  # OpenBLAS's C interface as numpy's builds name it: (call name format, integer type, thread calls)
+    ("scipy_cblas_{}64_", ctypes.c_int64, "scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+    ("cblas_{}64_", ctypes.c_int64, "openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+    ("cblas_{}", ctypes.c_int, "openblas_get_num_threads", "openblas_set_num_threads"),
 )
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # the C interface's constants
 
 
 # -- numpy's OpenBLAS -------------------------------------------------------------------------------------
 class OpenBLAS:
-    """numpy's OpenBLAS library, found among the process's loaded libraries (Linux), with its thread-count
-    getter and setter (None where it is not found: the kernel is not there)."""
+    """numpy's OpenBLAS library, found among the process's loaded libraries (Linux): its thread-count getter
+    and setter, and per dtype its matrix product (`gemm`) and matrix-vector product (`gemv`) through the C
+    interface, called on torch tensors' memory. Each found library is checked on a small product whose
+    result is exact before it is taken; `setter` is None where none is found or passes (the kernel is not
+    there)."""
 
     def __init__(self):
         self.getter = self.setter = None
+        self.gemm: dict = {}  # dtype -> the library's ?gemm
+        self.gemv: dict = {}
         try:
             maps = Path("/proc/self/maps").read_text().splitlines()
         except OSError:
@@ -64,12 +72,43 @@ class OpenBLAS:
                 lib = ctypes.CDLL(path)
             except OSError:
                 continue
-            for get, put in THREAD_CALLS:
-                if hasattr(lib, get) and hasattr(lib, put):
-                    self.getter, self.setter = getattr(lib, get), getattr(lib, put)
-                    self.getter.argtypes, self.getter.restype = [], ctypes.c_int
-                    self.setter.argtypes, self.setter.restype = [ctypes.c_int], None
-                    return
+            for name, integer, get, put in BLAS_NAMES:
+                if all(hasattr(lib, n) for n in (get, put, name.format("sgemm"), name.format("dgemv"))):
+                    self.bind(lib, name, integer, get, put)
+                    if self.works():
+                        return
+        self.getter = self.setter = None
+
+    def bind(self, lib, name: str, integer, get: str, put: str) -> None:
+        self.getter, self.setter = getattr(lib, get), getattr(lib, put)
+        self.getter.argtypes, self.getter.restype = [], ctypes.c_int
+        self.setter.argtypes, self.setter.restype = [ctypes.c_int], None
+        pointer, enum = ctypes.c_void_p, ctypes.c_int
+        for dtype, letter, scalar in ((torch.float32, "s", ctypes.c_float), (torch.float64, "d", ctypes.c_double)):
+            gemm, gemv = getattr(lib, name.format(letter + "gemm")), getattr(lib, name.format(letter + "gemv"))
+            # order, trans a, trans b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc
+            gemm.argtypes = (
+                [enum] * 3 + [integer] * 3 + [scalar, pointer, integer, pointer, integer, scalar, pointer, integer]
+            )
+            # order, trans, m, n, alpha, a, lda, x, incx, beta, y, incy
+            gemv.argtypes = (
+                [enum] * 2 + [integer] * 2 + [scalar, pointer, integer, pointer, integer, scalar, pointer, integer]
+            )
+            gemm.restype = gemv.restype = None
+            self.gemm[dtype], self.gemv[dtype] = gemm, gemv
+
+    def works(self) -> bool:
+        """Whether the calls bound compute a small product exactly (integers), at one row and at three."""
+        with torch.inference_mode(False), torch.no_grad():
+            for dtype in (torch.float32, torch.float64):
+                w = torch.arange(12, dtype=dtype).view(3, 4)
+                for rows in (1, 3):
+                    x = torch.arange(3 * rows, dtype=dtype).view(rows, 3) - 2
+                    y = torch.ones(rows, 4, dtype=dtype)
+                    blas_product(self, x, w, y, 1.0)
+                    if not torch.equal(y, x @ w + 1):
+                        return False
+        return True
 
 
 _openblas: list[OpenBLAS] = []  # found at the first need
@@ -81,18 +120,44 @@ def openblas() -> OpenBLAS:
     return _openblas[0]
 
 
-def openblas_matmul(x: np.ndarray, w: np.ndarray, threads: int) -> np.ndarray:
-    """x @ w by numpy's OpenBLAS on `threads` threads, as torch computes with; the library's own count is
-    put back after the call (refdec changes nothing process-wide: a user's numpy keeps its threads)."""
+def blas_product(lib: OpenBLAS, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, beta: float) -> None:
+    """y (N, out) = x (N, in) @ w (in, out) + beta * y, in place, by the library on the tensors' memory (each
+    contiguous): at one row a matrix-vector product, which streams the weight fastest there, else a matrix
+    product."""
+    (N, K), M = x.shape, w.shape[1]
+    if N == 1:  # y = w.T @ x: the row-major (in, out) matrix transposed
+        lib.gemv[x.dtype](ROW_MAJOR, TRANS, K, M, 1.0, w.data_ptr(), M, x.data_ptr(), 1, beta, y.data_ptr(), 1)
+    elif N > 1:  # (a call of no rows computes nothing)
+        a, b, c = x.data_ptr(), w.data_ptr(), y.data_ptr()
+        lib.gemm[x.dtype](ROW_MAJOR, NO_TRANS, NO_TRANS, N, M, K, 1.0, a, K, b, M, beta, c, M)
+
+
+def openblas_product(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, add: torch.Tensor | None, threads: int
+) -> torch.Tensor:
+    """x (N, in) @ w (in, out) + bias + add by numpy's OpenBLAS, on `threads` threads, as torch computes with:
+    the bias and the residual are summed into the output first, and the product adds itself to them (the
+    call's beta term: no pass over the output after it). The library's own thread count is put back after
+    the call (refdec changes nothing process-wide: a user's numpy keeps its threads)."""
+    x, w = x.contiguous(), w.contiguous()  # (themselves when they are: the fast route's are)
+    if add is not None:  # a new tensor, whole: the call writes it
+        y = add.clone(memory_format=torch.contiguous_format) if bias is None else torch.add(add, bias).contiguous()
+    elif bias is not None:
+        y = x.new_empty(x.shape[0], w.shape[1]).copy_(bias)
+    else:
+        y = x.new_empty(x.shape[0], w.shape[1])
+    beta = 0.0 if add is None and bias is None else 1.0
     lib = openblas()
     before = lib.getter()
     if before == threads:
-        return np.matmul(x, w)
+        blas_product(lib, x, w, y, beta)
+        return y
     lib.setter(threads)
     try:
-        return np.matmul(x, w)
+        blas_product(lib, x, w, y, beta)
     finally:
         lib.setter(before)
+    return y
 
 
 def available(dtype: torch.dtype) -> tuple[str, ...]:
@@ -108,15 +173,15 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
 # -- a weight, as each kernel takes it ------------------------------------------------------------------------
 class FloatWeight:
     """A linear map's weight for the float products: `in_out` (in, out), so that x @ in_out is the map (a
-    contiguous copy in the fast route's layout, or a view of the parameter); the forms the other kernels
-    take are made from it at their first use and kept: oneDNN's packed weight (a copy: a layout made again
-    when the parameter changes makes it again) and numpy's array (the same memory)."""
+    contiguous copy in the fast route's layout, or a view of the parameter), which torch's and OpenBLAS's
+    products read as it is; oneDNN's packed weight is made from it at its first use and kept (a copy: a
+    layout made again when the parameter changes makes it again)."""
 
-    __slots__ = ("in_out", "model", "packed", "array", "plans", "revision")
+    __slots__ = ("in_out", "model", "packed", "plans", "revision")
 
     def __init__(self, in_out: torch.Tensor, model: tuple[int, int, int] | None = None):
         self.in_out, self.model = in_out, model  # model: (d_model, d_ff, vocabulary), whose plan it follows
-        self.packed = self.array = None
+        self.packed = None
         self.plans: dict = {}  # threads -> the kernel of each row class (probes.float_plan; x's dtype is in_out's)
         self.revision = probes.revision[0]  # the decisions the plans were taken from
 
@@ -150,11 +215,6 @@ class FloatWeight:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS)
         return self.packed
 
-    def numpy_array(self) -> np.ndarray:
-        if self.array is None:
-            self.array = self.in_out.detach().numpy()
-        return self.array
-
 
 # -- the product ------------------------------------------------------------------------------------------
 def product(
@@ -170,9 +230,10 @@ def product(
     kernel = kernel or w.kernel(x.shape[0], x)
     if kernel == "onednn":
         y = torch.ops.mkldnn._linear_pointwise(x, w.onednn_weight(), bias, "relu" if relu else "none", [], "")
-    elif kernel == "openblas":  # numpy's memory, torch's tensor
-        y = torch.from_numpy(openblas_matmul(x.numpy(), w.numpy_array(), torch.get_num_threads()))
-        y = y if bias is None else y.add_(bias)
+    elif kernel == "openblas":  # the bias and the residual in the call's beta term (the ReLU comes before a residual)
+        y = openblas_product(x, w.in_out, bias, None if relu else add, torch.get_num_threads())
+        if not relu:
+            return y
     elif add is not None and not relu:  # torch: the residual sum done by the product itself
         y = torch.addmm(add, x, w.in_out)
         return y if bias is None else y.add_(bias)
