@@ -6,8 +6,8 @@ the weights stream from memory, at tens of rows by the core's multiply-adds. How
 either depends on the CPU as much as on the kernel. On an AMD EPYC, the MKL that torch calls for
 `torch.addmm` takes a code path that is not the fastest the core has: on one with AVX-512 (one thread,
 the 6-layer model of width 256, the 37 products of one decoder step), numpy's OpenBLAS computed them in
-957 us at one row against MKL's 1258, and oneDNN's product on a packed weight in 4904 us at 64 rows
-against 10180 (docs/cpu-cost.md). So a product here is one of three kernels (KERNELS):
+1207 us at one row against MKL's 1508, and oneDNN's product on a packed weight in 5402 us at 64 rows
+against 11263 (docs/cpu-cost.md). So a product here is one of three kernels (KERNELS):
 
     torch     torch.addmm on the (in, out) matrix: MKL on an x86 CPU, what the fast route always took
     onednn    torch's oneDNN linear (torch.ops.mkldnn._linear_pointwise) on the weight packed once in
