@@ -2,7 +2,8 @@
 with a verifier: both read the verifier's encoder, so the encoder runs once per source for the pair
 (`memory_from`), and both answer what a decoder asks of a companion model (refdec.decoding.pairing.Companion).
 
-- `EarlyExit`: the first n decoder layers of the verifier itself (BiLD's early-exit small model).
+- `EarlyExit`: the first n decoder layers of the verifier itself (BiLD's early-exit small model);
+  `early_exit_hidden`, what it trains on.
 - `SharedEncoder`: a decoder without an encoder of its own on another model's encoder.
 """
 
@@ -13,6 +14,16 @@ from torch import nn
 
 from .cache import KVCache, Memory
 from .model import Transformer
+
+
+def early_exit_hidden(model: Transformer, src: torch.Tensor, tgt: torch.Tensor, layers: int) -> tuple:
+    """Teacher forcing through `model`: its final decoder states and, through the same final norm, the
+    states after its first `layers` decoder layers (an early exit's, BiLD's small model): (final, early),
+    each (B, T, D); what an early exit trains on."""
+    if not 1 <= layers < model.cfg.dec_layers:
+        raise ValueError(f"an early exit needs 1 <= layers < {model.cfg.dec_layers}, got {layers}")
+    states = model.decoder_states(src, tgt)
+    return model.dec_norm(states[-1]), model.dec_norm(states[layers - 1])
 
 
 class EarlyExit(nn.Module):

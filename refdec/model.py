@@ -13,7 +13,7 @@ and the parts they are made of, for callers that need what lies between them:
     encode  = attach(encode_states(src))              the encoder alone; its states -> a decoder's Memory
     decode  = project(decode_hidden(...))             the decoder stack; the vocabulary projection
     forward = project(forward_hidden(src, tgt))       the same, teacher-forced
-    early_exit_hidden(src, tgt, n)                    forward_hidden's states and those after n layers
+    decoder_states(src, tgt)                          forward_hidden's residual stream after each layer
 
 Reading this file. Each function and class is the paper's, and with ModelConfig's defaults computes
 what section 3 writes (but for refdec's default pre-norm: Sublayer). What section 3 does not have is
@@ -54,8 +54,16 @@ from torch import nn
 from .cache import KVCache, Memory, NewPositions, padding_block, teacher_forced
 from .config import ModelConfig
 from .forced import before_source
-from .positions import FAMILY_TABLES
-from .variants import activation, embed_norms, learned_positions, make_norm, position_bias, relative_biases
+from .positions import FAMILY_TABLES, table_rows
+from .variants import (
+    GatedFeedForward,
+    activation,
+    embed_norms,
+    learned_positions,
+    make_norm,
+    position_bias,
+    relative_biases,
+)
 
 
 def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
@@ -160,14 +168,15 @@ class FeedForward(nn.Module):
         super().__init__()
         D, d_ff, bias = cfg.d_model, cfg.d_ff, cfg.bias
         self.w1, self.w2 = nn.Linear(D, d_ff, bias=bias), nn.Linear(d_ff, D, bias=bias)
-        self.w3 = nn.Linear(D, d_ff, bias=bias) if cfg.gated_ff else None  # [family] T5 v1.1's gate
         self.act, self.drop = activation(cfg.activation), nn.Dropout(cfg.dropout)  # relu; [family] gelu, silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.w1(x))
-        if self.w3 is not None:  # [family] the gated form, w2(act(w1 x) * w3 x) (refdec.variants)
-            h = h * self.w3(x)
-        return self.w2(self.drop(h))
+        return self.w2(self.drop(self.act(self.w1(x))))
+
+
+def feed_forward(cfg: ModelConfig) -> nn.Module:
+    """The layer's feed-forward network: section 3.3's; [family] T5 v1.1's gated one (refdec.variants)."""
+    return GatedFeedForward(cfg) if cfg.gated_ff else FeedForward(cfg)
 
 
 class Sublayer(nn.Module):
@@ -190,7 +199,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn = MultiHeadAttention(cfg)
-        self.ff = FeedForward(cfg)
+        self.ff = feed_forward(cfg)
         self.sub1, self.sub2 = Sublayer(cfg), Sublayer(cfg)
 
     def forward(self, x: torch.Tensor, pad_block: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,7 +218,7 @@ class DecoderLayer(nn.Module):
         self.index = index  # its place in the stack: its layer of the KV cache and of the memory's keys
         self.self_attn = MultiHeadAttention(cfg)
         self.cross_attn = MultiHeadAttention(cfg, cfg.memory_dim)
-        self.ff = FeedForward(cfg)
+        self.ff = feed_forward(cfg)
         self.sub1, self.sub2, self.sub3 = Sublayer(cfg), Sublayer(cfg), Sublayer(cfg)
 
     def forward(
@@ -306,25 +315,10 @@ class Transformer(nn.Module):
         norm: nn.Module,  # [family] BART's layernorm_embedding, else nn.Identity
     ) -> torch.Tensor:
         """The embeddings x sqrt(d_model) (section 3.4) plus the encodings of the tokens' positions (3.5)."""
-        pos = self._positions_at(tokens, offset, real, self.positions if table is None else table)
+        pos = table_rows(self.positions if table is None else table, offset, tokens, real, self.cfg.max_positions)
         scale = math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else 1.0  # [family] BART's, T5's: 1.0
         x = norm(embedding(tokens) * scale + pos)
         return self.drop(x) if self.training else x
-
-    def _positions_at(
-        self, tokens: torch.Tensor, offset: int | torch.Tensor, real: torch.Tensor | None, table: torch.Tensor
-    ) -> torch.Tensor:
-        """Rows offset .. offset + T - 1 of `table`: (T, D), or [decoders] (B, T, D) for an offset (B,)
-        per row, the padding's beyond the `real` tokens clamped to the table's end (never read)."""
-        T = tokens.shape[1]
-        ends = offset + (T if real is None else real)
-        top = int(ends.max()) if torch.is_tensor(ends) else ends
-        if top > self.cfg.max_positions:
-            raise ValueError(f"sequence of {top} positions exceeds max_positions={self.cfg.max_positions}")
-        if torch.is_tensor(offset) or real is not None:  # [decoders] a ragged cache, or padding
-            at = torch.as_tensor(offset, device=tokens.device).reshape(-1, 1) + torch.arange(T, device=tokens.device)
-            return table[at.clamp(max=self.cfg.max_positions - 1)]  # (B or 1, T, D): the same table rows
-        return table[offset : offset + T]
 
     def new_cache(self, batch: int, capacity: int = 64) -> KVCache:
         """An empty cache for `batch` rows, in the model's dtype and on its device."""
@@ -425,20 +419,13 @@ class Transformer(nn.Module):
         """forward() before the vocabulary projection: final decoder states (B, T, D). [decoders]
         `self_block` (T, T) or (B, 1, T, T), True = blocked, replaces the causal mask (a drafter's
         training); `memory` replaces encode(src) (a decoder on another model's encoder)."""
-        return self.dec_norm(self._decoder_layers(src, tgt, self_block, memory)[-1])
+        return self.dec_norm(self.decoder_states(src, tgt, self_block, memory)[-1])
 
-    def early_exit_hidden(self, src: torch.Tensor, tgt: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[decoders] forward_hidden's final states and, through the same final norm, the states after the
-        first `layers` decoder layers (an early exit's, BiLD's small model): (final, early), each (B, T, D)."""
-        if not 1 <= layers < self.cfg.dec_layers:
-            raise ValueError(f"an early exit needs 1 <= layers < {self.cfg.dec_layers}, got {layers}")
-        states = self._decoder_layers(src, tgt)
-        return self.dec_norm(states[-1]), self.dec_norm(states[layers - 1])
-
-    def _decoder_layers(
+    def decoder_states(
         self, src: torch.Tensor, tgt: torch.Tensor, self_block: torch.Tensor | None = None, memory: Memory | None = None
     ) -> list[torch.Tensor]:
-        """Teacher forcing without a cache: the residual stream (B, T, D) after each decoder layer."""
+        """Teacher forcing without a cache: the residual stream (B, T, D) after each decoder layer, before
+        the final norm ([decoders] an early exit's training reads the one after its layers: refdec.adapters)."""
         memory = self.encode(src) if memory is None else memory
         new = teacher_forced(tgt, self.cfg.decoder_prefix, self_block)  # the causal mask; [family] forced tokens in
         x = self.embed_target(new.tokens, 0)

@@ -3,7 +3,8 @@ sinusoidal table (section 3.5) is refdec.model.sinusoidal_positions.
 
 Each table is (n, d) float64 with row p the encoding of position p, built as transformers builds it,
 so an imported model adds the values its Hugging Face twin adds. ModelConfig.positions names the
-table; `FAMILY_TABLES` maps each name other than "sinusoidal" to its builder.
+table; `FAMILY_TABLES` maps each name other than "sinusoidal" to its builder. `table_rows` reads a
+call's rows of whichever table, one offset for the call or one per row.
 """
 
 from __future__ import annotations
@@ -52,3 +53,21 @@ FAMILY_TABLES: dict[str, Callable[[ModelConfig], torch.Tensor]] = {
     "learned": lambda cfg: torch.zeros(cfg.max_positions, cfg.d_model, dtype=torch.float64),
     "relative": lambda cfg: torch.zeros(cfg.max_positions, cfg.d_model, dtype=torch.float64),
 }
+
+
+def table_rows(
+    table: torch.Tensor, offset: int | torch.Tensor, tokens: torch.Tensor, real: torch.Tensor | None, limit: int
+) -> torch.Tensor:
+    """The rows of a position table (limit, D) for tokens (B, T) at positions offset .. offset + T - 1:
+    (T, D) for one offset; (B, T, D) for an offset (B,) per row (a ragged cache) or with `real` (B,), each
+    row's real tokens (the padding's positions beyond them clamped to the table's end: never read). A
+    position past the table is refused."""
+    T = tokens.shape[1]
+    ends = offset + (T if real is None else real)
+    top = int(ends.max()) if torch.is_tensor(ends) else ends
+    if top > limit:
+        raise ValueError(f"sequence of {top} positions exceeds max_positions={limit}")
+    if torch.is_tensor(offset) or real is not None:
+        at = torch.as_tensor(offset, device=tokens.device).reshape(-1, 1) + torch.arange(T, device=tokens.device)
+        return table[at.clamp(max=limit - 1)]  # (B or 1, T, D): the same table rows
+    return table[offset : offset + T]

@@ -6,6 +6,7 @@ config.json). Each is written as transformers computes it, operation for operati
 imported model's float64 logits equal transformers' to the last few bits:
 
     activation(name)        the feed-forward nonlinearity: relu, gelu, gelu_new (tanh form), silu
+    GatedFeedForward        T5 v1.1's gated feed-forward network, w2(act(w1 x) * w3 x)
     make_norm(cfg)          LayerNorm (with its epsilon) or RMSNorm, T5LayerNorm: x / rms(x) x gain
     learned_positions(cfg)  BART's and mBART's learned position tables, one per side
     RelativePositionBias    T5's bucketed relative position bias, added to the attention scores
@@ -42,6 +43,21 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The function ModelConfig.activation names (refdec.config.ACTIVATIONS)."""
     return _ACTIVATIONS[name]
+
+
+class GatedFeedForward(nn.Module):
+    """T5 v1.1's feed-forward network (transformers' T5DenseGatedActDense): w2(act(w1 x) * w3 x), the
+    paper's (refdec.model.FeedForward) with a gate w3 beside w1; the same parameter names, and w3."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, d_ff, bias = cfg.d_model, cfg.d_ff, cfg.bias
+        self.w1, self.w2 = nn.Linear(D, d_ff, bias=bias), nn.Linear(d_ff, D, bias=bias)
+        self.w3 = nn.Linear(D, d_ff, bias=bias)
+        self.act, self.drop = activation(cfg.activation), nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.drop(self.act(self.w1(x)) * self.w3(x)))
 
 
 class RMSNorm(nn.Module):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import assert_rows_equal, copy_model, random_src, shared_small, tiny_model
 
+from refdec.adapters import early_exit_hidden
 from refdec.decoding import decode_greedy
 from refdec.decoding.bild import decode_bild
 from refdec.decoding.sampling import distribution, nucleus
@@ -158,7 +159,7 @@ def test_early_exit_is_the_first_layers_with_the_shared_head():
     src = random_src(4, 1, 40, min_len=5, max_len=5)
     tgt = torch.tensor([[1, 7, 8, 9, 10, 11]])
     with torch.inference_mode():
-        _, early = m.early_exit_hidden(src, tgt, 1)
+        _, early = early_exit_hidden(m, src, tgt, 1)
         ref = m.project(early)
         cache = small.new_cache(1, 8)
         got = torch.cat(

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import REPO, run_py, tiny_model
 
+from refdec.adapters import early_exit_hidden
 from refdec.checkpoint import CheckpointError, average_states, load_checkpoint, load_model, save_atomic
 from refdec.training import cpp_compiler, inverse_sqrt
 
@@ -444,7 +445,7 @@ def test_each_mode_trains_on_its_own_loss(mode):
             soft = torch.softmax(teacher(src, tgt_in).float(), dim=-1)
             want = 0.7 * want + 0.3 * soft_cross_entropy(logits, soft, tgt_out.ne(0))
     elif mode == "early-exit":
-        final, early = model.early_exit_hidden(src, tgt_in, 1)
+        final, early = early_exit_hidden(model, src, tgt_in, 1)
         want = 0.5 * (ce(model.project(final), tgt_out) + ce(model.project(early), tgt_out))
         assert torch.equal(final, model.forward_hidden(src, tgt_in))
     elif mode == "heads":

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import data as data_mod
-from ..adapters import SharedEncoder
+from ..adapters import SharedEncoder, early_exit_hidden
 from ..checkpoint import average_states, file_sha256, load_checkpoint, referenced_file
 from ..compiling import compiled
 from ..config import TrainConfig
@@ -303,7 +303,7 @@ class EarlyExitLoss(Objective):
         return cls(model, cfg)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
-        final, early = self.model.early_exit_hidden(src, tgt_in, self.cfg.early_exit)
+        final, early = early_exit_hidden(self.model, src, tgt_in, self.cfg.early_exit)
         return 0.5 * (
             self.smoothed(self.model.project(final), tgt_out) + self.smoothed(self.model.project(early), tgt_out)
         )
