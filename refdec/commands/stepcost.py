@@ -263,8 +263,8 @@ def fast_call_parts(route, memory, prefix: int, q: int, reps: int, rates: dict) 
 
 
 class Counting(TorchDispatchMode):
-    """Counts the torch operations dispatched while it is on (views included; numpy's products are not
-    torch's)."""
+    """Counts the torch operations dispatched while it is on (views included; the calls into OpenBLAS are
+    not torch's)."""
 
     def __init__(self):
         super().__init__()

@@ -15,7 +15,8 @@ memory rather than computing. The fast route computes the same mathematics with 
     a scale, a mask fill, a softmax and a second product;
   * each linear map one product on (N, D) rows, on the kernel this machine's float plan names for N
     rows (refdec.routes.products: torch's `addmm`, oneDNN's on a packed weight, numpy's OpenBLAS), the
-    residual sum done by the output projection's product itself on torch's (`addmm(x, h, W.T)`);
+    residual sum done by the output projection's product itself (torch's `addmm(x, h, W.T)`, OpenBLAS's
+    beta term);
   * no module calls, hooks, dropout or mode checks inside the layer loop;
   * in a ragged batch (a batched verification call of drafts of different lengths), every linear map
     and norm on the real positions alone: padding is attended over as zeros, never multiplied; in a

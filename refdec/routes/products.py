@@ -73,7 +73,8 @@ class OpenBLAS:
             except OSError:
                 continue
             for name, integer, get, put in BLAS_NAMES:
-                if all(hasattr(lib, n) for n in (get, put, name.format("sgemm"), name.format("dgemv"))):
+                calls = [name.format(c) for c in ("sgemm", "sgemv", "dgemm", "dgemv")]
+                if all(hasattr(lib, n) for n in (get, put, *calls)):
                     self.bind(lib, name, integer, get, put)
                     if self.works():
                         return
